@@ -1,0 +1,140 @@
+"""The explicit API: ``init()``, ``phase(name, budget_s=…)``, ``step()``.
+
+Everything here degrades to a no-op: if the shm dir is unusable the hook warns once and training goes
+on untouched. Only the process that called ``init()`` records (never DataLoader workers or forks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import multiprocessing
+import os
+import socket
+import time
+import warnings
+from collections.abc import Iterator
+
+from .jobinfo import job_id as env_job_id
+from .jobinfo import rank_identity, sanitize_job_id
+from .jobinfo import shm_dir as env_shm_dir
+from .record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+from .responder import DumpResponder, install_faulthandler
+from .tracker import Tracker
+
+_tracker: Tracker | None = None
+_init_attempted = False
+
+
+def current() -> Tracker | None:
+    return _tracker
+
+
+def _drop_in_child() -> None:
+    global _tracker
+    if _tracker is not None:
+        _tracker.enabled = False
+    _tracker = None
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
+
+
+def _write_job_json(job_dir: str, job: str, ident: dict[str, int]) -> None:
+    path = os.path.join(job_dir, "job.json")
+    if os.path.exists(path):
+        return
+    info = {
+        "schema": "rankwatch.job/1",
+        "job_id": job,
+        "world_size": ident["world_size"],
+        "node_rank": ident["node_rank"],
+        "local_world_size": ident["local_world_size"],
+        "hostname": socket.gethostname(),
+        "master_addr": os.environ.get("MASTER_ADDR"),
+        "master_port": os.environ.get("MASTER_PORT"),
+        "created_unix": time.time(),
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
+    """Create this rank's record and start recording; True when recording. Safe to call twice."""
+    global _tracker, _init_attempted
+    if _tracker is not None:
+        return True
+    if os.environ.get("RANKWATCH_DISABLE") == "1" or multiprocessing.parent_process() is not None:
+        return False
+    _init_attempted = True
+    try:
+        base = shm_dir or env_shm_dir()
+        job = sanitize_job_id(job_id) if job_id else env_job_id()
+        ident = rank_identity()
+        job_dir = os.path.join(base, job)
+        os.makedirs(job_dir, mode=0o700, exist_ok=True)
+        writer = RecordWriter(record_path(base, job, ident["global_rank"]))
+        write_identity(
+            writer,
+            Identity(
+                pid=os.getpid(),
+                hostname=socket.gethostname(),
+                job_id=job,
+                device=-1,
+                start_ns=time.monotonic_ns(),
+                **ident,
+            ),
+            list(CANONICAL_PHASES),
+        )
+        tracker = Tracker(writer)
+        if ident["local_rank"] == 0:
+            _write_job_json(job_dir, job, ident)
+    except Exception as exc:
+        warnings.warn(
+            f"rankwatch: cannot create the shm record ({exc}); training continues without rankwatch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    _tracker = tracker
+    atexit.register(tracker.mark_exit)
+    try:
+        DumpResponder(job_dir, ident["global_rank"]).start()
+    except Exception as exc:
+        warnings.warn(f"rankwatch: dump responder unavailable ({exc})", RuntimeWarning, stacklevel=2)
+    install_faulthandler(job_dir, ident["global_rank"])
+    return True
+
+
+class _NullPhase(contextlib.AbstractContextManager[None]):
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _tracked(tracker: Tracker, slot: int, budget_s: float) -> Iterator[None]:
+    tracker.enter(slot, budget_s)
+    try:
+        yield
+    finally:
+        tracker.exit(slot)
+
+
+def phase(name: str, budget_s: float = 0.0) -> contextlib.AbstractContextManager[None]:
+    """Time a block as phase ``name``; ``budget_s`` tells the daemon how long it may legitimately take."""
+    tracker = _tracker
+    if tracker is None:
+        return _NullPhase()
+    slot = tracker.slot(str(name))
+    return _tracked(tracker, slot, float(budget_s))
+
+
+def step() -> None:
+    """Mark a step boundary. Once called, the automatic (optimizer) step boundary is switched off."""
+    tracker = _tracker
+    if tracker is not None:
+        tracker.step(explicit=True)

@@ -1,0 +1,126 @@
+"""Automatic phase points for an unmodified training script.
+
+Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
+(DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives).
+Wrappers call the original first-class function and never alter arguments or results.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .record import CANONICAL_PHASES
+from .tracker import Tracker
+
+DATALOADER, FORWARD, BACKWARD, OPTIMIZER = (CANONICAL_PHASES.index(p) for p in CANONICAL_PHASES[:4])
+
+# Python-level collectives wrapped in ``torch.distributed``. Internal calls between them go through
+# ``distributed_c10d``'s own globals, which stay unwrapped, so nothing is counted twice.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+)
+
+_installed = False
+
+
+def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tracker.enter(slot)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.exit(slot)
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tracker.collective_enter(op)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.collective_exit()
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install(tracker: Tracker) -> None:
+    """Install every automatic point once per process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import torch
+    import torch.nn.modules.module as module_mod
+    import torch.utils.data.dataloader as dl
+
+    # DataLoader: every iterator class inherits __next__ from the base iterator.
+    base_iter = dl._BaseDataLoaderIter
+    base_iter.__next__ = _wrap_phase(base_iter.__next__, tracker, DATALOADER)  # type: ignore[method-assign]
+
+    # Forward: only the outermost module call counts (a DDP wrapper, or the bare model).
+    depth = [0]
+
+    def pre_hook(module: Any, args: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            tracker.enter(FORWARD)
+
+    def post_hook(module: Any, args: Any, output: Any) -> None:
+        depth[0] -= 1
+        if depth[0] <= 0:
+            depth[0] = 0
+            tracker.exit(FORWARD)
+
+    module_mod.register_module_forward_pre_hook(pre_hook)
+    module_mod.register_module_forward_hook(post_hook, always_call=True)
+
+    # Backward: Tensor.backward delegates to torch.autograd.backward, so wrapping the latter covers both.
+    torch.autograd.backward = _wrap_phase(torch.autograd.backward, tracker, BACKWARD)
+
+    # Optimizer: global pre/post step hooks; the post hook closes the step.
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        tracker.enter(OPTIMIZER)
+
+    def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        tracker.exit(OPTIMIZER)
+        tracker.step(explicit=False)
+
+    register_optimizer_step_pre_hook(opt_pre)
+    register_optimizer_step_post_hook(opt_post)
+
+    # Collectives called from Python.
+    import torch.distributed as dist
+
+    if dist.is_available():
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None and not hasattr(fn, "__rankwatch_wrapped__"):
+                setattr(dist, name, _wrap_collective(fn, tracker, name))

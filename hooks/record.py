@@ -1,0 +1,344 @@
+"""Shared-memory record layout: one fixed-size file per rank, written by the hook, read by the daemon.
+
+The layout is a ctypes structure so the writer updates fields in place on an mmap (no syscalls, no
+serialisation on the training thread) and the reader decodes a copied snapshot with the same
+definition. Consistency uses a seqlock: the writer makes ``seq`` odd, updates, makes it even again; a
+reader retries while ``seq`` is odd or changed during its copy. This module imports no torch so the
+daemon can use it cheaply.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import dataclass, field
+
+MAGIC = b"RNKWTCH1"
+VERSION = 1
+MAX_PHASES = 16  # slot table; canonical phases take the first six
+RING_STEPS = 512  # steps kept; at 5 ms steps a 1 Hz poll needs ~200
+NAME_LEN = 24
+HOST_LEN = 64
+JOB_LEN = 64
+
+CANONICAL_PHASES = ("dataloader", "forward", "backward", "optimizer", "collective", "idle")
+IDLE_SLOT = CANONICAL_PHASES.index("idle")
+
+FLAG_EXITED = 1  # interpreter exited normally (atexit ran)
+FLAG_DISABLED = 2  # hook disabled itself after an internal error
+FLAG_EXPLICIT_STEPS = 4  # the script calls step() itself; optimizer hooks no longer end steps
+
+NO_PHASE = -1
+
+
+class RecordFormatError(Exception):
+    """A file in the shm dir is not a valid rankwatch record (corrupt, truncated, foreign, other version)."""
+
+
+class StepEntry(ctypes.Structure):
+    _pack_ = 8
+    _fields_ = (
+        ("step", ctypes.c_uint64),
+        ("start_ns", ctypes.c_uint64),
+        ("end_ns", ctypes.c_uint64),
+        ("phase_ns", ctypes.c_uint64 * MAX_PHASES),
+    )
+
+
+class RecordLayout(ctypes.Structure):
+    _pack_ = 8
+    _fields_ = (
+        # header, written once
+        ("magic", ctypes.c_char * 8),
+        ("version", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("seq", ctypes.c_uint64),
+        # identity, written once at init
+        ("pid", ctypes.c_int64),
+        ("global_rank", ctypes.c_int32),
+        ("local_rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+        ("local_world_size", ctypes.c_int32),
+        ("node_rank", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("hostname", ctypes.c_char * HOST_LEN),
+        ("job_id", ctypes.c_char * JOB_LEN),
+        ("start_ns", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("n_phases", ctypes.c_uint32),
+        ("phase_names", (ctypes.c_char * NAME_LEN) * MAX_PHASES),
+        ("phase_budget_s", ctypes.c_double * MAX_PHASES),
+        # live state, written on every transition
+        ("step", ctypes.c_uint64),
+        ("step_start_ns", ctypes.c_uint64),
+        ("phase", ctypes.c_int32),
+        ("depth", ctypes.c_int32),
+        ("phase_start_ns", ctypes.c_uint64),
+        ("last_progress_ns", ctypes.c_uint64),
+        ("transitions", ctypes.c_uint64),
+        ("coll_seq_entered", ctypes.c_uint64),
+        ("coll_seq_completed", ctypes.c_uint64),
+        ("coll_op", ctypes.c_char * NAME_LEN),
+        ("budget_s", ctypes.c_double),  # largest declared budget among the open phases, 0 if none
+        ("budget_start_ns", ctypes.c_uint64),  # when the phase holding that budget began
+        ("exit_ns", ctypes.c_uint64),
+        # ring of completed steps: entry i holds step s where s % RING_STEPS == i
+        ("steps_done", ctypes.c_uint64),
+        ("ring", StepEntry * RING_STEPS),
+    )
+
+
+RECORD_SIZE = ctypes.sizeof(RecordLayout)
+_SEQ_OFFSET = RecordLayout.seq.offset
+
+
+def record_path(shm_dir: str, job_id: str, global_rank: int) -> str:
+    return os.path.join(shm_dir, job_id, f"rank-{global_rank}.hb")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One completed step: wall duration and exclusive time per phase (they sum to the duration)."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    phases_ms: dict[str, float]
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+
+@dataclass(frozen=True)
+class RecordSnapshot:
+    """A consistent, decoded copy of one rank's record."""
+
+    path: str
+    pid: int
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: int
+    hostname: str
+    job_id: str
+    start_ns: int
+    flags: int
+    phase_names: tuple[str, ...]
+    phase_budget_s: tuple[float, ...]
+    step: int
+    step_start_ns: int
+    phase: str | None
+    phase_start_ns: int
+    last_progress_ns: int
+    transitions: int
+    coll_seq_entered: int
+    coll_seq_completed: int
+    coll_op: str | None
+    budget_s: float
+    budget_start_ns: int
+    exit_ns: int
+    steps_done: int
+    recent_steps: tuple[StepTiming, ...] = field(default=())
+
+    @property
+    def exited_normally(self) -> bool:
+        return bool(self.flags & FLAG_EXITED)
+
+    @property
+    def in_collective(self) -> bool:
+        return self.coll_seq_entered > self.coll_seq_completed
+
+
+def _decode_str(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSnapshot:
+    """Decode a record copy; ``since_step`` limits the ring to steps after it (the daemon's cursor)."""
+    if len(buf) < RECORD_SIZE:
+        if len(buf) >= 8 and buf[:8] != MAGIC:
+            raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
+        raise RecordFormatError(f"{path}: truncated record ({len(buf)} of {RECORD_SIZE} bytes)")
+    rec = RecordLayout.from_buffer_copy(buf[:RECORD_SIZE])
+    if rec.magic != MAGIC:
+        raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
+    if rec.version != VERSION or rec.size != RECORD_SIZE:
+        raise RecordFormatError(
+            f"{path}: record version {rec.version} size {rec.size}, expected {VERSION}/{RECORD_SIZE}"
+        )
+    n = rec.n_phases
+    if not 0 < n <= MAX_PHASES or not -1 <= rec.phase < n or rec.global_rank < 0 or rec.world_size <= 0:
+        raise RecordFormatError(f"{path}: corrupt record (phase table or identity out of range)")
+    names = tuple(_decode_str(bytes(rec.phase_names[i])) for i in range(n))
+    budgets = tuple(float(rec.phase_budget_s[i]) for i in range(n))
+    done = int(rec.steps_done)
+    first = max(since_step + 1, done - RING_STEPS, 0)
+    steps = []
+    for s in range(first, done):
+        e = rec.ring[s % RING_STEPS]
+        if e.step != s:  # slot not yet written for this step (cannot happen under the seqlock)
+            continue
+        steps.append(
+            StepTiming(
+                step=int(e.step),
+                start_ns=int(e.start_ns),
+                end_ns=int(e.end_ns),
+                phases_ms={names[i]: e.phase_ns[i] / 1e6 for i in range(n) if e.phase_ns[i]},
+            )
+        )
+    op = _decode_str(rec.coll_op)
+    return RecordSnapshot(
+        path=path,
+        pid=int(rec.pid),
+        global_rank=int(rec.global_rank),
+        local_rank=int(rec.local_rank),
+        world_size=int(rec.world_size),
+        local_world_size=int(rec.local_world_size),
+        node_rank=int(rec.node_rank),
+        device=int(rec.device),
+        hostname=_decode_str(rec.hostname),
+        job_id=_decode_str(rec.job_id),
+        start_ns=int(rec.start_ns),
+        flags=int(rec.flags),
+        phase_names=names,
+        phase_budget_s=budgets,
+        step=int(rec.step),
+        step_start_ns=int(rec.step_start_ns),
+        phase=names[rec.phase] if rec.phase >= 0 else None,
+        phase_start_ns=int(rec.phase_start_ns),
+        last_progress_ns=int(rec.last_progress_ns),
+        transitions=int(rec.transitions),
+        coll_seq_entered=int(rec.coll_seq_entered),
+        coll_seq_completed=int(rec.coll_seq_completed),
+        coll_op=op or None,
+        budget_s=float(rec.budget_s),
+        budget_start_ns=int(rec.budget_start_ns),
+        exit_ns=int(rec.exit_ns),
+        steps_done=done,
+        recent_steps=tuple(steps),
+    )
+
+
+class RecordReader:
+    """Reads one rank's record consistently (seqlock), keeping the file mapped between polls."""
+
+    def __init__(self, path: str, retries: int = 200) -> None:
+        self.path = path
+        self._retries = retries
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordFormatError(f"{path}: is a symlink, refusing to read it") from exc
+            raise RecordFormatError(f"{path}: cannot open record: {exc.strerror}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < RECORD_SIZE:
+                head = os.pread(fd, 8, 0)
+                if head and head != MAGIC[: len(head)]:
+                    raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
+                raise RecordFormatError(f"{path}: truncated record ({size} of {RECORD_SIZE} bytes)")
+            self._map = mmap.mmap(fd, RECORD_SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        decode(self._map[:RECORD_SIZE], path)  # validate now, so a foreign file fails at open
+
+    def close(self) -> None:
+        self._map.close()
+
+    def _seq(self) -> int:
+        return int.from_bytes(self._map[_SEQ_OFFSET : _SEQ_OFFSET + 8], "little")
+
+    def read(self, since_step: int = -1) -> RecordSnapshot:
+        """Consistent snapshot; raises RecordFormatError if it stays torn or turns corrupt."""
+        for _ in range(self._retries):
+            before = self._seq()
+            if before & 1:
+                os.sched_yield()
+                continue
+            buf = self._map[:RECORD_SIZE]
+            if self._seq() == before:
+                return decode(buf, self.path, since_step)
+        raise RecordFormatError(f"{self.path}: record kept changing during {self._retries} reads (torn)")
+
+
+def read_record(path: str, since_step: int = -1) -> RecordSnapshot:
+    reader = RecordReader(path)
+    try:
+        return reader.read(since_step)
+    finally:
+        reader.close()
+
+
+class RecordWriter:
+    """Owns one rank's record. Field updates are plain stores into the shared mapping."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, RECORD_SIZE)
+            self._map = mmap.mmap(fd, RECORD_SIZE)
+        finally:
+            os.close(fd)
+        self.rec = RecordLayout.from_buffer(self._map)
+
+    def begin(self) -> None:
+        self.rec.seq += 1
+
+    def end(self) -> None:
+        self.rec.seq += 1
+
+    def close(self) -> None:
+        rec = self.rec
+        del self.rec
+        del rec
+        try:
+            self._map.close()
+        except BufferError:  # a caller still holds a view; the mapping dies with the process
+            pass
+
+
+@dataclass
+class Identity:
+    pid: int
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: int
+    hostname: str
+    job_id: str
+    start_ns: int
+
+
+def write_identity(writer: RecordWriter, ident: Identity, phases: list[str]) -> None:
+    rec = writer.rec
+    writer.begin()
+    rec.magic = MAGIC
+    rec.version = VERSION
+    rec.size = RECORD_SIZE
+    rec.pid = ident.pid
+    rec.global_rank = ident.global_rank
+    rec.local_rank = ident.local_rank
+    rec.world_size = ident.world_size
+    rec.local_world_size = ident.local_world_size
+    rec.node_rank = ident.node_rank
+    rec.device = ident.device
+    rec.hostname = ident.hostname.encode()[: HOST_LEN - 1]
+    rec.job_id = ident.job_id.encode()[: JOB_LEN - 1]
+    rec.start_ns = ident.start_ns
+    rec.step_start_ns = ident.start_ns
+    rec.last_progress_ns = ident.start_ns
+    rec.phase = NO_PHASE
+    for i, name in enumerate(phases):
+        rec.phase_names[i].value = name.encode()[: NAME_LEN - 1]
+    rec.n_phases = len(phases)
+    writer.end()

@@ -1,0 +1,216 @@
+"""Phase and step bookkeeping on the training thread, written straight into the shm record.
+
+Time is attributed exclusively: entering a nested phase pauses its parent, so the per-phase times of a
+step add up to its wall duration (time outside any phase is ``idle``). Every public method swallows
+its own errors and disables tracking: the hook must never raise into training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+from .record import (
+    CANONICAL_PHASES,
+    FLAG_DISABLED,
+    FLAG_EXITED,
+    FLAG_EXPLICIT_STEPS,
+    IDLE_SLOT,
+    MAX_PHASES,
+    NAME_LEN,
+    NO_PHASE,
+    RING_STEPS,
+    RecordWriter,
+)
+
+COLLECTIVE_SLOT = CANONICAL_PHASES.index("collective")
+_now = time.monotonic_ns
+
+
+class Tracker:
+    def __init__(self, writer: RecordWriter) -> None:
+        self._writer = writer
+        self._rec = writer.rec
+        self._slots: dict[str, int] = {name: i for i, name in enumerate(CANONICAL_PHASES)}
+        self._budgets = [0.0] * MAX_PHASES
+        # open phases: (slot, start_ns, budget_s)
+        self._stack: list[tuple[int, int, float]] = []
+        self._acc = [0] * MAX_PHASES
+        start = int(self._rec.start_ns) or _now()
+        self._last = start
+        self._step_start = start
+        self._op_names: dict[str, bytes] = {}
+        self.explicit_steps = False
+        self.thread_id = threading.get_ident()
+        self.enabled = True
+
+    # -- error containment ------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        try:
+            self._rec.flags |= FLAG_DISABLED
+        except Exception:
+            pass
+        warnings.warn(f"rankwatch: hook disabled after an internal error: {exc!r}", RuntimeWarning, stacklevel=3)
+
+    def slot(self, name: str) -> int:
+        """Slot for a phase name, declaring it in the record on first use (-1 when the table is full)."""
+        idx = self._slots.get(name)
+        if idx is not None:
+            return idx
+        rec = self._rec
+        n = int(rec.n_phases)
+        if n >= MAX_PHASES:
+            return NO_PHASE
+        rec.seq += 1
+        rec.phase_names[n].value = name.encode()[: NAME_LEN - 1]
+        rec.n_phases = n + 1
+        rec.seq += 1
+        self._slots[name] = n
+        return n
+
+    # -- phases -----------------------------------------------------------------------------------
+    def enter(self, slot: int, budget_s: float = 0.0) -> None:
+        if not self.enabled or slot < 0 or threading.get_ident() != self.thread_id:
+            return
+        try:
+            now = _now()
+            stack = self._stack
+            cur = stack[-1][0] if stack else IDLE_SLOT
+            self._acc[cur] += now - self._last
+            self._last = now
+            stack.append((slot, now, budget_s))
+            rec = self._rec
+            rec.seq += 1
+            rec.phase = slot
+            rec.depth = len(stack)
+            rec.phase_start_ns = now
+            rec.last_progress_ns = now
+            rec.transitions += 1
+            if budget_s > rec.budget_s:
+                rec.budget_s = budget_s
+                rec.budget_start_ns = now
+                self._budgets[slot] = budget_s
+                rec.phase_budget_s[slot] = budget_s
+            rec.seq += 1
+        except Exception as exc:
+            self._fail(exc)
+
+    def exit(self, slot: int) -> None:
+        if not self.enabled or slot < 0 or threading.get_ident() != self.thread_id:
+            return
+        try:
+            stack = self._stack
+            if not stack or stack[-1][0] != slot:
+                # unbalanced (an exception skipped an exit): unwind to the matching entry if any
+                while stack and stack[-1][0] != slot:
+                    stack.pop()
+                if not stack:
+                    return
+            now = _now()
+            self._acc[slot] += now - self._last
+            self._last = now
+            _, _, budget = stack.pop()
+            rec = self._rec
+            rec.seq += 1
+            if stack:
+                parent, parent_start, _ = stack[-1]
+                rec.phase = parent
+                rec.phase_start_ns = parent_start
+            else:
+                rec.phase = NO_PHASE
+                rec.phase_start_ns = now
+            rec.depth = len(stack)
+            rec.last_progress_ns = now
+            rec.transitions += 1
+            if budget and budget >= rec.budget_s:
+                best = max(stack, key=lambda e: e[2], default=None)
+                if best is not None and best[2] > 0:
+                    rec.budget_s = best[2]
+                    rec.budget_start_ns = best[1]
+                else:
+                    rec.budget_s = 0.0
+                    rec.budget_start_ns = 0
+            rec.seq += 1
+        except Exception as exc:
+            self._fail(exc)
+
+    # -- collectives ------------------------------------------------------------------------------
+    def collective_enter(self, op: str) -> None:
+        if not self.enabled or threading.get_ident() != self.thread_id:
+            return
+        try:
+            raw = self._op_names.get(op)
+            if raw is None:
+                raw = self._op_names[op] = op.encode()[: NAME_LEN - 1]
+            rec = self._rec
+            rec.seq += 1
+            rec.coll_seq_entered += 1
+            rec.coll_op = raw
+            rec.seq += 1
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self.enter(COLLECTIVE_SLOT)
+
+    def collective_exit(self) -> None:
+        if not self.enabled or threading.get_ident() != self.thread_id:
+            return
+        self.exit(COLLECTIVE_SLOT)
+        try:
+            rec = self._rec
+            rec.seq += 1
+            rec.coll_seq_completed = rec.coll_seq_entered
+            rec.seq += 1
+        except Exception as exc:
+            self._fail(exc)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def step(self, explicit: bool = False) -> None:
+        """Close the current step. Once the script calls step() itself, automatic boundaries stop."""
+        if not self.enabled or threading.get_ident() != self.thread_id:
+            return
+        if explicit and not self.explicit_steps:
+            self.explicit_steps = True
+            self._rec.flags |= FLAG_EXPLICIT_STEPS
+        elif not explicit and self.explicit_steps:
+            return
+        try:
+            now = _now()
+            stack = self._stack
+            acc = self._acc
+            acc[stack[-1][0] if stack else IDLE_SLOT] += now - self._last
+            self._last = now
+            rec = self._rec
+            done = int(rec.steps_done)
+            entry = rec.ring[done % RING_STEPS]
+            rec.seq += 1
+            entry.step = done
+            entry.start_ns = self._step_start
+            entry.end_ns = now
+            entry.phase_ns[:] = acc
+            rec.steps_done = done + 1
+            rec.step = done + 1
+            rec.step_start_ns = now
+            rec.last_progress_ns = now
+            rec.transitions += 1
+            rec.seq += 1
+            self._step_start = now
+            self._acc = [0] * MAX_PHASES
+        except Exception as exc:
+            self._fail(exc)
+
+    def mark_exit(self) -> None:
+        """Normal interpreter exit: tells the daemon this rank did not die."""
+        try:
+            rec = self._rec
+            rec.seq += 1
+            rec.exit_ns = _now()
+            rec.flags |= FLAG_EXITED
+            rec.seq += 1
+        except Exception:
+            pass
+        self.enabled = False
