@@ -1,2 +1,60 @@
-def main() -> int:
-    return 0
+"""``rankwatch`` command line: run, daemon, status, report, diagnose.
+
+Each subcommand lives in its own module and is imported only when used, so ``rankwatch status`` does
+not pay for torch. Bad input is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .errors import UserError
+
+USAGE = """usage: rankwatch COMMAND [OPTIONS]
+
+commands:
+  run       start this node's watchdog and run torchrun with the hooks injected
+  daemon    the per-node sidecar (as systemd runs it)
+  status    live per-rank table for the jobs on this node
+  report    render an incident bundle or a run summary
+  diagnose  name the initiating rank from logs a job already wrote
+
+'rankwatch COMMAND --help' describes each command."""
+
+
+def _load(name: str) -> Callable[[list[str]], int]:
+    if name == "diagnose":
+        from .diagnose import main as diagnose_main
+
+        return diagnose_main
+    from importlib import import_module
+
+    module = import_module(f"rankwatch.watchdog.cmd_{name}")
+    entry: Callable[[list[str]], int] = module.main
+    return entry
+
+
+COMMANDS = ("run", "daemon", "status", "report", "diagnose")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE + "\n")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        sys.stderr.write(f"rankwatch: unknown command {command!r} (try: {', '.join(COMMANDS)})\n")
+        return 2
+    try:
+        return _load(command)(rest)
+    except UserError as exc:
+        sys.stderr.write(f"rankwatch {command}: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
