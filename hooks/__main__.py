@@ -25,8 +25,23 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", DEFAULT_FR_BUFFER)
 
     from rankwatch.hooks import instrument
+    from rankwatch.hooks.api import mark_crashed
 
     instrument()
+    try:
+        _run(argv)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            mark_crashed()
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        mark_crashed()
+        raise
+
+
+def _run(argv: list[str]) -> None:
     if argv[0] == "-m":
         if len(argv) < 2:
             sys.stderr.write(USAGE + "\n")

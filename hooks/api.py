@@ -12,9 +12,11 @@ import json
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
+from types import TracebackType
 
 from .jobinfo import job_id as env_job_id
 from .jobinfo import rank_identity, sanitize_job_id
@@ -102,12 +104,29 @@ def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
         return False
     _tracker = tracker
     atexit.register(tracker.mark_exit)
+    _chain_excepthook(tracker)
     try:
         DumpResponder(job_dir, ident["global_rank"]).start()
     except Exception as exc:
         warnings.warn(f"rankwatch: dump responder unavailable ({exc})", RuntimeWarning, stacklevel=2)
     install_faulthandler(job_dir, ident["global_rank"])
     return True
+
+
+def _chain_excepthook(tracker: Tracker) -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(exc_type, KeyboardInterrupt):
+            tracker.mark_crashed()
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+def mark_crashed() -> None:
+    if _tracker is not None:
+        _tracker.mark_crashed()
 
 
 class _NullPhase(contextlib.AbstractContextManager[None]):

@@ -9,10 +9,12 @@ daemon can use it cheaply.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import stat
 from dataclasses import dataclass, field
 
 MAGIC = b"RNKWTCH1"
@@ -29,6 +31,7 @@ IDLE_SLOT = CANONICAL_PHASES.index("idle")
 FLAG_EXITED = 1  # interpreter exited normally (atexit ran)
 FLAG_DISABLED = 2  # hook disabled itself after an internal error
 FLAG_EXPLICIT_STEPS = 4  # the script calls step() itself; optimizer hooks no longer end steps
+FLAG_CRASHED = 8  # the script ended with an exception or a non-zero exit
 
 NO_PHASE = -1
 
@@ -150,6 +153,10 @@ class RecordSnapshot:
         return bool(self.flags & FLAG_EXITED)
 
     @property
+    def crashed(self) -> bool:
+        return bool(self.flags & FLAG_CRASHED)
+
+    @property
     def in_collective(self) -> bool:
         return self.coll_seq_entered > self.coll_seq_completed
 
@@ -225,34 +232,42 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
 
 
 class RecordReader:
-    """Reads one rank's record consistently (seqlock), keeping the file mapped between polls."""
+    """Reads one rank's record consistently (seqlock) with pread: a file truncated or replaced under us
+    yields a short read and a clear error, never a SIGBUS as a mapping would."""
 
     def __init__(self, path: str, retries: int = 200) -> None:
         self.path = path
         self._retries = retries
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise RecordFormatError(f"{path}: is a symlink, refusing to read it") from exc
             raise RecordFormatError(f"{path}: cannot open record: {exc.strerror}") from exc
+        st = os.fstat(self._fd)
+        self.inode = st.st_ino
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise RecordFormatError(f"{path}: not a regular file")
         try:
-            size = os.fstat(fd).st_size
-            if size < RECORD_SIZE:
-                head = os.pread(fd, 8, 0)
-                if head and head != MAGIC[: len(head)]:
-                    raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
-                raise RecordFormatError(f"{path}: truncated record ({size} of {RECORD_SIZE} bytes)")
-            self._map = mmap.mmap(fd, RECORD_SIZE, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        decode(self._map[:RECORD_SIZE], path)  # validate now, so a foreign file fails at open
+            decode(os.pread(self._fd, RECORD_SIZE, 0), path)  # validate now: a foreign file fails at open
+        except RecordFormatError:
+            os.close(self._fd)
+            raise
 
     def close(self) -> None:
-        self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def replaced(self) -> bool:
+        """The path now names another file (the rank restarted and wrote a fresh record)."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except OSError:
+            return False
 
     def _seq(self) -> int:
-        return int.from_bytes(self._map[_SEQ_OFFSET : _SEQ_OFFSET + 8], "little")
+        return int.from_bytes(os.pread(self._fd, 8, _SEQ_OFFSET), "little")
 
     def read(self, since_step: int = -1) -> RecordSnapshot:
         """Consistent snapshot; raises RecordFormatError if it stays torn or turns corrupt."""
@@ -261,7 +276,7 @@ class RecordReader:
             if before & 1:
                 os.sched_yield()
                 continue
-            buf = self._map[:RECORD_SIZE]
+            buf = os.pread(self._fd, RECORD_SIZE, 0)
             if self._seq() == before:
                 return decode(buf, self.path, since_step)
         raise RecordFormatError(f"{self.path}: record kept changing during {self._retries} reads (torn)")
@@ -279,8 +294,11 @@ class RecordWriter:
     """Owns one rank's record. Field updates are plain stores into the shared mapping."""
 
     def __init__(self, path: str) -> None:
+        # A fresh file renamed into place: a reader still holding an older record keeps a valid file,
+        # and no one ever sees a record shorter than RECORD_SIZE.
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        tmp = f"{path}.new{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, RECORD_SIZE)
@@ -288,6 +306,13 @@ class RecordWriter:
         finally:
             os.close(fd)
         self.rec = RecordLayout.from_buffer(self._map)
+        self._tmp: str | None = tmp
+
+    def publish(self) -> None:
+        """Make the record visible under its final name (after the identity is written)."""
+        if self._tmp is not None:
+            os.replace(self._tmp, self.path)
+            self._tmp = None
 
     def begin(self) -> None:
         self.rec.seq += 1
@@ -342,3 +367,4 @@ def write_identity(writer: RecordWriter, ident: Identity, phases: list[str]) -> 
         rec.phase_names[i].value = name.encode()[: NAME_LEN - 1]
     rec.n_phases = len(phases)
     writer.end()
+    writer.publish()

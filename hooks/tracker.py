@@ -13,6 +13,7 @@ import warnings
 
 from .record import (
     CANONICAL_PHASES,
+    FLAG_CRASHED,
     FLAG_DISABLED,
     FLAG_EXITED,
     FLAG_EXPLICIT_STEPS,
@@ -202,6 +203,16 @@ class Tracker:
             self._acc = [0] * MAX_PHASES
         except Exception as exc:
             self._fail(exc)
+
+    def mark_crashed(self) -> None:
+        """The script is ending with an exception or non-zero exit: this rank failed, not its peers."""
+        try:
+            rec = self._rec
+            rec.seq += 1
+            rec.flags |= FLAG_CRASHED
+            rec.seq += 1
+        except Exception:
+            pass
 
     def mark_exit(self) -> None:
         """Normal interpreter exit: tells the daemon this rank did not die."""

@@ -1,0 +1,119 @@
+"""Incident bundles: written into a hidden temp dir and renamed, so a bundle is whole or absent.
+
+Owner-only (0700 dirs, 0600 files): stacks can reveal paths and arguments of the training job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .capture import RankCapture, render_text
+from .verdict import stack_groups
+from .snapshot import RankView
+
+
+def _write(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: str, doc: Any) -> None:
+    _write(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
+
+
+def atomic_json(path: str, doc: Any) -> None:
+    """Replace one file atomically (summary files outside bundles)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    _write(tmp, (json.dumps(doc, indent=2) + "\n").encode())
+    os.replace(tmp, path)
+
+
+def atomic_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    _write(tmp, text.encode())
+    os.replace(tmp, path)
+
+
+def groups_text(views: Sequence[RankView], captures: Mapping[int, RankCapture]) -> str:
+    groups = stack_groups(views)
+    if not groups:
+        return "no stacks captured\n"
+    by_rank = {v.rank: v for v in views}
+    lines = [f"{len(groups)} distinct stack(s) across {sum(len(r) for _, r in groups)} rank(s)", ""]
+    for sig, ranks in groups:
+        lines.append(f"[{sig}] ranks {', '.join(map(str, ranks))} ({len(ranks)})")
+        lines.extend(f"    {frame}" for frame in by_rank[ranks[0]].stack_top)
+        lines.append("")
+    no_stack = sorted(set(by_rank) - {r for _, rs in groups for r in rs})
+    if no_stack:
+        lines.append(f"no stack: ranks {', '.join(map(str, no_stack))}")
+        for r in no_stack:
+            cap = captures.get(r)
+            if cap is not None and (cap.pyspy_error or cap.responder_error):
+                lines.append(f"    rank {r}: {cap.pyspy_error or cap.responder_error}")
+    return "\n".join(lines) + "\n"
+
+
+def write_bundle(
+    incidents_dir: str,
+    incident_id: str,
+    verdict: Mapping[str, Any],
+    summary_text: str,
+    ranks_doc: Any,
+    views: Sequence[RankView],
+    captures: Mapping[int, RankCapture],
+) -> str:
+    """Write the bundle; returns its final path. Existing bundles are never overwritten."""
+    os.makedirs(incidents_dir, mode=0o700, exist_ok=True)
+    final = os.path.join(incidents_dir, incident_id)
+    tmp = os.path.join(incidents_dir, f".tmp-{incident_id}-{uuid.uuid4().hex[:6]}")
+    os.mkdir(tmp, 0o700)
+    try:
+        write_json(os.path.join(tmp, "verdict.json"), verdict)
+        _write(os.path.join(tmp, "summary.txt"), summary_text.encode())
+        write_json(os.path.join(tmp, "ranks.json"), ranks_doc)
+        stacks = os.path.join(tmp, "stacks")
+        fr = os.path.join(tmp, "fr")
+        os.mkdir(stacks, 0o700)
+        os.mkdir(fr, 0o700)
+        for v in views:
+            cap = captures.get(v.rank)
+            if cap is None:
+                cap = RankCapture(rank=v.rank, pid=v.pid, notes=[f"no capture: rank is {v.state} on node {v.node}"])
+            write_json(
+                os.path.join(stacks, f"rank-{v.rank}.json"),
+                {
+                    "rank": v.rank,
+                    "pid": v.pid,
+                    "state": v.state,
+                    "source": "py-spy" if cap.pyspy_threads else "responder" if cap.responder_stacks else None,
+                    "threads": cap.pyspy_threads or (cap.responder_stacks or {}).get("threads") or [],
+                    "errors": [e for e in (cap.pyspy_error, cap.responder_error) if e] + cap.notes,
+                },
+            )
+            _write(os.path.join(stacks, f"rank-{v.rank}.txt"), render_text(cap).encode())
+            if cap.fr_json:
+                _write(os.path.join(fr, f"rank-{v.rank}.json"), cap.fr_json)
+        _write(os.path.join(stacks, "groups.txt"), groups_text(views, captures).encode())
+        dir_fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if os.path.exists(final):
+            final = f"{final}-{uuid.uuid4().hex[:6]}"
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        raise
+    return final

@@ -1,0 +1,152 @@
+"""``rankwatch run [OPTIONS] -- TORCHRUN_ARGS…``: this node's watchdog around one torchrun job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
+
+from . import logs
+from .argparsing import Parser
+from .bundle import atomic_json, atomic_text
+from .daemon import Daemon, DaemonConfig
+from .errors import UserError
+from .options import add_watch_options, policies_from_args
+from .render import verdict_text
+from .straggler import diagnose, summary_text
+
+log = structlog.get_logger("rankwatch.run")
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="rankwatch run",
+        description="Start this node's watchdog, run torchrun with rankwatch's hook injected into every rank, "
+        "print incidents as they happen and a summary at the end; exit with torchrun's code.",
+        usage="rankwatch run [OPTIONS] -- TORCHRUN_ARGS...",
+    )
+    p.add_argument("--out", default="rankwatch-out", help="output dir for summary and incidents (default: %(default)s)")
+    p.add_argument("--run-name", default=None, help="job id (default: torchrun's --rdzv-id, else generated)")
+    p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
+    p.add_argument("--quiet", action="store_true", help="no log lines on stderr, only incidents and the summary")
+    add_watch_options(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        cut = argv.index("--")
+        own, torchrun_args = argv[:cut], argv[cut + 1 :]
+    else:
+        own, torchrun_args = argv, []
+    args = build_parser().parse_args(own)
+    if not torchrun_args:
+        raise UserError("missing torchrun arguments: rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...")
+    logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
+    from .launcher import inject_hooks
+
+    cmd = inject_hooks(torchrun_args)
+    job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    out = os.path.abspath(args.out)
+    try:
+        os.makedirs(out, mode=0o700, exist_ok=True)
+        os.makedirs(args.shm_dir, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {exc.filename}: {exc.strerror}") from exc
+    stall, capture = policies_from_args(args)
+    config = DaemonConfig(
+        shm_dir=args.shm_dir,
+        out_dir=out,
+        poll_interval_s=args.poll_interval,
+        stall=stall,
+        capture=capture,
+        on_stall=args.on_stall,
+        job_filter=job_id,
+        incidents_dir=os.path.join(out, "incidents"),
+    )
+    printed: list[str] = []
+
+    def on_incident(verdict: dict[str, Any], path: str | None) -> None:
+        text = verdict_text(verdict)
+        sys.stdout.write("\n" + text + (f"bundle: {path}\n" if path else "bundle: NOT WRITTEN (see log)\n"))
+        sys.stdout.flush()
+        printed.append(str(verdict.get("incident_id")))
+
+    daemon = Daemon(config, on_incident=on_incident)
+    correlator: Any = None
+    env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
+    log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
+    watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd.args], env=env)
+    except OSError as exc:
+        daemon.stop()
+        raise UserError(f"cannot start torchrun: {exc}") from exc
+
+    def forward(signum: int, _frame: Any) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = _wait(proc)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    # ranks can die in the last moments (torchrun tears the rest down within ~0.1 s): look once more
+    daemon.stop()
+    watcher.join(timeout=30)
+    deadline = time.monotonic() + max(2.0, 3 * args.poll_interval)
+    while time.monotonic() < deadline:
+        daemon.poll_once()
+        entry = daemon.jobs.get(job_id)
+        if entry is None or entry.incident is not None or not entry.last_views:
+            break
+        if all(v.state in ("exited",) for v in entry.last_views):
+            break
+        time.sleep(args.poll_interval)
+    if correlator is not None:
+        correlator.close()
+    _write_summary(daemon, job_id, out)
+    daemon.close()
+    return code
+
+
+def _wait(proc: subprocess.Popen[bytes]) -> int:
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            # the terminal sent SIGINT to torchrun too; give it time to stop its ranks
+            try:
+                return proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            except KeyboardInterrupt:
+                proc.kill()
+
+
+def _write_summary(daemon: Daemon, job_id: str, out: str) -> None:
+    entry = daemon.jobs.get(job_id)
+    history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
+    incidents = entry.incidents if entry else []
+    diag = diagnose(history)
+    doc = diag.summary_doc(job_id, incidents)
+    doc["details"] = diag.details
+    text = summary_text(doc)
+    try:
+        atomic_json(os.path.join(out, "summary.json"), doc)
+        atomic_text(os.path.join(out, "summary.txt"), text)
+    except OSError as exc:
+        log.error("summary_write_failed", out=out, error=str(exc))
+    sys.stdout.write("\n" + text + f"summary: {os.path.join(out, 'summary.json')}\n")
+    sys.stdout.flush()

@@ -1,0 +1,82 @@
+"""Pure incident detection: which rank states justify opening an incident now."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .policy import StallPolicy
+from .snapshot import GONE_STATES, RUNNING, STOPPED, RankView
+
+
+@dataclass(frozen=True)
+class Trigger:
+    kind: str  # "dead" | "stopped" | "stall"
+    ranks: tuple[int, ...]
+    reason: str
+    timeout_s: float
+    detected_after_s: float  # onset → now, as a duration
+
+
+def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float) -> float:
+    """How long this rank may go without progress before it counts as stalled."""
+    base = policy.startup_for() if view.step == 0 else policy.timeout_for(longest_step_s)
+    if view.budget_s > 0:
+        # inside a declared phase (checkpoint, eval) the declared budget replaces a shorter timeout
+        return max(base, view.budget_s)
+    return base
+
+
+def excused(view: RankView) -> bool:
+    """A rank inside a declared phase and within its budget: the others may legitimately wait for it."""
+    return view.state == RUNNING and view.budget_s > 0 and view.budget_elapsed_s < view.budget_s
+
+
+def find_trigger(
+    views: Sequence[RankView], policy: StallPolicy, longest_step_s: float, stopped_for_s: dict[int, float]
+) -> Trigger | None:
+    """The strongest reason to open an incident, or None when the job looks healthy or finished."""
+    if not views:
+        return None
+    timeout = policy.timeout_for(longest_step_s)
+    gone = [v for v in views if v.state in GONE_STATES]
+    if gone:
+        ages = [v.exit_age_s or 0.0 for v in gone]
+        return Trigger(
+            kind="dead",
+            ranks=tuple(sorted(v.rank for v in gone)),
+            reason=f"{len(gone)} rank(s) exited without the normal-exit mark",
+            timeout_s=timeout,
+            detected_after_s=max(ages),
+        )
+    stopped = [v for v in views if v.state == STOPPED and stopped_for_s.get(v.rank, 0.0) >= policy.stopped_grace_s]
+    if stopped:
+        return Trigger(
+            kind="stopped",
+            ranks=tuple(sorted(v.rank for v in stopped)),
+            reason=f"{len(stopped)} rank(s) stopped (SIGSTOP / state T)",
+            timeout_s=timeout,
+            detected_after_s=max(stopped_for_s.get(v.rank, 0.0) for v in stopped),
+        )
+    live = [v for v in views if v.state in (RUNNING, STOPPED)]
+    if not live or any(excused(v) for v in live):
+        return None
+    stalled = [v for v in live if v.since_progress_s > allowance_s(v, policy, longest_step_s)]
+    if not stalled:
+        return None
+    worst = max(v.since_progress_s for v in stalled)
+    return Trigger(
+        kind="stall",
+        ranks=tuple(sorted(v.rank for v in stalled)),
+        reason=f"no progress for {worst:.1f}s (stall timeout {timeout:.1f}s)",
+        timeout_s=timeout,
+        detected_after_s=worst,
+    )
+
+
+def recovered(views: Sequence[RankView], policy: StallPolicy, longest_step_s: float) -> bool:
+    """Every live rank has progressed within the timeout again: the incident can close."""
+    live = [v for v in views if v.state in (RUNNING, STOPPED)]
+    if not live or any(v.state in GONE_STATES or v.state == STOPPED for v in views):
+        return False
+    return all(v.since_progress_s < allowance_s(v, policy, longest_step_s) for v in live)

@@ -1,0 +1,31 @@
+"""structlog set-up: JSON lines for the daemon (journald, log shippers), readable text on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+
+def configure(json_output: bool | None = None, level: str = "info", stream: Any = None) -> None:
+    """json_output None: JSON unless stderr is a terminal."""
+    stream = stream or sys.stderr
+    if json_output is None:
+        json_output = not stream.isatty()
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if json_output:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors += [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,69 @@
+"""Watchdog options shared by ``rankwatch run`` and ``rankwatch daemon``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .errors import UserError
+from .policy import CapturePolicy, StallPolicy
+
+
+def stall_timeout(text: str) -> float | None:
+    """SECONDS or 'auto' (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SECONDS or 'auto', got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"stall timeout must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def add_watch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stall-timeout",
+        type=stall_timeout,
+        default=None,
+        metavar="SECONDS|auto",
+        help="no progress for this long is a stall; 'auto' learns it from step times (default: auto)",
+    )
+    p.add_argument("--startup-timeout", type=positive_float, default=StallPolicy.startup_s, metavar="SECONDS",
+                   help="budget before the first step completes (default: %(default)s)")
+    p.add_argument("--on-stall", choices=("report", "kill"), default="report",
+                   help="report only (default), or kill the job's ranks after capturing evidence")
+    p.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
+                   help="how often rank records are read (default: %(default)s)")
+    p.add_argument("--store", type=host_port, default=None, metavar="HOST:PORT",
+                   help="TCPStore for cross-node correlation (default: MASTER_ADDR and port 29431 on multi-node jobs)")
+    p.add_argument("--pyspy-timeout", type=positive_float, default=CapturePolicy.pyspy_timeout_s, metavar="SECONDS")
+    p.add_argument("--include-locals", action="store_true", help="capture local variables in stacks (off: they may hold secrets)")
+    p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines (default: when stderr is not a terminal)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def policies_from_args(args: argparse.Namespace) -> tuple[StallPolicy, CapturePolicy]:
+    if args.stall_timeout is not None and args.stall_timeout < args.poll_interval:
+        raise UserError("--stall-timeout must be longer than --poll-interval")
+    stall = StallPolicy(timeout_s=args.stall_timeout, startup_s=args.startup_timeout)
+    capture = CapturePolicy(pyspy_timeout_s=args.pyspy_timeout, include_locals=args.include_locals)
+    return stall, capture

@@ -1,0 +1,57 @@
+"""Plain, immutable views of ranks that the pure detection and verdict functions work on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Process states as the verdict sees them.
+RUNNING = "running"
+STOPPED = "stopped"  # SIGSTOP / state T
+DEAD = "dead"  # gone without the hook's normal-exit mark (killed by a signal)
+CRASHED = "crashed"  # the script raised or exited non-zero
+ZOMBIE = "zombie"  # exited, not yet reaped
+EXITED = "exited"  # normal interpreter exit
+MISSING = "missing"  # no evidence (node never answered)
+UNKNOWN = "unknown"
+
+GONE_STATES = frozenset({DEAD, CRASHED, ZOMBIE})
+
+# Within one step the canonical phases run in this order; a rank earlier in the order than its peers
+# (same step, same collective count) is behind them.
+PHASE_ORDER = {"dataloader": 1, "forward": 2, "backward": 3, "optimizer": 4}
+
+
+@dataclass(frozen=True)
+class RankView:
+    """Everything known about one rank at one instant; times are durations, never clock readings."""
+
+    rank: int
+    node: str
+    pid: int
+    state: str
+    step: int
+    phase: str | None
+    in_phase_s: float
+    since_progress_s: float
+    coll_seq: int = 0
+    coll_done: int = 0
+    coll_op: str | None = None
+    budget_s: float = 0.0
+    budget_elapsed_s: float = 0.0
+    exit_order: int | None = None  # 0 = first rank of its node to exit; node-local
+    exit_age_s: float | None = None  # seconds since it exited, as seen by its node's daemon
+    gpu_util: float | None = None
+    gpu_missing: bool = False  # absent from the per-process GPU samples while others are present
+    cpu_percent: float | None = None
+    stack_top: tuple[str, ...] = ()
+    stack_signature: str | None = None
+    waiting: bool | None = None  # stack shows it blocked in a collective / wait (None: no stack)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def in_collective(self) -> bool:
+        return self.coll_seq > self.coll_done
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (RUNNING, STOPPED)

@@ -1,0 +1,237 @@
+"""Straggler diagnosis per rank and phase: a pure function over the ranks' step rings.
+
+In synchronous data parallel training one rank's extra work shows up in every *other* rank as waiting
+(inside backward, where DDP all-reduces gradients, or in a collective). So ranks are compared on their
+**own work** only: phases where a rank waits for peers (``collective``, ``grad_sync``; and
+``backward`` when DDP bucket timing is absent, since it then mixes compute and the gradient wait) are
+kept apart. The hook's DDP bucket timing splits backward into own compute (start of backward → the
+rank's last gradient bucket ready) and ``grad_sync`` (last bucket ready → backward end), which lets a
+straggler whose extra work is inside backward be named too.
+
+Each rank is compared with the median of the *other* ranks (leave-one-out), so two-rank jobs work and
+one straggler cannot drag the baseline toward itself. Medians over the window ignore a single slow
+step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankwatch.hooks.record import StepTiming
+
+SYNC_PHASES = frozenset({"collective", "grad_sync"})
+INPUT_PHASES = frozenset({"dataloader"})
+COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer"})
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    # fewer common steps than this and no label is given: medians of a handful of steps mislead
+    min_steps: int = 5
+    # the most recent steps compared (old steps describe a job that may have changed)
+    window_steps: int = 200
+    # an excess below this is timer and scheduler noise on a busy host
+    abs_floor_ms: float = 2.0
+    # an excess must also be this share of the median step to matter to the user
+    rel_threshold: float = 0.10
+    # other ranks with an excess in the same phase of at least this share of the worst are named too
+    co_straggler_share: float = 0.5
+    # a phase family taking this share of the step makes the job "<family>-BOUND"
+    bound_share: float = 0.5
+
+
+@dataclass
+class Diagnosis:
+    label: str
+    straggler_ranks: list[int]
+    phase: str | None
+    why: str
+    steps: int
+    step_time: dict[str, float]
+    phases: dict[str, dict[str, float]]
+    ranks: dict[str, dict[str, Any]]
+    details: list[str] = field(default_factory=list)
+
+    def summary_doc(self, job_id: str, incidents: Sequence[str]) -> dict[str, Any]:
+        return {
+            "schema": "rankwatch.summary/1",
+            "job_id": job_id,
+            "diagnosis": self.label,
+            "straggler_ranks": self.straggler_ranks,
+            "phase": self.phase,
+            "steps": self.steps,
+            "step_time_ms": self.step_time,
+            "phases": self.phases,
+            "ranks": self.ranks,
+            "incidents": list(incidents),
+            "why": self.why,
+        }
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _align(per_rank: Mapping[int, Sequence[StepTiming]], window: int) -> tuple[list[int], dict[int, list[StepTiming]]]:
+    """The most recent steps every rank completed, so ranks are compared on the same steps."""
+    if not per_rank:
+        return [], {}
+    common = set.intersection(*(set(t.step for t in steps) for steps in per_rank.values()))
+    # step 0 carries start-up costs (imports, warm-up) that say nothing about stragglers
+    chosen = sorted(s for s in common if s > 0)[-window:] or sorted(common)[-window:]
+    keep = set(chosen)
+    return chosen, {r: [t for t in steps if t.step in keep] for r, steps in per_rank.items()}
+
+
+def _sync_set(phase_names: set[str]) -> frozenset[str]:
+    return SYNC_PHASES if "grad_sync" in phase_names else SYNC_PHASES | {"backward"}
+
+
+def _family(phase: str | None) -> str:
+    if phase in INPUT_PHASES:
+        return "INPUT"
+    if phase in SYNC_PHASES:
+        return "COMMUNICATION"
+    return "COMPUTE"
+
+
+def diagnose(per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None) -> Diagnosis:
+    policy = policy or StragglerPolicy()
+    steps, aligned = _align(per_rank, policy.window_steps)
+    ranks = sorted(aligned)
+    phase_names = sorted({p for ts in aligned.values() for t in ts for p in t.phases_ms})
+    med: dict[int, dict[str, float]] = {
+        r: {p: _median([t.phases_ms.get(p, 0.0) for t in aligned[r]]) for p in phase_names} for r in ranks
+    }
+    step_med = {r: _median([t.duration_ms for t in aligned[r]]) for r in ranks}
+    step_worst = {r: max((t.duration_ms for t in aligned[r]), default=0.0) for r in ranks}
+    worst_rank = max(ranks, key=lambda r: step_worst[r], default=-1)
+    phases_doc = {}
+    for p in phase_names:
+        worst_r = max(ranks, key=lambda r: max(t.phases_ms.get(p, 0.0) for t in aligned[r]))
+        phases_doc[p] = {
+            "median_ms": round(_median([med[r][p] for r in ranks]), 3),
+            "worst_ms": round(max(t.phases_ms.get(p, 0.0) for t in aligned[worst_r]), 3),
+            "worst_rank": worst_r,
+            "skew_ms": round(max(med[r][p] for r in ranks) - min(med[r][p] for r in ranks), 3),
+        }
+    ranks_doc = {
+        str(r): {
+            "steps": len(per_rank[r]),
+            "step_time_ms": round(step_med[r], 3),
+            "phases": {p: round(med[r][p], 3) for p in phase_names},
+        }
+        for r in ranks
+    }
+    overall = _median(list(step_med.values()))
+    step_doc = {
+        "median": round(overall, 3),
+        "worst": round(step_worst.get(worst_rank, 0.0), 3),
+        "worst_rank": worst_rank,
+    }
+
+    def result(label: str, who: list[int], phase: str | None, why: str, details: list[str] | None = None) -> Diagnosis:
+        return Diagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, details or [])
+
+    if len(steps) < policy.min_steps or not ranks:
+        return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")
+
+    threshold = max(policy.abs_floor_ms, policy.rel_threshold * overall)
+    sync = _sync_set(set(phase_names))
+    own = [p for p in phase_names if p not in sync]
+
+    def excess(r: int, p: str) -> float:
+        others = [med[q][p] for q in ranks if q != r]
+        return med[r][p] - _median(others) if others else 0.0
+
+    if len(ranks) > 1:
+        candidates = sorted(((excess(r, p), r, p) for r in ranks for p in own), reverse=True)
+        best, rank, phase = candidates[0]
+        if best >= threshold:
+            who = sorted(
+                q for e, q, p in candidates if p == phase and e >= max(threshold, policy.co_straggler_share * best)
+            )
+            base = _median([med[q][phase] for q in ranks if q not in who])
+            label = f"{_family(phase)} STRAGGLER"
+            why = (
+                f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))} spend{'s' if len(who) == 1 else ''} "
+                f"{med[rank][phase]:.1f} ms/step in {phase} vs {base:.1f} ms on the other ranks "
+                f"(+{best:.1f} ms, {100 * best / overall:.0f}% of the {overall:.1f} ms median step); "
+                "the other ranks wait for it"
+            )
+            details = [
+                f"rank {r}: {phase} {med[r][phase]:.1f} ms, wait "
+                f"{sum(med[r][s] for s in sync if s in med[r]):.1f} ms"
+                for r in ranks
+            ]
+            return result(label, who, phase, why, details)
+        sync_present = [p for p in phase_names if p in SYNC_PHASES]
+        if sync_present:
+            totals = {r: sum(med[r][p] for p in sync_present) for r in ranks}
+            own_totals = {r: sum(med[r][p] for p in own) for r in ranks}
+            slow = max(ranks, key=lambda r: totals[r] - _median([totals[q] for q in ranks if q != r]))
+            extra = totals[slow] - _median([totals[q] for q in ranks if q != slow])
+            # a rank that spends longer in communication without having less own work than its peers is
+            # slow at communicating, not waiting for a slower peer
+            if extra >= threshold and own_totals[slow] >= _median(list(own_totals.values())) - policy.abs_floor_ms:
+                phase = max(sync_present, key=lambda p: excess(slow, p))
+                return result(
+                    "COMMUNICATION STRAGGLER",
+                    [slow],
+                    phase,
+                    f"rank {slow} spends {totals[slow]:.1f} ms/step communicating vs "
+                    f"{totals[slow] - extra:.1f} ms on the other ranks with no extra own work",
+                )
+
+    shares = {}
+    for fam, members in (("INPUT", INPUT_PHASES), ("COMPUTE", COMPUTE_PHASES - sync), ("COMMUNICATION", sync)):
+        shares[fam] = sum(_median([med[r][p] for r in ranks]) for p in phase_names if p in members)
+    fam, value = max(shares.items(), key=lambda kv: kv[1])
+    if overall > 0 and value / overall >= policy.bound_share:
+        top_phase = max(
+            (p for p in phase_names if _family(p) == fam or (fam == "COMMUNICATION" and p in sync)),
+            key=lambda p: _median([med[r][p] for r in ranks]),
+            default=None,
+        )
+        return result(
+            f"{fam}-BOUND",
+            [],
+            top_phase,
+            f"no straggler (largest per-rank excess below {threshold:.1f} ms); {fam.lower()} takes "
+            f"{100 * value / overall:.0f}% of the {overall:.1f} ms median step on every rank",
+        )
+    return result("BALANCED", [], None, f"no straggler and no dominant phase ({overall:.1f} ms median step)")
+
+
+def summary_text(doc: Mapping[str, Any]) -> str:
+    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why."""
+    st = doc.get("step_time_ms", {})
+    lines = [
+        f"rankwatch summary — job {doc.get('job_id')}, {doc.get('steps')} common steps, "
+        f"{len(doc.get('ranks', {}))} ranks",
+        "",
+        f"{'phase':<14} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
+    ]
+    for p, s in sorted(doc.get("phases", {}).items(), key=lambda kv: -kv[1].get("median_ms", 0.0)):
+        lines.append(
+            f"{p:<14} {s.get('median_ms', 0):>10.1f} {s.get('worst_ms', 0):>10.1f} {s.get('worst_rank', -1):>11} "
+            f"{s.get('skew_ms', 0):>9.1f}"
+        )
+    lines.append(
+        f"{'step':<14} {st.get('median', 0):>10.1f} {st.get('worst', 0):>10.1f} {st.get('worst_rank', -1):>11}"
+    )
+    label = doc.get("diagnosis")
+    who = doc.get("straggler_ranks") or []
+    lines += [
+        "",
+        f"diagnosis: {label}" + (f" — rank(s) {', '.join(map(str, who))}" if who else "")
+        + (f" in {doc.get('phase')}" if doc.get("phase") else ""),
+        f"why: {doc.get('why', '')}",
+    ]
+    incidents = doc.get("incidents") or []
+    if incidents:
+        lines.append(f"incidents: {', '.join(incidents)}")
+    return "\n".join(lines) + "\n"
