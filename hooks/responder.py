@@ -46,27 +46,30 @@ def python_stacks() -> list[dict[str, Any]]:
     return out
 
 
-def flight_recorder_json() -> bytes | None:
-    """The process's flight-recorder trace; NCCL's dump where this build has one, else the generic one."""
+def flight_recorder_json() -> tuple[bytes | None, str | None]:
+    """(trace, why not): NCCL's dump where this build has one, else the generic flight recorder."""
     try:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            return None
+            return None, "torch.distributed is not initialised in this process"
         from torch._C import _distributed_c10d as c10d
-    except Exception:
-        return None
+    except Exception as exc:
+        return None, f"torch.distributed unavailable: {exc!r}"
+    errors = []
     for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
         fn = getattr(c10d, name, None)
         if fn is None:
             continue
         try:
             data = fn(includeCollectives=True, onlyActive=False)
-        except Exception:
+        except Exception as exc:
+            errors.append(f"{name}: {exc!r}")
             continue
         if data:
-            return bytes(data)
-    return None
+            return bytes(data), None
+        errors.append(f"{name}: empty trace (TORCH_FR_BUFFER_SIZE unset?)")
+    return None, "; ".join(errors) or "this torch build has no flight recorder"
 
 
 def _atomic_write(path: str, data: bytes) -> None:
@@ -88,9 +91,11 @@ def answer(job_dir: str, rank: int, token: str) -> str:
     base = os.path.join(out_dir, f"rank-{rank}")
     stacks = {"pid": os.getpid(), "rank": rank, "threads": python_stacks()}
     _atomic_write(base + ".stacks.json", json.dumps(stacks).encode())
-    fr = flight_recorder_json()
+    fr, why_not = flight_recorder_json()
     if fr is not None:
         _atomic_write(base + ".fr.json", fr)
+    else:
+        _atomic_write(base + ".fr.err", (why_not or "").encode())
     _atomic_write(base + ".done", b"")
     return out_dir
 

@@ -169,6 +169,10 @@ def collect_dump(job_dir: str, rank: int, token: str, deadline: float, cap: Rank
     with contextlib.suppress(OSError):
         with open(base + ".fr.json", "rb") as f:
             cap.fr_json = f.read(64 << 20)
+    if cap.fr_json is None:
+        with contextlib.suppress(OSError):
+            with open(base + ".fr.err", "rb") as f:
+                cap.notes.append("flight recorder: " + f.read(4096).decode("utf-8", "replace"))
 
 
 def _capture_one(
