@@ -1,0 +1,97 @@
+"""``rankwatch daemon``: the per-node sidecar, as systemd runs it (Type=notify, WatchdogSec=)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import structlog
+
+from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
+
+from . import logs
+from .argparsing import Parser
+from .daemon import Daemon, DaemonConfig
+from .errors import UserError
+from .options import add_watch_options, policies_from_args
+from .sdnotify import Notifier
+
+log = structlog.get_logger("rankwatch.daemon")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="rankwatch daemon", description="Watch every job under the shm dir on this node.")
+    p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
+    p.add_argument("--out", default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
+                   help="incident bundles go to OUT/<job-id>/incidents/ (default: %(default)s)")
+    p.add_argument("--store-port", type=int, default=None, help="host the TCPStore on this port (leader node)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
+    p.add_argument("--once", action="store_true", help="poll once and exit (for checks)")
+    add_watch_options(p)
+    return p
+
+
+def env_defaults(env: dict[str, str] | None = None) -> list[str]:
+    """RANKWATCH_DAEMON_ARGS from the systemd EnvironmentFile, split like a shell would, never run by one."""
+    import shlex
+
+    env = dict(os.environ) if env is None else env
+    raw = env.get("RANKWATCH_DAEMON_ARGS", "")
+    try:
+        return shlex.split(raw)
+    except ValueError as exc:
+        raise UserError(f"RANKWATCH_DAEMON_ARGS is malformed: {exc}") from exc
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(env_defaults() + argv)
+    logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
+    stall, capture = policies_from_args(args)
+    try:
+        os.makedirs(args.out, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output dir {args.out}: {exc.strerror}") from exc
+    if not os.access(args.out, os.W_OK):
+        raise UserError(f"output dir {args.out} is not writable")
+    config = DaemonConfig(
+        shm_dir=args.shm_dir,
+        out_dir=args.out,
+        poll_interval_s=args.poll_interval,
+        stall=stall,
+        capture=capture,
+        on_stall=args.on_stall,
+    )
+    daemon = Daemon(config)
+    notifier = Notifier()
+    extras: list[Any] = []
+    if args.metrics_port is not None:
+        from .metrics import serve_metrics
+
+        extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port))
+    if args.store_port is not None or args.store is not None:
+        from .correlate import DaemonCorrelation
+
+        extras.append(DaemonCorrelation.attach(daemon, args))
+
+    def stop(signum: int, _frame: Any) -> None:
+        log.info("daemon_stopping", signal=signal.Signals(signum).name)
+        notifier.stopping()
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("daemon_start", shm_dir=args.shm_dir, out=args.out, poll_interval_s=args.poll_interval,
+             stall_timeout=args.stall_timeout or "auto", on_stall=args.on_stall)
+    daemon.poll_once()
+    notifier.ready(f"watching {len(daemon.jobs)} job(s) in {args.shm_dir}")
+    try:
+        if not args.once:
+            daemon.run(heartbeat=notifier.ping)
+    finally:
+        for extra in extras:
+            extra.close()
+        daemon.close()
+    log.info("daemon_stopped")
+    return 0
