@@ -1,0 +1,114 @@
+"""Shared helpers: real torchrun jobs on loopback, each in its own process group, always cleaned up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = str(REPO / "examples" / "ddp_demo.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_args(nproc: int, run_id: str, *script: str, nnodes: int = 1, node_rank: int = 0,
+                  master_port: int | None = None) -> list[str]:
+    if nnodes == 1:
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id]
+    else:
+        rdzv = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
+                f"--master-port={master_port}"]
+    return ["--nproc-per-node", str(nproc), "--monitor-interval", "0.2", *rdzv, *script]
+
+
+class Procs:
+    """Starts processes in new sessions; kills every process group at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+        proc = self.start(cmd, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:\n{out}\nstderr:\n{err}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """Kill the process, its group and every descendant (torchrun puts ranks in their own sessions)."""
+        try:
+            family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            family = [proc.pid]
+        for pid in family:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            for stream in (proc.stdout, proc.stderr):
+                if stream:
+                    stream.close()
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def rankwatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rankwatch.watchdog.cli", *args]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()

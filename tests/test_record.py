@@ -1,0 +1,172 @@
+"""The shm record: round trip, seqlock under a concurrent writer process, rejection of bad files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rankwatch.hooks.record import (
+    RECORD_SIZE,
+    RING_STEPS,
+    Identity,
+    RecordFormatError,
+    RecordReader,
+    RecordWriter,
+    read_record,
+    write_identity,
+)
+from rankwatch.hooks.record import CANONICAL_PHASES
+from rankwatch.hooks.tracker import Tracker
+
+
+def make_tracker(path: str, rank: int = 3) -> Tracker:
+    writer = RecordWriter(path)
+    write_identity(
+        writer,
+        Identity(pid=os.getpid(), global_rank=rank, local_rank=1, world_size=8, local_world_size=4,
+                 node_rank=0, device=-1, hostname="nodeA", job_id="jobX", start_ns=time.monotonic_ns()),
+        list(CANONICAL_PHASES),
+    )
+    return Tracker(writer)
+
+
+def test_round_trip_identity_live_state_and_ring(tmp_path):
+    path = str(tmp_path / "rank-3.hb")
+    t = make_tracker(path)
+    ckpt = t.slot("checkpoint")
+    for _ in range(3):
+        t.enter(0)
+        time.sleep(0.002)
+        t.exit(0)
+        t.enter(1)
+        t.exit(1)
+        t.step()
+    t.collective_enter("all_reduce")
+    t.enter(ckpt, budget_s=900)
+    snap = read_record(path)
+    assert (snap.global_rank, snap.local_rank, snap.world_size, snap.hostname, snap.job_id) == (3, 1, 8, "nodeA", "jobX")
+    assert snap.pid == os.getpid()
+    assert snap.steps_done == 3 and snap.step == 3
+    assert snap.phase == "checkpoint" and snap.budget_s == 900
+    assert snap.coll_seq_entered == 1 and snap.coll_seq_completed == 0 and snap.coll_op == "all_reduce"
+    assert [s.step for s in snap.recent_steps] == [0, 1, 2]
+    for s in snap.recent_steps:
+        assert s.phases_ms["dataloader"] >= 2.0
+        # exclusive attribution: phases add up to the step's wall time
+        assert abs(sum(s.phases_ms.values()) - s.duration_ms) < 1e-3
+    # nested exit restores the parent phase and clears the budget
+    t.exit(ckpt)
+    snap = read_record(path)
+    assert snap.phase == "collective" and snap.budget_s == 0
+    t.collective_exit()
+    assert read_record(path).coll_seq_completed == 1
+    t.mark_exit()
+    assert read_record(path).exited_normally
+
+
+def test_record_is_owner_only(tmp_path):
+    path = str(tmp_path / "rank-3.hb")
+    make_tracker(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_since_step_cursor_returns_only_new_steps_and_ring_wraps(tmp_path):
+    path = str(tmp_path / "rank-3.hb")
+    t = make_tracker(path)
+    for _ in range(RING_STEPS + 10):
+        t.step()
+    snap = read_record(path)
+    assert len(snap.recent_steps) == RING_STEPS
+    assert snap.recent_steps[0].step == 10 and snap.recent_steps[-1].step == RING_STEPS + 9
+    assert [s.step for s in read_record(path, since_step=RING_STEPS + 7).recent_steps] == [RING_STEPS + 8, RING_STEPS + 9]
+
+
+WRITER = r"""
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_record import make_tracker
+t = make_tracker({path!r})
+print("ready", flush=True)
+end = time.monotonic() + {seconds}
+def work():  # ~50 us of "training" per phase; real phases are far longer
+    x = 0
+    for i in range(1500):
+        x += i
+while time.monotonic() < end:
+    for slot in (0, 1, 2, 3):
+        t.enter(slot); work(); t.exit(slot)
+    t.collective_enter("all_reduce"); t.collective_exit()
+    t.step()
+"""
+
+
+def test_seqlock_never_returns_a_torn_record_under_a_concurrent_writer(tmp_path):
+    path = str(tmp_path / "rank-3.hb")
+    code = WRITER.format(tests=os.path.dirname(__file__), path=path, seconds=4)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        reader = RecordReader(path)
+        reads = 0
+        last_done = 0
+        deadline = time.monotonic() + 3
+        cursor = -1
+        while time.monotonic() < deadline:
+            # the daemon's access pattern: only steps after its cursor; now and then a full read
+            snap = reader.read(since_step=-1 if reads % 50 == 0 else cursor)
+            reads += 1
+            if snap.recent_steps:
+                cursor = snap.recent_steps[-1].step
+            # invariants the writer keeps inside each seqlock section
+            assert snap.step == snap.steps_done
+            assert snap.coll_seq_completed in (snap.coll_seq_entered, snap.coll_seq_entered - 1)
+            assert snap.steps_done >= last_done
+            last_done = snap.steps_done
+            if snap.recent_steps:
+                last = snap.recent_steps[-1]
+                assert last.step == snap.steps_done - 1
+                assert abs(sum(last.phases_ms.values()) - last.duration_ms) < 1e-3
+        assert reads > 100 and last_done > 100
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_truncated_foreign_and_corrupt_files_are_rejected_clearly(tmp_path):
+    good = str(tmp_path / "rank-0.hb")
+    make_tracker(good, rank=0)
+    data = open(good, "rb").read()
+
+    truncated = tmp_path / "trunc.hb"
+    truncated.write_bytes(data[:1000])
+    with pytest.raises(RecordFormatError, match="truncated"):
+        RecordReader(str(truncated))
+
+    foreign = tmp_path / "foreign.hb"
+    foreign.write_bytes(b"\x7fELF" + os.urandom(RECORD_SIZE))
+    with pytest.raises(RecordFormatError, match="not a rankwatch record"):
+        RecordReader(str(foreign))
+
+    version = bytearray(data)
+    version[8] = 99
+    (tmp_path / "ver.hb").write_bytes(bytes(version))
+    with pytest.raises(RecordFormatError, match="version 99"):
+        RecordReader(str(tmp_path / "ver.hb"))
+
+    corrupt = bytearray(data)
+    from rankwatch.hooks.record import RecordLayout
+
+    off = RecordLayout.n_phases.offset
+    corrupt[off:off + 4] = (1000).to_bytes(4, "little")
+    (tmp_path / "corrupt.hb").write_bytes(bytes(corrupt))
+    with pytest.raises(RecordFormatError, match="corrupt"):
+        RecordReader(str(tmp_path / "corrupt.hb"))
+
+    os.symlink(good, tmp_path / "link.hb")
+    with pytest.raises(RecordFormatError, match="symlink"):
+        RecordReader(str(tmp_path / "link.hb"))
