@@ -140,7 +140,7 @@ def _write_summary(daemon: Daemon, job_id: str, out: str) -> None:
     history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
     incidents = entry.incidents if entry else []
     diag = diagnose(history)
-    doc = diag.summary_doc(job_id, incidents)
+    doc = diag.summary_doc(job_id, incidents, history)
     doc["details"] = diag.details
     text = summary_text(doc)
     try:

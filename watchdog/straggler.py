@@ -55,8 +55,10 @@ class Diagnosis:
     ranks: dict[str, dict[str, Any]]
     details: list[str] = field(default_factory=list)
 
-    def summary_doc(self, job_id: str, incidents: Sequence[str]) -> dict[str, Any]:
-        return {
+    def summary_doc(
+        self, job_id: str, incidents: Sequence[str], per_rank: Mapping[int, Sequence[StepTiming]] | None = None
+    ) -> dict[str, Any]:
+        doc = {
             "schema": "rankwatch.summary/1",
             "job_id": job_id,
             "diagnosis": self.label,
@@ -69,6 +71,18 @@ class Diagnosis:
             "incidents": list(incidents),
             "why": self.why,
         }
+        if per_rank is not None:
+            doc["timeline"] = timeline(per_rank)
+        return doc
+
+
+def timeline(per_rank: Mapping[int, Sequence[StepTiming]], max_points: int = 500) -> dict[str, list[list[float]]]:
+    """Step time per rank as [step, ms] pairs, evenly thinned to at most ``max_points`` per rank."""
+    out = {}
+    for rank, steps in sorted(per_rank.items()):
+        stride = max(1, -(-len(steps) // max_points))
+        out[str(rank)] = [[t.step, round(t.duration_ms, 3)] for t in list(steps)[::stride]]
+    return out
 
 
 def _median(xs: Sequence[float]) -> float:
