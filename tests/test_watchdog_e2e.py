@@ -1,0 +1,133 @@
+"""`rankwatch run` on real 4-rank gloo jobs with injected faults: the verdict names the right rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import DEMO, free_port, rankwatch_cmd, torchrun_args, wait_for
+
+from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
+
+CASES = [
+    # scenario, fault rank, kind, phase
+    ("input-hang", 2, "hang", "dataloader"),
+    ("compute-hang", 3, "hang", "forward"),
+    ("dead-rank", 1, "dead_rank", None),
+    ("stopped-rank", 2, "stopped_rank", None),
+    ("collective-mismatch", 1, "collective_mismatch", "collective"),
+    ("input-hang", 0, "hang", "dataloader"),
+]
+
+
+def run_job(procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4,
+            timeout: float = 240):
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    cmd = rankwatch_cmd(
+        "run", "--out", str(out), "--shm-dir", str(shm), "--quiet", *options, "--",
+        *torchrun_args(nproc, f"e2e-{scenario}", DEMO, "--scenario", scenario, *demo_args),
+    )
+    result = procs.run(cmd, timeout=timeout, text=True)
+    return result, out
+
+
+def bundles(out):
+    inc = out / "incidents"
+    return sorted(p for p in inc.iterdir() if not p.name.startswith(".")) if inc.exists() else []
+
+
+@pytest.mark.parametrize(("scenario", "rank", "kind", "phase"), CASES, ids=[f"{c[0]}-r{c[1]}" for c in CASES])
+def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, rank, kind, phase):
+    result, out = run_job(
+        procs, tmp_path, scenario, "--fault-rank", str(rank), "--fault-step", "4", "--steps", "400",
+        options=("--stall-timeout", "3", "--on-stall", "kill"),
+    )
+    assert result.returncode != 0, "the job should have been stopped"
+    found = bundles(out)
+    assert len(found) == 1, (found, result.stdout, result.stderr[-2000:])
+    verdict = json.loads((found[0] / "verdict.json").read_text())
+    assert verdict["schema"] == "rankwatch.verdict/1"
+    assert verdict["kind"] == kind, verdict
+    assert verdict["initiating_ranks"] == [rank], verdict
+    if phase is not None:
+        assert verdict["phase"] == phase, verdict
+    assert verdict["confidence"] == "high"
+    assert set(verdict["ranks"]) == {"0", "1", "2", "3"}
+    # printed as it happened
+    assert f"initiating rank {rank}" in result.stdout
+    # stacks of every rank are in the bundle; a rank still alive at capture has real frames
+    for r in range(4):
+        stack = json.loads((found[0] / "stacks" / f"rank-{r}.json").read_text())
+        if verdict["ranks"][str(r)]["state"] in ("running", "stopped"):
+            assert stack["threads"], (r, stack)
+        assert (found[0] / "stacks" / f"rank-{r}.txt").exists()
+    assert (found[0] / "stacks" / "groups.txt").exists()
+    assert (found[0] / "summary.txt").read_text().startswith("rankwatch: ")
+    assert oct(found[0].stat().st_mode & 0o777) == "0o700"
+    if kind == "hang":
+        culprit = json.loads((found[0] / "stacks" / f"rank-{rank}.json").read_text())
+        assert culprit["source"] == "py-spy"
+        # the flight recorder came back through the dump responder
+        assert (found[0] / "fr" / f"rank-{rank}.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["incidents"] == [found[0].name]
+
+
+def test_slow_first_step_and_declared_long_phase_are_not_hangs(procs, tmp_path):
+    result, out = run_job(
+        procs, tmp_path, "balanced", "--steps", "30", "--first-step-sleep-s", "5", "--checkpoint-every", "10",
+        "--checkpoint-s", "4.5", "--checkpoint-budget-s", "60",
+        options=("--stall-timeout", "2", "--on-stall", "kill"), nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert bundles(out) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["incidents"] == [] and summary["steps"] >= 20
+
+
+def _fake_record(path, pid: int, rank: int = 0) -> None:
+    writer = RecordWriter(str(path))
+    write_identity(writer, Identity(pid=pid, global_rank=rank, local_rank=0, world_size=2, local_world_size=2,
+                                    node_rank=0, device=-1, hostname="x", job_id="fake", start_ns=1),
+                   list(CANONICAL_PHASES))
+    writer.close()
+
+
+def test_daemon_survives_corrupt_records_and_recycled_pids(procs, tmp_path):
+    shm, out = tmp_path / "shm", tmp_path / "out"
+    # a job whose record names a live, unrelated process
+    (shm / "fake").mkdir(parents=True)
+    sleeper = procs.start(["sleep", "300"])
+    _fake_record(shm / "fake" / "rank-0.hb", sleeper.pid)
+    # a real job with a fault, whose dir also gets garbage
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="real")
+    job = procs.start([sys.executable, "-m", "torch.distributed.run",
+                       *torchrun_args(2, "real", "-m", "rankwatch.hooks", DEMO, "--scenario", "input-hang",
+                                      "--fault-rank", "1", "--fault-step", "3", "--steps", "400")], env=env)
+    assert wait_for(lambda: (shm / "real" / "rank-1.hb").exists(), timeout=90)
+    (shm / "real" / "rank-7.hb").write_bytes(os.urandom(5000))
+    (shm / "real" / "rank-8.hb").write_bytes(b"\0" * 100_000)
+    daemon = procs.start(rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(out), "--stall-timeout", "3",
+                                       "--poll-interval", "0.3", "--json-logs"), text=True)
+    inc = out / "real" / "incidents"
+    assert wait_for(lambda: inc.exists() and any(not p.name.startswith(".") for p in inc.iterdir()), timeout=90)
+    bundle = next(p for p in inc.iterdir() if not p.name.startswith("."))
+    verdict = json.loads((bundle / "verdict.json").read_text())
+    assert verdict["initiating_ranks"] == [1] and verdict["phase"] == "dataloader"
+    assert daemon.poll() is None, "daemon died"
+    assert job.poll() is None, "the daemon must not touch the job without --on-stall kill"
+    assert not (out / "fake").exists()
+    daemon.send_signal(signal.SIGTERM)
+    _, err = daemon.communicate(timeout=30)
+    assert daemon.returncode == 0
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    rejected = {os.path.basename(e["path"]) for e in events if e["event"] == "record_rejected"}
+    assert {"rank-7.hb", "rank-8.hb"} <= rejected
+    assert any(e["event"] == "job_stale" and e["job"] == "fake" for e in events)
+    assert any(e["event"] == "verdict" and e["initiating_ranks"] == [1] for e in events)
+    assert sleeper.poll() is None, "an unrelated process was signalled"
