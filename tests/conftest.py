@@ -23,13 +23,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_args(nproc: int, run_id: str, *script: str, nnodes: int = 1, node_rank: int = 0,
-                  master_port: int | None = None) -> list[str]:
+def torchrun_args(
+    nproc: int, run_id: str, *script: str, nnodes: int = 1, node_rank: int = 0, master_port: int | None = None
+) -> list[str]:
     if nnodes == 1:
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id]
     else:
-        rdzv = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--master-addr=127.0.0.1",
-                f"--master-port={master_port}"]
+        rdzv = [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+        ]
     return ["--nproc-per-node", str(nproc), "--monitor-interval", "0.2", *rdzv, *script]
 
 

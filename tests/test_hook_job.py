@@ -9,9 +9,8 @@ import sys
 import time
 
 from conftest import DEMO, torchrun_args, wait_for
-
 from rankwatch.hooks.record import read_record
-from rankwatch.watchdog.capture import collect_dump, request_dump, RankCapture
+from rankwatch.watchdog.capture import RankCapture, collect_dump, request_dump
 
 
 def torchrun(*args: str) -> list[str]:
@@ -21,8 +20,23 @@ def torchrun(*args: str) -> list[str]:
 def test_input_straggler_shows_in_its_dataloader_phase_only(procs, shm_dir):
     steps = 30
     env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm_dir))
-    cmd = torchrun(*torchrun_args(2, "hookjob", "-m", "rankwatch.hooks", DEMO, "--scenario", "input-straggler",
-                                  "--straggler-rank", "1", "--input-sleep-ms", "40", "--steps", str(steps)))
+    cmd = torchrun(
+        *torchrun_args(
+            2,
+            "hookjob",
+            "-m",
+            "rankwatch.hooks",
+            DEMO,
+            "--scenario",
+            "input-straggler",
+            "--straggler-rank",
+            "1",
+            "--input-sleep-ms",
+            "40",
+            "--steps",
+            str(steps),
+        )
+    )
     result = procs.run(cmd, timeout=180, env=env, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     # read only once, after the run: the ring still holds every step
@@ -35,7 +49,10 @@ def test_input_straggler_shows_in_its_dataloader_phase_only(procs, shm_dir):
         # the demo's metrics all_reduce per step + the final barrier, from Python
         assert rec.coll_seq_entered == rec.coll_seq_completed == steps + 1
         assert rec.coll_op == "barrier"
-    med = {r: statistics.median(s.phases_ms.get("dataloader", 0.0) for s in rec.recent_steps[1:]) for r, rec in recs.items()}
+    med = {
+        r: statistics.median(s.phases_ms.get("dataloader", 0.0) for s in rec.recent_steps[1:])
+        for r, rec in recs.items()
+    }
     assert med[1] >= 40.0, med
     assert med[0] < 10.0, med
     for rec in recs.values():

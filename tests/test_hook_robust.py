@@ -29,8 +29,9 @@ def run_hooked(tmp_path, script: str, env_extra: dict[str, str]) -> subprocess.C
     env = dict(os.environ, **env_extra)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "rankwatch.hooks", str(path)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rankwatch.hooks", str(path)], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_unusable_shm_dir_warns_once_and_training_runs(tmp_path):
@@ -93,7 +94,11 @@ if __name__ == "__main__":
     after = read_record(path)
     print("child-wrote" if after.transitions != before or after.steps_done else "child-silent", flush=True)
     ctx = mp.get_context("spawn")
-    q = ctx.Queue(); p = ctx.Process(target=worker, args=(q,)); p.start(); print("spawn-init", q.get(timeout=60)); p.join()
+    q = ctx.Queue()
+    p = ctx.Process(target=worker, args=(q,))
+    p.start()
+    print("spawn-init", q.get(timeout=60))
+    p.join()
     with rw.phase("parent-work", budget_s=5):
         pass
     print("parent-transitions", read_record(path).transitions - before)

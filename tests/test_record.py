@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from rankwatch.hooks.record import (
+    CANONICAL_PHASES,
     RECORD_SIZE,
     RING_STEPS,
     Identity,
@@ -20,7 +20,6 @@ from rankwatch.hooks.record import (
     read_record,
     write_identity,
 )
-from rankwatch.hooks.record import CANONICAL_PHASES
 from rankwatch.hooks.tracker import Tracker
 
 
@@ -28,8 +27,18 @@ def make_tracker(path: str, rank: int = 3) -> Tracker:
     writer = RecordWriter(path)
     write_identity(
         writer,
-        Identity(pid=os.getpid(), global_rank=rank, local_rank=1, world_size=8, local_world_size=4,
-                 node_rank=0, device=-1, hostname="nodeA", job_id="jobX", start_ns=time.monotonic_ns()),
+        Identity(
+            pid=os.getpid(),
+            global_rank=rank,
+            local_rank=1,
+            world_size=8,
+            local_world_size=4,
+            node_rank=0,
+            device=-1,
+            hostname="nodeA",
+            job_id="jobX",
+            start_ns=time.monotonic_ns(),
+        ),
         list(CANONICAL_PHASES),
     )
     return Tracker(writer)
@@ -49,7 +58,13 @@ def test_round_trip_identity_live_state_and_ring(tmp_path):
     t.collective_enter("all_reduce")
     t.enter(ckpt, budget_s=900)
     snap = read_record(path)
-    assert (snap.global_rank, snap.local_rank, snap.world_size, snap.hostname, snap.job_id) == (3, 1, 8, "nodeA", "jobX")
+    assert (snap.global_rank, snap.local_rank, snap.world_size, snap.hostname, snap.job_id) == (
+        3,
+        1,
+        8,
+        "nodeA",
+        "jobX",
+    )
     assert snap.pid == os.getpid()
     assert snap.steps_done == 3 and snap.step == 3
     assert snap.phase == "checkpoint" and snap.budget_s == 900
@@ -83,7 +98,10 @@ def test_since_step_cursor_returns_only_new_steps_and_ring_wraps(tmp_path):
     snap = read_record(path)
     assert len(snap.recent_steps) == RING_STEPS
     assert snap.recent_steps[0].step == 10 and snap.recent_steps[-1].step == RING_STEPS + 9
-    assert [s.step for s in read_record(path, since_step=RING_STEPS + 7).recent_steps] == [RING_STEPS + 8, RING_STEPS + 9]
+    assert [s.step for s in read_record(path, since_step=RING_STEPS + 7).recent_steps] == [
+        RING_STEPS + 8,
+        RING_STEPS + 9,
+    ]
 
 
 WRITER = r"""
@@ -162,7 +180,7 @@ def test_truncated_foreign_and_corrupt_files_are_rejected_clearly(tmp_path):
     from rankwatch.hooks.record import RecordLayout
 
     off = RecordLayout.n_phases.offset
-    corrupt[off:off + 4] = (1000).to_bytes(4, "little")
+    corrupt[off : off + 4] = (1000).to_bytes(4, "little")
     (tmp_path / "corrupt.hb").write_bytes(bytes(corrupt))
     with pytest.raises(RecordFormatError, match="corrupt"):
         RecordReader(str(tmp_path / "corrupt.hb"))

@@ -5,13 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
-from conftest import DEMO, free_port, rankwatch_cmd, torchrun_args, wait_for
-
+from conftest import DEMO, rankwatch_cmd, torchrun_args, wait_for
 from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
 
 CASES = [
@@ -25,11 +22,19 @@ CASES = [
 ]
 
 
-def run_job(procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4,
-            timeout: float = 240):
+def run_job(
+    procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4, timeout: float = 240
+):
     out, shm = tmp_path / "out", tmp_path / "shm"
     cmd = rankwatch_cmd(
-        "run", "--out", str(out), "--shm-dir", str(shm), "--quiet", *options, "--",
+        "run",
+        "--out",
+        str(out),
+        "--shm-dir",
+        str(shm),
+        "--quiet",
+        *options,
+        "--",
         *torchrun_args(nproc, f"e2e-{scenario}", DEMO, "--scenario", scenario, *demo_args),
     )
     result = procs.run(cmd, timeout=timeout, text=True)
@@ -44,7 +49,15 @@ def bundles(out):
 @pytest.mark.parametrize(("scenario", "rank", "kind", "phase"), CASES, ids=[f"{c[0]}-r{c[1]}" for c in CASES])
 def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, rank, kind, phase):
     result, out = run_job(
-        procs, tmp_path, scenario, "--fault-rank", str(rank), "--fault-step", "4", "--steps", "400",
+        procs,
+        tmp_path,
+        scenario,
+        "--fault-rank",
+        str(rank),
+        "--fault-step",
+        "4",
+        "--steps",
+        "400",
         options=("--stall-timeout", "3", "--on-stall", "kill"),
     )
     assert result.returncode != 0, "the job should have been stopped"
@@ -80,9 +93,21 @@ def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, ran
 
 def test_slow_first_step_and_declared_long_phase_are_not_hangs(procs, tmp_path):
     result, out = run_job(
-        procs, tmp_path, "balanced", "--steps", "30", "--first-step-sleep-s", "5", "--checkpoint-every", "10",
-        "--checkpoint-s", "4.5", "--checkpoint-budget-s", "60",
-        options=("--stall-timeout", "2", "--on-stall", "kill"), nproc=2,
+        procs,
+        tmp_path,
+        "balanced",
+        "--steps",
+        "30",
+        "--first-step-sleep-s",
+        "5",
+        "--checkpoint-every",
+        "10",
+        "--checkpoint-s",
+        "4.5",
+        "--checkpoint-budget-s",
+        "60",
+        options=("--stall-timeout", "2", "--on-stall", "kill"),
+        nproc=2,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert bundles(out) == []
@@ -92,9 +117,22 @@ def test_slow_first_step_and_declared_long_phase_are_not_hangs(procs, tmp_path):
 
 def _fake_record(path, pid: int, rank: int = 0) -> None:
     writer = RecordWriter(str(path))
-    write_identity(writer, Identity(pid=pid, global_rank=rank, local_rank=0, world_size=2, local_world_size=2,
-                                    node_rank=0, device=-1, hostname="x", job_id="fake", start_ns=1),
-                   list(CANONICAL_PHASES))
+    write_identity(
+        writer,
+        Identity(
+            pid=pid,
+            global_rank=rank,
+            local_rank=0,
+            world_size=2,
+            local_world_size=2,
+            node_rank=0,
+            device=-1,
+            hostname="x",
+            job_id="fake",
+            start_ns=1,
+        ),
+        list(CANONICAL_PHASES),
+    )
     writer.close()
 
 
@@ -106,14 +144,47 @@ def test_daemon_survives_corrupt_records_and_recycled_pids(procs, tmp_path):
     _fake_record(shm / "fake" / "rank-0.hb", sleeper.pid)
     # a real job with a fault, whose dir also gets garbage
     env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="real")
-    job = procs.start([sys.executable, "-m", "torch.distributed.run",
-                       *torchrun_args(2, "real", "-m", "rankwatch.hooks", DEMO, "--scenario", "input-hang",
-                                      "--fault-rank", "1", "--fault-step", "3", "--steps", "400")], env=env)
+    job = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args(
+                2,
+                "real",
+                "-m",
+                "rankwatch.hooks",
+                DEMO,
+                "--scenario",
+                "input-hang",
+                "--fault-rank",
+                "1",
+                "--fault-step",
+                "3",
+                "--steps",
+                "400",
+            ),
+        ],
+        env=env,
+    )
     assert wait_for(lambda: (shm / "real" / "rank-1.hb").exists(), timeout=90)
     (shm / "real" / "rank-7.hb").write_bytes(os.urandom(5000))
     (shm / "real" / "rank-8.hb").write_bytes(b"\0" * 100_000)
-    daemon = procs.start(rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(out), "--stall-timeout", "3",
-                                       "--poll-interval", "0.3", "--json-logs"), text=True)
+    daemon = procs.start(
+        rankwatch_cmd(
+            "daemon",
+            "--shm-dir",
+            str(shm),
+            "--out",
+            str(out),
+            "--stall-timeout",
+            "3",
+            "--poll-interval",
+            "0.3",
+            "--json-logs",
+        ),
+        text=True,
+    )
     inc = out / "real" / "incidents"
     assert wait_for(lambda: inc.exists() and any(not p.name.startswith(".") for p in inc.iterdir()), timeout=90)
     bundle = next(p for p in inc.iterdir() if not p.name.startswith("."))

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .capture import RankCapture, render_text
-from .verdict import stack_groups
 from .snapshot import RankView
+from .verdict import stack_groups
 
 
 def _write(path: str, data: bytes) -> None:

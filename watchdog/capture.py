@@ -20,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 import rankwatch.hooks as hooks_pkg
+import structlog
 from rankwatch.hooks.responder import ctl_path
 
 from .policy import CapturePolicy
@@ -65,7 +64,9 @@ class RankCapture:
                 next((t for t in self.pyspy_threads if t.get("thread_name") == "MainThread"), None),
             )
             if main is not None:
-                return [Frame(str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0)) for f in main["frames"]]
+                return [
+                    Frame(str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0)) for f in main["frames"]
+                ]
         if self.responder_stacks:
             for t in self.responder_stacks.get("threads", []):
                 if t.get("thread_name") == "MainThread":
@@ -163,21 +164,16 @@ def collect_dump(job_dir: str, rank: int, token: str, deadline: float, cap: Rank
     if not os.path.exists(base + ".done"):
         cap.responder_error = "dump responder did not answer in time"
         return
-    with contextlib.suppress(OSError, ValueError):
-        with open(base + ".stacks.json", "rb") as f:
-            cap.responder_stacks = json.loads(f.read(8 << 20))
-    with contextlib.suppress(OSError):
-        with open(base + ".fr.json", "rb") as f:
-            cap.fr_json = f.read(64 << 20)
+    with contextlib.suppress(OSError, ValueError), open(base + ".stacks.json", "rb") as f:
+        cap.responder_stacks = json.loads(f.read(8 << 20))
+    with contextlib.suppress(OSError), open(base + ".fr.json", "rb") as f:
+        cap.fr_json = f.read(64 << 20)
     if cap.fr_json is None:
-        with contextlib.suppress(OSError):
-            with open(base + ".fr.err", "rb") as f:
-                cap.notes.append("flight recorder: " + f.read(4096).decode("utf-8", "replace"))
+        with contextlib.suppress(OSError), open(base + ".fr.err", "rb") as f:
+            cap.notes.append("flight recorder: " + f.read(4096).decode("utf-8", "replace"))
 
 
-def _capture_one(
-    rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy
-) -> RankCapture:
+def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     cap = RankCapture(rank=rank, pid=pid)
     deadline = time.monotonic() + policy.responder_timeout_s
     asked = request_dump(job_dir, rank, token) if not stopped else "rank is stopped; responder cannot run"
@@ -206,7 +202,8 @@ def capture_all(
     results: dict[int, RankCapture] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(targets)), thread_name_prefix="rankwatch-capture") as pool:
         futures = {
-            pool.submit(_capture_one, rank, pid, stopped, job_dir, token, policy): rank for rank, pid, stopped in targets
+            pool.submit(_capture_one, rank, pid, stopped, job_dir, token, policy): rank
+            for rank, pid, stopped in targets
         }
         for fut, rank in futures.items():
             try:
@@ -222,7 +219,9 @@ def render_text(cap: RankCapture) -> str:
     lines = [f"rank {cap.rank} pid {cap.pid}"]
     if cap.pyspy_threads:
         for t in cap.pyspy_threads:
-            lines.append(f"Thread {t.get('os_thread_id')} ({t.get('thread_name')}){' active' if t.get('active') else ''}")
+            lines.append(
+                f"Thread {t.get('os_thread_id')} ({t.get('thread_name')}){' active' if t.get('active') else ''}"
+            )
             lines.extend(f"    {f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in t.get("frames", []))
     elif cap.responder_stacks:
         lines.append("(from the rank's dump responder; py-spy unavailable)")

@@ -7,7 +7,6 @@ import signal
 from typing import Any
 
 import structlog
-
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from . import logs
@@ -23,8 +22,11 @@ log = structlog.get_logger("rankwatch.daemon")
 def build_parser() -> Parser:
     p = Parser(prog="rankwatch daemon", description="Watch every job under the shm dir on this node.")
     p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
-    p.add_argument("--out", default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
-                   help="incident bundles go to OUT/<job-id>/incidents/ (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
+        help="incident bundles go to OUT/<job-id>/incidents/ (default: %(default)s)",
+    )
     p.add_argument("--store-port", type=int, default=None, help="host the TCPStore on this port (leader node)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
@@ -82,8 +84,14 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("daemon_start", shm_dir=args.shm_dir, out=args.out, poll_interval_s=args.poll_interval,
-             stall_timeout=args.stall_timeout or "auto", on_stall=args.on_stall)
+    log.info(
+        "daemon_start",
+        shm_dir=args.shm_dir,
+        out=args.out,
+        poll_interval_s=args.poll_interval,
+        stall_timeout=args.stall_timeout or "auto",
+        on_stall=args.on_stall,
+    )
     daemon.poll_once()
     notifier.ready(f"watching {len(daemon.jobs)} job(s) in {args.shm_dir}")
     try:

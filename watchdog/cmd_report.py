@@ -29,7 +29,9 @@ def _load(path: str) -> dict[str, Any]:
         raise UserError(f"cannot read {path}: {exc.strerror}") from exc
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON (not UTF-8)") from exc
+    except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(doc, dict) or doc.get("schema") not in ("rankwatch.verdict/1", "rankwatch.summary/1"):
         raise UserError(f"{path} is not a rankwatch verdict or summary")

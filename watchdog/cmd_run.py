@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import structlog
-
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
 
 from . import logs

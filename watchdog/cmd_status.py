@@ -96,17 +96,34 @@ def main(argv: list[str]) -> int:
     console = Console()
     for job in jobs:
         table = Table(title=f"job {job['job_id']}", title_justify="left")
-        for col, justify in (("rank", "right"), ("pid", "right"), ("step", "right"), ("phase", "left"),
-                             ("in phase", "right"), ("last step", "right"), ("state", "left")):
+        for col, justify in (
+            ("rank", "right"),
+            ("pid", "right"),
+            ("step", "right"),
+            ("phase", "left"),
+            ("in phase", "right"),
+            ("last step", "right"),
+            ("state", "left"),
+        ):
             table.add_column(col, justify=justify)  # type: ignore[arg-type]
         for r in job["ranks"]:
             phase = r["phase"] if r["phase"] != "collective" or not r["collective"] else r["collective"]
             last = f"{r['last_step_ms']:.1f} ms" if r["last_step_ms"] is not None else "-"
             style = "red" if r["state"] not in ("running", "exited") else None
-            table.add_row(str(r["rank"]), str(r["pid"]), str(r["step"]), phase, f"{r['in_phase_s']:.1f}s", last,
-                          r["state"], style=style)
+            table.add_row(
+                str(r["rank"]),
+                str(r["pid"]),
+                str(r["step"]),
+                phase,
+                f"{r['in_phase_s']:.1f}s",
+                last,
+                r["state"],
+                style=style,
+            )
         console.print(table)
         who = f" — rank(s) {', '.join(map(str, job['straggler_ranks']))}" if job["straggler_ranks"] else ""
-        console.print(f"diagnosis: [bold]{job['diagnosis']}[/bold]{who}" + (f" in {job['phase']}" if job["phase"] else ""))
+        console.print(
+            f"diagnosis: [bold]{job['diagnosis']}[/bold]{who}" + (f" in {job['phase']}" if job["phase"] else "")
+        )
         console.print(f"why: {job['why']}", markup=False)
     return 0

@@ -228,8 +228,14 @@ class Daemon:
             "job_id": job_id,
             "job": verdict.get("job"),
             "ranks": [
-                {**rank_entry(v), "rank": v.rank, "since_progress_s": round(v.since_progress_s, 3),
-                 "collective_done": v.coll_done, "stack_signature": v.stack_signature, "waiting": v.waiting}
+                {
+                    **rank_entry(v),
+                    "rank": v.rank,
+                    "since_progress_s": round(v.since_progress_s, 3),
+                    "collective_done": v.coll_done,
+                    "stack_signature": v.stack_signature,
+                    "waiting": v.waiting,
+                }
                 for v in views
             ],
         }

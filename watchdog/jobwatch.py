@@ -12,7 +12,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import structlog
-
 from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot, StepTiming
 
 from .probes.process import ExitWatcher, ProcessProbe

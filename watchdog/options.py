@@ -47,17 +47,40 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS|auto",
         help="no progress for this long is a stall; 'auto' learns it from step times (default: auto)",
     )
-    p.add_argument("--startup-timeout", type=positive_float, default=StallPolicy.startup_s, metavar="SECONDS",
-                   help="budget before the first step completes (default: %(default)s)")
-    p.add_argument("--on-stall", choices=("report", "kill"), default="report",
-                   help="report only (default), or kill the job's ranks after capturing evidence")
-    p.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
-                   help="how often rank records are read (default: %(default)s)")
-    p.add_argument("--store", type=host_port, default=None, metavar="HOST:PORT",
-                   help="TCPStore for cross-node correlation (default: MASTER_ADDR and port 29431 on multi-node jobs)")
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=StallPolicy.startup_s,
+        metavar="SECONDS",
+        help="budget before the first step completes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--on-stall",
+        choices=("report", "kill"),
+        default="report",
+        help="report only (default), or kill the job's ranks after capturing evidence",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=positive_float,
+        default=0.5,
+        metavar="SECONDS",
+        help="how often rank records are read (default: %(default)s)",
+    )
+    p.add_argument(
+        "--store",
+        type=host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="TCPStore for cross-node correlation (default: MASTER_ADDR and port 29431 on multi-node jobs)",
+    )
     p.add_argument("--pyspy-timeout", type=positive_float, default=CapturePolicy.pyspy_timeout_s, metavar="SECONDS")
-    p.add_argument("--include-locals", action="store_true", help="capture local variables in stacks (off: they may hold secrets)")
-    p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines (default: when stderr is not a terminal)")
+    p.add_argument(
+        "--include-locals", action="store_true", help="capture local variables in stacks (off: they may hold secrets)"
+    )
+    p.add_argument(
+        "--json-logs", action="store_true", default=None, help="JSON log lines (default: when stderr is not a terminal)"
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

@@ -45,7 +45,10 @@ def verdict_text(v: Mapping[str, Any]) -> str:
         lines += ["", "evidence:"] + [f"  - {e}" for e in evidence]
     table = v.get("ranks") or {}
     if table:
-        lines += ["", f"{'rank':>5} {'node':<14} {'pid':>8} {'state':<9} {'step':>6} {'phase':<12} {'in phase':>9}  top of stack"]
+        lines += [
+            "",
+            f"{'rank':>5} {'node':<14} {'pid':>8} {'state':<9} {'step':>6} {'phase':<12} {'in phase':>9}  top of stack",
+        ]
         for key in sorted(table, key=lambda k: int(k)):
             r = table[key]
             mark = "*" if int(key) in ranks else " "

@@ -58,7 +58,7 @@ class Diagnosis:
     def summary_doc(
         self, job_id: str, incidents: Sequence[str], per_rank: Mapping[int, Sequence[StepTiming]] | None = None
     ) -> dict[str, Any]:
-        doc = {
+        doc: dict[str, Any] = {
             "schema": "rankwatch.summary/1",
             "job_id": job_id,
             "diagnosis": self.label,
@@ -171,14 +171,14 @@ def diagnose(per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPoli
             base = _median([med[q][phase] for q in ranks if q not in who])
             label = f"{_family(phase)} STRAGGLER"
             why = (
-                f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))} spend{'s' if len(who) == 1 else ''} "
+                f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))} "
+                f"spend{'s' if len(who) == 1 else ''} "
                 f"{med[rank][phase]:.1f} ms/step in {phase} vs {base:.1f} ms on the other ranks "
                 f"(+{best:.1f} ms, {100 * best / overall:.0f}% of the {overall:.1f} ms median step); "
                 "the other ranks wait for it"
             )
             details = [
-                f"rank {r}: {phase} {med[r][phase]:.1f} ms, wait "
-                f"{sum(med[r][s] for s in sync if s in med[r]):.1f} ms"
+                f"rank {r}: {phase} {med[r][phase]:.1f} ms, wait {sum(med[r][s] for s in sync if s in med[r]):.1f} ms"
                 for r in ranks
             ]
             return result(label, who, phase, why, details)
@@ -241,7 +241,8 @@ def summary_text(doc: Mapping[str, Any]) -> str:
     who = doc.get("straggler_ranks") or []
     lines += [
         "",
-        f"diagnosis: {label}" + (f" — rank(s) {', '.join(map(str, who))}" if who else "")
+        f"diagnosis: {label}"
+        + (f" — rank(s) {', '.join(map(str, who))}" if who else "")
         + (f" in {doc.get('phase')}" if doc.get("phase") else ""),
         f"why: {doc.get('why', '')}",
     ]

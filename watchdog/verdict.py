@@ -115,7 +115,7 @@ def _stack_backing(views: Sequence[RankView], initiators: Sequence[int]) -> tupl
     if len(groups) < 2:
         return None, None
     chosen = set(initiators)
-    for sig, ranks in groups:
+    for _sig, ranks in groups:
         if set(ranks) == chosen and len(ranks) < len(views) / 2 + 0.01:
             return f"stack grouping agrees: {fmt_ranks(ranks)} has a stack no other rank shares", True
     majority = groups[0][1]
@@ -342,10 +342,7 @@ def decide(
         finding = _rule_behind(live)
         if finding is None:
             in_coll = [v for v in live if v.in_collective]
-            if len(in_coll) == len(live):
-                finding = _rule_collective(live)
-            else:
-                finding = _rule_not_waiting(live)
+            finding = _rule_collective(live) if len(in_coll) == len(live) else _rule_not_waiting(live)
     if finding is None and missing:
         finding = _Finding(
             "unknown",

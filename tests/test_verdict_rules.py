@@ -1,0 +1,175 @@
+"""Verdict and detection rules on constructed snapshots (pure functions)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rankwatch.watchdog.detect import find_trigger, recovered
+from rankwatch.watchdog.policy import StallPolicy
+from rankwatch.watchdog.snapshot import RankView
+from rankwatch.watchdog.verdict import decide
+
+
+def rv(rank, **kw) -> RankView:
+    base = dict(
+        rank=rank,
+        node="n0",
+        pid=1000 + rank,
+        state="running",
+        step=10,
+        phase="backward",
+        in_phase_s=30.0,
+        since_progress_s=30.0,
+        coll_seq=10,
+        coll_done=10,
+        coll_op="all_reduce",
+    )
+    base.update(kw)
+    return RankView(**base)
+
+
+def verdict(views):
+    return decide(views, job_id="j", incident_id="i", detected_after_s=31.0).to_json()
+
+
+def test_minority_outside_the_sync_point_is_named_with_its_phase():
+    views = [rv(0), rv(1), rv(2, phase="dataloader"), rv(3)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["phase"], v["confidence"]) == ("hang", [2], "dataloader", "high")
+    assert "input" in v["reason"]
+
+
+def test_rank_behind_in_steps_wins_even_if_others_look_busy():
+    views = [
+        rv(0, step=11, phase="collective", coll_seq=11, coll_done=10),
+        rv(1, step=10, phase="optimizer"),
+        rv(2, step=11, phase="collective", coll_seq=11, coll_done=10),
+    ]
+    v = verdict(views)
+    assert v["initiating_ranks"] == [1] and v["phase"] == "optimizer"
+
+
+def test_rank_behind_in_collective_count():
+    views = [
+        rv(0, coll_seq=12, coll_done=11, phase="collective"),
+        rv(1, coll_seq=11, phase="checkpoint"),
+        rv(2, coll_seq=12, coll_done=11, phase="collective"),
+    ]
+    v = verdict(views)
+    assert v["initiating_ranks"] == [1] and v["phase"] == "checkpoint"
+    assert "declared phase 'checkpoint'" in v["reason"]
+
+
+def test_collective_mismatch_names_the_odd_op_and_a_tie_is_low_confidence():
+    same = dict(phase="collective", coll_seq=7, coll_done=6)
+    v = verdict([rv(0, **same), rv(1, **same, coll_op="all_gather"), rv(2, **same), rv(3, **same)])
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
+    v = verdict([rv(0, **same), rv(1, **same, coll_op="broadcast")])
+    assert v["kind"] == "collective_mismatch" and v["confidence"] == "low"
+
+
+def test_same_collective_everywhere_is_a_comm_hang_without_initiator_unless_gpu_singles_one_out():
+    same = dict(phase="collective", coll_seq=7, coll_done=6)
+    v = verdict([rv(r, **same) for r in range(4)])
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("comm_hang", [], "low")
+    views = [rv(r, **same, gpu_util=100.0) for r in range(4)]
+    views[3] = dataclasses.replace(views[3], gpu_util=0.0)
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("comm_hang", [3])
+
+
+def test_first_death_wins_over_later_ones_and_over_waiting_ranks():
+    views = [
+        rv(0),
+        rv(1, state="crashed", exit_age_s=0.2, phase="idle"),
+        rv(2, state="dead", exit_age_s=0.9, phase="forward"),
+        rv(3, state="dead", exit_age_s=0.1),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("dead_rank", [2], "forward")
+    assert "exit order: 2 → 1 → 3" in v["evidence"]
+
+
+def test_stopped_rank():
+    v = verdict([rv(0), rv(1, state="stopped", phase="idle"), rv(2)])
+    assert (v["kind"], v["initiating_ranks"]) == ("stopped_rank", [1])
+
+
+def test_stack_grouping_backs_or_weakens_the_phase_rule():
+    views = [
+        rv(0, stack_signature="A"),
+        rv(1, stack_signature="A"),
+        rv(2, phase="dataloader", stack_signature="B"),
+        rv(3, stack_signature="A"),
+    ]
+    v = verdict(views)
+    assert any("stack grouping agrees" in e for e in v["evidence"]) and v["confidence"] == "high"
+    views[2] = dataclasses.replace(views[2], stack_signature="A")
+    views[0] = dataclasses.replace(views[0], stack_signature="C")
+    v = verdict(views)
+    assert v["initiating_ranks"] == [2] and v["confidence"] == "medium"
+
+
+def test_missing_node_is_named_when_nothing_else_explains_the_stall():
+    views = [rv(0, phase="collective", coll_seq=7, coll_done=6), rv(1, state="missing", node="n1", phase=None)]
+    v = verdict(views)
+    assert "missing evidence from rank 1" in v["evidence"]
+
+
+def test_verdict_matches_schema():
+    v = verdict([rv(0), rv(1, phase="forward")])
+    assert set(v) >= {
+        "schema",
+        "job_id",
+        "incident_id",
+        "kind",
+        "initiating_ranks",
+        "phase",
+        "confidence",
+        "reason",
+        "detected_after_s",
+        "ranks",
+        "evidence",
+    }
+    r = v["ranks"]["1"]
+    assert set(r) == {"node", "pid", "state", "step", "phase", "in_phase_s", "collective", "gpu_util", "stack_top"}
+    assert r["collective"] == {"seq": 10, "op": "all_reduce"}
+
+
+POLICY = StallPolicy(timeout_s=10, startup_s=120)
+
+
+def test_stall_needs_timeout_startup_budget_and_declared_budget_excuses():
+    assert find_trigger([rv(0, since_progress_s=5), rv(1, since_progress_s=5)], POLICY, 1.0, {}) is None
+    t = find_trigger([rv(0, since_progress_s=11), rv(1, since_progress_s=5)], POLICY, 1.0, {})
+    assert t is not None and t.kind == "stall" and t.ranks == (0,)
+    # before the first step the start-up budget applies
+    assert find_trigger([rv(0, step=0, since_progress_s=100)], POLICY, 0.0, {}) is None
+    assert find_trigger([rv(0, step=0, since_progress_s=130)], POLICY, 0.0, {}) is not None
+    # a rank inside a declared phase within budget excuses the others waiting for it
+    ckpt = rv(0, phase="checkpoint", budget_s=900, budget_elapsed_s=300, since_progress_s=300)
+    assert find_trigger([ckpt, rv(1, since_progress_s=300)], POLICY, 1.0, {}) is None
+    over = dataclasses.replace(ckpt, budget_elapsed_s=901, since_progress_s=901)
+    assert find_trigger([over, rv(1, since_progress_s=901)], POLICY, 1.0, {}) is not None
+
+
+def test_auto_timeout_learns_from_steps_with_a_floor():
+    auto = StallPolicy(timeout_s=None, auto_factor=4, auto_floor_s=30)
+    assert auto.timeout_for(1.0) == 30
+    assert auto.timeout_for(20.0) == 80
+    assert find_trigger([rv(0, since_progress_s=60)], auto, 20.0, {}) is None
+    assert find_trigger([rv(0, since_progress_s=81)], auto, 20.0, {}) is not None
+
+
+def test_dead_and_stopped_trigger_without_waiting_for_the_timeout():
+    t = find_trigger([rv(0, since_progress_s=0.1), rv(1, state="dead", exit_age_s=0.05)], POLICY, 1.0, {})
+    assert t.kind == "dead" and t.ranks == (1,)
+    views = [rv(0, since_progress_s=0.5), rv(1, state="stopped", since_progress_s=0.5)]
+    assert find_trigger(views, POLICY, 1.0, {1: 0.2}) is None
+    assert find_trigger(views, POLICY, 1.0, {1: 1.5}).kind == "stopped"
+
+
+def test_recovery_closes_an_incident():
+    assert recovered([rv(0, since_progress_s=1), rv(1, since_progress_s=2)], POLICY, 1.0)
+    assert not recovered([rv(0, since_progress_s=1), rv(1, since_progress_s=20)], POLICY, 1.0)
+    assert not recovered([rv(0, since_progress_s=1), rv(1, state="dead")], POLICY, 1.0)
