@@ -1,0 +1,216 @@
+"""Prometheus endpoint: a real daemon over real shm records, scraped over HTTP and parsed."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import rankwatch.hooks.tracker as tracker_mod
+from prometheus_client.parser import text_string_to_metric_families
+from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
+from rankwatch.hooks.tracker import Tracker
+from rankwatch.watchdog.daemon import Daemon, DaemonConfig, OpenIncident
+from rankwatch.watchdog.detect import Trigger
+from rankwatch.watchdog.errors import UserError
+from rankwatch.watchdog.metrics import METRIC_NAMES, serve_metrics
+
+JOB = "jobM"
+STEPS = 30
+MS = 1_000_000
+# own work per phase in ms; rank 2 loads its input 35 ms slower and the others wait in the all-reduce
+OWN = {"dataloader": 5, "forward": 10, "backward": 20, "optimizer": 5}
+SLOW_RANK, SLOW_LOADER = 2, 40
+
+
+class FakeClock:
+    def __init__(self, start: int) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
+    os.makedirs(os.path.join(shm, JOB), mode=0o700, exist_ok=True)
+    writer = RecordWriter(os.path.join(shm, JOB, f"rank-{rank}.hb"))
+    write_identity(
+        writer,
+        Identity(pid=os.getpid(), global_rank=rank, local_rank=rank, world_size=3, local_world_size=3, node_rank=0,
+                 device=-1, hostname="nodeA", job_id=JOB, start_ns=clock.now),
+        list(CANONICAL_PHASES),
+    )
+    t = Tracker(writer)
+    loader = SLOW_LOADER if rank == SLOW_RANK else OWN["dataloader"]
+    wait = SLOW_LOADER - loader
+    for _ in range(STEPS):
+        for slot, ms in ((0, loader), (1, OWN["forward"]), (2, OWN["backward"]), (3, OWN["optimizer"])):
+            t.enter(slot)
+            clock.now += ms * MS
+            t.exit(slot)
+        t.collective_enter("all_reduce")
+        clock.now += wait * MS
+        t.collective_exit()
+        t.step()
+    if rank == 0:
+        t.enter(1)  # rank 0 is inside forward right now
+    return writer
+
+
+@pytest.fixture
+def daemon_setup(tmp_path, monkeypatch):
+    shm, out = str(tmp_path / "shm"), str(tmp_path / "out")
+    os.makedirs(shm, mode=0o700)
+    step_ns = (sum(OWN.values()) - OWN["dataloader"] + SLOW_LOADER) * MS
+    # the records end about now, so no rank looks stalled
+    clock = FakeClock(time.monotonic_ns() - STEPS * step_ns - 100 * MS)
+    start = clock.now
+    monkeypatch.setattr(tracker_mod, "_now", clock)
+    writers = []
+    for rank in range(3):
+        clock.now = start
+        writers.append(write_rank(shm, rank, clock))
+    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out))
+    daemon.poll_once()
+    server = serve_metrics(daemon, "127.0.0.1", 0)
+    yield daemon, server
+    server.close()
+    daemon.close()
+    for w in writers:
+        w.close()
+
+
+def scrape(server) -> dict[str, dict[tuple, float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples[name][tuple(sorted(labels.items()))]
+
+
+def phase_s(samples, rank: str, phase: str) -> float:
+    return value(samples, "rankwatch_phase_duration_seconds", job_id=JOB, rank=rank, phase=phase)
+
+
+def test_metrics_reflect_daemon_state(daemon_setup):
+    daemon, server = daemon_setup
+    m = scrape(server)
+    assert value(m, "rankwatch_jobs") == 1
+    assert value(m, "rankwatch_daemon_polls_total") == 1
+    assert value(m, "rankwatch_stalled", job_id=JOB) == 0
+    assert value(m, "rankwatch_incidents_total", job_id=JOB) == 0
+    for r in ("0", "1", "2"):
+        assert value(m, "rankwatch_rank_steps_total", job_id=JOB, rank=r) == STEPS
+        assert value(m, "rankwatch_rank_up", job_id=JOB, rank=r) == 1
+        assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="running") == 1
+        assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="dead") == 0
+        assert value(m, "rankwatch_rank_info", job_id=JOB, rank=r, node="nodeA", pid=str(os.getpid())) == 1
+        assert value(m, "rankwatch_rank_collectives_completed_total", job_id=JOB, rank=r) == STEPS
+        # every step is 75 ms of wall time on every rank: the slow loader's peers wait in the all-reduce
+        assert value(m, "rankwatch_step_duration_seconds", job_id=JOB, rank=r) == pytest.approx(0.075)
+        assert value(m, "rankwatch_step_duration_median_seconds", job_id=JOB, rank=r) == pytest.approx(0.075)
+        assert phase_s(m, r, "forward") == pytest.approx(0.010)
+        assert phase_s(m, r, "backward") == pytest.approx(0.020)
+        assert 0 <= value(m, "rankwatch_rank_seconds_since_progress", job_id=JOB, rank=r) < 30
+    loader = {r: phase_s(m, r, "dataloader") for r in ("0", "1", "2")}
+    assert loader == pytest.approx({"0": 0.005, "1": 0.005, "2": 0.040})
+    assert phase_s(m, "0", "collective") == pytest.approx(0.035)
+    # rank 2 never waits, so no collective sample exists for it
+    assert (("job_id", JOB), ("phase", "collective"), ("rank", "2")) not in m["rankwatch_phase_duration_seconds"]
+    assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="0", phase="forward") == 1
+    assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="0", phase="dataloader") == 0
+    assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="1", phase="forward") == 0
+    # the diagnosis names the slow loader, not the ranks that waited for it
+    assert m["rankwatch_straggler"] == {
+        (("job_id", JOB), ("label", "INPUT STRAGGLER"), ("phase", "dataloader"), ("rank", "2")): 1.0
+    }
+    assert value(m, "rankwatch_diagnosis", job_id=JOB, label="INPUT STRAGGLER", phase="dataloader") == 1
+    assert value(m, "rankwatch_longest_step_seconds", job_id=JOB) == pytest.approx(0.075)
+    assert "process_resident_memory_bytes" in m  # the daemon's own overhead
+    assert "rankwatch_incident_initiator" not in m
+
+    # an open incident shows up as stalled, counted, with its initiating rank
+    entry = daemon.jobs[JOB]
+    trigger = Trigger("stall", (2,), "no progress", 30.0, 31.0)
+    entry.incident = OpenIncident("inc-1", trigger, None, {"initiating_ranks": [2], "kind": "hang",
+                                                          "phase": "dataloader"})
+    entry.incidents.append("inc-1")
+    m = scrape(server)
+    assert value(m, "rankwatch_stalled", job_id=JOB) == 1
+    assert value(m, "rankwatch_incidents_total", job_id=JOB) == 1
+    assert value(m, "rankwatch_incident_initiator", job_id=JOB, rank="2", kind="hang", phase="dataloader") == 1
+
+    # retired jobs drop out
+    entry.watch.retired = True
+    m = scrape(server)
+    assert value(m, "rankwatch_jobs") == 0
+    assert "rankwatch_stalled" not in m
+
+
+def test_every_declared_metric_is_exposed(daemon_setup):
+    daemon, server = daemon_setup
+    entry = daemon.jobs[JOB]
+    entry.incident = OpenIncident("inc-1", Trigger("stall", (2,), "x", 30.0, 31.0), None,
+                                  {"initiating_ranks": [2], "kind": "hang", "phase": None})
+    m = scrape(server)
+    missing = [n for n in METRIC_NAMES if n not in m and n != "rankwatch_metrics_collect_errors_total"]
+    assert not missing
+    assert value(m, "rankwatch_metrics_collect_errors_total") == 0
+    for name in METRIC_NAMES:
+        assert name.startswith("rankwatch_")
+
+
+def test_scrapes_during_polls_and_other_paths(daemon_setup):
+    daemon, server = daemon_setup
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            daemon.poll_once()
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for _ in range(10):
+            assert value(scrape(server), "rankwatch_jobs") == 1
+    finally:
+        stop.set()
+        t.join()
+    assert value(scrape(server), "rankwatch_metrics_collect_errors_total") == 0
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/nope", timeout=10)
+    assert err.value.code == 404
+
+
+def test_port_in_use_is_a_user_error_and_close_frees_the_port(tmp_path):
+    daemon = Daemon(DaemonConfig(shm_dir=str(tmp_path), out_dir=str(tmp_path)))
+    try:
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(UserError, match=re.escape(f"cannot serve metrics on 127.0.0.1:{port}: ")):
+                serve_metrics(daemon, "127.0.0.1", port)
+        server = serve_metrics(daemon, "127.0.0.1", port)
+        assert server.url == f"http://127.0.0.1:{port}/metrics"
+        assert value(scrape(server), "rankwatch_jobs") == 0
+        server.close()
+        again = serve_metrics(daemon, "127.0.0.1", port)
+        again.close()
+        with pytest.raises(UserError, match=re.escape("cannot serve metrics on no-such-host.invalid:")):
+            serve_metrics(daemon, "no-such-host.invalid", 0)
+    finally:
+        daemon.close()

@@ -1,0 +1,300 @@
+"""Prometheus metrics for the daemon: a collector that reads the daemon's state at scrape time.
+
+Nothing is updated on the poll path: every scrape builds fresh metric families from ``daemon.jobs``, so
+a daemon without a scraper pays nothing and the values are never older than the last poll. The poll
+loop runs in another thread; everything read here is either replaced wholesale by it (views, the
+incident) or copied in one C-level call (dicts, step deques), so a scrape never sees a half-updated
+structure. Scrape cost is bounded: at most ``WINDOW_STEPS`` steps per rank are read, and a job's
+straggler diagnosis is recomputed only when one of its ranks completed a step since the last scrape.
+
+Names follow Prometheus conventions: base units (seconds), ``_total`` on counters, and labels
+``job_id``/``rank``/``phase``. Label values are bounded: ranks and declared phases (at most 16 per
+rank record), states from a fixed set.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+from rankwatch.hooks.record import StepTiming
+
+from .daemon import Daemon, JobEntry
+from .errors import UserError
+from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
+from .straggler import Diagnosis, StragglerPolicy, diagnose
+
+log = structlog.get_logger("rankwatch.metrics")
+
+# Steps per rank that per-rank medians and the diagnosis look at: the straggler policy's own window,
+# so the exported diagnosis is the one the end-of-run summary would give for the same steps.
+WINDOW_STEPS = StragglerPolicy().window_steps
+# Steps copied per rank for the diagnosis: twice the window so ranks a few steps apart still share
+# ``WINDOW_STEPS`` common steps.
+DIAGNOSIS_COPY_STEPS = 2 * WINDOW_STEPS
+RANK_STATES = (RUNNING, STOPPED, DEAD, CRASHED, ZOMBIE, EXITED, UNKNOWN)
+
+
+def _recent(steps: Iterable[StepTiming], n: int) -> list[StepTiming]:
+    """The last ``n`` steps, copied in one call (a deque being appended to by the poll thread would
+    make a Python-level loop fail with 'mutated during iteration')."""
+    for _ in range(3):
+        try:
+            return list(steps)[-n:]
+        except RuntimeError:
+            continue
+    return []
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _window(steps: list[StepTiming]) -> list[StepTiming]:
+    """Step 0 carries start-up costs (imports, warm-up); leave it out once later steps exist."""
+    later = [t for t in steps if t.step > 0]
+    return (later or steps)[-WINDOW_STEPS:]
+
+
+_Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
+
+
+# key, kind, metric name (counters without "_total": the client adds it), labels, help
+_J, _R = ("job_id",), ("job_id", "rank")
+_SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
+    ("jobs", "gauge", "rankwatch_jobs", (),
+     "Jobs this daemon watches (not yet retired)"),
+    ("polls", "counter", "rankwatch_daemon_polls", (),
+     "Poll cycles the daemon has completed"),
+    ("errors", "counter", "rankwatch_metrics_collect_errors", (),
+     "Jobs skipped in a scrape: reading them failed"),
+    ("stalled", "gauge", "rankwatch_stalled", _J,
+     "1 while the job has an open incident"),
+    ("incidents", "counter", "rankwatch_incidents", _J,
+     "Incidents opened for the job"),
+    ("initiator", "gauge", "rankwatch_incident_initiator", (*_R, "kind", "phase"),
+     "1 for each rank the open incident's verdict names"),
+    ("longest", "gauge", "rankwatch_longest_step_seconds", _J,
+     "Longest completed step (sets the auto stall timeout)"),
+    ("diagnosis", "gauge", "rankwatch_diagnosis", (*_J, "label", "phase"),
+     f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
+    ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label"),
+     "1 for each rank the current straggler diagnosis names"),
+    ("info", "gauge", "rankwatch_rank_info", (*_R, "node", "pid"),
+     "Identity of a rank's process"),
+    ("up", "gauge", "rankwatch_rank_up", _R,
+     "1 while the rank's process exists (running or stopped)"),
+    ("state", "gauge", "rankwatch_rank_state", (*_R, "state"),
+     "1 for the rank's process state, 0 for the others"),
+    ("phase_now", "gauge", "rankwatch_rank_phase", (*_R, "phase"),
+     "1 for the phase the rank is in now, 0 for its other phases"),
+    ("in_phase", "gauge", "rankwatch_rank_in_phase_seconds", _R,
+     "Time in the current phase"),
+    ("since", "gauge", "rankwatch_rank_seconds_since_progress", _R,
+     "Time since the rank's last phase transition"),
+    ("steps", "counter", "rankwatch_rank_steps", _R,
+     "Steps the rank has completed"),
+    ("coll_entered", "counter", "rankwatch_rank_collectives_entered", _R,
+     "Collectives the rank has entered"),
+    ("coll_done", "counter", "rankwatch_rank_collectives_completed", _R,
+     "Collectives the rank has completed"),
+    ("last", "gauge", "rankwatch_step_duration_seconds", _R,
+     "Duration of the rank's last completed step"),
+    ("med", "gauge", "rankwatch_step_duration_median_seconds", _R,
+     f"Median step duration over the rank's last {WINDOW_STEPS} steps"),
+    ("phase_med", "gauge", "rankwatch_phase_duration_seconds", (*_R, "phase"),
+     f"Median time per step in each phase over the rank's last {WINDOW_STEPS} steps"),
+)
+METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC)
+
+
+def _families() -> _Families:
+    """Fresh, empty metric families for one scrape."""
+    out: _Families = {}
+    for key, kind, name, labels, doc in _SPEC:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        out[key] = cls(name, doc, labels=list(labels))
+    return out
+
+
+class DaemonCollector(Collector):
+    """Builds every rankwatch metric family from the daemon's current state, on each scrape."""
+
+    def __init__(self, daemon: Daemon, policy: StragglerPolicy | None = None) -> None:
+        self.daemon = daemon
+        self.policy = policy or StragglerPolicy()
+        self._cache: dict[str, tuple[tuple[tuple[int, int], ...], Diagnosis]] = {}
+        self._lock = threading.Lock()  # concurrent scrapes share the diagnosis cache
+        self._errors = 0
+
+    def describe(self) -> Iterable[Metric]:
+        # no fixed description: registering must not scrape a daemon that has not polled yet
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            return list(self._collect())
+
+    def _diagnosis(self, job_id: str, per_rank: dict[int, list[StepTiming]]) -> Diagnosis:
+        key = tuple(sorted((r, ts[-1].step) for r, ts in per_rank.items() if ts))
+        cached = self._cache.get(job_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        diag = diagnose(per_rank, self.policy)
+        self._cache[job_id] = (key, diag)
+        return diag
+
+    def _collect(self) -> Iterator[Metric]:
+        m = _families()
+        m["polls"].add_metric([], float(self.daemon.polls))
+        n_jobs = 0
+        for job_id, entry in list(self.daemon.jobs.items()):
+            if entry.watch.retired:
+                continue
+            n_jobs += 1
+            try:
+                self._job(job_id, entry, m)
+            except Exception:  # one unreadable job never fails the scrape
+                self._errors += 1
+                log.exception("metrics_job_failed", job=job_id)
+        m["jobs"].add_metric([], n_jobs)
+        m["errors"].add_metric([], float(self._errors))
+        yield from m.values()
+
+    def _job(self, job_id: str, entry: JobEntry, m: _Families) -> None:
+        watch = entry.watch
+        open_incident = entry.incident
+        m["stalled"].add_metric([job_id], 1.0 if open_incident is not None else 0.0)
+        m["incidents"].add_metric([job_id], float(len(entry.incidents)))
+        m["longest"].add_metric([job_id], watch.longest_step_s)
+        if open_incident is not None:
+            v = open_incident.verdict
+            for r in v.get("initiating_ranks") or []:
+                kind, phase = str(v.get("kind")), str(v.get("phase") or "")
+                m["initiator"].add_metric([job_id, str(r), kind, phase], 1.0)
+
+        rank_states = dict(list(watch.ranks.items()))
+        for view in entry.last_views:
+            labels = [job_id, str(view.rank)]
+            m["info"].add_metric([*labels, view.node, str(view.pid)], 1.0)
+            m["up"].add_metric(labels, 1.0 if view.alive else 0.0)
+            for s in RANK_STATES:
+                m["state"].add_metric([*labels, s], 1.0 if view.state == s else 0.0)
+            rs = rank_states.get(view.rank)
+            names = list(rs.last.phase_names) if rs is not None else []
+            if view.phase and view.phase not in names:
+                names.append(view.phase)
+            for p in names:
+                m["phase_now"].add_metric([*labels, p], 1.0 if view.phase == p else 0.0)
+            m["in_phase"].add_metric(labels, view.in_phase_s)
+            m["since"].add_metric(labels, view.since_progress_s)
+            m["steps"].add_metric(labels, float(view.step))
+            m["coll_entered"].add_metric(labels, float(view.coll_seq))
+            m["coll_done"].add_metric(labels, float(view.coll_done))
+
+        per_rank: dict[int, list[StepTiming]] = {}
+        for rank, ring in list(watch.history.items()):
+            recent = _recent(ring, DIAGNOSIS_COPY_STEPS)
+            if not recent:
+                continue
+            per_rank[rank] = recent
+            labels = [job_id, str(rank)]
+            window = _window(recent)
+            m["last"].add_metric(labels, recent[-1].duration_ms / 1e3)
+            m["med"].add_metric(labels, _median([t.duration_ms for t in window]) / 1e3)
+            for p in sorted({p for t in window for p in t.phases_ms}):
+                per_step = [t.phases_ms.get(p, 0.0) for t in window]
+                m["phase_med"].add_metric([*labels, p], _median(per_step) / 1e3)
+        if per_rank:
+            diag = self._diagnosis(job_id, per_rank)
+            m["diagnosis"].add_metric([job_id, diag.label, diag.phase or ""], 1.0)
+            for r in diag.straggler_ranks:
+                m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label], 1.0)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    registry: CollectorRegistry  # set on the per-server subclass
+
+    def do_GET(self) -> None:
+        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+            self.send_error(404, "try /metrics")
+            return
+        try:
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            body = encoder(self.registry)
+        except Exception:
+            log.exception("metrics_scrape_failed")
+            self.send_error(500, "scrape failed; see the daemon log")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # the base class writes every request to stderr; the daemon logs structured, and only in debug
+        log.debug("metrics_request", client=self.client_address[0], line=format % args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck scraper never blocks shutdown
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics endpoint; ``close()`` stops it and frees the port."""
+
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    registry: CollectorRegistry
+    addr: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def serve_metrics(daemon: Daemon, addr: str, port: int) -> MetricsServer:
+    """Serve ``daemon``'s metrics on http://addr:port/metrics from a background thread.
+
+    The registry is private (not prometheus_client's global one) so that two daemons in one process, or
+    a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    ProcessCollector(registry=registry)  # the daemon's own CPU and memory: its overhead, observable
+    try:
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
+    handler = type("MetricsHandler", (_Handler,), {"registry": registry})
+    server_cls = type("MetricsServerSocket", (_Server,), {"address_family": family})
+    try:
+        server = server_cls((addr, port), handler)
+    except OSError as exc:
+        raise UserError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
+    bound_port = int(server.server_address[1])
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
+                              name="rankwatch-metrics", daemon=True)
+    thread.start()
+    log.info("metrics_serving", addr=addr, port=bound_port)
+    return MetricsServer(server, thread, registry, addr, bound_port)
