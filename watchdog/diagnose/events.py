@@ -1,0 +1,70 @@
+"""What one log line said, as plain data: the parser's output and the reasoning's input.
+
+Families say what a message means for blame, so the reasoning never looks at raw text:
+``PRIMARY`` failures start an incident on the rank that prints them, ``WAITING`` ones are what a rank
+prints when a *peer* let it down, ``MISMATCH`` ones say collectives disagreed, the rest is context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# primary: the rank that prints it failed by itself
+CUDA_ERROR = "cuda_error"  # illegal memory access, device assert, launch failure, NCCL "Cuda failure"
+CUDA_OOM = "cuda_oom"
+HW_FAULT = "hw_fault"  # ECC errors, Xid
+HOST_OOM = "host_oom"  # kernel / cgroup OOM killer
+PY_ERROR = "python_error"  # a Python exception that is not about communication
+# waiting: the rank that prints it was let down by a peer
+GLOO_TIMEOUT = "gloo_timeout"
+PEER_LOST = "peer_lost"  # connection closed/reset by peer, ncclRemoteError
+NCCL_TIMEOUT = "nccl_timeout"  # watchdog caught collective operation timeout
+NCCL_STATUS = "nccl_status"  # last enqueued / completed work (watchdog status, dump signal)
+DUMP_SIGNAL = "dump_signal"  # flight-recorder dump requested by another rank
+HEARTBEAT = "heartbeat"  # heartbeat monitor abort
+COMM_ERROR = "comm_error"  # other NCCL/gloo errors (NCCL WARN, DistBackendError)
+# mismatch
+SIZE_MISMATCH = "size_mismatch"  # gloo enforce: received size != expected
+OP_MISMATCH = "op_mismatch"  # c10d TORCH_DISTRIBUTED_DEBUG=DETAIL fingerprint mismatch
+# context
+EXIT = "exit"  # torch elastic failure report entry or "failed (exitcode: …)" line
+AGENT_TERM = "agent_term"  # torchrun sent this pid a closing signal (so its death is downstream)
+TRACEBACK = "traceback"  # a finished Python traceback: innermost collective op and user call site
+DUMP_WRITTEN = "dump_written"  # a flight-recorder dump went to a file
+RANK_SEEN = "rank_seen"  # only says the rank exists (per-rank file, prefix)
+SLURM = "slurm"  # srun/slurmstepd task exits and cancellations
+
+FIRST_NOTICED = "first failure torchrun noticed"  # detail of the one-line EXIT event
+
+PRIMARY = frozenset({CUDA_ERROR, CUDA_OOM, HW_FAULT, HOST_OOM, PY_ERROR})
+WAITING = frozenset({GLOO_TIMEOUT, PEER_LOST, NCCL_TIMEOUT, DUMP_SIGNAL, HEARTBEAT, COMM_ERROR})
+MISMATCH = frozenset({SIZE_MISMATCH, OP_MISMATCH})
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One finding from one line. Fields a message does not carry stay None."""
+
+    family: str
+    file: str
+    line: int
+    text: str
+    rank: int | None = None  # global rank, when the line or its file says so
+    local_rank: int | None = None  # torchrun's [defaultN] prefix or the per-rank log path
+    host: str | None = None
+    pid: int | None = None
+    ts: float | None = None  # seconds, only comparable between lines of one clock (one node)
+    seq: int | None = None  # collective sequence number of the work that failed
+    op: str | None = None  # collective op (ALLREDUCE / all_reduce …)
+    phase: str | None = None  # what a traceback says the rank was doing (collective, backward, …)
+    numel: int | None = None
+    enqueued: int | None = None  # PG status: last enqueued work
+    completed: int | None = None  # PG status: last completed work
+    exitcode: int | None = None
+    signal: str | None = None  # SIGKILL, SIGTERM, …
+    root_cause: bool = False  # listed under torchrun's "Root Cause (first observed failure)"
+    detail: str = ""  # short family-specific text: call site, peer, error message
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"

@@ -1,0 +1,168 @@
+"""Fold a stream of events into bounded per-rank facts (constant memory however long the logs are).
+
+Per rank it keeps the first event of each family, a count per family, the exit, the last traceback
+and the NCCL sequence numbers. Events that name only a local rank or a pid are resolved to global
+ranks at the end, with the mappings torch elastic's failure report provides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from . import events as ev
+
+MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
+MAX_SEEN_FILES = 10_000
+
+
+@dataclass
+class RankFacts:
+    rank: int
+    first: dict[str, ev.Event] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+    exit: ev.Event | None = None  # the most informative exit (report entry over a one-line note)
+    traceback: ev.Event | None = None  # last finished traceback
+    nccl_timeout: ev.Event | None = None  # last watchdog timeout
+    status: ev.Event | None = None  # last PG status (enqueued/completed)
+    slurm: ev.Event | None = None
+    agent_terminated: bool = False  # torchrun sent it a closing signal: its death is downstream
+
+    def has(self, families: frozenset[str]) -> bool:
+        return any(self.counts[f] for f in families)
+
+    def firsts(self, families: frozenset[str]) -> list[ev.Event]:
+        return sorted((e for f, e in self.first.items() if f in families), key=lambda e: (e.file, e.line))
+
+    def add(self, e: ev.Event) -> None:
+        self.counts[e.family] += 1
+        if e.family not in self.first:
+            self.first[e.family] = e
+        if e.family == ev.EXIT:
+            # a failure-report entry beats torchrun's one-line "failed (exitcode…)"; keep the root flag
+            root = e.root_cause or (self.exit is not None and self.exit.root_cause)
+            if self.exit is None or self.exit.detail == ev.FIRST_NOTICED:
+                self.exit = replace(e, root_cause=root)
+            elif root != self.exit.root_cause:
+                self.exit = replace(self.exit, root_cause=root)
+        elif e.family == ev.TRACEBACK:
+            self.traceback = e
+        elif e.family == ev.NCCL_TIMEOUT:
+            self.nccl_timeout = e
+        elif e.family in (ev.NCCL_STATUS, ev.DUMP_SIGNAL) and e.enqueued is not None:
+            self.status = e
+        elif e.family == ev.SLURM:
+            self.slurm = self.slurm or e
+
+
+@dataclass
+class Evidence:
+    """Everything the reasoning needs, already attributed to global ranks."""
+
+    ranks: dict[int, RankFacts] = field(default_factory=dict)
+    unattributed: list[ev.Event] = field(default_factory=list)  # bounded: first few of each family
+    dump_paths: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    local_only: bool = False  # some ranks are local ranks that no report mapped to global ones
+    slurm_cancel: ev.Event | None = None
+    bytes: int = 0
+    lines: int = 0
+
+    def facts(self, rank: int) -> RankFacts:
+        f = self.ranks.get(rank)
+        if f is None:
+            f = self.ranks[rank] = RankFacts(rank)
+        return f
+
+
+class Collector:
+    """Accumulates events; ``finish()`` resolves local ranks and pids and returns the Evidence."""
+
+    def __init__(self) -> None:
+        self.evidence = Evidence()
+        self._pending: list[ev.Event] = []
+        self._local_to_global: dict[tuple[str | None, int], int] = {}
+        self._local_any: dict[int, set[int]] = {}
+        self._pid_to_rank: dict[int, int] = {}
+        self._agent_pids: set[int] = set()
+        self._unattributed_count: Counter[str] = Counter()
+
+    def add(self, e: ev.Event) -> None:
+        E = self.evidence
+        if e.family == ev.DUMP_WRITTEN:
+            if len(E.dump_paths) < 32 and e.detail not in E.dump_paths:
+                E.dump_paths.append(e.detail)
+            return
+        if e.family == ev.AGENT_TERM:
+            if e.pid is not None and len(self._agent_pids) < 1_000_000:
+                self._agent_pids.add(e.pid)
+            return
+        if e.family == ev.SLURM and e.rank is None:
+            E.slurm_cancel = E.slurm_cancel or e
+            return
+        if e.rank is not None and e.local_rank is not None and len(self._local_any) < 100_000:
+            # "[default3]:[rank11]:" prefixes, report entries and per-rank files with [rankN] lines
+            # all teach which global rank a local rank is
+            if e.family == ev.EXIT:
+                self._local_to_global[(e.host, e.local_rank)] = e.rank
+            self._local_any.setdefault(e.local_rank, set()).add(e.rank)
+        if e.family == ev.EXIT and e.rank is not None and e.pid is not None:
+            self._pid_to_rank[e.pid] = e.rank
+        if e.rank is not None:
+            E.facts(e.rank).add(e)
+            return
+        if len(self._pending) < MAX_PENDING:
+            self._pending.append(e)
+        else:
+            self._unattributed(e)
+
+    def note_file(self, name: str) -> None:
+        if len(self.evidence.files) < MAX_SEEN_FILES:
+            self.evidence.files.append(name)
+
+    def _unattributed(self, e: ev.Event) -> None:
+        if self._unattributed_count[e.family] < 3 and e.family not in (ev.RANK_SEEN, ev.TRACEBACK):
+            self.evidence.unattributed.append(e)
+        self._unattributed_count[e.family] += 1
+
+    def _resolve(self, e: ev.Event) -> int | None:
+        if e.local_rank is not None:
+            g = self._local_to_global.get((e.host, e.local_rank))
+            if g is not None:
+                return g
+            cands = self._local_any.get(e.local_rank, set())
+            if len(cands) == 1:
+                return next(iter(cands))
+        if e.pid is not None and e.pid in self._pid_to_rank:
+            return self._pid_to_rank[e.pid]
+        if e.local_rank is not None and e.local_rank not in self._local_any:
+            identity = all(cands == {lr} for lr, cands in self._local_any.items())
+            if identity:
+                # nothing maps this local rank, and every mapping seen is local == global (one node)
+                if not self._local_any:
+                    self.evidence.local_only = True
+                return e.local_rank
+        return None
+
+    def finish(self) -> Evidence:
+        E = self.evidence
+        for e in self._pending:
+            r = self._resolve(e)
+            if r is None:
+                self._unattributed(e)
+            else:
+                E.facts(r).add(replace(e, rank=r))
+        self._pending.clear()
+        for pid in self._agent_pids:
+            r = self._pid_to_rank.get(pid)
+            if r is not None:
+                E.facts(r).agent_terminated = True
+        return E
+
+
+def collect(events: list[ev.Event]) -> Evidence:
+    """Convenience for tests: fold a list of events."""
+    c = Collector()
+    for e in events:
+        c.add(e)
+    return c.finish()

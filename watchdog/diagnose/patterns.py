@@ -1,0 +1,251 @@
+"""Compiled patterns for the messages real jobs print, one group per message family. Pure, no state.
+
+Templates come from the sources that print them (cited per pattern) and from logs captured with
+``examples/ddp_demo.py`` under torchrun (tests/fixtures/logs/README.md). Multi-line structures
+(Python tracebacks, torch elastic's failure report) are assembled in ``parser.py``; this module only
+answers "what does this one line say".
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass
+
+# --- cheap prefilter ----------------------------------------------------------------------------
+# A line can only matter if it contains one of these literals. Scanning a whole chunk of bytes with
+# one alternation keeps the per-byte work in C; only matching lines reach Python. Every detailed
+# pattern below (and every line the multi-line parsers need) contains one of these keywords.
+PREFILTER_KEYWORDS: tuple[bytes, ...] = (
+    b"rror",  # RuntimeError, CUDA error, srun: error, ncclRemoteError
+    b"xception",
+    b"imed out",  # gloo "Timed out waiting", "Heartbeat monitor timed out"
+    b"Timeout at",
+    b"atchdog",
+    b"NCCL",
+    b"dump",
+    b"peer",
+    b"enforce",
+    b"Xid",
+    b"Killed process",
+    b"oom",
+    b"out of memory",
+    b"Traceback",
+    b'File "',
+    b"exitcode",
+    b"local_rank",
+    b"Root Cause",
+    b"Failures:",
+    b"time      :",
+    b"host      :",
+    b"traceback :",
+    b"closing signal",
+    b"CANCELLED",
+    b"terminate called",
+    b"mismatch",
+)
+PREFILTER = re.compile(b"|".join(re.escape(k) for k in PREFILTER_KEYWORDS))
+
+# --- rank prefixes --------------------------------------------------------------------------------
+# torchrun --tee/--redirects console prefix "[default3]:" (role + local rank) and c10d's own
+# "[rank3]:" (global rank, torch/distributed logging), possibly both: "[default3]:[rank3]: ...".
+_BRACKET_PREFIX = re.compile(r"\[([A-Za-z_]+?)(\d{1,7})\]:[ ]?")
+# srun --label: "  5: message" (task id, which is the global rank under srun-launched jobs)
+_SLURM_LABEL = re.compile(r"\s{0,6}(\d{1,7}): ")
+# Ray actors: "(WorkerDict pid=3490362) [rank1]:..."
+_RAY_PREFIX = re.compile(r"\([^()]{0,80}pid=\d+[^()]{0,40}\)\s+")
+# "[rankN]:" glued after a progress bar ("…loss=5.46][rank0]:[E709 …")
+_RANK_ANYWHERE = re.compile(r"\[rank(\d{1,7})\]:")
+
+MAX_RANK = 10_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    rank: int | None = None
+    local_rank: int | None = None
+
+
+def split_prefix(line: str) -> tuple[Prefix, str]:
+    """Strip launcher/logging prefixes; return the ranks they name and the message body."""
+    rank: int | None = None
+    local: int | None = None
+    pos = 0
+    m = _RAY_PREFIX.match(line)
+    if m:
+        pos = m.end()
+    else:
+        s = _SLURM_LABEL.match(line)
+        if s:
+            rank = int(s.group(1))
+            pos = s.end()
+    for _ in range(3):
+        b = _BRACKET_PREFIX.match(line, pos)
+        if not b:
+            break
+        role, num = b.group(1), int(b.group(2))
+        if role == "rank":
+            rank = num
+        else:
+            local = num
+        pos = b.end()
+    if rank is None and local is None and pos == 0:
+        g = _RANK_ANYWHERE.search(line, 0, 400)
+        if g:
+            rank = int(g.group(1))
+            pos = g.end()
+    if rank is not None and rank > MAX_RANK:
+        rank = None
+    if local is not None and local > MAX_RANK:
+        local = None
+    return Prefix(rank, local), line[pos:]
+
+
+# --- glog / torch logging header -----------------------------------------------------------------
+# c10 glog: "[E1118 20:32:23.955028747 ProcessGroupNCCL.cpp:629] "; torch.distributed python logging:
+# "E1130 19:33:13.287000 8704 site-packages/torch/.../api.py:1002] ".
+GLOG = re.compile(
+    r"\[?([EWIF])(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?(?: +\d+)? +[^\s\]]+:\d+\] ?"
+)
+
+
+def glog_time(m: re.Match[str]) -> float:
+    """Seconds since the start of the year (month*31 days): ordering within one node's logs only."""
+    month, day, hh, mm, ss = (int(m.group(i)) for i in range(2, 7))
+    frac = float("0." + m.group(7)) if m.group(7) else 0.0
+    return ((month * 31 + day) * 24 + hh) * 3600 + mm * 60 + ss + frac
+
+
+# --- torch ProcessGroupNCCL (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) ---------------------
+# logPrefix(): "[PG ID 0 PG GUID 0(default_pg) Rank 1] "; older "[PG 0 Rank 2] " and "[Rank 0] ".
+PG_PREFIX = re.compile(r"\[(?:PG(?: ID)? (\d+) (?:PG GUID (\S+?) )?)?Rank (\d+)\]")
+# "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1,
+#  NumelOut=1, Timeout(ms)=600000) ran for 600001 milliseconds before timing out."
+NCCL_WATCHDOG = re.compile(
+    r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(\d+), OpType=(\w+)"
+    r"(?:, NumelIn=(\d+))?"
+)
+# " failure detected by watchdog at work sequence id: 5 PG status: last enqueued work: 5, last
+#  completed work: 4"
+NCCL_STATUS = re.compile(
+    r"failure detected by watchdog at work sequence id: (\d+) PG status: last enqueued work: (-?\d+), "
+    r"last completed work: (-?\d+)"
+)
+# torch 2.2-2.4: "Timeout at NCCL work: 1, last enqueued NCCL work: 1, last completed NCCL work: 0."
+NCCL_TIMEOUT_AT = re.compile(
+    r"Timeout at NCCL work: (\d+), last enqueued NCCL work: (-?\d+), last completed NCCL work: (-?\d+)"
+)
+# HeartbeatMonitor::getNCCLWatchdogTimeoutErrorMsg: "Received a dump signal due to a collective
+# timeout from this local rank|  rank N and we will try our best to dump the debug info. Last enqueued
+# NCCL work: E, last completed NCCL work: C."
+NCCL_DUMP_SIGNAL = re.compile(
+    r"Received a dump signal due to a collective timeout from\s+(?:this local rank|rank (-?\d+))"
+    r".*?Last enqueued NCCL work: (-?\d+), last completed NCCL work: (-?\d+)"
+)
+NCCL_OBSERVED_DUMP = "Observed flight recorder dump signal from another rank"
+NCCL_HEARTBEAT = re.compile(r"Heartbeat monitor timed out|watchdog got stuck for \d+ seconds")
+NCCL_DUMP_TO = re.compile(r"dumping nccl trace to (\S+)")
+NCCL_ABORT_NOTE = "Some NCCL operations have failed or timed out"
+NCCL_REMOTE = re.compile(r"ncclRemoteError|remote process exiting prematurely|NCCL communicator was aborted")
+NCCL_ERROR = re.compile(r"NCCL error|DistBackendError|ncclSystemError|ncclInternalError|ncclUnhandled")
+# c10d ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL): "Detected mismatch between collectives on
+# ranks. Rank 0 is running collective: CollectiveFingerPrint(...), but Rank 1 is running collective: …"
+OP_MISMATCH = re.compile(
+    r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: (.*?), "
+    r"but Rank (\d+) is running collective: (.*)"
+)
+FINGERPRINT_OP = re.compile(r"OpType=(\w+)")
+
+# --- NCCL (src/debug.cc ncclDebugLogV): "[ts] host:pid:tid [dev] file:line (func) NCCL WARN msg" ---
+NCCL_WARN = re.compile(
+    r"(?:\[[^\]]*\] )?([^\s:]+):(\d+):(\d+) \[(\d+)\](?: [^\s:]+:\d+(?: \([^)]*\))?)? NCCL WARN (.*)"
+)
+
+# --- gloo (third_party/gloo/gloo/transport/tcp/{unbound_buffer,pair}.cc) ---------------------------
+GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (recv|send) operation to complete")
+PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by (?:remote )?peer(?: \[([^\]]+)\]:(\d+))?|Read error \[([^\]]+)\]:(\d+)"
+)
+# "[enforce fail at …/pair.cc:456] op.preamble.length <= op.nbytes. 500 vs 4. Received data size
+#  doesn't match expected size. Is there a distributed collective mismatch in your code?"
+GLOO_SIZE = re.compile(
+    r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)|Received data size doesn't match expected size"
+)
+TERMINATE = re.compile(r"terminate called (?:after throwing an instance of '([^']*)'|without an active exception)")
+
+# --- CUDA (c10/cuda/CUDAException.cpp, CUDACachingAllocator.cpp) ------------------------------------
+CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
+CUDA_ERROR = re.compile(r"CUDA error: ([^.\n]{1,120})|Cuda failure '([^']{1,120})'")
+ECC = re.compile(r"ECC error|uncorrectable ECC|ECC uncorrectable", re.IGNORECASE)
+# Linux NVRM (dmesg / kern.log): "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen
+# off the bus."
+XID = re.compile(r"NVRM: Xid \(PCI:([^)]*)\): (\d+),(?: pid=(\d+),)?(?: name=([^,]*),)?\s*(.*)")
+
+# --- kernel / cgroup OOM killer, Slurm --------------------------------------------------------------
+HOST_OOM = re.compile(
+    r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+) \(([^)]*)\)"
+    r"|oom-kill:.*?task=([^,]*),pid=(\d+)"
+    r"|Detected (\d+) oom[-_]kill event"
+)
+# srun: "srun: error: node12: task 5: Killed", "srun: error: node3: tasks 0-3: Exited with exit code 1"
+SLURM_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
+SLURM_CANCEL = re.compile(r"\*\*\* (?:STEP|JOB) (\S+) ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([^*]+?))? \*\*\*")
+
+# --- torch elastic (torch/distributed/elastic/multiprocessing/{api,errors/error_handler}.py) --------
+# "failed (exitcode: -9) local_rank: 2 (pid: 8751) of binary: /usr/bin/python3"
+ELASTIC_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\) of binary")
+# "Sending process 8749 closing signal SIGTERM"
+ELASTIC_CLOSING = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
+# the failure report ("Failures:" … "Root Cause (first observed failure):" … entries of these fields)
+REPORT_FAILURES = "Failures:"
+REPORT_ROOT = "Root Cause (first observed failure)"
+REPORT_TIME = re.compile(r"^\s*time\s+: (\d{4})-(\d\d)-(\d\d)_(\d\d):(\d\d):(\d\d)")
+REPORT_HOST = re.compile(r"^\s*host\s+: (\S+)")
+REPORT_RANK = re.compile(r"^\s*rank\s+: (-?\d+) \(local_rank: (-?\d+)\)")
+REPORT_EXIT = re.compile(r"^\s*exitcode\s+: (-?\d+) \(pid: (\d+)\)(?:\s+\((SIG\w+)\))?")
+REPORT_TRACEBACK = re.compile(r"^\s*traceback\s+: (.*)")
+
+# --- Python tracebacks --------------------------------------------------------------------------
+TB_START = "Traceback (most recent call last)"
+TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+TB_EXCEPTION = re.compile(
+    r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure|NotMet))(?:: ?(.*))?$"
+)
+# a c10d collective in the innermost torch.distributed frame names the op
+C10D_FILE = "distributed_c10d.py"
+TORCH_PATH = re.compile(r"/(?:site|dist)-packages/|/torch/|<frozen ")
+COMM_MESSAGE = re.compile(
+    r"gloo|NCCL|nccl|Timed out|timed out|Connection (?:closed|reset)|DistBackendError|DistNetworkError"
+    r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
+)
+
+
+def signal_name(exitcode: int) -> str | None:
+    """torch elastic reports death by signal N as exitcode -N."""
+    if exitcode >= 0:
+        return None
+    try:
+        return _signal.Signals(-exitcode).name
+    except ValueError:
+        return f"SIG{-exitcode}"
+
+
+def report_time(m: re.Match[str]) -> float:
+    """The failure report's wall time on the same month*31-day scale as ``glog_time``."""
+    _, month, day, hh, mm, ss = (int(m.group(i)) for i in range(1, 7))
+    return ((month * 31 + day) * 24 + hh) * 3600 + mm * 60 + ss
+
+
+def expand_tasks(spec: str) -> list[int]:
+    """srun task lists: "5", "0-3", "1,4-5" (bounded so a garbled line cannot explode)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit():
+            continue
+        start = int(lo)
+        end = int(hi) if hi.isdigit() else start
+        if end < start or end - start > 4096:
+            continue
+        out.extend(range(start, end + 1))
+    return out

@@ -1,0 +1,634 @@
+"""Evidence from logs → who started it. A pure function; rules strongest first (DESIGN.md, adapted to
+what logs can show):
+
+1. A rank that failed by itself (CUDA error or OOM, ECC/Xid, host OOM kill, a non-communication Python
+   exception, or a death by signal that torchrun did not send and that no peer error explains) is the
+   initiator, earliest first. The others' timeouts and "connection closed by peer" are downstream.
+   torchrun's "Root Cause (first observed failure)" is only the first exit it *noticed*; it often
+   names a rank that was merely waiting, so it is never taken on its own word when better evidence
+   exists.
+2. Collective mismatch: same sequence number with different ops (NCCL watchdog, c10d DETAIL
+   fingerprints) or tracebacks stuck in different collectives: the minority is named. A gloo size
+   enforcement names only the rank that *noticed*; the sender stays unknown unless 1 decides.
+3. Behind: the rank(s) whose last enqueued collective is lower than the others'.
+4. Outside: ranks that printed no waiting message while a majority waited (timed out or lost their
+   peer) never entered the collective.
+5. Everyone waiting in the same collective: communication hang, no initiator from logs alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import events as ev
+from .evidence import Evidence, RankFacts
+
+SCHEMA = "rankwatch.verdict/1"
+
+
+@dataclass(frozen=True)
+class Policy:
+    # failures closer than this (seconds, same clock) are not ordered: NCCL/gloo report to the second
+    # or millisecond, but the printing order across processes is only that precise
+    tie_s: float = 1.0
+    # evidence lines quoted per rank, and overall, so a verdict stays readable
+    evidence_per_rank: int = 3
+    max_evidence: int = 24
+    # a rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal)
+    fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+
+
+DEFAULT_POLICY = Policy()
+
+
+@dataclass
+class Diagnosis:
+    kind: str
+    initiating_ranks: list[int]
+    confidence: str
+    reason: str
+    next_action: str
+    phase: str | None = None
+    evidence: list[str] = field(default_factory=list)
+    others: dict[int, str] = field(default_factory=dict)  # what every other rank was doing
+    decided: bool = True
+    would_decide: str = ""  # when undecided: what evidence would decide
+    notes: list[str] = field(default_factory=list)
+    ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "job_id": None,
+            "incident_id": None,
+            "kind": self.kind,
+            "initiating_ranks": self.initiating_ranks,
+            "phase": self.phase,
+            "confidence": self.confidence,
+            "reason": self.reason,
+            "detected_after_s": None,
+            "ranks": self.ranks,
+            "evidence": self.evidence,
+            "source": "logs",
+            "decided": self.decided,
+            "next_action": self.next_action,
+            "would_decide": self.would_decide or None,
+            "notes": self.notes,
+        }
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def quote(e: ev.Event) -> str:
+    if e.family == ev.RANK_SEEN:
+        return f"{e.file}: (this rank's own log has no error in it)"
+    return f"{e.file}:{e.line}: {e.text}"
+
+
+def fmt_ranks(ranks: Iterable[int]) -> str:
+    rs = sorted(set(ranks))
+    if not rs:
+        return "no rank"
+    runs: list[str] = []
+    start = prev = rs[0]
+    tail: list[int | None] = [*rs[1:], None]
+    for r in tail:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(runs)
+
+
+def _is_waiting(f: RankFacts) -> bool:
+    return f.has(ev.WAITING) or f.has(ev.MISMATCH)
+
+
+def _unexplained_death(f: RankFacts, p: Policy) -> bool:
+    """Died by a fatal signal nobody sent, with no peer trouble of its own to explain it."""
+    if f.exit is None or f.exit.signal not in p.fatal_signals or f.agent_terminated:
+        return False
+    return not _is_waiting(f)
+
+
+def _is_primary(f: RankFacts, p: Policy) -> bool:
+    return f.has(ev.PRIMARY) or _unexplained_death(f, p)
+
+
+def _primary_events(f: RankFacts, p: Policy) -> list[ev.Event]:
+    out = f.firsts(ev.PRIMARY)
+    if f.exit is not None and (not out or f.exit.signal in p.fatal_signals):
+        out.append(f.exit)
+    return out
+
+
+def _first_ts(events: list[ev.Event]) -> float | None:
+    ts = [e.ts for e in events if e.ts is not None]
+    return min(ts) if ts else None
+
+
+def _activity(f: RankFacts) -> str:
+    """One line: what this rank was doing / how it ended, from its own messages."""
+    parts: list[str] = []
+    for fam, what in (
+        (ev.NCCL_TIMEOUT, "NCCL watchdog timeout"),
+        (ev.GLOO_TIMEOUT, "gloo timeout"),
+        (ev.PEER_LOST, "lost its peer"),
+        (ev.DUMP_SIGNAL, "told to dump by another rank"),
+        (ev.HEARTBEAT, "heartbeat monitor abort"),
+        (ev.SIZE_MISMATCH, "received a wrong-sized message"),
+        (ev.OP_MISMATCH, "collective fingerprint mismatch"),
+        (ev.COMM_ERROR, "communication error"),
+        (ev.CUDA_ERROR, "CUDA error"),
+        (ev.CUDA_OOM, "CUDA out of memory"),
+        (ev.HW_FAULT, "GPU hardware fault"),
+        (ev.HOST_OOM, "killed by the OOM killer"),
+        (ev.PY_ERROR, "Python exception"),
+    ):
+        e = f.first.get(fam)
+        if e is None:
+            continue
+        extra = ""
+        if fam == ev.NCCL_TIMEOUT and e.seq is not None:
+            extra = f" in {e.op} #{e.seq}"
+        elif e.detail and fam != ev.DUMP_SIGNAL:
+            extra = f" ({e.detail[:80]})"
+        parts.append(what + extra)
+    if f.status is not None and f.status.enqueued is not None:
+        parts.append(f"last enqueued #{f.status.enqueued}, completed #{f.status.completed}")
+    tb = f.traceback
+    if tb is not None and (tb.op or tb.detail):
+        where = tb.op or tb.phase or "?"
+        parts.append(f"stack in {where}" + (f" at {tb.detail}" if tb.detail else ""))
+    if f.exit is not None:
+        how = f.exit.signal or f"exit code {f.exit.exitcode}"
+        by = " from torchrun" if f.agent_terminated and f.exit.signal == "SIGTERM" else ""
+        parts.append(f"ended by {how}{by}")
+    return "; ".join(parts) if parts else "no messages from this rank"
+
+
+def _rank_doc(f: RankFacts) -> dict[str, Any]:
+    e = f.exit
+    state = "unknown"
+    if f.has(ev.PRIMARY):
+        state = "failed"
+    elif _is_waiting(f):
+        state = "waiting"
+    if e is not None and e.signal:
+        state = "killed" if e.signal in ("SIGKILL", "SIGTERM") else "crashed"
+    elif e is not None and e.exitcode is not None:
+        state = "exited"
+    coll = None
+    if f.nccl_timeout is not None:
+        coll = {"seq": f.nccl_timeout.seq, "op": f.nccl_timeout.op}
+    elif f.traceback is not None and f.traceback.op:
+        coll = {"seq": None, "op": f.traceback.op}
+    host = next((x.host for x in f.first.values() if x.host), None)
+    pid = e.pid if e is not None else None
+    return {
+        "node": host,
+        "pid": pid,
+        "state": state,
+        "step": None,
+        "phase": f.traceback.phase if f.traceback is not None else None,
+        "in_phase_s": None,
+        "collective": coll,
+        "gpu_util": None,
+        "stack_top": [f.traceback.detail] if f.traceback is not None and f.traceback.detail else [],
+    }
+
+
+# -- the rules -----------------------------------------------------------------------------------------
+def diagnose(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
+    known = sorted(E.ranks)
+    facts = E.ranks
+    d = (
+        _rule_primary(E, known, p)
+        or _rule_mismatch(E, known)
+        or _rule_behind(E, known)
+        or _rule_outside(E, known, p)
+        or _rule_same_collective(E, known)
+        or _rule_report_only(E, known)
+        or _nothing(E, known)
+    )
+    d.ranks = {str(r): _rank_doc(facts[r]) for r in known}
+    d.others = {r: _activity(facts[r]) for r in known if r not in d.initiating_ranks}
+    # back the verdict with each initiator's own lines, then a few from the others
+    quoted: list[str] = list(d.evidence)
+    for r in d.initiating_ranks + [r for r in known if r not in d.initiating_ranks]:
+        f = facts.get(r)
+        if f is None:
+            continue
+        told = [e for e in f.first.values() if e.family != ev.RANK_SEEN]
+        mine = sorted(told, key=lambda e: (e.file, e.line))
+        silent = [e for e in f.first.values() if e.family == ev.RANK_SEEN and e.detail == "path"]
+        if silent and not any(e.file == silent[0].file for e in told):
+            mine.append(silent[0])  # its own log exists and says nothing: evidence of absence
+        for e in mine[: p.evidence_per_rank]:
+            q = quote(e)
+            if q not in quoted:
+                quoted.append(q)
+    for e in E.unattributed[:3]:
+        quoted.append(quote(e))
+    d.evidence = quoted[: p.max_evidence]
+    root = [r for r in known if facts[r].exit is not None and facts[r].exit.root_cause]  # type: ignore[union-attr]
+    if root and d.initiating_ranks and not set(root) & set(d.initiating_ranks):
+        d.notes.append(
+            f"torchrun's 'Root Cause (first observed failure)' names {fmt_ranks(root)}: that is only the "
+            "first exit torchrun noticed, and that rank was a victim, not the cause."
+        )
+    if E.local_only:
+        d.notes.append(
+            "some ranks are named by local rank only (per-rank log paths or [defaultN] prefixes, no "
+            "failure report to map them): they equal global ranks only on a single-node job."
+        )
+    if E.slurm_cancel is not None:
+        d.notes.append(f"Slurm: {E.slurm_cancel.detail} ({quote(E.slurm_cancel)})")
+    if E.dump_paths:
+        d.notes.append("flight-recorder dumps were written to: " + ", ".join(E.dump_paths[:4]))
+    return d
+
+
+def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
+    prim = [r for r in known if _is_primary(E.ranks[r], p)]
+    if not prim:
+        return None
+    waiting = [r for r in known if _is_waiting(E.ranks[r]) and r not in prim]
+    evs = {r: _primary_events(E.ranks[r], p) for r in prim}
+    if len(prim) == len(known) and len(known) > 1 and not waiting:
+        kinds = Counter(_failure_label(E.ranks[r], evs[r]) for r in prim)
+        label, _ = kinds.most_common(1)[0]
+        return Diagnosis(
+            kind="unknown",
+            initiating_ranks=[],
+            confidence="low",
+            decided=False,
+            reason=(
+                f"every rank ({fmt_ranks(prim)}) failed the same way ({label}) with nothing that orders "
+                "them: a cause common to all ranks (environment, launcher option, shared code path), "
+                "not one rank holding the others back"
+            ),
+            next_action=(
+                "reproduce with one rank (or world size 2) to see the crash itself; enable "
+                "faulthandler (PYTHONFAULTHANDLER=1) and core dumps so a native crash leaves a stack"
+            ),
+            would_decide="per-rank stderr with the crash message or a faulthandler stack from each rank",
+            evidence=[quote(evs[r][0]) for r in prim[:4] if evs[r]],
+        )
+    first = prim
+    ts = {r: _first_ts(evs[r]) for r in prim}
+    if len(prim) > 1 and all(t is not None for t in ts.values()):
+        t0 = min(t for t in ts.values() if t is not None)
+        first = [r for r in prim if (ts[r] or 0.0) - t0 <= p.tie_s]
+    lead = E.ranks[first[0]]
+    lead_events = evs[first[0]]
+    label = _failure_label(lead, lead_events)
+    conf = "high" if (lead.has(ev.PRIMARY) or waiting) and len(first) == 1 else "medium"
+    reason = f"{fmt_ranks(first)} failed first: {label}"
+    if waiting:
+        reason += f"; {fmt_ranks(waiting)} then waited on it (timeouts / lost peer) — downstream"
+    phase = next((e.phase for e in lead_events if e.phase), None)
+    if phase is None and lead.traceback is not None:
+        phase = lead.traceback.phase
+    return Diagnosis(
+        kind="dead_rank",
+        initiating_ranks=first,
+        confidence=conf,
+        reason=reason,
+        next_action=_primary_action(lead, lead_events, first),
+        phase=phase,
+        evidence=[quote(e) for e in lead_events[:3]],
+    )
+
+
+def _failure_label(f: RankFacts, events: list[ev.Event]) -> str:
+    for e in events:
+        if e.family == ev.CUDA_OOM:
+            return "CUDA out of memory"
+        if e.family == ev.CUDA_ERROR:
+            return f"CUDA error: {e.detail}" if e.detail else "CUDA error"
+        if e.family == ev.HW_FAULT:
+            return f"GPU hardware fault ({e.detail})"
+        if e.family == ev.HOST_OOM:
+            return "killed by the host OOM killer"
+        if e.family == ev.PY_ERROR:
+            return f"Python exception {e.detail[:120]}"
+    if f.exit is not None and f.exit.signal:
+        return f"died by {f.exit.signal} that torchrun did not send"
+    return "failed"
+
+
+def _primary_action(f: RankFacts, events: list[ev.Event], ranks: list[int]) -> str:
+    who = fmt_ranks(ranks)
+    fams = {e.family for e in events}
+    host = next((e.host for e in f.first.values() if e.host), None)
+    on = f" on {host}" if host else ""
+    if ev.HW_FAULT in fams:
+        return (
+            f"take the GPU of {who}{on} out of service and check it (nvidia-smi -q -d ECC, dcgmi diag, "
+            "dmesg for Xid); restart the job on other hardware — the other ranks' timeouts are consequences"
+        )
+    if ev.CUDA_OOM in fams:
+        return (
+            f"{who} ran out of GPU memory: lower its memory use (batch/sequence length, activation "
+            "checkpointing) and check for uneven work across ranks; the other ranks only timed out"
+        )
+    if ev.CUDA_ERROR in fams:
+        return (
+            f"debug the kernel failure on {who}: rerun with CUDA_LAUNCH_BLOCKING=1 (and "
+            "compute-sanitizer) to find the faulting op; the other ranks only waited for it"
+        )
+    if ev.HOST_OOM in fams:
+        return (
+            f"{who} was killed for host RAM{on}: reduce DataLoader workers / prefetch / pinned memory, or "
+            "request more memory; check dmesg / the Slurm step's memory limit"
+        )
+    if ev.PY_ERROR in fams:
+        loc = next((e.where for e in events if e.family == ev.PY_ERROR), "")
+        return f"fix the exception on {who} (traceback ending at {loc}); the other ranks failed because it left"
+    sig = f.exit.signal if f.exit is not None else None
+    if sig == "SIGKILL":
+        return (
+            f"find what killed {who}{on}: the kernel OOM killer (dmesg -T | grep -i 'killed process'), "
+            "the scheduler (preemption, memory limit) or a person; the other ranks only lost their peer"
+        )
+    if sig in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
+        return (
+            f"{who} crashed natively ({sig}): rerun with PYTHONFAULTHANDLER=1 and core dumps enabled to get "
+            "its stack; check extensions / custom kernels it alone runs"
+        )
+    return f"look at {who}'s own log first; the other ranks' errors are consequences"
+
+
+def _minority(groups: dict[str, list[int]]) -> tuple[list[int], str, str] | None:
+    """The odd group out: smallest group when one group is clearly the majority."""
+    if len(groups) < 2:
+        return None
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    big_key, big = ordered[-1]
+    if len(ordered[-2][1]) == len(big):
+        return None  # no majority: nobody is the odd one out
+    odd = sorted(r for k, v in groups.items() if k != big_key for r in v)
+    odd_key = ", ".join(sorted(k for k in groups if k != big_key))
+    return odd, odd_key, big_key
+
+
+def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
+    facts = E.ranks
+    # c10d DETAIL fingerprints name ops directly
+    fp: dict[str, list[int]] = {}
+    for r in known:
+        e = facts[r].first.get(ev.OP_MISMATCH)
+        if e is not None and e.op:
+            fp.setdefault(e.op, []).append(r)
+    # NCCL watchdog: same SeqNum, different OpType
+    by_seq: dict[int, dict[str, list[int]]] = {}
+    for r in known:
+        t = facts[r].nccl_timeout
+        if t is not None and t.seq is not None and t.op:
+            by_seq.setdefault(t.seq, {}).setdefault(f"{t.op}", []).append(r)
+    # tracebacks: waiting ranks stuck in different collectives
+    tb: dict[str, list[int]] = {}
+    for r in known:
+        t = facts[r].traceback
+        if t is not None and t.op and _is_waiting(facts[r]):
+            tb.setdefault(t.op, []).append(r)
+    for groups, how, conf in (
+        (fp, "c10d's collective fingerprint check", "high"),
+        *((g, f"the NCCL watchdog (same collective #{s})", "high") for s, g in by_seq.items()),
+        (tb, "their stacks", "medium"),
+    ):
+        mm = _minority(groups)
+        if mm is None:
+            continue
+        odd, odd_op, big_op = mm
+        where = ""
+        if groups is tb:
+            sites = {facts[r].traceback.detail for r in odd if facts[r].traceback}  # type: ignore[union-attr]
+            where = f" at {', '.join(sorted(s for s in sites if s))}" if sites else ""
+        return Diagnosis(
+            kind="collective_mismatch",
+            initiating_ranks=odd,
+            confidence=conf,
+            phase="collective",
+            reason=(
+                f"{fmt_ranks(odd)} called {odd_op}{where} while {fmt_ranks(groups[big_op])} called "
+                f"{big_op} (per {how}); nobody could complete"
+            ),
+            next_action=(
+                f"make {fmt_ranks(odd)} issue the same collectives in the same order as the others (look "
+                "for rank-dependent branches around that call); TORCH_DISTRIBUTED_DEBUG=DETAIL checks "
+                "this at every call"
+            ),
+        )
+    for groups in (fp, *by_seq.values(), tb):
+        if len(groups) > 1:
+            desc = "; ".join(f"{fmt_ranks(v)} in {k}" for k, v in sorted(groups.items()))
+            return Diagnosis(
+                kind="collective_mismatch",
+                initiating_ranks=[],
+                confidence="low",
+                decided=False,
+                phase="collective",
+                reason=f"ranks disagree on the collective ({desc}) and no group is a minority",
+                next_action="make every rank issue the same collectives in the same order",
+                would_decide="the expected call order (code review) or flight-recorder dumps from each rank",
+            )
+    det = [r for r in known if facts[r].counts[ev.SIZE_MISMATCH]]
+    if det:
+        e = facts[det[0]].first[ev.SIZE_MISMATCH]
+        return Diagnosis(
+            kind="collective_mismatch",
+            initiating_ranks=[],
+            confidence="medium",
+            decided=False,
+            phase="collective",
+            reason=(
+                f"{fmt_ranks(det)} received a message of the wrong size ({e.detail or 'size mismatch'}): "
+                "a peer called a collective with a different size or op. Gloo only tells the receiver, "
+                "so the logs do not say which peer sent it"
+            ),
+            next_action=(
+                "check that every rank passes tensors of the same shape/dtype to each collective "
+                "(rank-dependent sizes, uneven last batch)"
+            ),
+            would_decide=(
+                "rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL (names both ranks and their tensor shapes) or "
+                "capture flight-recorder dumps (rankwatch run) that list each rank's sizes"
+            ),
+            evidence=[quote(e)],
+        )
+    return None
+
+
+def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
+    facts = E.ranks
+    enq = {r: facts[r].status.enqueued for r in known if facts[r].status is not None}  # type: ignore[union-attr]
+    vals = {v for v in enq.values() if v is not None}
+    seqs = {r: facts[r].nccl_timeout.seq for r in known if facts[r].nccl_timeout is not None}  # type: ignore[union-attr]
+    key: dict[int, int] = {}
+    how = ""
+    if len(vals) > 1:
+        key = {r: v for r, v in enq.items() if v is not None}
+        how = "last enqueued collective"
+    elif len({s for s in seqs.values() if s is not None}) > 1:
+        key = {r: s for r, s in seqs.items() if s is not None}
+        how = "collective sequence number at the timeout"
+    if not key:
+        return None
+    low = min(key.values())
+    behind = sorted(r for r, v in key.items() if v == low)
+    ahead = sorted(r for r, v in key.items() if v != low)
+    if len(behind) > len(ahead) and len(key) > 2:
+        # most ranks agree on the low number: the few ahead ran extra collectives (a mismatch)
+        return Diagnosis(
+            kind="collective_mismatch",
+            initiating_ranks=ahead,
+            confidence="medium",
+            phase="collective",
+            reason=(
+                f"{fmt_ranks(ahead)} issued more collectives ({how} {max(key.values())}) than "
+                f"{fmt_ranks(behind)} ({low}): an extra collective nobody else joined"
+            ),
+            next_action=f"find the collective {fmt_ranks(ahead)} issues that the others do not (rank-dependent code)",
+        )
+    high = max(key.values())
+    return Diagnosis(
+        kind="hang",
+        initiating_ranks=behind,
+        confidence="high",
+        reason=(
+            f"{fmt_ranks(behind)} is behind: {how} {low} while {fmt_ranks(ahead)} reached {high}; the others "
+            "timed out waiting for it to join"
+        ),
+        next_action=(
+            f"find what {fmt_ranks(behind)} was doing instead of collective #{low + 1}: a stack during the "
+            "hang (py-spy dump, or rankwatch run which captures it), data loading / I/O / rank-specific "
+            "work; flight-recorder dumps show the op it last issued"
+        ),
+    )
+
+
+def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
+    facts = E.ranks
+    waiting = [r for r in known if _is_waiting(facts[r])]
+    outside = [r for r in known if r not in waiting]
+    if not waiting or not outside:
+        return None
+    peer_only = all(
+        facts[r].counts[ev.PEER_LOST] and not facts[r].counts[ev.GLOO_TIMEOUT] and not facts[r].counts[ev.NCCL_TIMEOUT]
+        for r in waiting
+    )
+    if len(outside) >= len(waiting):
+        return Diagnosis(
+            kind="hang",
+            initiating_ranks=[],
+            confidence="low",
+            decided=False,
+            reason=(
+                f"{fmt_ranks(waiting)} timed out or lost a peer, but {fmt_ranks(outside)} left no message: "
+                "any of them could be the one that never arrived"
+            ),
+            next_action="collect each rank's own stderr (torchrun --log-dir … --tee 3) before deciding",
+            would_decide=(
+                "per-rank logs of the silent ranks, or stacks taken during the hang (rankwatch run / py-spy "
+                "dump), or NCCL watchdog messages with sequence numbers"
+            ),
+        )
+    kind = "dead_rank" if peer_only else "hang"
+    what = (
+        "lost the connection to a peer (a peer process went away)"
+        if peer_only
+        else "timed out waiting in a collective"
+    )
+    return Diagnosis(
+        kind=kind,
+        initiating_ranks=outside,
+        confidence="medium",
+        reason=(
+            f"{fmt_ranks(waiting)} {what}; {fmt_ranks(outside)} printed no such error: it never entered "
+            "the collective the others waited in"
+        ),
+        next_action=(
+            f"find what {fmt_ranks(outside)} was doing: "
+            + (
+                "why it exited (its own stderr, dmesg for the OOM killer, the scheduler)"
+                if peer_only
+                else "its stack during the hang (rankwatch run captures py-spy stacks; py-spy dump by hand), "
+                "e.g. data loading, I/O, a rank-specific branch before the collective"
+            )
+        ),
+    )
+
+
+def _rule_same_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
+    facts = E.ranks
+    waiting = [r for r in known if _is_waiting(facts[r])]
+    if not waiting or len(waiting) != len(known):
+        return None
+    sites = {facts[r].traceback.detail for r in waiting if facts[r].traceback is not None}  # type: ignore[union-attr]
+    ops = {facts[r].traceback.op for r in waiting if facts[r].traceback is not None}  # type: ignore[union-attr]
+    same = ""
+    if len(ops) == 1 and len(sites) == 1:
+        same = f" ({next(iter(ops)) or 'same call'} at {next(iter(sites))})"
+    return Diagnosis(
+        kind="comm_hang",
+        initiating_ranks=[],
+        confidence="low",
+        decided=False,
+        phase="collective",
+        reason=(
+            f"every rank ({fmt_ranks(waiting)}) timed out in the same collective{same}: the logs do not "
+            "single out a rank — a communication hang, or a mismatch in sizes/order that these messages "
+            "cannot show"
+        ),
+        next_action=(
+            "check the transport (NCCL_DEBUG=WARN output, NCCL RAS, network/fabric errors on the nodes) and "
+            "that all ranks pass tensors of the same size"
+        ),
+        would_decide=(
+            "flight-recorder dumps (sizes and sequence numbers per rank), TORCH_DISTRIBUTED_DEBUG=DETAIL "
+            "(names mismatching ranks), or stacks from a live hang (rankwatch run)"
+        ),
+    )
+
+
+def _rule_report_only(E: Evidence, known: list[int]) -> Diagnosis | None:
+    exits = [r for r in known if E.ranks[r].exit is not None]
+    root = [r for r in exits if E.ranks[r].exit.root_cause]  # type: ignore[union-attr]
+    failed = [r for r in exits if E.ranks[r].exit.signal != "SIGTERM"]  # type: ignore[union-attr]
+    cands = root or failed
+    if not cands:
+        return None
+    return Diagnosis(
+        kind="dead_rank",
+        initiating_ranks=cands[:1] if root else cands,
+        confidence="low",
+        decided=False,
+        reason=(
+            f"only torchrun's exit report says anything: {fmt_ranks(cands)} exited first "
+            f"({_activity(E.ranks[cands[0]])}); without the ranks' own messages that is a guess"
+        ),
+        next_action="look at that rank's own output; rerun with torchrun --log-dir DIR --tee 3 to keep it",
+        would_decide="each rank's stderr (Python tracebacks, NCCL/gloo errors)",
+    )
+
+
+def _nothing(E: Evidence, known: list[int]) -> Diagnosis:
+    seen = f" ({fmt_ranks(known)} seen)" if known else ""
+    return Diagnosis(
+        kind="unknown",
+        initiating_ranks=[],
+        confidence="low",
+        decided=False,
+        reason=f"no failure, timeout or exit message in these logs{seen}",
+        next_action="pass the job's full output: torchrun's console and the per-rank logs",
+        would_decide=(
+            "torchrun's failure report, per-rank stderr with tracebacks, NCCL watchdog or gloo timeout "
+            "messages, or dmesg/Slurm output from the nodes"
+        ),
+    )

@@ -1,0 +1,158 @@
+"""Inputs: expand paths (files, directories, ``-``), say which rank a path belongs to, and stream
+candidate lines out of any amount of bytes in constant memory.
+
+Reading is chunked and prefiltered: one combined regex over each 4 MiB block finds the few lines
+that can matter, so Python only touches those. Line numbers are still exact (newlines are counted
+in C between candidates). Overlong lines are cut at ``MAX_LINE`` bytes, so memory stays bounded even
+for a file without a single newline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from ..errors import UserError
+from .parser import PathRank
+from .patterns import PREFILTER
+
+CHUNK = 4 << 20  # bytes per read: large enough that per-chunk overhead vanishes
+MAX_LINE = 64 << 10  # longest line kept; the rest of a longer line is dropped
+
+# torchrun --log-dir: <log-dir>/<run-id>/attempt_<n>/<local_rank>/{stdout,stderr}.log (error.json)
+_LOGDIR_PATH = re.compile(r"attempt_\d+[/\\](\d{1,7})[/\\](?:stdout|stderr|error)\.(?:log|json)$")
+# a file named for its rank: rank-3.log, rank_3.out, train.rank3.txt
+_RANK_NAME = re.compile(r"(?:^|[^a-z])rank[-_.]?(\d{1,7})(?:\D|$)", re.IGNORECASE)
+# which ranks print at all: distinct line prefixes in the first chunk of each source
+_DISCOVER = re.compile(rb"^(?:\[[A-Za-z_]{1,32}\d{1,7}\]:(?:\[rank\d{1,7}\]:)?|\[rank\d{1,7}\]:)", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    name: str  # as shown in evidence ("-" for stdin)
+    path: str | None  # None for stdin
+    path_rank: PathRank
+
+
+@dataclass(slots=True)
+class ScanStats:
+    bytes: int = 0
+    lines: int = 0
+    candidates: int = 0
+
+
+def rank_from_path(path: str) -> PathRank:
+    """The rank a file's location implies, if any (local rank for torchrun's per-rank dirs)."""
+    m = _LOGDIR_PATH.search(path)
+    if m:
+        return PathRank(local_rank=int(m.group(1)))
+    m = _RANK_NAME.search(os.path.basename(path))
+    if m:
+        return PathRank(rank=int(m.group(1)))
+    return PathRank()
+
+
+def expand(args: list[str]) -> list[Source]:
+    """Files as given, directories recursively in sorted order, ``-`` as stdin. Missing → UserError."""
+    out: list[Source] = []
+    for arg in args:
+        if arg == "-":
+            out.append(Source("-", None, PathRank()))
+            continue
+        if os.path.isdir(arg):
+            for root, dirs, files in os.walk(arg):
+                dirs.sort()
+                for name in sorted(files):
+                    full = os.path.join(root, name)
+                    if os.path.isfile(full):
+                        out.append(Source(full, full, rank_from_path(full)))
+            continue
+        if not os.path.exists(arg):
+            raise UserError(f"no such file or directory: {arg}")
+        if not os.path.isfile(arg) and not _is_readable_stream(arg):
+            raise UserError(f"not a regular file or directory: {arg}")
+        out.append(Source(arg, arg, rank_from_path(arg)))
+    return out
+
+
+def _is_readable_stream(path: str) -> bool:
+    """Named pipes and /dev/stdin-like paths are fine to stream."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+
+
+def open_source(src: Source) -> BinaryIO:
+    if src.path is None:
+        return sys.stdin.buffer
+    try:
+        return open(src.path, "rb")  # the caller closes it
+    except OSError as exc:
+        raise UserError(f"cannot read {src.path}: {exc.strerror or exc}") from exc
+
+
+def discover_prefixes(head: bytes) -> set[bytes]:
+    """Distinct rank prefixes at line starts of a chunk (a rank that only printed progress exists too)."""
+    return {m.group(0) for m in _DISCOVER.finditer(head)}
+
+
+def scan(
+    stream: BinaryIO,
+    stats: ScanStats,
+    prefilter: re.Pattern[bytes] = PREFILTER,
+    chunk: int = CHUNK,
+    max_line: int = MAX_LINE,
+    prefixes: set[bytes] | None = None,
+) -> Iterator[tuple[int, bytes]]:
+    """Yield (1-based line number, line bytes) for lines the prefilter accepts."""
+    base = 0  # newlines before the start of the current buffer
+    carry = b""
+    first = True
+    while True:
+        block = stream.read(chunk)
+        if not block:
+            break
+        stats.bytes += len(block)
+        buf = carry + block if carry else block
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            carry = buf[:max_line]
+            continue
+        body, carry = buf[: cut + 1], buf[cut + 1 :]
+        if len(carry) > max_line:
+            carry = carry[:max_line]
+        if first and prefixes is not None:
+            prefixes.update(discover_prefixes(body[: 1 << 20]))
+        first = False
+        counted = 0
+        pos = 0
+        search = prefilter.search
+        while True:
+            m = search(body, pos)
+            if m is None:
+                break
+            s = m.start()
+            ls = body.rfind(b"\n", 0, s) + 1
+            le = body.find(b"\n", s)
+            base += body.count(b"\n", counted, ls)
+            counted = ls
+            stats.candidates += 1
+            yield base + 1, body[ls : min(le, ls + max_line)]
+            pos = le + 1
+        base += body.count(b"\n", counted)
+    if carry:
+        if first and prefixes is not None:
+            prefixes.update(discover_prefixes(carry))
+        base += 1
+        if prefilter.search(carry):
+            stats.candidates += 1
+            yield base, carry
+    stats.lines += base
