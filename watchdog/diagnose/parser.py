@@ -223,7 +223,9 @@ class SourceParser:
                 fam = ev.CUDA_OOM if "out of memory" in msg else ev.CUDA_ERROR
             elif re.search(r"remote|peer|closed|Connection", msg):
                 fam = ev.PEER_LOST
-            out.append(mk(fam, host=m.group(1), pid=int(m.group(2)), detail=msg[:MAX_TEXT]))
+            cm = pt.CUDA_ERROR.search(msg)
+            detail = (cm.group(2) or cm.group(1)) if cm and fam != ev.COMM_ERROR else msg
+            out.append(mk(fam, host=m.group(1), pid=int(m.group(2)), detail=detail[:MAX_TEXT]))
             return out
         if m := pt.GLOO_TIMEOUT.search(s):
             out.append(mk(ev.GLOO_TIMEOUT, detail=f"{m.group(2)} timed out after {m.group(1)} ms"))

@@ -35,7 +35,7 @@ class Policy:
     # or millisecond, but the printing order across processes is only that precise
     tie_s: float = 1.0
     # evidence lines quoted per rank, and overall, so a verdict stays readable
-    evidence_per_rank: int = 3
+    evidence_per_rank: int = 4
     max_evidence: int = 24
     # a rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal)
     fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
@@ -225,6 +225,9 @@ def diagnose(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
             continue
         told = [e for e in f.first.values() if e.family != ev.RANK_SEEN]
         mine = sorted(told, key=lambda e: (e.file, e.line))
+        if r not in d.initiating_ranks:
+            # one line per other rank: what it waited on, else whatever it said
+            mine = [e for e in mine if e.family in ev.WAITING | ev.MISMATCH][:1] or mine[:1]
         silent = [e for e in f.first.values() if e.family == ev.RANK_SEEN and e.detail == "path"]
         if silent and not any(e.file == silent[0].file for e in told):
             mine.append(silent[0])  # its own log exists and says nothing: evidence of absence

@@ -1,0 +1,93 @@
+"""`rankwatch diagnose` end to end, as a user runs it (the installed console script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+
+def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["rankwatch", "diagnose", *args],
+        input=stdin.decode("utf-8", "replace") if stdin is not None else None,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_text_names_the_initiator() -> None:
+    p = run(str(LOGS / "torchrun_tee/dead_rank_r2.log"))
+    assert p.returncode == 0, p.stderr
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("INITIATOR: rank 2") and "dead_rank" in first
+    assert "dead_rank_r2.log:87:" in p.stdout  # evidence as file:line
+    assert "next:" in p.stdout and "other ranks:" in p.stdout
+
+
+def test_json_is_a_verdict() -> None:
+    p = run("--json", str(LOGS / "templated/nccl_optype_mismatch_r1.log"))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["schema"] == "rankwatch.verdict/1"
+    assert doc["source"] == "logs"
+    assert doc["kind"] == "collective_mismatch"
+    assert doc["initiating_ranks"] == [1]
+    assert doc["detected_after_s"] is None and doc["job_id"] is None
+    assert doc["ranks"]["1"]["collective"] == {"seq": 57, "op": "BROADCAST"}
+    assert doc["ranks"]["0"]["gpu_util"] is None
+    assert all(e.split(":", 2)[1].isdigit() for e in doc["evidence"])
+
+
+def test_stdin() -> None:
+    data = (LOGS / "torchrun_tee/input_hang_r1.log").read_bytes()
+    p = run("--json", "-", stdin=data)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["initiating_ranks"] == [1] and doc["kind"] == "hang"
+    assert doc["evidence"][0].startswith("-:")
+
+
+def test_directory_argument() -> None:
+    p = run(str(LOGS / "logdir_input_hang_r3"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("INITIATOR: rank 3 — hang")
+    assert "read 9 source(s)" in p.stdout
+
+
+def test_undecided_exit_code_and_wording() -> None:
+    p = run(str(LOGS / "torchrun_tee/size_mismatch_large.log"))
+    assert p.returncode == 1
+    assert "cannot decide" in p.stdout and "what would decide:" in p.stdout
+
+
+def test_missing_file_is_one_line_exit_2() -> None:
+    p = run(str(LOGS / "no-such.log"))
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "no such file" in p.stderr
+
+
+def test_bad_option_is_one_line_exit_2() -> None:
+    p = run("--bogus", "x")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_binary_file_does_not_crash(tmp_path: Path) -> None:
+    blob = tmp_path / "core.bin"
+    blob.write_bytes(os.urandom(300_000) + b"\x00RuntimeError: \xff\xfe Traceback\n" + os.urandom(1000))
+    p = run(str(blob))
+    assert p.returncode in (0, 1), p.stderr
+    assert "Traceback" not in p.stderr
+    assert p.stdout.startswith(("INITIATOR", "NO SINGLE INITIATOR"))
+
+
+def test_several_sources_at_once() -> None:
+    p = run(str(LOGS / "templated/ecc_r1/slurm-771.out"), str(LOGS / "templated/ecc_r1/dmesg.txt"))
+    assert p.returncode == 0 and p.stdout.startswith("INITIATOR: rank 1")
+    assert "Xid 48" in p.stdout or "Xid (PCI" in p.stdout

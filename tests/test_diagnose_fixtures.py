@@ -1,0 +1,86 @@
+"""Every log fixture names its expected initiating rank(s) and kind (tests/fixtures/logs/README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rankwatch.watchdog.diagnose import analyze
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+# fixture (file or directory) -> (initiating ranks, kind)
+EXPECTED: dict[str, tuple[list[int], str]] = {
+    # real gloo captures
+    "torchrun_tee/dead_rank_r2.log": ([2], "dead_rank"),
+    "torchrun_tee/input_hang_r1.log": ([1], "hang"),
+    "torchrun_tee/collective_mismatch_r3.log": ([3], "collective_mismatch"),
+    "torchrun_tee/size_mismatch_small.log": ([1], "collective_mismatch"),
+    "torchrun_tee/size_mismatch_large.log": ([], "collective_mismatch"),
+    "torchrun_tee/debug_detail_all_segv.log": ([], "unknown"),
+    "logdir_dead_rank_r1": ([1], "dead_rank"),
+    "logdir_dead_rank_r1/fx4_e9xs5ipa/attempt_0": ([1], "dead_rank"),  # per-rank files alone
+    "logdir_input_hang_r3": ([3], "hang"),
+    "logdir_input_hang_r3/fx5_5pi475zf/attempt_0": ([3], "hang"),
+    # templated NCCL / CUDA / Slurm / kernel formats
+    "templated/nccl_behind_r2.log": ([2], "hang"),
+    "templated/nccl_optype_mismatch_r1.log": ([1], "collective_mismatch"),
+    "templated/slurm_cuda_illegal_r5.log": ([5], "dead_rank"),
+    "templated/cuda_oom_r3.log": ([3], "dead_rank"),
+    "templated/host_oom_r6": ([6], "dead_rank"),
+    "templated/ecc_r1": ([1], "dead_rank"),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(EXPECTED))
+def test_fixture_initiator_and_kind(fixture: str) -> None:
+    ranks, kind = EXPECTED[fixture]
+    d, _ = analyze([str(LOGS / fixture)])
+    assert d.initiating_ranks == ranks, d.reason
+    assert d.kind == kind, d.reason
+    assert d.decided == bool(ranks)
+    doc = d.to_json()
+    assert doc["schema"] == "rankwatch.verdict/1" and doc["source"] == "logs"
+    assert doc["kind"] in ("hang", "dead_rank", "stopped_rank", "collective_mismatch", "comm_hang", "unknown")
+    assert all(":" in e for e in doc["evidence"])
+
+
+def test_every_fixture_is_covered() -> None:
+    """A new capture must come with its expectation."""
+    covered = {LOGS / k for k in EXPECTED}
+    for path in LOGS.rglob("*.log"):
+        assert any(c == path or c in path.parents for c in covered), path
+
+
+def test_root_cause_that_was_a_victim_is_called_out() -> None:
+    d, _ = analyze([str(LOGS / "torchrun_tee/input_hang_r1.log")])
+    assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
+    d, _ = analyze([str(LOGS / "logdir_dead_rank_r1")])
+    assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
+
+
+def test_evidence_points_at_the_initiators_lines() -> None:
+    d, _ = analyze([str(LOGS / "torchrun_tee/collective_mismatch_r3.log")])
+    assert "all_gather" in d.evidence[0] and "collective_mismatch_r3.log:14:" in d.evidence[0]
+    assert "ranks 0-2 called all_reduce" in d.reason
+    d, _ = analyze([str(LOGS / "templated/host_oom_r6")])
+    assert any("dmesg.txt:" in e and "48213" in e for e in d.evidence)
+
+
+def test_other_ranks_are_described() -> None:
+    d, _ = analyze([str(LOGS / "templated/nccl_behind_r2.log")])
+    assert set(d.others) == {0, 1, 3}
+    assert all("ALLREDUCE #1043" in v for v in d.others.values())
+    assert "1042" in d.reason and "1043" in d.reason
+
+
+def test_undecided_says_what_would_decide() -> None:
+    for fixture in ("torchrun_tee/size_mismatch_large.log", "torchrun_tee/debug_detail_all_segv.log"):
+        d, _ = analyze([str(LOGS / fixture)])
+        assert not d.decided and d.would_decide
+
+
+def test_local_ranks_map_to_global_via_rank_prefixes() -> None:
+    _, ev = analyze([str(LOGS / "logdir_input_hang_r3/fx5_5pi475zf/attempt_0")])
+    assert sorted(ev.ranks) == [0, 1, 2, 3]
