@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from rankwatch.watchdog.diagnose import analyze
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"

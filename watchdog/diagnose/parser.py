@@ -257,10 +257,8 @@ class SourceParser:
         if m := pt.HOST_OOM.search(s):
             if m.group(1):
                 out.append(mk(ev.HOST_OOM, pid=int(m.group(1)), detail=f"OOM killer killed {m.group(2)}"))
-            elif m.group(4):
-                out.append(mk(ev.HOST_OOM, pid=int(m.group(4)), detail=f"OOM killer killed {m.group(3)}"))
             else:
-                out.append(mk(ev.HOST_OOM, detail=f"{m.group(5)} oom_kill event(s) in the step"))
+                out.append(mk(ev.HOST_OOM, detail=f"{m.group(3)} oom_kill event(s) in the step"))
             return out
         if m := pt.SLURM_TASK.search(s):
             tasks = pt.expand_tasks(m.group(2))

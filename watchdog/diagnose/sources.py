@@ -18,10 +18,11 @@ from typing import BinaryIO
 
 from ..errors import UserError
 from .parser import PathRank
-from .patterns import PREFILTER
+from .patterns import BLOCK_END, BLOCK_START, PREFILTER, PREFILTER_EXTRA
 
 CHUNK = 4 << 20  # bytes per read: large enough that per-chunk overhead vanishes
 MAX_LINE = 64 << 10  # longest line kept; the rest of a longer line is dropped
+MAX_BLOCK_LINES = 1_000_000  # lines of one failure report read whole (8 per failed rank)
 
 # torchrun --log-dir: <log-dir>/<run-id>/attempt_<n>/<local_rank>/{stdout,stderr}.log (error.json)
 _LOGDIR_PATH = re.compile(r"attempt_\d+[/\\](\d{1,7})[/\\](?:stdout|stderr|error)\.(?:log|json)$")
@@ -104,6 +105,33 @@ def discover_prefixes(head: bytes) -> set[bytes]:
     return {m.group(0) for m in _DISCOVER.finditer(head)}
 
 
+def _candidates(body: bytes, prefilter: re.Pattern[bytes], extra: tuple[bytes, ...]) -> set[int]:
+    """Start offsets of the lines in ``body`` that contain a keyword."""
+    hits = [m.start() for m in prefilter.finditer(body)]
+    for kw in extra:
+        i = body.find(kw)
+        while i >= 0:
+            hits.append(i)
+            nl = body.find(b"\n", i)
+            i = body.find(kw, nl + 1) if nl >= 0 else -1
+    return {body.rfind(b"\n", 0, h) + 1 for h in hits}
+
+
+def _block_lines(body: bytes, start: int) -> tuple[list[int], bool]:
+    """Line starts from ``start`` to the report's closing "====" line; True if it runs past ``body``."""
+    end = body.find(BLOCK_END, start)
+    stop = len(body) if end < 0 else end + 1
+    out: list[int] = []
+    pos = start
+    while pos < stop and len(out) < MAX_BLOCK_LINES:
+        out.append(pos)
+        nl = body.find(b"\n", pos)
+        if nl < 0:
+            break
+        pos = nl + 1
+    return out, end < 0 and len(out) < MAX_BLOCK_LINES
+
+
 def scan(
     stream: BinaryIO,
     stats: ScanStats,
@@ -111,48 +139,54 @@ def scan(
     chunk: int = CHUNK,
     max_line: int = MAX_LINE,
     prefixes: set[bytes] | None = None,
+    extra: tuple[bytes, ...] = PREFILTER_EXTRA,
 ) -> Iterator[tuple[int, bytes]]:
-    """Yield (1-based line number, line bytes) for lines the prefilter accepts."""
+    """Yield (1-based line number, line bytes) for lines the prefilter accepts, in order.
+
+    Lines of torch elastic's failure report are yielded whole (block from "Failures:" to "===="),
+    since its field lines carry no keyword of their own.
+    """
     base = 0  # newlines before the start of the current buffer
     carry = b""
     first = True
+    in_block = False  # a failure report continues from the previous buffer
     while True:
         block = stream.read(chunk)
         if not block:
-            break
-        stats.bytes += len(block)
-        buf = carry + block if carry else block
-        cut = buf.rfind(b"\n")
+            if not carry:
+                break
+            block, carry, tail = carry + b"\n", b"", True  # last line without a newline
+        else:
+            tail = False
+            stats.bytes += len(block)
+            block = carry + block if carry else block
+        cut = block.rfind(b"\n")
         if cut < 0:
-            carry = buf[:max_line]
+            carry = block[:max_line]
             continue
-        body, carry = buf[: cut + 1], buf[cut + 1 :]
+        body, carry = block[: cut + 1], block[cut + 1 :]
         if len(carry) > max_line:
             carry = carry[:max_line]
         if first and prefixes is not None:
             prefixes.update(discover_prefixes(body[: 1 << 20]))
         first = False
+        starts = _candidates(body, prefilter, extra)
+        if in_block:
+            more, in_block = _block_lines(body, 0)
+            starts.update(more)
+        for ls in sorted(starts):
+            le = body.find(b"\n", ls)
+            if any(k in body[ls:le] for k in BLOCK_START):
+                more, in_block = _block_lines(body, le + 1)
+                starts.update(more)
         counted = 0
-        pos = 0
-        search = prefilter.search
-        while True:
-            m = search(body, pos)
-            if m is None:
-                break
-            s = m.start()
-            ls = body.rfind(b"\n", 0, s) + 1
-            le = body.find(b"\n", s)
+        for ls in sorted(starts):
+            le = body.find(b"\n", ls)
             base += body.count(b"\n", counted, ls)
             counted = ls
             stats.candidates += 1
             yield base + 1, body[ls : min(le, ls + max_line)]
-            pos = le + 1
         base += body.count(b"\n", counted)
-    if carry:
-        if first and prefixes is not None:
-            prefixes.update(discover_prefixes(carry))
-        base += 1
-        if prefilter.search(carry):
-            stats.candidates += 1
-            yield base, carry
+        if tail:
+            break
     stats.lines += base
