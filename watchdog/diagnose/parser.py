@@ -201,10 +201,10 @@ class SourceParser:
         if pt.NCCL_OBSERVED_DUMP in s:
             out.append(mk(ev.DUMP_SIGNAL, detail="another rank", **self._pg_rank(s, rank)))
             return out
-        if pt.NCCL_HEARTBEAT.search(s):
+        if ("eartbeat" in s or "got stuck" in s) and pt.NCCL_HEARTBEAT.search(s):
             out.append(mk(ev.HEARTBEAT, **self._pg_rank(s, rank)))
             return out
-        if m := pt.NCCL_DUMP_TO.search(s):
+        if "dumping nccl trace" in s and (m := pt.NCCL_DUMP_TO.search(s)):
             out.append(mk(ev.DUMP_WRITTEN, detail=m.group(1)))
             return out
         if "Detected mismatch" in s and (m := pt.OP_MISMATCH.search(s)):
@@ -227,40 +227,40 @@ class SourceParser:
             detail = (cm.group(2) or cm.group(1)) if cm and fam != ev.COMM_ERROR else msg
             out.append(mk(fam, host=m.group(1), pid=int(m.group(2)), detail=detail[:MAX_TEXT]))
             return out
-        if m := pt.GLOO_TIMEOUT.search(s):
+        if "Timed out waiting" in s and (m := pt.GLOO_TIMEOUT.search(s)):
             out.append(mk(ev.GLOO_TIMEOUT, detail=f"{m.group(2)} timed out after {m.group(1)} ms"))
             return out
-        if m := pt.GLOO_SIZE.search(s):
+        if ("preamble" in s or "data size" in s) and (m := pt.GLOO_SIZE.search(s)):
             detail = f"received {m.group(1)} bytes, expected {m.group(2)}" if m.group(1) else ""
             out.append(mk(ev.SIZE_MISMATCH, detail=detail))
             return out
-        if m := pt.PEER_LOST.search(s):
+        if ("peer" in s or "Read error" in s) and (m := pt.PEER_LOST.search(s)):
             host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
             out.append(mk(ev.PEER_LOST, detail=f"peer {host}:{port}" if host else "peer"))
             return out
-        if pt.NCCL_REMOTE.search(s):
+        if ("emote" in s or "aborted" in s) and pt.NCCL_REMOTE.search(s):
             out.append(mk(ev.PEER_LOST, detail="NCCL remote error"))
             return out
-        if pt.ECC.search(s):
+        if "ECC" in s and pt.ECC.search(s):
             out.append(mk(ev.HW_FAULT, detail="ECC error"))
             return out
-        if m := pt.XID.search(s):
+        if "Xid" in s and (m := pt.XID.search(s)):
             pid = int(m.group(3)) if m.group(3) else None
             out.append(mk(ev.HW_FAULT, pid=pid, detail=f"Xid {m.group(2)} on PCI {m.group(1)}: {m.group(5)}"))
             return out
-        if pt.CUDA_OOM.search(s):
+        if ("emory" in s or "OfMemory" in s) and pt.CUDA_OOM.search(s):
             out.append(mk(ev.CUDA_OOM, detail="CUDA out of memory"))
             return out
-        if m := pt.CUDA_ERROR.search(s):
+        if ("CUDA error" in s or "uda failure" in s) and (m := pt.CUDA_ERROR.search(s)):
             out.append(mk(ev.CUDA_ERROR, detail=(m.group(1) or m.group(2) or "").strip()))
             return out
-        if m := pt.HOST_OOM.search(s):
+        if ("Killed process" in s or "oom" in s) and (m := pt.HOST_OOM.search(s)):
             if m.group(1):
                 out.append(mk(ev.HOST_OOM, pid=int(m.group(1)), detail=f"OOM killer killed {m.group(2)}"))
             else:
                 out.append(mk(ev.HOST_OOM, detail=f"{m.group(3)} oom_kill event(s) in the step"))
             return out
-        if m := pt.SLURM_TASK.search(s):
+        if "srun: error" in s and (m := pt.SLURM_TASK.search(s)):
             tasks = pt.expand_tasks(m.group(2))
             why = m.group(3).strip()
             cm = re.search(r"exit code (\d+)", why)
@@ -271,17 +271,17 @@ class SourceParser:
                        exitcode=int(cm.group(1)) if cm else None, signal=sig)
                 )
             return out
-        if m := pt.SLURM_CANCEL.search(s):
+        if "CANCELLED" in s and (m := pt.SLURM_CANCEL.search(s)):
             out.append(mk(ev.SLURM, rank=None, detail=f"step {m.group(1)} cancelled ({m.group(4) or 'by request'})"))
             return out
-        if m := pt.ELASTIC_FAILED.search(s):
+        if "exitcode" in s and (m := pt.ELASTIC_FAILED.search(s)):
             code = int(m.group(1))
             out.append(
                 mk(ev.EXIT, rank=None, local_rank=int(m.group(2)), pid=int(m.group(3)),
                    exitcode=code, signal=pt.signal_name(code), detail=ev.FIRST_NOTICED)
             )
             return out
-        if m := pt.ELASTIC_CLOSING.search(s):
+        if "closing signal" in s and (m := pt.ELASTIC_CLOSING.search(s)):
             out.append(mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal=m.group(2)))
             return out
         if pt.NCCL_ERROR.search(s):

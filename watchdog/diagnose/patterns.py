@@ -23,7 +23,10 @@ from dataclasses import dataclass
 # "ProcessGroupNCCL.cpp") and NCCL's own lines, gloo/CUDA errors (printed as RuntimeError/…Error),
 # dmesg (Xid, OOM killer), Slurm (": error"), torchrun's agent ("exitcode", "closing signal") and its
 # failure report (a block from "Failures:"/"Root Cause" to the closing "====" line, read whole).
-PREFILTER = re.compile(rb'Error|Exception|NCCL|Traceback|File "|NVRM: Xid|Killed process|Failures:|Root Cause')
+# (NCCL_DEBUG=INFO prints millions of "NCCL INFO" lines and none of them matters: skipped here.)
+PREFILTER = re.compile(
+    rb'Error|Exception|NCCL(?! INFO)|Traceback|File "|NVRM: Xid|Killed process|Failures:|Root Cause'
+)
 PREFILTER_EXTRA: tuple[bytes, ...] = (b": error", b"exitcode", b"closing signal", b"enforce fail")
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -54,15 +57,24 @@ class Prefix:
     local_rank: int | None = None
 
 
+# the common torchrun shapes in one match: "[default3]:[rank3]:", "[default3]:", "[rank3]:"
+_TORCHRUN_PREFIX = re.compile(r"\[(?:default(\d{1,7})\]:(?:\[rank(\d{1,7})\]:)?|rank(\d{1,7})\]:) ?")
+
+
 def split_prefix(line: str) -> tuple[Prefix, str]:
     """Strip launcher/logging prefixes; return the ranks they name and the message body."""
+    f = _TORCHRUN_PREFIX.match(line)
+    if f and not line.startswith("[", f.end()):
+        lr, r1, r2 = f.groups()
+        r = r1 or r2
+        return Prefix(int(r) if r else None, int(lr) if lr else None), line[f.end() :]
     rank: int | None = None
     local: int | None = None
     pos = 0
-    m = _RAY_PREFIX.match(line)
+    m = _RAY_PREFIX.match(line) if line[:1] == "(" else None
     if m:
         pos = m.end()
-    else:
+    elif line[:1].isdigit() or line[:1] == " ":
         s = _SLURM_LABEL.match(line)
         if s:
             rank = int(s.group(1))
@@ -77,7 +89,7 @@ def split_prefix(line: str) -> tuple[Prefix, str]:
         else:
             local = num
         pos = b.end()
-    if rank is None and local is None and pos == 0:
+    if rank is None and local is None and pos == 0 and "[rank" in line:
         g = _RANK_ANYWHERE.search(line, 0, 400)
         if g:
             rank = int(g.group(1))
@@ -164,7 +176,7 @@ TERMINATE = re.compile(r"terminate called (?:after throwing an instance of '([^'
 # --- CUDA (c10/cuda/CUDAException.cpp, CUDACachingAllocator.cpp) ------------------------------------
 CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
 CUDA_ERROR = re.compile(r"CUDA error: ([^.\n]{1,120})|Cuda failure '([^']{1,120})'")
-ECC = re.compile(r"ECC error|uncorrectable ECC|ECC uncorrectable", re.IGNORECASE)
+ECC = re.compile(r"ECC error|uncorrectable ECC|ECC uncorrectable")
 # Linux NVRM (dmesg / kern.log): "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen
 # off the bus."
 XID = re.compile(r"NVRM: Xid \(PCI:([^)]*)\): (\d+),(?: pid=(\d+),)?(?: name=([^,]*),)?\s*(.*)")

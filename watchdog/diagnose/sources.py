@@ -174,11 +174,13 @@ def scan(
         if in_block:
             more, in_block = _block_lines(body, 0)
             starts.update(more)
-        for ls in sorted(starts):
-            le = body.find(b"\n", ls)
-            if any(k in body[ls:le] for k in BLOCK_START):
+        for kw in BLOCK_START:  # a failure report: read every line of it
+            i = body.find(kw)
+            while i >= 0:
+                le = body.find(b"\n", i)
                 more, in_block = _block_lines(body, le + 1)
                 starts.update(more)
+                i = body.find(kw, le + 1)
         counted = 0
         for ls in sorted(starts):
             le = body.find(b"\n", ls)

@@ -1,0 +1,102 @@
+"""Throughput and memory of `rankwatch diagnose` on a large synthetic multi-rank log.
+
+Writes a log of SIZE bytes to a temp file: torchrun --tee output of 8 ranks ("[defaultN]:[rankN]:"
+training-progress lines, 1% NCCL INFO lines, Python logging lines), ending in a real-looking failure
+(rank 5 CUDA error, the others' NCCL watchdog timeouts, torch elastic's failure report). Then runs the
+installed `rankwatch diagnose --json` on it as a child process and reports wall time, MB/s and the
+child's peak RSS (os.wait4 rusage), for a small and a large size, so constant memory shows as equal RSS.
+
+    python benchmarks/bench_diagnose.py                 # 100 MB and 1 GB
+    python benchmarks/bench_diagnose.py --sizes-mb 50   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RANKS = 8
+FAILURE = Path(__file__).resolve().parent.parent / "tests/fixtures/logs/templated/slurm_cuda_illegal_r5.log"
+
+
+def block(seed: int) -> bytes:
+    """About 4 MB of ordinary output: what a healthy job prints most of the time."""
+    out: list[str] = []
+    step = seed * 4000
+    n = 0
+    while n < 4_000_000:
+        step += 1
+        n += len(out[-1]) * RANKS if out else 1
+        for r in range(RANKS):
+            out.append(
+                f"[default{r}]:[rank{r}]:step {step} | loss {2.5 - (step % 997) / 1000:.4f} | lr 3.0e-04 | "
+                f"grad_norm 0.{step % 97:02d} | tokens/s {400000 + step % 5000} | mem 61.2GB | dt 0.41s\n"
+            )
+            if step % 100 == r:
+                out.append(
+                    f"[default{r}]:gpu-node-3:4821{r}:4839{r} [{r}] NCCL INFO Channel 03/0 : {r}[{r}] -> "
+                    f"{(r + 1) % RANKS}[{(r + 1) % RANKS}] via P2P/CUMEM/read\n"
+                )
+        if step % 50 == 0:
+            out.append(f"[default0]:[rank0]:2026-11-30 10:00:00,123 - INFO - trainer - saved checkpoint step{step}\n")
+    return "".join(out).encode()
+
+
+def tail() -> bytes:
+    """The failure, in torchrun --tee framing (rank 5 fails first; the others time out)."""
+    lines = FAILURE.read_text().splitlines()[1:]
+    return "".join(f"[default{ln.split(':', 1)[0].strip()}]:{ln.split(': ', 1)[1]}\n"
+                   if ln[:1].isdigit() and ": " in ln else ln + "\n" for ln in lines).encode()
+
+
+def write_log(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        blocks = [block(i) for i in range(4)]  # cycled: the scan cost does not depend on repetition
+        written, i = 0, 0
+        while written < size:
+            b = blocks[i % len(blocks)]
+            f.write(b)
+            written += len(b)
+            i += 1
+        f.write(tail())
+
+
+def measure(path: Path) -> dict[str, float]:
+    t0 = time.perf_counter()
+    p = subprocess.Popen(["rankwatch", "diagnose", "--json", str(path)], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    doc = json.loads(out)
+    assert doc["initiating_ranks"] == [5], doc["reason"]
+    size = path.stat().st_size
+    return {"mb": size / 1e6, "s": wall, "mbps": size / 1e6 / wall, "rss_mb": usage.ru_maxrss / 1024}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--dir", default=None, help="where to write the temp logs (default: $TMPDIR)")
+    args = ap.parse_args()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        for mb in args.sizes_mb:
+            path = Path(d) / f"synthetic-{mb}MB.log"
+            write_log(path, mb * 1_000_000)
+            r = measure(path)
+            print(f"{r['mb']:8.1f} MB  {r['s']:6.2f} s  {r['mbps']:6.1f} MB/s  peak RSS {r['rss_mb']:.1f} MB"
+                  f"  -> initiator rank 5 (correct)")
+            path.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
