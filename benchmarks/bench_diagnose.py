@@ -67,6 +67,31 @@ def write_log(path: Path, size: int) -> None:
         f.write(tail())
 
 
+WORST_LINES = {
+    # NCCL_DEBUG=INFO output: skipped by the prefilter itself
+    "all NCCL INFO lines": "[default3]:gpu-node-3:48213:48390 [3] NCCL INFO Channel 03/0 : 3[3] -> 4[4] via P2P\n",
+    # every line passes the prefilter and is parsed in Python: the slow path
+    "every line mentions an Error": "[default3]:[rank3]: UserWarning: retrying after ConnectionError from the store\n",
+}
+
+
+def worst_case(d: str, mb: int = 30) -> None:
+    from rankwatch.watchdog.diagnose import analyze
+
+    for name, line in WORST_LINES.items():
+        path = Path(d) / "worst.log"
+        blk = (line * 40000).encode()
+        with open(path, "wb") as f:
+            for _ in range(mb * 1_000_000 // len(blk)):
+                f.write(blk)
+        t0 = time.perf_counter()
+        analyze([str(path)])
+        dt = time.perf_counter() - t0
+        size = path.stat().st_size / 1e6
+        print(f"{size:8.1f} MB  {dt:6.2f} s  {size / dt:6.1f} MB/s  ({name}, in-process)")
+        path.unlink()
+
+
 def measure(path: Path) -> dict[str, float]:
     t0 = time.perf_counter()
     p = subprocess.Popen(["rankwatch", "diagnose", "--json", str(path)], stdout=subprocess.PIPE)
@@ -85,6 +110,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--dir", default=None, help="where to write the temp logs (default: $TMPDIR)")
+    ap.add_argument("--worst-case", action="store_true", help="also time logs where every line is a candidate")
     args = ap.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
@@ -95,6 +121,8 @@ def main() -> int:
             print(f"{r['mb']:8.1f} MB  {r['s']:6.2f} s  {r['mbps']:6.1f} MB/s  peak RSS {r['rss_mb']:.1f} MB"
                   f"  -> initiator rank 5 (correct)")
             path.unlink()
+        if args.worst_case:
+            worst_case(d)
     return 0
 
 
