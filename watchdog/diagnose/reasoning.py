@@ -83,7 +83,7 @@ class Diagnosis:
 # -- helpers -----------------------------------------------------------------------------------------
 def quote(e: ev.Event) -> str:
     if e.family == ev.RANK_SEEN:
-        return f"{e.file}: (this rank's own log has no error in it)"
+        return f"{e.file}:0: (this rank's own log is empty of errors)"
     return f"{e.file}:{e.line}: {e.text}"
 
 
