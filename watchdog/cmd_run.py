@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
+from rankwatch.hooks.record import RecordFormatError, read_record
 
 from . import logs
 from .argparsing import Parser
@@ -19,7 +20,7 @@ from .bundle import atomic_json, atomic_text
 from .daemon import Daemon, DaemonConfig
 from .errors import UserError
 from .options import add_watch_options, policies_from_args
-from .render import verdict_text
+from .render import headline, verdict_text
 from .straggler import diagnose, summary_text
 
 log = structlog.get_logger("rankwatch.run")
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
         os.makedirs(args.shm_dir, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create {exc.filename}: {exc.strerror}") from exc
+    _clear_stale_records(os.path.join(args.shm_dir, job_id))
     stall, capture = policies_from_args(args)
     config = DaemonConfig(
         shm_dir=args.shm_dir,
@@ -120,6 +122,33 @@ def main(argv: list[str]) -> int:
     return code
 
 
+def _clear_stale_records(job_dir: str) -> None:
+    """Remove records an earlier run left under this job id; refuse if a live rank still owns one."""
+    from .probes.process import maps_file
+
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(job_dir, name)
+        if name.endswith(".hb"):
+            try:
+                pid = read_record(path).pid
+            except (RecordFormatError, OSError):
+                pid = 0
+            if pid > 0 and maps_file(pid, path):
+                raise UserError(
+                    f"job id {os.path.basename(job_dir)!r} is in use by a running rank (pid {pid}); "
+                    "pass another --run-name"
+                )
+        if name.endswith((".hb", ".ctl", ".faulthandler")) or name == "job.json":
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def _wait(proc: subprocess.Popen[bytes]) -> int:
     while True:
         try:
@@ -147,5 +176,10 @@ def _write_summary(daemon: Daemon, job_id: str, out: str) -> None:
         atomic_text(os.path.join(out, "summary.txt"), text)
     except OSError as exc:
         log.error("summary_write_failed", out=out, error=str(exc))
-    sys.stdout.write("\n" + text + f"summary: {os.path.join(out, 'summary.json')}\n")
+    recap = "".join(
+        f"incident {v.get('incident_id')}: {headline(v)}\n    why: {v.get('reason')}\n    bundle: "
+        f"{os.path.join(out, 'incidents', str(v.get('incident_id')))}\n"
+        for v in (entry.verdicts if entry else [])
+    )
+    sys.stdout.write("\n" + text + f"summary: {os.path.join(out, 'summary.json')}\n" + recap)
     sys.stdout.flush()

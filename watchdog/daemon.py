@@ -31,6 +31,8 @@ log = structlog.get_logger("rankwatch.daemon")
 
 # a job whose ranks are all gone is retired after this long (lets a late incident still be reported)
 RETIRE_AFTER_S = 10.0
+# retired jobs are checked for a new run's records every this many polls
+REVIVE_CHECK_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class JobEntry:
     watch: JobWatch
     incident: OpenIncident | None = None
     incidents: list[str] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
     gone_since: float | None = None
     last_views: list[RankView] = field(default_factory=list)
 
@@ -124,17 +127,35 @@ class Daemon:
         self.discover()
         for job_id, entry in list(self.jobs.items()):
             if entry.watch.retired:
+                self._maybe_revive(job_id, entry)
                 continue
             try:
                 self._poll_job(job_id, entry)
             except Exception:  # one bad job never stops the daemon
                 log.exception("job_poll_failed", job=job_id)
 
+    def _maybe_revive(self, job_id: str, entry: JobEntry) -> None:
+        """A retired job id that gets fresh records is a new run (torchrun restart, reused run name)."""
+        if self.polls % REVIVE_CHECK_EVERY:
+            return
+        watch = entry.watch
+        watch.drop_gone_ranks()
+        if watch.refresh():
+            watch.retired = False
+            entry.last_views = []
+            entry.incident = None
+            entry.gone_since = None
+            watch.longest_step_s = 0.0
+            log.info("job_restarted", job=job_id, ranks=len(watch.ranks))
+
     def _poll_job(self, job_id: str, entry: JobEntry) -> None:
         watch = entry.watch
         watch.refresh()
-        views = watch.poll()
         first_look = not entry.last_views
+        if first_look:
+            # records left by an earlier run under the same job id are not this run's dead ranks
+            watch.drop_gone_ranks()
+        views = watch.poll()
         entry.last_views = views
         if not views:
             return
@@ -197,6 +218,7 @@ class Daemon:
         path = self._write_bundle(job_id, incident_id, verdict, enriched, captures)
         entry.incident = OpenIncident(incident_id, trigger, path, verdict)
         entry.incidents.append(incident_id)
+        entry.verdicts.append(verdict)
         log.warning(
             "verdict",
             job=job_id,

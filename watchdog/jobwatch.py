@@ -48,12 +48,13 @@ class JobWatch:
         self.retired = False
         self.job_info: dict[str, object] = {}
 
-    def refresh(self) -> None:
-        """Pick up new or replaced rank records; reject corrupt or foreign files once, loudly."""
+    def refresh(self) -> int:
+        """Pick up new or replaced rank records (returns how many); reject corrupt or foreign files once."""
+        found = 0
         try:
             names = os.listdir(self.job_dir)
         except OSError:
-            return
+            return 0
         if not self.job_info and "job.json" in names:
             with contextlib.suppress(OSError, ValueError):
                 with open(os.path.join(self.job_dir, "job.json"), "rb") as f:
@@ -90,9 +91,24 @@ class JobWatch:
                 self._exits.forget(state.last.pid)
                 log.info("rank_restarted", job=self.job_id, rank=rank, pid=snap.pid)
             self.ranks[rank] = RankState(reader=reader, last=snap)
+            found += 1
             self.history[rank] = deque(maxlen=HISTORY_STEPS)
             self._exits.watch(snap.pid)
             log.info("rank_discovered", job=self.job_id, rank=rank, pid=snap.pid, node=snap.hostname)
+        return found
+
+    def drop_gone_ranks(self) -> None:
+        """Forget ranks whose process is gone: a new run reusing this job id starts a new generation."""
+        for rank, st in list(self.ranks.items()):
+            if st.reader.replaced():
+                continue
+            info = self._procs.probe(st.last.pid, st.reader.path)
+            if not info.alive:
+                st.reader.close()
+                self._procs.forget(st.last.pid)
+                self._exits.forget(st.last.pid)
+                del self.ranks[rank]
+                self.history.pop(rank, None)
 
     def _state(self, st: RankState, now_ns: int) -> str:
         snap = st.last

@@ -28,14 +28,21 @@ NEXT_STEPS = {
 }
 
 
-def verdict_text(v: Mapping[str, Any]) -> str:
+def headline(v: Mapping[str, Any]) -> str:
     ranks = v.get("initiating_ranks") or []
     who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) if ranks else "no single rank"
     phase = v.get("phase")
-    lines = [
-        f"rankwatch: {_HEADLINES.get(str(v.get('kind')), str(v.get('kind')).upper())} — initiating {who}"
+    return (
+        f"{_HEADLINES.get(str(v.get('kind')), str(v.get('kind')).upper())} — initiating {who}"
         + (f" in phase '{phase}'" if phase else "")
-        + f" (confidence {v.get('confidence')})",
+        + f" (confidence {v.get('confidence')})"
+    )
+
+
+def verdict_text(v: Mapping[str, Any]) -> str:
+    ranks = v.get("initiating_ranks") or []
+    lines = [
+        f"rankwatch: {headline(v)}",
         f"job {v.get('job_id')} · incident {v.get('incident_id')} · detected {v.get('detected_after_s')}s after onset",
         "",
         f"why: {v.get('reason')}",
