@@ -19,6 +19,7 @@ from .argparsing import Parser
 from .bundle import atomic_json, atomic_text
 from .daemon import Daemon, DaemonConfig
 from .errors import UserError
+from .launcher import TorchrunCommand
 from .options import add_watch_options, policies_from_args
 from .render import headline, verdict_text
 from .straggler import diagnose, summary_text
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
     from .launcher import inject_hooks
 
     cmd = inject_hooks(torchrun_args)
-    job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or _default_job_id(cmd))
     out = os.path.abspath(args.out)
     try:
         os.makedirs(out, mode=0o700, exist_ok=True)
@@ -82,7 +83,14 @@ def main(argv: list[str]) -> int:
         printed.append(str(verdict.get("incident_id")))
 
     daemon = Daemon(config, on_incident=on_incident)
-    correlator: Any = None
+    correlator = None
+    if args.store is not None or cmd.nnodes not in ("1", "1:1"):
+        from .correlate import Correlator
+        from .store import DEFAULT_STORE_PORT
+
+        host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
+        correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes))
+        daemon.correlators[job_id] = correlator
     env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
     log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
     watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)
@@ -120,6 +128,21 @@ def main(argv: list[str]) -> int:
     _write_summary(daemon, job_id, out)
     daemon.close()
     return code
+
+
+def _default_job_id(cmd: TorchrunCommand) -> str:
+    """Multi-node runs need the same id on every node: derive it from the shared rendezvous address."""
+    if cmd.nnodes not in ("1", "1:1") and cmd.master_addr:
+        return f"job-{cmd.master_addr}-{cmd.master_port}"
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _max_nodes(nnodes: str) -> int | None:
+    """torchrun's --nnodes is N or MIN:MAX; the evidence wait needs the most nodes there can be."""
+    try:
+        return int(nnodes.split(":")[-1])
+    except ValueError:
+        return None
 
 
 def _clear_stale_records(job_dir: str) -> None:

@@ -19,13 +19,14 @@ import structlog
 
 from . import bundle
 from .capture import RankCapture, capture_all, signature, stack_top, waiting_on_peers
+from .correlate import Correlator, SharedIncident
 from .detect import Trigger, find_trigger, recovered
 from .jobwatch import JobWatch
 from .policy import CapturePolicy, KillPolicy, StallPolicy
 from .probes.process import ExitWatcher, ProcessProbe
 from .render import verdict_text
 from .snapshot import RUNNING, STOPPED, RankView
-from .verdict import decide, rank_entry
+from .verdict import Verdict, decide, rank_entry
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -89,6 +90,19 @@ def enrich(views: Sequence[RankView], captures: dict[int, RankCapture], policy: 
     return out
 
 
+def remote_trigger(remote: SharedIncident, longest_step_s: float, daemon: Daemon) -> Trigger:
+    """The trigger of an incident another node detected, as this node records it."""
+    ranks = remote.trigger.get("ranks")
+    after = remote.trigger.get("detected_after_s")
+    return Trigger(
+        kind=str(remote.trigger.get("kind", "remote"))[:32],
+        ranks=tuple(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else (),
+        reason=f"signalled by node {remote.by_node}: {str(remote.trigger.get('reason', ''))[:200]}",
+        timeout_s=daemon.config.stall.timeout_for(longest_step_s),
+        detected_after_s=after if isinstance(after, (int, float)) and 0 <= after < 1e7 else 0.0,
+    )
+
+
 def new_incident_id(kind: str, seq: int) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{seq:03d}-{kind}"
 
@@ -103,6 +117,8 @@ class Daemon:
         self._incident_seq = 0
         self._stop = threading.Event()
         self.polls = 0
+        # job id -> cross-node correlator (multi-node jobs); set by the command that knows the topology
+        self.correlators: dict[str, Correlator] = {}
 
     # -- discovery --------------------------------------------------------------------------------
     def discover(self) -> None:
@@ -167,10 +183,19 @@ class Daemon:
             entry.gone_since = entry.gone_since or time.monotonic()
         else:
             entry.gone_since = None
+        correlator = self.correlators.get(job_id)
+        if correlator is not None:
+            correlator.publish_snapshot(watch.node, views)
         if entry.incident is None:
             trigger = find_trigger(views, self.config.stall, watch.longest_step_s, watch.stopped_for_s())
             if trigger is not None and not (trigger.kind == "dead" and entry.incidents and watch.all_gone(views)):
                 self._open_incident(job_id, entry, trigger, views)
+            elif correlator is not None:
+                remote = correlator.poll_incident()
+                if remote is not None:
+                    self._open_incident(
+                        job_id, entry, remote_trigger(remote, watch.longest_step_s, self), views, remote
+                    )
         elif recovered(views, self.config.stall, watch.longest_step_s):
             log.info("incident_closed", job=job_id, incident=entry.incident.incident_id)
             entry.incident = None
@@ -184,9 +209,27 @@ class Daemon:
             return self.config.incidents_dir
         return os.path.join(self.config.out_dir, job_id, "incidents")
 
-    def _open_incident(self, job_id: str, entry: JobEntry, trigger: Trigger, views: list[RankView]) -> None:
+    def _open_incident(
+        self,
+        job_id: str,
+        entry: JobEntry,
+        trigger: Trigger,
+        views: list[RankView],
+        shared: SharedIncident | None = None,
+    ) -> None:
         self._incident_seq += 1
         incident_id = new_incident_id(trigger.kind, self._incident_seq)
+        correlator = self.correlators.get(job_id)
+        if correlator is not None and shared is None:
+            trigger_doc = {
+                "kind": trigger.kind,
+                "ranks": list(trigger.ranks),
+                "reason": trigger.reason,
+                "detected_after_s": round(trigger.detected_after_s, 3),
+            }
+            shared = correlator.claim(incident_id, trigger_doc)
+        if shared is not None:
+            incident_id = shared.incident_id  # the same id on every node
         log.warning(
             "incident_detected",
             job=job_id,
@@ -194,6 +237,7 @@ class Daemon:
             trigger=trigger.kind,
             ranks=list(trigger.ranks),
             reason=trigger.reason,
+            signalled_by=shared.by_node if shared is not None else None,
         )
         t0 = time.monotonic()
         targets = [(v.rank, v.pid, v.state == STOPPED) for v in views if v.state in (RUNNING, STOPPED)]
@@ -210,9 +254,22 @@ class Daemon:
         fresh = {v.rank: v for v in entry.watch.poll()}
         merged = [fresh.get(v.rank, v) for v in views]
         enriched = enrich(merged, captures, self.config.capture)
-        verdict = decide(
-            enriched, job_id=job_id, incident_id=incident_id, detected_after_s=trigger.detected_after_s
-        ).to_json()
+
+        def decide_over(all_views: Sequence[RankView], notes: Sequence[str]) -> Verdict:
+            return decide(
+                all_views,
+                job_id=job_id,
+                incident_id=incident_id,
+                detected_after_s=trigger.detected_after_s,
+                extra_evidence=notes,
+            )
+
+        if correlator is not None and shared is not None:
+            world = max((st.last.world_size for st in entry.watch.ranks.values()), default=len(enriched))
+            verdict, how = correlator.resolve(shared, enriched, entry.watch.node, world, decide_over)
+            log.info("correlated", job=job_id, incident=incident_id, how=how)
+        else:
+            verdict = decide_over(enriched, []).to_json()
         verdict["trigger"] = {"kind": trigger.kind, "ranks": list(trigger.ranks), "reason": trigger.reason}
         verdict["stall_timeout_s"] = round(trigger.timeout_s, 3)
         path = self._write_bundle(job_id, incident_id, verdict, enriched, captures)

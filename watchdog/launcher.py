@@ -18,6 +18,7 @@ class TorchrunCommand:
     nnodes: str
     node_rank: int
     master_addr: str | None
+    master_port: int | None
     nproc_per_node: str
 
 
@@ -58,5 +59,6 @@ def inject_hooks(torchrun_args: list[str]) -> TorchrunCommand:
         nnodes=str(parsed.nnodes),
         node_rank=node_rank,
         master_addr=parsed.master_addr,
+        master_port=parsed.master_port,
         nproc_per_node=str(parsed.nproc_per_node),
     )

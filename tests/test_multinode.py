@@ -1,0 +1,138 @@
+"""Two simulated nodes on one machine: two `rankwatch run` agents, separate shm dirs and daemons,
+one TCPStore. Both nodes' bundles must carry the same verdict naming the initiating global rank."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import DEMO, free_port, rankwatch_cmd, torchrun_args, wait_for
+
+
+def start_node(
+    procs,
+    tmp_path,
+    node_rank: int,
+    master_port: int,
+    store_port: int,
+    scenario_args: list[str],
+    extra: tuple[str, ...] = (),
+):
+    out, shm = tmp_path / f"out{node_rank}", tmp_path / f"shm{node_rank}"
+    cmd = rankwatch_cmd(
+        "run",
+        "--out",
+        str(out),
+        "--shm-dir",
+        str(shm),
+        "--run-name",
+        "mn",
+        "--store",
+        f"127.0.0.1:{store_port}",
+        "--stall-timeout",
+        "3",
+        "--json-logs",
+        *extra,
+        "--",
+        *torchrun_args(2, "mn", DEMO, *scenario_args, nnodes=2, node_rank=node_rank, master_port=master_port),
+    )
+    return procs.start(cmd, text=True), out
+
+
+def verdicts(out):
+    inc = out / "incidents"
+    if not inc.exists():
+        return []
+    return [json.loads((p / "verdict.json").read_text()) for p in sorted(inc.iterdir()) if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "rank", "kind", "phase"),
+    [
+        ("input-hang", 3, "hang", "dataloader"),
+        ("compute-hang", 2, "hang", "forward"),
+        ("dead-rank", 3, "dead_rank", None),
+        ("input-hang", 1, "hang", "dataloader"),
+    ],
+)
+def test_both_nodes_agree_on_the_initiating_rank(procs, tmp_path, scenario, rank, kind, phase):
+    master, store = free_port(), free_port()
+    args = ["--scenario", scenario, "--fault-rank", str(rank), "--fault-step", "4", "--steps", "400"]
+    nodes = [start_node(procs, tmp_path, k, master, store, args, ("--on-stall", "kill")) for k in (0, 1)]
+    for proc, _ in nodes:
+        try:
+            proc.wait(timeout=180)
+        except Exception:
+            pass
+    found = [verdicts(out) for _, out in nodes]
+    assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
+    v0, v1 = found[0][0], found[1][0]
+    assert v0["initiating_ranks"] == [rank] and v0["kind"] == kind, v0
+    if phase:
+        assert v0["phase"] == phase
+    # one verdict, the same on both nodes
+    for key in ("incident_id", "kind", "initiating_ranks", "phase", "reason", "confidence"):
+        assert v0[key] == v1[key], key
+    assert set(v0["ranks"]) == {"0", "1", "2", "3"}
+    assert v0["correlation"].startswith("leader node 0 over 2 node(s)")
+
+
+def test_leader_still_reports_when_the_other_nodes_watchdog_is_killed(procs, tmp_path):
+    master, store = free_port(), free_port()
+    args = ["--scenario", "input-hang", "--fault-rank", "1", "--fault-step", "15", "--steps", "400"]
+    node0, out0 = start_node(procs, tmp_path, 0, master, store, args)
+    node1, out1 = start_node(procs, tmp_path, 1, master, store, args)
+    # node 1's ranks keep running; only its watchdog (the rankwatch run process) dies, mid-run
+    assert wait_for(lambda: (tmp_path / "shm1" / "mn" / "rank-3.hb").exists(), timeout=120)
+    time.sleep(1.0)
+    node1.kill()
+    assert wait_for(lambda: verdicts(out0), timeout=120), node0.stderr
+    v = verdicts(out0)[0]
+    assert v["initiating_ranks"] == [1] and v["phase"] == "dataloader"
+    assert any("no evidence from ranks 2–3" in e for e in v["evidence"]), v["evidence"]
+
+
+def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    from rankwatch.watchdog.correlate import Correlator
+
+    port = free_port()
+    leader = Correlator("g", 0, "127.0.0.1", port)
+    assert wait_for(lambda: leader.store is not None, timeout=30)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    client.set("rankwatch/g/incident/current", b"\x80\x04not json, maybe a pickle")
+    follower = Correlator("g", 1, "127.0.0.1", port)
+    assert wait_for(lambda: follower.store is not None, timeout=30)
+    assert follower.poll_incident() is None
+    client.set(
+        "rankwatch/g/incident/current",
+        json.dumps({"schema": "rankwatch.incident/1", "gen": "1; rm -rf /", "id": "x", "by": 0, "trigger": {}}),
+    )
+    assert follower.poll_incident() is None
+    client.set("rankwatch/g/verdict/1", b'{"schema": "rankwatch.verdict/1", "kind": "__import__(\'os\')"}')
+    client.set("rankwatch/g/node/0", b"[" * 100000)
+    from rankwatch.watchdog.snapshot import RankView
+    from rankwatch.watchdog.verdict import decide
+
+    view = RankView(
+        rank=2, node="n1", pid=5, state="running", step=3, phase="forward", in_phase_s=9.0, since_progress_s=9.0
+    )
+    from rankwatch.watchdog.correlate import SharedIncident
+
+    inc = SharedIncident(gen=1, incident_id="inc", by_node=1, trigger={})
+    follower.verdict_timeout_s = 1.0
+    verdict, how = follower.resolve(
+        inc,
+        [view],
+        "n1",
+        4,
+        lambda vs, notes: decide(vs, job_id="g", incident_id="inc", detected_after_s=1.0, extra_evidence=notes),
+    )
+    assert how.startswith("local")
+    assert verdict["initiating_ranks"] == [2]
+    leader.close()
+    follower.close()

@@ -1,0 +1,338 @@
+"""Cross-node correlation: every node's daemon agrees on one verdict for a multi-node job.
+
+Protocol under ``rankwatch/<job-id>/`` in a TCPStore hosted by the leader (the node of global rank 0):
+
+* ``node/<k>``            each poll, node k's compact snapshot of its ranks (O(nodes) traffic per poll);
+* ``incident/<gen>``      claimed with compare-and-set by the first node to detect incident ``gen``;
+* ``incident/current``    a pointer to the newest claim, the one key every node polls;
+* ``evidence/<gen>/<k>``  node k's captured evidence (rank views with stacks) for that incident;
+* ``verdict/<gen>``       the leader's verdict over all nodes' evidence, copied into every bundle.
+
+Only durations, step counts and collective sequence numbers cross nodes, never clock readings. A node
+that cannot reach the store, or gets no verdict from the leader, decides over what it has and says so
+in the verdict's ``correlation`` field; a node that sends no evidence is named as missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .snapshot import MISSING, RankView
+from .store import (
+    INCIDENT_SCHEMA,
+    JobStore,
+    StoreError,
+    ValueRejected,
+    _i,
+    _s,
+    node_doc,
+    parse_json,
+    parse_node_doc,
+)
+from .verdict import KINDS, SCHEMA, Verdict
+
+log = structlog.get_logger("rankwatch.correlate")
+
+DecideFn = Callable[[Sequence[RankView], Sequence[str]], Verdict]
+
+
+@dataclass(frozen=True)
+class SharedIncident:
+    gen: int
+    incident_id: str
+    by_node: int
+    trigger: dict[str, Any]
+
+
+def validate_verdict(raw: bytes) -> dict[str, Any]:
+    doc = parse_json(raw, SCHEMA)
+    if doc.get("kind") not in KINDS or doc.get("confidence") not in ("high", "medium", "low"):
+        raise ValueRejected("verdict: unknown kind or confidence")
+    ranks = doc.get("initiating_ranks")
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ValueRejected("verdict: initiating_ranks must be a list of integers")
+    for key in ("job_id", "incident_id", "reason"):
+        if not isinstance(doc.get(key), str):
+            raise ValueRejected(f"verdict: {key} must be a string")
+    if not isinstance(doc.get("ranks"), dict) or not isinstance(doc.get("evidence"), list):
+        raise ValueRejected("verdict: ranks/evidence malformed")
+    return doc
+
+
+class Correlator:
+    def __init__(
+        self,
+        job_id: str,
+        node_rank: int,
+        host: str,
+        port: int,
+        *,
+        nnodes: int | None = None,
+        evidence_timeout_s: float = 10.0,
+        verdict_timeout_s: float = 15.0,
+        connect_timeout_s: float = 3.0,
+    ) -> None:
+        self.job_id = job_id
+        self.node_rank = node_rank
+        self.leader = node_rank == 0
+        self.host, self.port = host, port
+        self.nnodes = nnodes
+        self.evidence_timeout_s = evidence_timeout_s
+        self.verdict_timeout_s = verdict_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.store: JobStore | None = None
+        self.error: str | None = "not connected yet"
+        self.handled_gen = 0
+        self._heard = 0
+        self._seq = 0
+        self._stop = threading.Event()
+        self._rejected_logged: set[str] = set()
+        self._connector = threading.Thread(target=self._connect_loop, name="rankwatch-store-connect", daemon=True)
+        self._connector.start()
+
+    # -- connection -------------------------------------------------------------------------------
+    def _connect_loop(self) -> None:
+        delay = 0.5
+        while not self._stop.is_set() and self.store is None:
+            try:
+                store = JobStore(
+                    self.host, self.port, self.job_id, host_server=self.leader, timeout_s=self.connect_timeout_s
+                )
+            except StoreError as exc:
+                if self.error != str(exc):
+                    log.warning("store_unreachable", job=self.job_id, error=str(exc), retry_in_s=delay)
+                self.error = str(exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            self.store = store
+            self.error = None
+            log.info("store_connected", job=self.job_id, address=store.address, hosting=store.hosting)
+
+    def _lost(self, exc: StoreError) -> None:
+        log.warning("store_failed", job=self.job_id, error=str(exc))
+        self.error = str(exc)
+        if not self.leader:  # the leader keeps its server; a client reconnects in the background
+            self.store = None
+            if not self._connector.is_alive():
+                self._connector = threading.Thread(target=self._connect_loop, daemon=True)
+                self._connector.start()
+
+    def _reject(self, key: str, exc: Exception) -> None:
+        if key not in self._rejected_logged:
+            self._rejected_logged.add(key)
+            log.warning("store_value_rejected", job=self.job_id, key=key, error=str(exc))
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- every poll -------------------------------------------------------------------------------
+    def publish_snapshot(self, node: str, views: list[RankView]) -> None:
+        store = self.store
+        if store is None:
+            return
+        self._seq += 1
+        try:
+            store.set_json(f"node/{self.node_rank}", node_doc(self.node_rank, node, self._seq, views))
+        except StoreError as exc:
+            self._lost(exc)
+
+    def _incident_from(self, key: str, raw: bytes) -> SharedIncident | None:
+        try:
+            doc = parse_json(raw, INCIDENT_SCHEMA)
+            trigger = doc.get("trigger")
+            if not isinstance(trigger, dict):
+                raise ValueRejected("trigger must be an object")
+            return SharedIncident(
+                gen=_i(doc.get("gen"), "gen", lo=1, hi=10**9) or 0,
+                incident_id=_safe_id(_s(doc.get("id"), "id") or ""),
+                by_node=_i(doc.get("by"), "by", lo=0, hi=10**6) or 0,
+                trigger={k: v for k, v in trigger.items() if k in ("kind", "ranks", "reason", "detected_after_s")},
+            )
+        except ValueRejected as exc:
+            self._reject(key, exc)
+            return None
+
+    def poll_incident(self) -> SharedIncident | None:
+        """An incident another node opened that this node has not handled yet."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            raw = store.get_raw("incident/current")
+        except StoreError as exc:
+            self._lost(exc)
+            return None
+        if raw is None:
+            return None
+        inc = self._incident_from("incident/current", raw)
+        if inc is None or inc.gen <= self.handled_gen:
+            return None
+        return inc
+
+    def claim(self, incident_id: str, trigger: dict[str, Any]) -> SharedIncident:
+        """Open the next incident for every node, or join the one another node opened first."""
+        local = SharedIncident(gen=0, incident_id=incident_id, by_node=self.node_rank, trigger=trigger)
+        store = self.store
+        if store is None:
+            return local
+        gen = self.handled_gen + 1
+        doc = {"schema": INCIDENT_SCHEMA, "gen": gen, "id": incident_id, "by": self.node_rank, "trigger": trigger}
+        try:
+            raw = store.claim(f"incident/{gen}", doc)
+            winner = self._incident_from(f"incident/{gen}", raw) or dataclasses.replace(local, gen=gen)
+            if winner.by_node == self.node_rank:
+                store.set_json("incident/current", doc)
+                log.info("incident_signalled", job=self.job_id, gen=gen, incident=incident_id)
+            return winner
+        except StoreError as exc:
+            self._lost(exc)
+            return local
+
+    # -- on an incident ---------------------------------------------------------------------------
+    def resolve(
+        self, inc: SharedIncident, local_views: list[RankView], node: str, world_size: int, decide: DecideFn
+    ) -> tuple[dict[str, Any], str]:
+        """(verdict, how it was reached). Publishes this node's evidence; the leader decides for all."""
+        self.handled_gen = max(self.handled_gen, inc.gen)
+        store = self.store
+        if store is None or inc.gen == 0:
+            why = f"local only: store unreachable ({self.error})"
+            return decide(local_views, [why]).to_json(), why
+        try:
+            store.set_json(
+                f"evidence/{inc.gen}/{self.node_rank}", node_doc(self.node_rank, node, 0, local_views, "evidence")
+            )
+        except StoreError as exc:
+            self._lost(exc)
+            why = f"local only: could not publish evidence ({exc})"
+            return decide(local_views, [why]).to_json(), why
+        if self.leader:
+            views, notes = self._gather(store, inc, local_views, world_size, self.evidence_timeout_s)
+            verdict = decide(views, notes).to_json()
+            verdict["correlation"] = f"leader node {self.node_rank} over {self._heard} node(s)"
+            try:
+                store.set_json(f"verdict/{inc.gen}", verdict)
+            except StoreError as exc:
+                self._lost(exc)
+            return verdict, verdict["correlation"]
+        deadline = time.monotonic() + self.verdict_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                raw = store.get_raw(f"verdict/{inc.gen}")
+            except StoreError as exc:
+                self._lost(exc)
+                break
+            if raw is not None:
+                try:
+                    verdict = validate_verdict(raw)
+                    return verdict, str(verdict.get("correlation", "leader"))
+                except ValueRejected as exc:
+                    self._reject(f"verdict/{inc.gen}", exc)
+                    break
+            time.sleep(0.1)
+        why = "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
+        views, notes = local_views, [why]
+        if self.store is not None:
+            views, more = self._gather(self.store, inc, local_views, world_size, 0.0)
+            notes += more
+        verdict = decide(views, notes).to_json()
+        verdict["correlation"] = why
+        return verdict, why
+
+    def _gather(
+        self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float
+    ) -> tuple[list[RankView], list[str]]:
+        """Every node's evidence for this incident, waiting up to ``wait_s`` for all ranks to be covered."""
+        by_rank = {v.rank: v for v in local_views}
+        heard = {self.node_rank}
+        expected = self.nnodes or 0
+        deadline = time.monotonic() + wait_s
+        while True:
+            for k in self._candidate_nodes(world_size, len(local_views)):
+                if k in heard:
+                    continue
+                key = f"evidence/{inc.gen}/{k}"
+                try:
+                    raw = store.get_raw(key)
+                except StoreError as exc:
+                    self._lost(exc)
+                    raw = None
+                if raw is None:
+                    continue
+                try:
+                    _, _, _, views = parse_node_doc(raw)
+                except ValueRejected as exc:
+                    self._reject(key, exc)
+                    heard.add(k)
+                    continue
+                heard.add(k)
+                for v in views:
+                    by_rank.setdefault(v.rank, v)
+            self._heard = len(heard)
+            covered = all(r in by_rank for r in range(world_size)) and len(heard) >= expected
+            if covered or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        notes = []
+        missing = [r for r in range(world_size) if r not in by_rank]
+        if missing:
+            last = self._last_snapshots(store, world_size, len(local_views))
+            silent_nodes = sorted({last[r].node for r in missing if r in last})
+            for r in missing:
+                seen = last.get(r)
+                by_rank[r] = (
+                    dataclasses.replace(seen, state=MISSING, stack_top=(), stack_signature=None, waiting=None)
+                    if seen is not None
+                    else RankView(
+                        rank=r,
+                        node="?",
+                        pid=-1,
+                        state=MISSING,
+                        step=0,
+                        phase=None,
+                        in_phase_s=0.0,
+                        since_progress_s=0.0,
+                    )
+                )
+            notes.append(
+                f"no evidence from ranks {missing[0]}–{missing[-1]}"
+                + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
+            )
+        return [by_rank[r] for r in sorted(by_rank)], notes
+
+    def _candidate_nodes(self, world_size: int, local_ranks: int) -> range:
+        n = self.nnodes or max(1, -(-world_size // max(1, local_ranks)))
+        return range(n)
+
+    def _last_snapshots(self, store: JobStore, world_size: int, local_ranks: int) -> dict[int, RankView]:
+        out: dict[int, RankView] = {}
+        for k in self._candidate_nodes(world_size, local_ranks):
+            key = f"node/{k}"
+            try:
+                raw = store.get_raw(key)
+                if raw is None:
+                    continue
+                _, _, _, views = parse_node_doc(raw)
+            except StoreError:
+                continue
+            except ValueRejected as exc:
+                self._reject(key, exc)
+                continue
+            for v in views:
+                out[v.rank] = v
+        return out
+
+
+def _safe_id(raw: str) -> str:
+    """Incident ids become directory names on every node: keep them to a safe alphabet."""
+    from rankwatch.hooks.jobinfo import sanitize_job_id
+
+    return sanitize_job_id(raw)

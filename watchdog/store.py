@@ -1,0 +1,214 @@
+"""The TCPStore exchange between node daemons: bounded, schema-checked JSON values under
+``rankwatch/<job-id>/``.
+
+Everything read from the store is untrusted: a value is size-bounded, parsed as JSON (never unpickled,
+never evaluated), checked against its schema, and dropped with one log line when it does not fit.
+torch is imported only here and only when cross-node correlation is on, so a single-node daemon never
+pays for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from typing import Any
+
+import structlog
+
+from .snapshot import RankView
+
+log = structlog.get_logger("rankwatch.store")
+
+DEFAULT_STORE_PORT = 29431
+MAX_VALUE_BYTES = 4 << 20  # a node snapshot of 4096 ranks with stack tops stays well below this
+MAX_RANKS_PER_NODE = 4096
+MAX_STR = 512
+MAX_STACK_FRAMES = 16
+NODE_SCHEMA = "rankwatch.node/1"
+INCIDENT_SCHEMA = "rankwatch.incident/1"
+
+
+class StoreError(Exception):
+    """The store cannot be reached or answered badly; the caller falls back to a local verdict."""
+
+
+class ValueRejected(Exception):
+    """A value in the store is malformed, oversized or of the wrong schema."""
+
+
+def _s(value: Any, field: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_STR:
+        raise ValueRejected(f"{field}: expected a string of at most {MAX_STR} chars")
+    return value
+
+
+def _i(value: Any, field: str, *, optional: bool = False, lo: int = -(2**63), hi: int = 2**63 - 1) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueRejected(f"{field}: expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _f(value: Any, field: str, *, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueRejected(f"{field}: expected a finite number")
+    return float(value)
+
+
+_VIEW_STATES = {"running", "stopped", "dead", "crashed", "zombie", "exited", "missing", "unknown"}
+
+
+def view_to_doc(v: RankView) -> dict[str, Any]:
+    doc = dataclasses.asdict(v)
+    doc["stack_top"] = list(v.stack_top)[:MAX_STACK_FRAMES]
+    doc["notes"] = list(v.notes)[:8]
+    return doc
+
+
+def view_from_doc(doc: Any) -> RankView:
+    """A RankView from untrusted JSON: every field type- and range-checked."""
+    if not isinstance(doc, dict):
+        raise ValueRejected("rank entry: expected an object")
+    state = _s(doc.get("state"), "state")
+    if state not in _VIEW_STATES:
+        raise ValueRejected(f"state: unknown value {state!r}")
+    stack = doc.get("stack_top", [])
+    if not isinstance(stack, list) or len(stack) > MAX_STACK_FRAMES:
+        raise ValueRejected("stack_top: expected a short list")
+    waiting = doc.get("waiting")
+    if waiting is not None and not isinstance(waiting, bool):
+        raise ValueRejected("waiting: expected a boolean")
+    return RankView(
+        rank=_i(doc.get("rank"), "rank", lo=0, hi=10**7) or 0,
+        node=_s(doc.get("node"), "node") or "",
+        pid=_i(doc.get("pid"), "pid", lo=-1, hi=2**31) or 0,
+        state=state,
+        step=_i(doc.get("step"), "step", lo=0) or 0,
+        phase=_s(doc.get("phase"), "phase", optional=True),
+        in_phase_s=_f(doc.get("in_phase_s"), "in_phase_s") or 0.0,
+        since_progress_s=_f(doc.get("since_progress_s"), "since_progress_s") or 0.0,
+        coll_seq=_i(doc.get("coll_seq", 0), "coll_seq", lo=0) or 0,
+        coll_done=_i(doc.get("coll_done", 0), "coll_done", lo=0) or 0,
+        coll_op=_s(doc.get("coll_op"), "coll_op", optional=True),
+        budget_s=_f(doc.get("budget_s", 0.0), "budget_s") or 0.0,
+        budget_elapsed_s=_f(doc.get("budget_elapsed_s", 0.0), "budget_elapsed_s") or 0.0,
+        exit_order=_i(doc.get("exit_order"), "exit_order", optional=True, lo=0, hi=10**7),
+        exit_age_s=_f(doc.get("exit_age_s"), "exit_age_s", optional=True),
+        gpu_util=_f(doc.get("gpu_util"), "gpu_util", optional=True),
+        gpu_missing=bool(doc.get("gpu_missing", False)),
+        cpu_percent=_f(doc.get("cpu_percent"), "cpu_percent", optional=True),
+        stack_top=tuple(_s(f, "stack_top[]") or "" for f in stack),
+        stack_signature=_s(doc.get("stack_signature"), "stack_signature", optional=True),
+        waiting=waiting,
+        notes=tuple(_s(n, "notes[]") or "" for n in doc.get("notes", [])[:8]),
+    )
+
+
+def node_doc(node_rank: int, node: str, seq: int, views: list[RankView], kind: str = "snapshot") -> dict[str, Any]:
+    return {
+        "schema": NODE_SCHEMA,
+        "kind": kind,
+        "node_rank": node_rank,
+        "node": node,
+        "seq": seq,
+        "ranks": [view_to_doc(v) for v in views[:MAX_RANKS_PER_NODE]],
+    }
+
+
+def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
+    doc = parse_json(raw, NODE_SCHEMA)
+    ranks = doc.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS_PER_NODE:
+        raise ValueRejected(f"ranks: expected a list of at most {MAX_RANKS_PER_NODE} entries")
+    node_rank = _i(doc.get("node_rank"), "node_rank", lo=0, hi=10**6) or 0
+    return (
+        node_rank,
+        _s(doc.get("node"), "node") or "",
+        _i(doc.get("seq"), "seq", lo=0) or 0,
+        [view_from_doc(r) for r in ranks],
+    )
+
+
+def parse_json(raw: bytes, schema: str) -> dict[str, Any]:
+    if len(raw) > MAX_VALUE_BYTES:
+        raise ValueRejected(f"value of {len(raw)} bytes exceeds {MAX_VALUE_BYTES}")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueRejected(f"not JSON: {str(exc)[:200]}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
+        raise ValueRejected(f"expected schema {schema}")
+    return doc
+
+
+class JobStore:
+    """One job's keys in a TCPStore; every call is bounded by the store timeout."""
+
+    def __init__(self, host: str, port: int, job_id: str, *, host_server: bool, timeout_s: float = 5.0) -> None:
+        import torch.distributed as dist
+
+        self.prefix = f"rankwatch/{job_id}/"
+        self.address = f"{host}:{port}"
+        try:
+            self._store = dist.TCPStore(
+                host,
+                port,
+                is_master=host_server,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                use_libuv=True,
+            )
+        except Exception as exc:  # RuntimeError, DistNetworkError, …
+            raise StoreError(f"cannot {'host' if host_server else 'reach'} store {self.address}: {exc}") from exc
+        self.hosting = host_server
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set_json(self, key: str, doc: dict[str, Any]) -> None:
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        if len(raw) > MAX_VALUE_BYTES:
+            raise StoreError(f"refusing to publish {len(raw)} bytes under {key}")
+        try:
+            self._store.set(self._k(key), raw)
+        except Exception as exc:
+            raise StoreError(f"store set {key} failed: {exc}") from exc
+
+    def get_raw(self, key: str) -> bytes | None:
+        """The value, or None when the key does not exist (never blocks waiting for it)."""
+        full = self._k(key)
+        try:
+            if not self._store.check([full]):
+                return None
+            return bytes(self._store.get(full))
+        except Exception as exc:
+            raise StoreError(f"store get {key} failed: {exc}") from exc
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        out = {}
+        for key in keys:
+            raw = self.get_raw(key)
+            if raw is not None:
+                out[key] = raw
+        return out
+
+    def claim(self, key: str, doc: dict[str, Any]) -> bytes:
+        """Set ``key`` only if absent; returns the value now stored (ours, or the earlier claimant's)."""
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        try:
+            return bytes(self._store.compare_set(self._k(key), "", raw))
+        except Exception as exc:
+            raise StoreError(f"store claim {key} failed: {exc}") from exc
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self._store.add(self._k(key), amount))
+        except Exception as exc:
+            raise StoreError(f"store add {key} failed: {exc}") from exc
