@@ -82,7 +82,7 @@ def test_leader_still_reports_when_the_other_nodes_watchdog_is_killed(procs, tmp
     master, store = free_port(), free_port()
     args = ["--scenario", "input-hang", "--fault-rank", "1", "--fault-step", "15", "--steps", "400"]
     node0, out0 = start_node(procs, tmp_path, 0, master, store, args)
-    node1, out1 = start_node(procs, tmp_path, 1, master, store, args)
+    node1, _out1 = start_node(procs, tmp_path, 1, master, store, args)
     # node 1's ranks keep running; only its watchdog (the rankwatch run process) dies, mid-run
     assert wait_for(lambda: (tmp_path / "shm1" / "mn" / "rank-3.hb").exists(), timeout=120)
     time.sleep(1.0)
@@ -97,7 +97,6 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     import datetime
 
     import torch.distributed as dist
-
     from rankwatch.watchdog.correlate import Correlator
 
     port = free_port()
