@@ -135,3 +135,79 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     assert verdict["initiating_ranks"] == [2]
     leader.close()
     follower.close()
+
+
+def test_systemd_style_daemons_correlate_through_the_store(procs, tmp_path):
+    """Two `rankwatch daemon` sidecars (no `rankwatch run`), ranks started by plain torchrun -m rankwatch.hooks."""
+    import os
+    import sys
+
+    master, store = free_port(), free_port()
+    daemons, jobs = [], []
+    for k in (0, 1):
+        shm, out = tmp_path / f"dshm{k}", tmp_path / f"dout{k}"
+        daemons.append(
+            (
+                procs.start(
+                    rankwatch_cmd(
+                        "daemon",
+                        "--shm-dir",
+                        str(shm),
+                        "--out",
+                        str(out),
+                        "--store-port",
+                        str(store),
+                        "--stall-timeout",
+                        "3",
+                        "--poll-interval",
+                        "0.3",
+                        "--json-logs",
+                    ),
+                    text=True,
+                ),
+                out,
+            )
+        )
+        env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm))
+        env.pop("RANKWATCH_JOB_ID", None)
+        jobs.append(
+            procs.start(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *torchrun_args(
+                        2,
+                        "x",
+                        "-m",
+                        "rankwatch.hooks",
+                        DEMO,
+                        "--scenario",
+                        "compute-hang",
+                        "--fault-rank",
+                        "3",
+                        "--fault-step",
+                        "4",
+                        "--steps",
+                        "400",
+                        nnodes=2,
+                        node_rank=k,
+                        master_port=master,
+                    ),
+                ],
+                env=env,
+            )
+        )
+
+    def all_verdicts():
+        found = []
+        for _, out in daemons:
+            found += [json.loads(p.read_text()) for p in out.glob("*/incidents/*/verdict.json")]
+        return found if len(found) == 2 else None
+
+    found = wait_for(all_verdicts, timeout=150)
+    assert found, [d.stderr for d, _ in daemons]
+    assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == [3]
+    assert found[0]["incident_id"] == found[1]["incident_id"]
+    assert found[0]["phase"] == "forward"
+    assert all(j.poll() is None for j in jobs), "daemons must not kill without --on-stall kill"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
@@ -15,6 +16,10 @@ from .daemon import Daemon, DaemonConfig
 from .errors import UserError
 from .options import add_watch_options, policies_from_args
 from .sdnotify import Notifier
+
+if TYPE_CHECKING:
+    from .correlate import Correlator
+    from .jobwatch import JobWatch
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -47,6 +52,34 @@ def env_defaults(env: dict[str, str] | None = None) -> list[str]:
         raise UserError(f"RANKWATCH_DAEMON_ARGS is malformed: {exc}") from exc
 
 
+def correlator_factory(
+    store: tuple[str, int] | None, store_port: int | None
+) -> Callable[[JobWatch], Correlator | None]:
+    """Multi-node jobs (job.json: world size above the local one) get a correlator; node 0 hosts the store
+    at MASTER_ADDR:store_port unless --store names one. One multi-node job per store port at a time."""
+    from .correlate import Correlator
+    from .store import DEFAULT_STORE_PORT
+
+    def build(watch: JobWatch) -> Correlator | None:
+        info = watch.job_info
+        world, local = info.get("world_size"), info.get("local_world_size")
+        node_rank = info.get("node_rank")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (world, local, node_rank)):
+            return None
+        assert isinstance(world, int) and isinstance(local, int) and isinstance(node_rank, int)
+        if world <= local:
+            return None
+        master = info.get("master_addr")
+        host, port = store or (
+            master if isinstance(master, str) and master else "127.0.0.1",
+            store_port or DEFAULT_STORE_PORT,
+        )
+        log.info("correlating", job=watch.job_id, node_rank=node_rank, store=f"{host}:{port}")
+        return Correlator(watch.job_id, node_rank, host, port, nnodes=-(-world // max(1, local)))
+
+    return build
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(env_defaults() + argv)
     logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
@@ -73,9 +106,7 @@ def main(argv: list[str]) -> int:
 
         extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port))
     if args.store_port is not None or args.store is not None:
-        from .correlate import DaemonCorrelation
-
-        extras.append(DaemonCorrelation.attach(daemon, args))
+        daemon.correlator_factory = correlator_factory(args.store, args.store_port)
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("daemon_stopping", signal=signal.Signals(signum).name)

@@ -119,6 +119,9 @@ class Daemon:
         self.polls = 0
         # job id -> cross-node correlator (multi-node jobs); set by the command that knows the topology
         self.correlators: dict[str, Correlator] = {}
+        # daemon mode: builds a correlator for a newly seen multi-node job (None: single node)
+        self.correlator_factory: Callable[[JobWatch], Correlator | None] | None = None
+        self._factory_tried: set[str] = set()
 
     # -- discovery --------------------------------------------------------------------------------
     def discover(self) -> None:
@@ -184,6 +187,12 @@ class Daemon:
         else:
             entry.gone_since = None
         correlator = self.correlators.get(job_id)
+        factory = self.correlator_factory
+        if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
+            self._factory_tried.add(job_id)
+            correlator = factory(watch)
+            if correlator is not None:
+                self.correlators[job_id] = correlator
         if correlator is not None:
             correlator.publish_snapshot(watch.node, views)
         if entry.incident is None:
@@ -371,6 +380,8 @@ class Daemon:
         self._stop.set()
 
     def close(self) -> None:
+        for correlator in self.correlators.values():
+            correlator.close()
         for entry in self.jobs.values():
             entry.watch.close()
         self.exits.close()

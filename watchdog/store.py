@@ -173,11 +173,11 @@ class JobStore:
         return self.prefix + key
 
     def set_json(self, key: str, doc: dict[str, Any]) -> None:
-        raw = json.dumps(doc, separators=(",", ":")).encode()
-        if len(raw) > MAX_VALUE_BYTES:
-            raise StoreError(f"refusing to publish {len(raw)} bytes under {key}")
+        text = json.dumps(doc, separators=(",", ":"))
+        if len(text) > MAX_VALUE_BYTES:
+            raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         try:
-            self._store.set(self._k(key), raw)
+            self._store.set(self._k(key), text)
         except Exception as exc:
             raise StoreError(f"store set {key} failed: {exc}") from exc
 
@@ -201,9 +201,9 @@ class JobStore:
 
     def claim(self, key: str, doc: dict[str, Any]) -> bytes:
         """Set ``key`` only if absent; returns the value now stored (ours, or the earlier claimant's)."""
-        raw = json.dumps(doc, separators=(",", ":")).encode()
+        text = json.dumps(doc, separators=(",", ":"))
         try:
-            return bytes(self._store.compare_set(self._k(key), "", raw))
+            return bytes(self._store.compare_set(self._k(key), "", text))
         except Exception as exc:
             raise StoreError(f"store claim {key} failed: {exc}") from exc
 
