@@ -38,6 +38,8 @@ def build_parser() -> Parser:
     p.add_argument("--run-name", default=None, help="job id (default: torchrun's --rdzv-id, else generated)")
     p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
     p.add_argument("--quiet", action="store_true", help="no log lines on stderr, only incidents and the summary")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
     add_watch_options(p)
     return p
 
@@ -91,6 +93,11 @@ def main(argv: list[str]) -> int:
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
         correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes))
         daemon.correlators[job_id] = correlator
+    metrics = None
+    if args.metrics_port is not None:
+        from .metrics import serve_metrics
+
+        metrics = serve_metrics(daemon, args.metrics_addr, args.metrics_port)
     env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
     log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
     watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)
@@ -125,6 +132,8 @@ def main(argv: list[str]) -> int:
         time.sleep(args.poll_interval)
     if correlator is not None:
         correlator.close()
+    if metrics is not None:
+        metrics.close()
     _write_summary(daemon, job_id, out)
     daemon.close()
     return code
