@@ -9,6 +9,16 @@ Rules, strongest first (DESIGN.md), each backed by stack grouping:
 4. everyone in the same collective number with different ops: collective mismatch, odd ranks named;
 5. everyone in the same collective: communication hang, no single initiator unless GPU evidence or a
    missing node singles one out.
+
+Outside evidence refines these (``_apply_fr``, ``_apply_gpu``):
+- flight recorder (FR): a mismatch (op/size/dtype) at one seq decides ``collective_mismatch`` when the
+  Python-level rules found nothing stronger (a size mismatch under identical ``all_reduce`` calls is
+  invisible to the hook); ranks behind / missing by FR seq back rule 2, back or correct rule 3, and decide
+  when the Python-level counters are equal (DDP's gradient all-reduces are not Python-level collectives,
+  so the FR is the only seq evidence for them);
+- GPU: a rank named as stuck outside the collective that reads ~0 % (or is missing from NVML's samples)
+  while its waiting peers spin at ~100 % backs the finding; everyone at ~100 % singles nobody out (a rank
+  stuck *inside* a kernel reads 100 % too), so it only adds a caution line.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .flight_recorder import Mismatch, MissingCollective
 from .snapshot import CRASHED, GONE_STATES, MISSING, PHASE_ORDER, RUNNING, STOPPED, RankView
 
 SCHEMA = "rankwatch.verdict/1"
@@ -27,6 +38,59 @@ EXIT_ORDER_TOLERANCE_S = 0.05
 # GPU utilisation (%) that counts as idle vs busy when singling out a rank during a comm hang
 GPU_IDLE_PCT = 5.0
 GPU_BUSY_PCT = 50.0
+# confidences by strength, to raise or lower one step at a time
+_CONFIDENCE = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class FrBehind:
+    """One rank's progress in one process group, when it entered fewer collectives than another member."""
+
+    pg: str
+    rank: int
+    seq: int  # highest collective seq this rank entered (-1: none)
+    top_seq: int  # highest seq any member entered
+    top_op: str | None  # op of that collective, as the furthest rank recorded it
+
+
+@dataclass(frozen=True)
+class FrHints:
+    """What the flight recorder says, reduced to what the verdict uses (built by ``evidence.fr_evidence``).
+
+    Kept here rather than in ``evidence`` so the verdict stays a pure function over plain data.
+    """
+
+    ranks: tuple[int, ...]  # ranks whose dump was analysed; conclusions cover only these
+    behind: tuple[FrBehind, ...] = ()
+    missing: tuple[MissingCollective, ...] = ()
+    mismatches: tuple[Mismatch, ...] = ()
+
+    @property
+    def behind_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({b.rank for b in self.behind} | {r for m in self.missing for r in m.missing}))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "behind": [
+                {"pg": b.pg, "rank": b.rank, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op}
+                for b in self.behind
+            ],
+            "missing": [
+                {"pg": m.pg, "seq": m.seq, "op": m.op, "joined": list(m.joined), "missing": list(m.missing)}
+                for m in self.missing
+            ],
+            "mismatches": [
+                {
+                    "pg": m.pg,
+                    "seq": m.seq,
+                    "kind": m.kind,
+                    "odd_ranks": list(m.odd_ranks),
+                    "variants": {k: list(v) for k, v in m.variants.items()},
+                }
+                for m in self.mismatches
+            ],
+        }
 
 
 @dataclass
@@ -136,6 +200,15 @@ class _Finding:
     confidence: str
     reason: str
     evidence: list[str] = field(default_factory=list)
+    rule: str = ""  # which rule produced it: gone, stopped, behind, not_waiting, collective, fr, missing_node
+
+
+def _raise(confidence: str) -> str:
+    return _CONFIDENCE[min(len(_CONFIDENCE) - 1, _CONFIDENCE.index(confidence) + 1)]
+
+
+def _lower(confidence: str) -> str:
+    return _CONFIDENCE[max(0, _CONFIDENCE.index(confidence) - 1)]
 
 
 def _rule_gone(views: Sequence[RankView]) -> _Finding | None:
@@ -324,6 +397,163 @@ def _rule_collective(live: Sequence[RankView]) -> _Finding | None:
     )
 
 
+def _fr_mismatch_finding(mm: Mismatch, covered: bool, live: Sequence[RankView]) -> _Finding:
+    top_desc, top_ranks = max(mm.variants.items(), key=lambda kv: len(kv[1]))
+    evidence = [
+        f"flight recorder: {fmt_ranks(rs)} entered collective #{mm.seq} as {d}" for d, rs in mm.variants.items()
+    ]
+    evidence += [f"rank {v.rank}: python-level collective #{v.coll_seq} {v.coll_op or ''}" for v in live]
+    if not mm.odd_ranks:
+        return _Finding(
+            "collective_mismatch",
+            sorted({r for rs in mm.variants.values() for r in rs}),
+            "low",
+            f"flight recorder shows a {mm.kind} mismatch at collective #{mm.seq} of process group {mm.pg}; "
+            "no majority says which side is wrong",
+            evidence,
+            rule="fr",
+        )
+    odd_desc = "; ".join(d for d, rs in mm.variants.items() if d != top_desc)
+    return _Finding(
+        "collective_mismatch",
+        list(mm.odd_ranks),
+        "high" if covered else "medium",
+        f"collective mismatch ({mm.kind}) at collective #{mm.seq} of process group {mm.pg}, seen in the flight "
+        f"recorder: {fmt_ranks(mm.odd_ranks)} entered it as {odd_desc} while {fmt_ranks(top_ranks)} "
+        f"entered it as {top_desc}",
+        evidence,
+        rule="fr",
+    )
+
+
+def _fr_behind_text(hints: FrHints, ranks: Sequence[int]) -> str:
+    """'rank 1 entered collective #5 of pg 0, others #6 (all_reduce)' for the widest gap of each rank."""
+    parts = []
+    for r in ranks:
+        mine = [b for b in hints.behind if b.rank == r]
+        if mine:
+            b = max(mine, key=lambda b: b.top_seq - b.seq)
+            parts.append(
+                f"rank {r} entered collective #{b.seq} of pg {b.pg} while others entered #{b.top_seq}"
+                + (f" ({b.top_op})" if b.top_op else "")
+            )
+            continue
+        m = next((m for m in hints.missing if r in m.missing), None)
+        if m is not None:
+            parts.append(f"rank {r} never joined collective #{m.seq} ({m.op}) of pg {m.pg}")
+    return "; ".join(parts)
+
+
+def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]) -> tuple[_Finding | None, str]:
+    """Let the flight recorder decide, back or question the Python-level finding; returns (finding, role).
+
+    Role: "decided", "backed", "disagreed" or "none". Dead and stopped ranks are never overridden: the FR
+    of the survivors only shows the consequence.
+    """
+    if not live or (finding is not None and finding.rule in ("gone", "stopped")):
+        return finding, "none"
+    live_ranks = {v.rank for v in live}
+    covered = live_ranks <= set(hints.ranks)
+    weak = finding is None or finding.kind in ("unknown", "comm_hang") or finding.confidence == "low"
+
+    mismatches = [m for m in hints.mismatches if set(m.odd_ranks) <= live_ranks]
+    decisive = next((m for m in mismatches if m.odd_ranks), None)
+    if decisive is not None:
+        if finding is not None and finding.kind == "collective_mismatch" and finding.confidence != "low":
+            if set(finding.initiators) == set(decisive.odd_ranks):
+                finding.evidence.append(
+                    f"flight recorder agrees: {decisive.kind} mismatch at collective #{decisive.seq}, "
+                    f"odd {fmt_ranks(decisive.odd_ranks)}"
+                )
+                finding.confidence = _raise(finding.confidence)
+                return finding, "backed"
+            finding.evidence.append(
+                f"flight recorder disagrees: it shows {fmt_ranks(decisive.odd_ranks)} odd at collective "
+                f"#{decisive.seq} ({decisive.kind})"
+            )
+            return finding, "disagreed"
+        if weak:
+            out = _fr_mismatch_finding(decisive, covered, live)
+            if finding is not None:
+                out.evidence.append(f"python-level rules alone: {finding.reason}")
+            return out, "decided"
+    elif mismatches and (finding is None or finding.kind in ("unknown",) or not finding.initiators):
+        # a tie: worth reporting when nothing else explains the stall
+        return _fr_mismatch_finding(mismatches[0], covered, live), "decided"
+
+    behind = [r for r in hints.behind_ranks if r in live_ranks]
+    if not behind:
+        return finding, "none"
+    detail = _fr_behind_text(hints, behind)
+    if finding is not None and finding.kind == "hang" and finding.rule in ("behind", "not_waiting"):
+        chosen = set(finding.initiators)
+        if chosen == set(behind):
+            finding.evidence.append(f"flight recorder agrees: {detail}")
+            finding.confidence = _raise(finding.confidence)
+            return finding, "backed"
+        finding.evidence.append(f"flight recorder names {fmt_ranks(behind)} behind instead: {detail}")
+        if not chosen & set(behind) and finding.rule == "not_waiting":
+            finding.confidence = _lower(finding.confidence)
+        return finding, "disagreed"
+    if not weak:
+        return finding, "none"
+    chosen_views = [v for v in live if v.rank in set(behind)]
+    lead = chosen_views[0]
+    others = sorted(live_ranks - set(behind))
+    confidence = "high" if covered and len(behind) < len(live) / 2 else "medium"
+    reason = (
+        f"{fmt_ranks(behind)} is behind in the flight recorder ({detail}); "
+        f"it is in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}"
+        + (f" while {fmt_ranks(others)} wait for it" if others else "")
+    )
+    evidence = [f"flight recorder: {detail}"]
+    if not covered:
+        evidence.append(f"flight recorder covers only {fmt_ranks(hints.ranks)}")
+    if finding is not None:
+        evidence.append(f"python-level rules alone: {finding.reason}")
+    return _Finding("hang", behind, confidence, reason, evidence, rule="fr"), "decided"
+
+
+def _gpu_idle(v: RankView) -> bool:
+    return v.gpu_missing or (v.gpu_util is not None and v.gpu_util <= GPU_IDLE_PCT)
+
+
+def _gpu_busy(v: RankView) -> bool:
+    return v.gpu_util is not None and v.gpu_util >= GPU_BUSY_PCT
+
+
+def _apply_gpu(finding: _Finding, live: Sequence[RankView]) -> None:
+    """Back a hang finding with GPU use; never single a rank out on high utilisation alone."""
+    if finding.kind != "hang" or not finding.initiators:
+        return
+    chosen = [v for v in live if v.rank in set(finding.initiators)]
+    peers = [v for v in live if v.rank not in set(finding.initiators)]
+    read = [v for v in peers if v.gpu_util is not None or v.gpu_missing]
+    if not chosen or not any(v.gpu_util is not None or v.gpu_missing for v in live):
+        return
+
+    def pct(v: RankView) -> str:
+        return "missing from NVML samples" if v.gpu_missing else f"{v.gpu_util:.0f} %"
+
+    if read and all(_gpu_idle(v) for v in chosen) and all(_gpu_busy(v) for v in read):
+        finding.evidence.append(
+            f"GPU agrees: {', '.join(f'rank {v.rank} {pct(v)}' for v in chosen)} (no kernel running: a CPU-side "
+            f"stall) while {fmt_ranks(v.rank for v in read)} read ≥{GPU_BUSY_PCT:.0f} % "
+            "(spinning in the collective kernel)"
+        )
+        finding.confidence = _raise(finding.confidence)
+    elif all(_gpu_busy(v) for v in live):
+        finding.evidence.append(
+            f"GPU singles nobody out: every rank reads ≥{GPU_BUSY_PCT:.0f} % (ranks spinning in a collective "
+            "kernel and a rank stuck inside a kernel look alike)"
+        )
+    elif read and all(_gpu_busy(v) for v in chosen) and any(_gpu_idle(v) for v in read):
+        finding.evidence.append(
+            f"GPU does not back this: {fmt_ranks(v.rank for v in chosen)} busy on the GPU while "
+            f"{fmt_ranks(v.rank for v in read if _gpu_idle(v))} idle"
+        )
+
+
 def decide(
     views: Sequence[RankView],
     *,
@@ -331,18 +561,32 @@ def decide(
     incident_id: str,
     detected_after_s: float,
     extra_evidence: Sequence[str] = (),
+    fr_hints: FrHints | None = None,
 ) -> Verdict:
-    """The verdict for one incident over every rank's view (all nodes)."""
+    """The verdict for one incident over every rank's view (all nodes).
+
+    ``fr_hints`` (from ``evidence.fr_evidence``) lets the flight recorder decide or back the Python-level
+    rules; the hints then appear under the extra key ``flight_recorder``. GPU use comes in the views.
+    """
     views = sorted(views, key=lambda v: v.rank)
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    finding = _rule_gone(present) or _rule_stopped(present)
+    finding = _tag(_rule_gone(present), "gone") or _tag(_rule_stopped(present), "stopped")
     if finding is None and live:
-        finding = _rule_behind(live)
+        finding = _tag(_rule_behind(live), "behind")
         if finding is None:
             in_coll = [v for v in live if v.in_collective]
-            finding = _rule_collective(live) if len(in_coll) == len(live) else _rule_not_waiting(live)
+            finding = (
+                _tag(_rule_collective(live), "collective")
+                if len(in_coll) == len(live)
+                else _tag(_rule_not_waiting(live), "not_waiting")
+            )
+    fr_role = "none"
+    if fr_hints is not None:
+        finding, fr_role = _apply_fr(finding, fr_hints, live)
+    if finding is not None and finding.rule not in ("gone", "stopped"):
+        _apply_gpu(finding, live)
     if finding is None and missing:
         finding = _Finding(
             "unknown",
@@ -365,6 +609,9 @@ def decide(
         evidence.append(f"missing evidence from {fmt_ranks(v.rank for v in missing)}")
     evidence.extend(extra_evidence)
     chosen = [v for v in views if v.rank in set(finding.initiators)]
+    extra: dict[str, Any] = {}
+    if fr_hints is not None:
+        extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
     return Verdict(
         job_id=job_id,
         incident_id=incident_id,
@@ -376,7 +623,14 @@ def decide(
         detected_after_s=detected_after_s,
         ranks={str(v.rank): rank_entry(v) for v in views},
         evidence=evidence,
+        extra=extra,
     )
+
+
+def _tag(finding: _Finding | None, rule: str) -> _Finding | None:
+    if finding is not None:
+        finding.rule = rule
+    return finding
 
 
 def counts_by(views: Sequence[RankView], key: str) -> Counter[Any]:

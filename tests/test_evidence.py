@@ -1,0 +1,323 @@
+"""GPU, flight-recorder and NCCL RAS evidence feeding the verdict (evidence.py and verdict.py's use of it).
+
+The NVML stand-in and the RAS replay server are the ones of tests/test_nvml_probe.py and tests/test_nccl_ras.py
+(there is no GPU and no NCCL here); flight-recorder dumps are the real gloo fixtures in tests/fixtures/fr/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+import pytest
+from rankwatch.watchdog import evidence as evidence_mod
+from rankwatch.watchdog.capture import RankCapture
+from rankwatch.watchdog.evidence import GpuWatch, RasWatch, fr_evidence
+from rankwatch.watchdog.snapshot import RankView
+from rankwatch.watchdog.verdict import FrBehind, FrHints, decide
+from test_nccl_ras import RasServer
+from test_nccl_ras import fixture as ras_fixture
+from test_nvml_probe import FakeNvml
+from test_nvml_probe import script as nvml_script
+
+FR = Path(__file__).parent / "fixtures" / "fr"
+
+
+def rv(rank, **kw) -> RankView:
+    base = dict(
+        rank=rank,
+        node="n0",
+        pid=1000 + rank,
+        state="running",
+        step=10,
+        phase="backward",
+        in_phase_s=30.0,
+        since_progress_s=30.0,
+        coll_seq=10,
+        coll_done=10,
+        coll_op="all_reduce",
+    )
+    base.update(kw)
+    return RankView(**base)
+
+
+def verdict(views, **kw):
+    return decide(views, job_id="j", incident_id="i", detected_after_s=31.0, **kw).to_json()
+
+
+def captures(scenario: str) -> dict[int, RankCapture]:
+    out = {}
+    for p in sorted((FR / scenario).glob("rank-*.fr.json")):
+        r = int(p.name.split("-")[1].split(".")[0])
+        out[r] = RankCapture(rank=r, pid=1000 + r, fr_json=p.read_bytes())
+    return out
+
+
+def hints(scenario: str) -> FrHints:
+    f = fr_evidence(captures(scenario))
+    assert f.hints is not None
+    return f.hints
+
+
+# -- GPU evidence in the verdict -------------------------------------------------------------------
+
+
+def test_cpu_stuck_culprit_at_zero_percent_while_peers_spin_is_high_confidence():
+    # two ranks: rule "minority not waiting" alone cannot tell 1 from 1 → medium; the GPU breaks the tie
+    views = [
+        rv(0, waiting=True, gpu_util=100.0),
+        rv(1, phase="dataloader", waiting=False, gpu_util=0.0),
+    ]
+    plain = verdict([dataclasses.replace(v, gpu_util=None) for v in views])
+    assert (plain["initiating_ranks"], plain["confidence"]) == ([1], "medium")
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["phase"], v["confidence"]) == ("hang", [1], "dataloader", "high")
+    assert any(e.startswith("GPU agrees: rank 1 0 %") for e in v["evidence"])
+    assert v["ranks"]["1"]["gpu_util"] == 0.0 and v["ranks"]["0"]["gpu_util"] == 100.0
+    # absent from NVML's samples counts as idle too
+    views[1] = dataclasses.replace(views[1], gpu_util=None, gpu_missing=True)
+    v = verdict(views)
+    assert v["confidence"] == "high" and any("missing from NVML samples" in e for e in v["evidence"])
+
+
+def test_culprit_inside_a_kernel_at_100_percent_is_named_by_the_other_signals_not_the_gpu():
+    views = [rv(r, waiting=True, gpu_util=100.0) for r in range(4)]
+    views[3] = rv(3, phase="forward", waiting=False, gpu_util=100.0)
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["phase"], v["confidence"]) == ("hang", [3], "forward", "high")
+    assert any(e.startswith("GPU singles nobody out") for e in v["evidence"])
+    # two ranks: the GPU does not raise a 1-vs-1 call
+    v = verdict([views[0], dataclasses.replace(views[3], rank=1)])
+    assert (v["initiating_ranks"], v["confidence"]) == ([1], "medium")
+    # everyone in the same collective at 100 %: still nobody singled out
+    same = dict(phase="collective", coll_seq=7, coll_done=6, gpu_util=100.0)
+    v = verdict([rv(r, **same) for r in range(4)])
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("comm_hang", [], "low")
+
+
+def test_busy_culprit_with_idle_peers_is_noted_but_not_weakened():
+    views = [rv(0, waiting=True, gpu_util=0.0), rv(1, waiting=True, gpu_util=0.0), rv(2, phase="forward")]
+    views[2] = dataclasses.replace(views[2], waiting=False, gpu_util=100.0)
+    v = verdict(views)
+    assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
+    assert any(e.startswith("GPU does not back this") for e in v["evidence"])
+
+
+# -- flight-recorder evidence in the verdict --------------------------------------------------------
+
+
+def test_size_mismatch_visible_only_in_the_flight_recorder():
+    # every rank called all_reduce #3 from Python: the hook sees identical collectives
+    same = dict(phase="collective", coll_seq=3, coll_done=2, coll_op="all_reduce")
+    views = [rv(r, **same) for r in range(3)]
+    assert verdict(views)["kind"] == "comm_hang"
+    v = verdict(views, fr_hints=hints("mismatch_size"))
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
+    assert "size" in v["reason"] and "flight recorder" in v["reason"]
+    fr = v["flight_recorder"]
+    assert fr["role"] == "decided" and fr["ranks"] == [0, 1, 2]
+    assert fr["mismatches"][0]["kind"] == "size" and fr["mismatches"][0]["odd_ranks"] == [1]
+    # the schema keys are untouched; the FR is an extra key
+    assert v["schema"] == "rankwatch.verdict/1" and set(v["ranks"]["0"]) >= {"gpu_util", "collective"}
+
+
+def test_op_mismatch_seen_by_both_layers_is_backed():
+    same = dict(phase="collective", coll_seq=3, coll_done=2)
+    views = [rv(0, **same), rv(1, **same, coll_op="broadcast"), rv(2, **same)]
+    v = verdict(views, fr_hints=hints("mismatch_op"))
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
+    assert v["flight_recorder"]["role"] == "backed"
+    assert any(e.startswith("flight recorder agrees") for e in v["evidence"])
+
+
+def test_ddp_internal_all_reduce_skipped_is_decided_by_the_flight_recorder():
+    # all three ranks in backward, no Python-level collective and no stack verdict: the hook cannot tell
+    views = [rv(r, phase="backward", coll_seq=0, coll_done=0, coll_op=None) for r in range(3)]
+    assert verdict(views)["kind"] == "unknown"
+    v = verdict(views, fr_hints=hints("skip"))
+    assert (v["kind"], v["initiating_ranks"], v["phase"], v["confidence"]) == ("hang", [2], "backward", "high")
+    assert "behind in the flight recorder" in v["reason"] and "#4" in v["reason"]
+    assert v["flight_recorder"]["role"] == "decided"
+
+
+def test_flight_recorder_backs_the_python_level_rules():
+    # the rank behind by Python counters gets FR backing
+    views = [
+        rv(0, coll_seq=4, coll_done=3, phase="collective"),
+        rv(1, coll_seq=4, coll_done=3, phase="collective"),
+        rv(2, coll_seq=3, coll_done=3, phase="forward"),
+    ]
+    v = verdict(views, fr_hints=hints("skip"))
+    assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
+    assert v["flight_recorder"]["role"] == "backed"
+    # a 1-vs-1 minority rule (medium) becomes high when the FR agrees
+    two = [rv(0, waiting=True), rv(1, phase="dataloader", waiting=False)]
+    fr = FrHints(ranks=(0, 1), behind=(FrBehind("0", 1, 5, 6, "all_reduce"),))
+    v = verdict(two, fr_hints=fr)
+    assert (v["initiating_ranks"], v["confidence"]) == ([1], "high")
+    assert any("rank 1 entered collective #5 of pg 0 while others entered #6" in e for e in v["evidence"])
+
+
+def test_flight_recorder_disagreeing_with_the_phase_rule_lowers_confidence_only():
+    views = [rv(0, waiting=True), rv(1, waiting=True), rv(2, phase="dataloader", waiting=False)]
+    fr = FrHints(ranks=(0, 1, 2), behind=(FrBehind("0", 0, 5, 6, "all_reduce"),))
+    v = verdict(views, fr_hints=fr)
+    assert (v["initiating_ranks"], v["confidence"]) == ([2], "medium")
+    assert v["flight_recorder"]["role"] == "disagreed"
+
+
+def test_dead_rank_is_never_overridden_by_the_survivors_flight_recorder():
+    views = [rv(0), rv(1, state="dead", exit_age_s=1.0), rv(2)]
+    v = verdict(views, fr_hints=hints("mismatch_size"))
+    assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [1])
+    assert v["flight_recorder"]["role"] == "none"
+
+
+def test_partial_flight_recorder_coverage_is_medium():
+    same = dict(phase="collective", coll_seq=3, coll_done=2)
+    views = [rv(r, **same) for r in range(4)]  # rank 3 has no dump
+    v = verdict(views, fr_hints=hints("mismatch_size"))
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "medium")
+
+
+def test_healthy_flight_recorder_changes_nothing():
+    views = [rv(0), rv(1, phase="dataloader"), rv(2)]
+    assert verdict(views, fr_hints=hints("healthy")) | {"flight_recorder": None} == verdict(views) | {
+        "flight_recorder": None
+    }
+
+
+# -- fr_evidence on real captures ------------------------------------------------------------------
+
+
+def test_fr_evidence_on_real_gloo_dumps():
+    f = fr_evidence(captures("mismatch_op"))
+    assert f.hints is not None and f.hints.ranks == (0, 1, 2)
+    (mm,) = f.hints.mismatches
+    assert (mm.seq, mm.kind, mm.odd_ranks) == (3, "op", (1,))
+    assert f.lines[0].startswith("flight recorder: pg 0 (default_pg) seq 3: op mismatch, odd rank(s) [1]")
+    f = fr_evidence(captures("skip"))
+    assert f.hints is not None and f.hints.behind_ranks == (2,)
+    (b,) = f.hints.behind
+    assert (b.rank, b.seq, b.top_seq, b.top_op) == (2, 3, 4, "all_reduce")
+    assert [m.missing for m in f.hints.missing] == [(2,)]
+    f = fr_evidence(captures("healthy"))
+    assert f.hints is not None and not f.hints.behind and not f.hints.mismatches and not f.hints.missing
+
+
+def test_fr_evidence_skips_bad_and_absent_dumps_with_a_note():
+    caps = captures("mismatch_op")
+    caps[1] = RankCapture(rank=1, pid=1, fr_json=b"\x80\x04pickle")
+    caps[2] = RankCapture(rank=2, pid=2, notes=["flight recorder: _dump_fr_trace_json: empty trace"])
+    caps[3] = RankCapture(rank=3, pid=3, responder_error="dump responder not listening")
+    f = fr_evidence(caps)
+    assert f.hints is not None and f.hints.ranks == (0,)
+    assert any("rank 1: flight-recorder dump skipped: pickled dump refused" in n for n in f.notes)
+    assert any("rank 2: no flight-recorder dump (flight recorder: _dump_fr_trace_json" in n for n in f.notes)
+    assert any("rank 3: no flight-recorder dump (dump responder not listening)" in n for n in f.notes)
+    assert all(line.startswith("flight recorder: ") for line in f.lines)
+    # nothing usable at all
+    f = fr_evidence({0: RankCapture(rank=0, pid=1, fr_json=b"{}")})
+    assert f.hints is None and f.lines and "skipped" in f.lines[0]
+    assert fr_evidence({}).hints is None
+
+
+def test_fr_evidence_lines_are_bounded(monkeypatch):
+    monkeypatch.setattr(evidence_mod, "MAX_FR_LINES", 2)
+    f = fr_evidence(captures("skip"))
+    assert len(f.lines) == 3 and "more flight-recorder line(s)" in f.lines[-1]
+
+
+# -- GpuWatch --------------------------------------------------------------------------------------
+
+
+def test_gpu_watch_without_nvml_is_a_no_op():
+    w = GpuWatch()  # real pynvml, no driver on this machine
+    assert not w.available
+    views = [rv(0), rv(1)]
+    assert w.apply(views) == views
+    assert w.device_notes() == []
+    w.close()
+    assert not GpuWatch(nvml=FakeNvml(nvml_script(), absent=True)).available
+    assert not GpuWatch(nvml=FakeNvml(nvml_script()), enabled=False).available
+
+
+def test_gpu_watch_fills_views_from_the_scripted_nvml_and_keeps_xids():
+    sc = nvml_script()
+    w = GpuWatch(nvml=FakeNvml(sc), wall_clock=lambda: sc["now_s"])
+    assert w.available
+    views = [rv(0, pid=1001), rv(1, pid=1002), rv(2, pid=7777), rv(3, pid=0, state="missing")]
+    out = w.apply(views)
+    assert [(v.gpu_util, v.gpu_missing) for v in out] == [(98.0, False), (None, True), (None, False), (None, False)]
+    assert out[3] is views[3]
+    notes = w.device_notes()
+    assert any(n.startswith("GPU 1 (rank 1): XID 79 (GPU has fallen off the bus)") for n in notes)
+    assert "GPU 1 (rank 1): row remap pending (takes effect after a GPU reset)" in notes
+    # XIDs are drained by the probe but remembered by the watch
+    w.apply(views)
+    assert sum("XID 79" in n for n in w.device_notes()) == 1
+    w.close()
+
+
+def test_gpu_watch_does_not_flag_everyone_missing():
+    sc = nvml_script()
+    sc["devices"][0]["samples"] = []  # pid 1001 has a context but no fresh sample either
+    w = GpuWatch(nvml=FakeNvml(sc), wall_clock=lambda: sc["now_s"])
+    out = w.apply([rv(0, pid=1001), rv(1, pid=1002)])
+    assert [(v.gpu_util, v.gpu_missing) for v in out] == [(None, False), (None, False)]
+
+
+def test_gpu_watch_views_feed_the_verdict():
+    sc = nvml_script()
+    w = GpuWatch(nvml=FakeNvml(sc), wall_clock=lambda: sc["now_s"])
+    views = w.apply([rv(0, pid=1001, waiting=True), rv(1, pid=1002, phase="dataloader", waiting=False)])
+    v = verdict(views, extra_evidence=w.device_notes())
+    assert (v["initiating_ranks"], v["confidence"]) == ([1], "high")
+    assert v["ranks"]["0"]["gpu_util"] == 98.0
+    assert any("XID 79" in e for e in v["evidence"])
+
+
+def test_gpu_watch_never_raises(monkeypatch):
+    sc = nvml_script()
+    w = GpuWatch(nvml=FakeNvml(sc), wall_clock=lambda: sc["now_s"])
+    assert w.probe is not None
+
+    def boom(*a, **k):
+        raise RuntimeError("driver gone")
+
+    monkeypatch.setattr(w.probe, "sample", boom)
+    views = [rv(0, pid=1001)]
+    assert w.apply(views) == views
+
+
+# -- RasWatch --------------------------------------------------------------------------------------
+
+
+def test_ras_watch_two_queries_against_the_replay_server():
+    with RasServer(ras_fixture("json_stuck_q1.json")) as srv:
+        a = RasWatch(srv.addr, timeout_s=5).query()
+    with RasServer(ras_fixture("json_stuck_q2.json")) as srv:
+        w = RasWatch(srv.addr, timeout_s=5)
+        b = w.query()
+    assert a is not None and b is not None
+    kinds = {(f.kind, f.ranks) for f in w.findings(a, b)}
+    assert ("stuck", (2,)) in kinds
+    assert any(line.startswith("NCCL RAS: ") and "did not move" in line for line in w.evidence(a, b))
+    assert w.findings(None, None) == []
+
+
+def test_ras_watch_disabled_or_unreachable():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    w = RasWatch(f"127.0.0.1:{port}", timeout_s=1)
+    assert w.query() is None and w.query_twice(gap_s=0) == (None, None)
+    assert RasWatch("localhost:1", disabled=True).query() is None
+    assert RasWatch("10.0.0.1:28028", timeout_s=0.2).query() is None  # not loopback: refused
+
+
+@pytest.mark.parametrize("addr", ["localhost:28028", "127.0.0.1:5"])
+def test_ras_watch_address_is_configurable(addr):
+    assert RasWatch(addr).addr == addr and RasWatch().addr == "localhost:28028"
