@@ -21,6 +21,7 @@ from . import bundle
 from .capture import RankCapture, capture_all, signature, stack_top, waiting_on_peers
 from .correlate import Correlator, SharedIncident
 from .detect import Trigger, find_trigger, recovered
+from .evidence import RAS_RECHECK_S, GpuWatch, RasWatch, fr_evidence
 from .jobwatch import JobWatch
 from .policy import CapturePolicy, KillPolicy, StallPolicy
 from .probes.process import ExitWatcher, ProcessProbe
@@ -117,6 +118,9 @@ class Daemon:
         self._incident_seq = 0
         self._stop = threading.Event()
         self.polls = 0
+        # outside evidence: NVML opened once (a no-op without a driver); NCCL RAS asked only at incidents
+        self.gpu = GpuWatch()
+        self.ras = RasWatch()
         # job id -> cross-node correlator (multi-node jobs); set by the command that knows the topology
         self.correlators: dict[str, Correlator] = {}
         # daemon mode: builds a correlator for a newly seen multi-node job (None: single node)
@@ -171,18 +175,16 @@ class Daemon:
         watch = entry.watch
         watch.refresh()
         first_look = not entry.last_views
-        if first_look:
-            # records left by an earlier run under the same job id are not this run's dead ranks
-            watch.drop_gone_ranks()
-        views = watch.poll()
+        if first_look and watch.drop_gone_ranks() and not watch.ranks:
+            # only records of processes that are gone: an earlier run (they are not this run's dead ranks)
+            watch.retired = True
+            log.info("job_stale", job=job_id)
+            return
+        views = self.gpu.apply(watch.poll())
         entry.last_views = views
         if not views:
             return
         if watch.all_gone(views):
-            if first_look:
-                watch.retired = True
-                log.info("job_stale", job=job_id, ranks=len(views))
-                return
             entry.gone_since = entry.gone_since or time.monotonic()
         else:
             entry.gone_since = None
@@ -248,6 +250,7 @@ class Daemon:
             reason=trigger.reason,
             signalled_by=shared.by_node if shared is not None else None,
         )
+        ras_first = self.ras.query()  # before capture; the second query after it shows counts that do not move
         t0 = time.monotonic()
         targets = [(v.rank, v.pid, v.state == STOPPED) for v in views if v.state in (RUNNING, STOPPED)]
         captures = capture_all(targets, entry.watch.job_dir, incident_id, self.config.capture)
@@ -260,9 +263,18 @@ class Daemon:
             seconds=round(time.monotonic() - t0, 3),
         )
         # states may have moved on during capture (a rank died): re-read, keep the stacks
+        # keep the GPU reading taken when the stall was detected (py-spy pauses ranks during capture)
         fresh = {v.rank: v for v in entry.watch.poll()}
-        merged = [fresh.get(v.rank, v) for v in views]
+        merged = [
+            dataclasses.replace(fresh[v.rank], gpu_util=v.gpu_util, gpu_missing=v.gpu_missing) if v.rank in fresh else v
+            for v in views
+        ]
         enriched = enrich(merged, captures, self.config.capture)
+        fr = fr_evidence(captures)
+        outside = [*fr.lines, *self.gpu.device_notes()]
+        if ras_first is not None:
+            time.sleep(max(0.0, RAS_RECHECK_S - (time.monotonic() - t0)))
+            outside += self.ras.evidence(ras_first, self.ras.query())
 
         def decide_over(all_views: Sequence[RankView], notes: Sequence[str]) -> Verdict:
             return decide(
@@ -270,7 +282,8 @@ class Daemon:
                 job_id=job_id,
                 incident_id=incident_id,
                 detected_after_s=trigger.detected_after_s,
-                extra_evidence=notes,
+                extra_evidence=[*notes, *outside],
+                fr_hints=fr.hints,
             )
 
         if correlator is not None and shared is not None:
@@ -385,3 +398,4 @@ class Daemon:
         for entry in self.jobs.values():
             entry.watch.close()
         self.exits.close()
+        self.gpu.close()

@@ -97,8 +97,10 @@ class JobWatch:
             log.info("rank_discovered", job=self.job_id, rank=rank, pid=snap.pid, node=snap.hostname)
         return found
 
-    def drop_gone_ranks(self) -> None:
-        """Forget ranks whose process is gone: a new run reusing this job id starts a new generation."""
+    def drop_gone_ranks(self) -> int:
+        """Forget ranks whose process is gone (returns how many): a new run reusing this job id starts a new
+        generation."""
+        dropped = 0
         for rank, st in list(self.ranks.items()):
             if st.reader.replaced():
                 continue
@@ -109,6 +111,8 @@ class JobWatch:
                 self._exits.forget(st.last.pid)
                 del self.ranks[rank]
                 self.history.pop(rank, None)
+                dropped += 1
+        return dropped
 
     def _state(self, st: RankState, now_ns: int) -> str:
         snap = st.last
