@@ -76,6 +76,9 @@ def test_both_nodes_agree_on_the_initiating_rank(procs, tmp_path, scenario, rank
         assert v0[key] == v1[key], key
     assert set(v0["ranks"]) == {"0", "1", "2", "3"}
     assert v0["correlation"].startswith("leader node 0 over 2 node(s)")
+    # the leader's end-of-run summary covers the ranks of both nodes
+    summary0 = json.loads((nodes[0][1] / "summary.json").read_text())
+    assert set(summary0["ranks"]) == {"0", "1", "2", "3"}
 
 
 def test_leader_still_reports_when_the_other_nodes_watchdog_is_killed(procs, tmp_path):

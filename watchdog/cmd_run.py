@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
-from rankwatch.hooks.record import RecordFormatError, read_record
+from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
 
 from . import logs
 from .argparsing import Parser
@@ -25,6 +25,9 @@ from .render import headline, verdict_text
 from .straggler import diagnose, summary_text
 
 log = structlog.get_logger("rankwatch.run")
+
+# how long the leader waits at the end for the other nodes' step rings
+SUMMARY_WAIT_S = 15.0
 
 
 def build_parser() -> Parser:
@@ -130,11 +133,18 @@ def main(argv: list[str]) -> int:
         if all(v.state in ("exited",) for v in entry.last_views):
             break
         time.sleep(args.poll_interval)
+    entry = daemon.jobs.get(job_id)
+    history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
     if correlator is not None:
+        # every node shares its rings; the leader's summary covers every rank of the job
+        correlator.publish_history(history)
+        if correlator.leader:
+            for rank, steps in correlator.gather_histories(wait_s=SUMMARY_WAIT_S).items():
+                history.setdefault(rank, steps)
         correlator.close()
     if metrics is not None:
         metrics.close()
-    _write_summary(daemon, job_id, out)
+    _write_summary(daemon, job_id, out, history)
     daemon.close()
     return code
 
@@ -195,9 +205,8 @@ def _wait(proc: subprocess.Popen[bytes]) -> int:
                 proc.kill()
 
 
-def _write_summary(daemon: Daemon, job_id: str, out: str) -> None:
+def _write_summary(daemon: Daemon, job_id: str, out: str, history: dict[int, list[StepTiming]]) -> None:
     entry = daemon.jobs.get(job_id)
-    history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
     incidents = entry.incidents if entry else []
     diag = diagnose(history)
     doc = diag.summary_doc(job_id, incidents, history)

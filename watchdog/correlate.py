@@ -23,22 +23,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from rankwatch.hooks.record import StepTiming
 
 from .snapshot import MISSING, RankView
 from .store import (
     INCIDENT_SCHEMA,
+    MAX_RANKS_PER_NODE,
     JobStore,
     StoreError,
     ValueRejected,
-    _i,
-    _s,
     node_doc,
     parse_json,
     parse_node_doc,
+    v_float,
+    v_int,
+    v_str,
 )
 from .verdict import KINDS, SCHEMA, Verdict
 
 log = structlog.get_logger("rankwatch.correlate")
+
+HISTORY_SCHEMA = "rankwatch.history/1"
+# steps per rank sent for the leader's summary: the diagnosis window, bounded for the store
+HISTORY_STEPS_SHARED = 200
 
 DecideFn = Callable[[Sequence[RankView], Sequence[str]], Verdict]
 
@@ -151,9 +158,9 @@ class Correlator:
             if not isinstance(trigger, dict):
                 raise ValueRejected("trigger must be an object")
             return SharedIncident(
-                gen=_i(doc.get("gen"), "gen", lo=1, hi=10**9) or 0,
-                incident_id=_safe_id(_s(doc.get("id"), "id") or ""),
-                by_node=_i(doc.get("by"), "by", lo=0, hi=10**6) or 0,
+                gen=v_int(doc.get("gen"), "gen", lo=1, hi=10**9) or 0,
+                incident_id=_safe_id(v_str(doc.get("id"), "id") or ""),
+                by_node=v_int(doc.get("by"), "by", lo=0, hi=10**6) or 0,
                 trigger={k: v for k, v in trigger.items() if k in ("kind", "ranks", "reason", "detected_after_s")},
             )
         except ValueRejected as exc:
@@ -195,6 +202,54 @@ class Correlator:
         except StoreError as exc:
             self._lost(exc)
             return local
+
+    # -- end of run: the leader's summary covers every rank ------------------------------------------
+    def publish_history(self, history: dict[int, list[StepTiming]]) -> None:
+        """This node's recent step rings (bounded), for the leader's end-of-run summary."""
+        store = self.store
+        if store is None:
+            return
+        doc = {
+            "schema": HISTORY_SCHEMA,
+            "node_rank": self.node_rank,
+            "ranks": {
+                str(rank): [[t.step, t.start_ns, t.end_ns, t.phases_ms] for t in steps[-HISTORY_STEPS_SHARED:]]
+                for rank, steps in list(history.items())[:MAX_RANKS_PER_NODE]
+            },
+        }
+        try:
+            store.set_json(f"history/{self.node_rank}", doc)
+        except StoreError as exc:
+            self._lost(exc)
+
+    def gather_histories(self, wait_s: float) -> dict[int, list[StepTiming]]:
+        """Other nodes' step rings, waiting up to ``wait_s`` for every node (leader only)."""
+        store = self.store
+        out: dict[int, list[StepTiming]] = {}
+        if store is None or not self.nnodes:
+            return out
+        pending = {k for k in range(self.nnodes) if k != self.node_rank}
+        deadline = time.monotonic() + wait_s
+        while pending and time.monotonic() < deadline:
+            for k in sorted(pending):
+                key = f"history/{k}"
+                try:
+                    raw = store.get_raw(key)
+                except StoreError as exc:
+                    self._lost(exc)
+                    return out
+                if raw is None:
+                    continue
+                pending.discard(k)
+                try:
+                    out.update(parse_history(raw))
+                except ValueRejected as exc:
+                    self._reject(key, exc)
+            if pending:
+                time.sleep(0.2)
+        if pending:
+            log.warning("summary_missing_nodes", job=self.job_id, nodes=sorted(pending))
+        return out
 
     # -- on an incident ---------------------------------------------------------------------------
     def resolve(
@@ -329,6 +384,28 @@ class Correlator:
             for v in views:
                 out[v.rank] = v
         return out
+
+
+def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:
+    doc = parse_json(raw, HISTORY_SCHEMA)
+    ranks = doc.get("ranks")
+    if not isinstance(ranks, dict) or len(ranks) > MAX_RANKS_PER_NODE:
+        raise ValueRejected("history: ranks malformed")
+    out: dict[int, list[StepTiming]] = {}
+    for key, steps in ranks.items():
+        if not key.isdigit() or not isinstance(steps, list) or len(steps) > HISTORY_STEPS_SHARED:
+            raise ValueRejected("history: rank entry malformed")
+        timings = []
+        for item in steps:
+            if not isinstance(item, list) or len(item) != 4 or not isinstance(item[3], dict):
+                raise ValueRejected("history: step entry malformed")
+            step = v_int(item[0], "step", lo=0) or 0
+            start = v_int(item[1], "start_ns", lo=0) or 0
+            end = v_int(item[2], "end_ns", lo=0) or 0
+            phases = {(v_str(k, "phase") or ""): (v_float(v, "phase_ms") or 0.0) for k, v in list(item[3].items())[:32]}
+            timings.append(StepTiming(step=step, start_ns=start, end_ns=end, phases_ms=phases))
+        out[int(key)] = timings
+    return out
 
 
 def _safe_id(raw: str) -> str:

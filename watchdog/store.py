@@ -38,7 +38,7 @@ class ValueRejected(Exception):
     """A value in the store is malformed, oversized or of the wrong schema."""
 
 
-def _s(value: Any, field: str, *, optional: bool = False) -> str | None:
+def v_str(value: Any, field: str, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str) or len(value) > MAX_STR:
@@ -46,7 +46,7 @@ def _s(value: Any, field: str, *, optional: bool = False) -> str | None:
     return value
 
 
-def _i(value: Any, field: str, *, optional: bool = False, lo: int = -(2**63), hi: int = 2**63 - 1) -> int | None:
+def v_int(value: Any, field: str, *, optional: bool = False, lo: int = -(2**63), hi: int = 2**63 - 1) -> int | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -54,7 +54,7 @@ def _i(value: Any, field: str, *, optional: bool = False, lo: int = -(2**63), hi
     return value
 
 
-def _f(value: Any, field: str, *, optional: bool = False) -> float | None:
+def v_float(value: Any, field: str, *, optional: bool = False) -> float | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -76,7 +76,7 @@ def view_from_doc(doc: Any) -> RankView:
     """A RankView from untrusted JSON: every field type- and range-checked."""
     if not isinstance(doc, dict):
         raise ValueRejected("rank entry: expected an object")
-    state = _s(doc.get("state"), "state")
+    state = v_str(doc.get("state"), "state")
     if state not in _VIEW_STATES:
         raise ValueRejected(f"state: unknown value {state!r}")
     stack = doc.get("stack_top", [])
@@ -86,28 +86,28 @@ def view_from_doc(doc: Any) -> RankView:
     if waiting is not None and not isinstance(waiting, bool):
         raise ValueRejected("waiting: expected a boolean")
     return RankView(
-        rank=_i(doc.get("rank"), "rank", lo=0, hi=10**7) or 0,
-        node=_s(doc.get("node"), "node") or "",
-        pid=_i(doc.get("pid"), "pid", lo=-1, hi=2**31) or 0,
+        rank=v_int(doc.get("rank"), "rank", lo=0, hi=10**7) or 0,
+        node=v_str(doc.get("node"), "node") or "",
+        pid=v_int(doc.get("pid"), "pid", lo=-1, hi=2**31) or 0,
         state=state,
-        step=_i(doc.get("step"), "step", lo=0) or 0,
-        phase=_s(doc.get("phase"), "phase", optional=True),
-        in_phase_s=_f(doc.get("in_phase_s"), "in_phase_s") or 0.0,
-        since_progress_s=_f(doc.get("since_progress_s"), "since_progress_s") or 0.0,
-        coll_seq=_i(doc.get("coll_seq", 0), "coll_seq", lo=0) or 0,
-        coll_done=_i(doc.get("coll_done", 0), "coll_done", lo=0) or 0,
-        coll_op=_s(doc.get("coll_op"), "coll_op", optional=True),
-        budget_s=_f(doc.get("budget_s", 0.0), "budget_s") or 0.0,
-        budget_elapsed_s=_f(doc.get("budget_elapsed_s", 0.0), "budget_elapsed_s") or 0.0,
-        exit_order=_i(doc.get("exit_order"), "exit_order", optional=True, lo=0, hi=10**7),
-        exit_age_s=_f(doc.get("exit_age_s"), "exit_age_s", optional=True),
-        gpu_util=_f(doc.get("gpu_util"), "gpu_util", optional=True),
+        step=v_int(doc.get("step"), "step", lo=0) or 0,
+        phase=v_str(doc.get("phase"), "phase", optional=True),
+        in_phase_s=v_float(doc.get("in_phase_s"), "in_phase_s") or 0.0,
+        since_progress_s=v_float(doc.get("since_progress_s"), "since_progress_s") or 0.0,
+        coll_seq=v_int(doc.get("coll_seq", 0), "coll_seq", lo=0) or 0,
+        coll_done=v_int(doc.get("coll_done", 0), "coll_done", lo=0) or 0,
+        coll_op=v_str(doc.get("coll_op"), "coll_op", optional=True),
+        budget_s=v_float(doc.get("budget_s", 0.0), "budget_s") or 0.0,
+        budget_elapsed_s=v_float(doc.get("budget_elapsed_s", 0.0), "budget_elapsed_s") or 0.0,
+        exit_order=v_int(doc.get("exit_order"), "exit_order", optional=True, lo=0, hi=10**7),
+        exit_age_s=v_float(doc.get("exit_age_s"), "exit_age_s", optional=True),
+        gpu_util=v_float(doc.get("gpu_util"), "gpu_util", optional=True),
         gpu_missing=bool(doc.get("gpu_missing", False)),
-        cpu_percent=_f(doc.get("cpu_percent"), "cpu_percent", optional=True),
-        stack_top=tuple(_s(f, "stack_top[]") or "" for f in stack),
-        stack_signature=_s(doc.get("stack_signature"), "stack_signature", optional=True),
+        cpu_percent=v_float(doc.get("cpu_percent"), "cpu_percent", optional=True),
+        stack_top=tuple(v_str(f, "stack_top[]") or "" for f in stack),
+        stack_signature=v_str(doc.get("stack_signature"), "stack_signature", optional=True),
         waiting=waiting,
-        notes=tuple(_s(n, "notes[]") or "" for n in doc.get("notes", [])[:8]),
+        notes=tuple(v_str(n, "notes[]") or "" for n in doc.get("notes", [])[:8]),
     )
 
 
@@ -127,11 +127,11 @@ def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or len(ranks) > MAX_RANKS_PER_NODE:
         raise ValueRejected(f"ranks: expected a list of at most {MAX_RANKS_PER_NODE} entries")
-    node_rank = _i(doc.get("node_rank"), "node_rank", lo=0, hi=10**6) or 0
+    node_rank = v_int(doc.get("node_rank"), "node_rank", lo=0, hi=10**6) or 0
     return (
         node_rank,
-        _s(doc.get("node"), "node") or "",
-        _i(doc.get("seq"), "seq", lo=0) or 0,
+        v_str(doc.get("node"), "node") or "",
+        v_int(doc.get("seq"), "seq", lo=0) or 0,
         [view_from_doc(r) for r in ranks],
     )
 
