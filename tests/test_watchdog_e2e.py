@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 from conftest import DEMO, rankwatch_cmd, torchrun_args, wait_for
@@ -202,3 +203,63 @@ def test_daemon_survives_corrupt_records_and_recycled_pids(procs, tmp_path):
     assert any(e["event"] == "job_stale" and e["job"] == "fake" for e in events)
     assert any(e["event"] == "verdict" and e["initiating_ranks"] == [1] for e in events)
     assert sleeper.poll() is None, "an unrelated process was signalled"
+
+
+def test_one_incident_per_stall_and_recovery_closes_it(procs, tmp_path):
+    """A rank stopped, then resumed: one bundle (not one per poll), the incident closes, the job finishes."""
+    shm, out = tmp_path / "shm", tmp_path / "out"
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="rec")
+    job = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args(
+                2,
+                "rec",
+                "-m",
+                "rankwatch.hooks",
+                DEMO,
+                "--scenario",
+                "stopped-rank",
+                "--fault-rank",
+                "1",
+                "--fault-step",
+                "5",
+                "--steps",
+                "120",
+            ),
+        ],
+        env=env,
+    )
+    daemon = procs.start(
+        rankwatch_cmd(
+            "daemon",
+            "--shm-dir",
+            str(shm),
+            "--out",
+            str(out),
+            "--stall-timeout",
+            "3",
+            "--poll-interval",
+            "0.2",
+            "--json-logs",
+        ),
+        text=True,
+    )
+    inc = out / "rec" / "incidents"
+    assert wait_for(lambda: inc.exists() and any(not p.name.startswith(".") for p in inc.iterdir()), timeout=120)
+    time.sleep(2.0)  # ten more polls while still stopped: still one incident
+    bundles_now = [p for p in inc.iterdir() if not p.name.startswith(".")]
+    assert len(bundles_now) == 1
+    verdict = json.loads((bundles_now[0] / "verdict.json").read_text())
+    assert verdict["kind"] == "stopped_rank" and verdict["initiating_ranks"] == [1]
+    os.kill(verdict["ranks"]["1"]["pid"], signal.SIGCONT)
+    assert job.wait(timeout=120) == 0, "the resumed job should finish normally"
+    time.sleep(1.0)
+    daemon.send_signal(signal.SIGTERM)
+    _, err = daemon.communicate(timeout=30)
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "incident_closed" for e in events)
+    assert sum(e["event"] == "verdict" for e in events) == 1
+    assert len([p for p in inc.iterdir() if not p.name.startswith(".")]) == 1
