@@ -135,6 +135,14 @@ class Daemon:
             if self.polls == 0:
                 log.warning("shm_dir_unreadable", shm_dir=self.config.shm_dir, error=str(exc))
             return
+        present = set(names)
+        for gone in [j for j, e in self.jobs.items() if e.watch.retired and j not in present]:
+            # a finished job whose directory was removed: forget it, so a long-lived daemon stays small
+            self.jobs.pop(gone).watch.close()
+            corr = self.correlators.pop(gone, None)
+            if corr is not None:
+                corr.close()
+            self._factory_tried.discard(gone)
         for name in names:
             if name in self.jobs or name.startswith("."):
                 continue
