@@ -214,3 +214,32 @@ def test_systemd_style_daemons_correlate_through_the_store(procs, tmp_path):
     assert found[0]["incident_id"] == found[1]["incident_id"]
     assert found[0]["phase"] == "forward"
     assert all(j.poll() is None for j in jobs), "daemons must not kill without --on-stall kill"
+
+
+def test_published_verdict_is_slim_for_very_large_jobs():
+    from rankwatch.watchdog.correlate import slim_verdict
+    from rankwatch.watchdog.snapshot import RankView
+    from rankwatch.watchdog.verdict import decide
+
+    views = [
+        RankView(
+            rank=r,
+            node=f"n{r // 8}",
+            pid=r + 10,
+            state="running",
+            step=5,
+            phase="backward",
+            in_phase_s=9.0,
+            since_progress_s=9.0,
+        )
+        for r in range(4096)
+    ]
+    views[1234] = RankView(
+        rank=1234, node="n154", pid=9, state="running", step=5, phase="dataloader", in_phase_s=9.0, since_progress_s=9.0
+    )
+    full = decide(views, job_id="big", incident_id="i", detected_after_s=9.0).to_json()
+    assert full["initiating_ranks"] == [1234]
+    assert "ranks 0–1233, 1235–4095 wait" in full["reason"]
+    slim = slim_verdict(full)
+    assert list(slim["ranks"]) == ["1234"] and slim["ranks_slimmed"]
+    assert len(json.dumps(slim)) < 100_000 < len(json.dumps(full))

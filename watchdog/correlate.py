@@ -39,11 +39,13 @@ from .store import (
     v_int,
     v_str,
 )
-from .verdict import KINDS, SCHEMA, Verdict
+from .verdict import KINDS, SCHEMA, Verdict, rank_entry
 
 log = structlog.get_logger("rankwatch.correlate")
 
 HISTORY_SCHEMA = "rankwatch.history/1"
+# above this many ranks the published verdict drops the non-initiating ranks' entries (~450 bytes each)
+SLIM_VERDICT_ABOVE_RANKS = 512
 # steps per rank sent for the leader's summary: the diagnosis window, bounded for the store
 HISTORY_STEPS_SHARED = 200
 
@@ -84,7 +86,7 @@ class Correlator:
         nnodes: int | None = None,
         evidence_timeout_s: float = 10.0,
         verdict_timeout_s: float = 15.0,
-        connect_timeout_s: float = 3.0,
+        connect_timeout_s: float = 10.0,  # each TCPStore connect does a reverse DNS lookup (5 s default)
     ) -> None:
         self.job_id = job_id
         self.node_rank = node_rank
@@ -274,7 +276,7 @@ class Correlator:
             verdict = decide(views, notes).to_json()
             verdict["correlation"] = f"leader node {self.node_rank} over {self._heard} node(s)"
             try:
-                store.set_json(f"verdict/{inc.gen}", verdict)
+                store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict))
             except StoreError as exc:
                 self._lost(exc)
             return verdict, verdict["correlation"]
@@ -288,6 +290,9 @@ class Correlator:
             if raw is not None:
                 try:
                     verdict = validate_verdict(raw)
+                    # a slimmed verdict carries only the initiators' entries: add this node's own ranks
+                    for v in local_views:
+                        verdict["ranks"].setdefault(str(v.rank), rank_entry(v))
                     return verdict, str(verdict.get("correlation", "leader"))
                 except ValueRejected as exc:
                     self._reject(f"verdict/{inc.gen}", exc)
@@ -384,6 +389,19 @@ class Correlator:
             for v in views:
                 out[v.rank] = v
         return out
+
+
+def slim_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
+    """What the leader publishes: whole for ordinary jobs; for very large ones only the initiating ranks'
+    entries (every node adds its own ranks), so the value stays far below the store limit and 256 nodes
+    do not each download megabytes."""
+    if len(verdict.get("ranks", {})) <= SLIM_VERDICT_ABOVE_RANKS:
+        return verdict
+    keep = {str(r) for r in verdict.get("initiating_ranks", [])}
+    slim = dict(verdict)
+    slim["ranks"] = {k: v for k, v in verdict["ranks"].items() if k in keep}
+    slim["ranks_slimmed"] = True
+    return slim
 
 
 def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:

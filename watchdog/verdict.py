@@ -139,8 +139,20 @@ def phase_kind(phase: str | None) -> str:
 
 
 def fmt_ranks(ranks: Iterable[int]) -> str:
-    items = sorted(ranks)
-    return ("rank " if len(items) == 1 else "ranks ") + ", ".join(str(r) for r in items)
+    """'rank 3', 'ranks 0, 1, 3', or with runs folded for big jobs: 'ranks 0–2046, 2048'."""
+    items = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{items[i]}–{items[j]}")
+        else:
+            parts.extend(str(r) for r in items[i : j + 1])
+        i = j + 1
+    return ("rank " if len(items) == 1 else "ranks ") + ", ".join(parts)
 
 
 def rank_entry(v: RankView) -> dict[str, Any]:
@@ -497,7 +509,8 @@ def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]
         return finding, "disagreed"
     if not weak:
         return finding, "none"
-    chosen_views = [v for v in live if v.rank in set(behind)]
+    behind_set = set(behind)
+    chosen_views = [v for v in live if v.rank in behind_set]
     lead = chosen_views[0]
     others = sorted(live_ranks - set(behind))
     confidence = "high" if covered and len(behind) < len(live) / 2 else "medium"
@@ -526,8 +539,9 @@ def _apply_gpu(finding: _Finding, live: Sequence[RankView]) -> None:
     """Back a hang finding with GPU use; never single a rank out on high utilisation alone."""
     if finding.kind != "hang" or not finding.initiators:
         return
-    chosen = [v for v in live if v.rank in set(finding.initiators)]
-    peers = [v for v in live if v.rank not in set(finding.initiators)]
+    initiators = set(finding.initiators)
+    chosen = [v for v in live if v.rank in initiators]
+    peers = [v for v in live if v.rank not in initiators]
     read = [v for v in peers if v.gpu_util is not None or v.gpu_missing]
     if not chosen or not any(v.gpu_util is not None or v.gpu_missing for v in live):
         return
@@ -608,7 +622,8 @@ def decide(
     if missing:
         evidence.append(f"missing evidence from {fmt_ranks(v.rank for v in missing)}")
     evidence.extend(extra_evidence)
-    chosen = [v for v in views if v.rank in set(finding.initiators)]
+    initiator_set = set(finding.initiators)
+    chosen = [v for v in views if v.rank in initiator_set]
     extra: dict[str, Any] = {}
     if fr_hints is not None:
         extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
