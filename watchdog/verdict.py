@@ -23,6 +23,7 @@ Outside evidence refines these (``_apply_fr``, ``_apply_gpu``):
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,27 @@ class Verdict:
         }
         doc.update(self.extra)
         return doc
+
+
+_RANK_LINE = re.compile(r"^rank (\d+): (.*)$")
+
+
+def fold_rank_lines(lines: Sequence[str]) -> list[str]:
+    """'rank N: text' lines that share their text become one 'ranks a–b, c: text' line, in first-seen order,
+    so evidence stays readable (and small) for thousands of ranks."""
+    groups: dict[str, list[int]] = {}
+    order: list[tuple[str, str]] = []
+    for line in lines:
+        m = _RANK_LINE.match(line)
+        if m is None:
+            order.append(("line", line))
+            continue
+        text = m.group(2)
+        if text not in groups:
+            groups[text] = []
+            order.append(("group", text))
+        groups[text].append(int(m.group(1)))
+    return [item if kind == "line" else f"{fmt_ranks(groups[item])}: {item}" for kind, item in order]
 
 
 def phase_kind(phase: str | None) -> str:
@@ -637,7 +659,7 @@ def decide(
         reason=finding.reason,
         detected_after_s=detected_after_s,
         ranks={str(v.rank): rank_entry(v) for v in views},
-        evidence=evidence,
+        evidence=fold_rank_lines(evidence),
         extra=extra,
     )
 
