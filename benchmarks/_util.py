@@ -1,0 +1,108 @@
+"""Shared helpers for the benchmarks: bounded child processes that are always cleaned up, torchrun
+command lines on loopback, and small statistics. Not a benchmark itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = str(REPO / "examples" / "ddp_demo.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_args(nproc: int, run_id: str, *script: str) -> list[str]:
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id]
+    return ["--nproc-per-node", str(nproc), "--monitor-interval", "0.2", *rdzv, *script]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def rankwatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rankwatch.watchdog.cli", *args]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the process, its group and every descendant (torchrun puts ranks in their own sessions)."""
+    try:
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        family = [proc.pid]
+    for pid in family:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Procs:
+    """Starts children in new sessions; ``cleanup()`` (also on exit via ``with``) kills every tree."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+        proc = self.start(cmd, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            out, err = proc.communicate()
+            raise RuntimeError(f"timed out after {timeout}s: {cmd}\nstdout:\n{out}\nstderr:\n{err}") from None
+        finally:
+            kill_tree(proc)  # stragglers left behind by a finished launcher
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            for stream in (proc.stdout, proc.stderr):
+                if stream:
+                    stream.close()
+        self.procs.clear()
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def spread(xs: Sequence[float]) -> str:
+    """min–max as text, for the notes."""
+    return f"{min(xs):.4g}–{max(xs):.4g}"

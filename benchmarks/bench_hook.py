@@ -1,0 +1,316 @@
+"""Hook overhead: (a) the cost of the Tracker's record updates, (b) end-to-end slowdown of a DDP job.
+
+(a) Micro: a Tracker over a real RecordWriter (mmap of a file in a temp dir, as in training). Each
+    measurement is the median over many batches of the per-call cost (batch time / calls; the empty
+    loop is *not* subtracted, so the numbers are an upper bound). Also measured: what a plain
+    ``nn.Module`` call costs once ``instrument()`` has installed its global forward hooks (every module
+    call then runs the pre/post hook), and the hook-only per-step cost of the demo's loop.
+(b) End-to-end: ``benchmarks/ddp_timed.py`` (the demo's balanced loop — same model, data, DDP,
+    optimizer and per-step all_reduce as examples/ddp_demo.py, imported from it — plus a timer around
+    the steps after a warm-up) under ``torchrun --nproc-per-node 2``, with and without
+    ``-m rankwatch.hooks``, interleaved A/B/A/B…; the slowdown is the ratio of the medians of the
+    per-step time (each run's median step, robust to moments a shared core was taken away; the mean-step
+    ratio and the training thread's CPU time per step are printed beside it). ``--extra-arms`` adds
+    arms that separate costs (DDP comm hook, flight recorder). No daemon runs during (b).
+
+    python benchmarks/bench_hook.py            # ~5 min on 2 shared cores
+    python benchmarks/bench_hook.py --quick    # ~1.5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _util import REPO, Procs, median, torchrun_args, torchrun_cmd
+
+TIMED = str(REPO / "benchmarks" / "ddp_timed.py")
+INNER = 20
+# module calls per training step of the demo's model: DDP, Model, body, 4 x (Sequential, Linear, ReLU), head
+DEMO_MODULE_CALLS = 16
+
+# step-size configurations, measured on the 2 shared cores (2 ranks, 1 thread each)
+CONFIGS = {
+    "5ms": ["--hidden", "256", "--layers", "4", "--batch-size", "32"],  # the demo's defaults
+    "50ms": ["--hidden", "768", "--layers", "5", "--batch-size", "128"],
+}
+
+
+# -- (a) micro ------------------------------------------------------------------------------------
+def timed(body, batches: int, calls: int) -> float:  # type: ignore[no-untyped-def]
+    """Median over batches of the per-call cost. The clock is this thread's CPU time
+    (CLOCK_THREAD_CPUTIME_ID): on cores shared with other jobs, wall time would also count the moments
+    this process was descheduled. Batches are short (~1 ms) for the same reason."""
+    clock = time.thread_time_ns
+    body(calls)  # warm-up
+    samples = []
+    for _ in range(batches):
+        t = clock()
+        body(calls)
+        samples.append((clock() - t) / calls)
+    return median(samples)
+
+
+def micro(batches: int, calls: int) -> dict[str, float]:
+    from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+    from rankwatch.hooks.tracker import Tracker
+
+    tmp = tempfile.mkdtemp(prefix="rw-bench-hook-")
+    try:
+        os.makedirs(os.path.join(tmp, "job"), mode=0o700)
+        writer = RecordWriter(record_path(tmp, "job", 0))
+        write_identity(
+            writer,
+            Identity(
+                pid=os.getpid(),
+                global_rank=0,
+                local_rank=0,
+                world_size=1,
+                local_world_size=1,
+                node_rank=0,
+                device=-1,
+                hostname="bench",
+                job_id="job",
+                start_ns=time.monotonic_ns(),
+            ),
+            list(CANONICAL_PHASES),
+        )
+        tr = Tracker(writer)
+        fwd = CANONICAL_PHASES.index("forward")
+
+        def per_call(body) -> float:  # type: ignore[no-untyped-def]
+            return timed(body, batches, calls)
+
+        def empty(n: int) -> None:
+            for _ in range(n):
+                pass
+
+        def phase_pair(n: int) -> None:
+            for _ in range(n):
+                tr.enter(fwd)
+                tr.exit(fwd)
+
+        def nested_pair(n: int) -> None:  # a phase inside a phase (collective inside backward, etc.)
+            tr.enter(fwd)
+            for _ in range(n):
+                tr.enter(2)
+                tr.exit(2)
+            tr.exit(fwd)
+
+        def step(n: int) -> None:
+            for _ in range(n):
+                tr.step()
+
+        def coll_pair(n: int) -> None:
+            for _ in range(n):
+                tr.collective_enter("all_reduce")
+                tr.collective_exit()
+
+        res = {
+            "empty_loop_ns": per_call(empty),
+            "phase_pair_ns": per_call(phase_pair),
+            "nested_pair_ns": per_call(nested_pair),
+            "step_ns": per_call(step),
+            "collective_pair_ns": per_call(coll_pair),
+        }
+        assert tr.enabled, "tracker disabled itself during the benchmark"
+        res.update(module_call_cost(batches, calls // 4, tr))
+        writer.close()
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def module_call_cost(batches: int, calls: int, tr) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Per nn.Module call, before and after instrument.install() adds the global forward hooks."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    x = torch.zeros(1)
+    one = nn.Identity()
+    # an outer module holding INNER modules: only the outermost call is a phase, the inner ones pay
+    # for the global hooks alone
+    seq = nn.Sequential(*[nn.Identity() for _ in range(INNER)])
+
+    def calls_of(mod):  # type: ignore[no-untyped-def]
+        def body(n: int) -> None:
+            for _ in range(n):
+                mod(x)
+
+        return body
+
+    def run() -> tuple[float, float]:
+        return timed(calls_of(one), batches, calls), timed(calls_of(seq), batches, max(calls // INNER, 20))
+
+    before = run()
+    from rankwatch.hooks.instrument import install
+
+    install(tr)  # patches this (benchmark) process only
+    after = run()
+    return {
+        "module_call_ns": before[0],
+        "module_call_hooked_ns": after[0],
+        "inner_module_hook_ns": ((after[1] - before[1]) - (after[0] - before[0])) / INNER,
+    }
+
+
+# -- (b) end to end -------------------------------------------------------------------------------
+ARM_ENV = {
+    "base": {},
+    "hook": {},
+    "hook-noddp": {"RANKWATCH_DDP_TIMING": "0"},  # without hooks/ddp_timing.py's comm hook
+    "hook-nofr": {"TORCH_FR_BUFFER_SIZE": "0"},  # without the flight recorder the hook switches on
+    "base-fr": {"TORCH_FR_BUFFER_SIZE": "2000"},  # no hook, flight recorder on
+}
+
+
+def one_run(procs: Procs, arm: str, cfg: list[str], steps: int, warmup: int, shm: str, n: int) -> dict[str, float]:
+    env = dict(os.environ, RANKWATCH_SHM_DIR=shm, OMP_NUM_THREADS="1")
+    for key in ("RANKWATCH_DDP_TIMING", "TORCH_FR_BUFFER_SIZE"):
+        env.pop(key, None)
+    env.update(ARM_ENV[arm])
+    script = [TIMED, *cfg, "--steps", str(steps), "--warmup", str(warmup)]
+    if arm.startswith("hook"):
+        script = ["-m", "rankwatch.hooks", *script]
+        env["RANKWATCH_JOB_ID"] = f"bench-hook-{n}"
+    cmd = torchrun_cmd(*torchrun_args(2, f"bench-hook-{n}", *script))
+    res = procs.run(cmd, timeout=300, text=True, env=env)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    if line is None:
+        raise RuntimeError(f"{arm} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    if res.returncode != 0:
+        # seen rarely with and without the hook: gloo aborts a rank in destroy_process_group ("terminate
+        # called without an active exception") after the timed window; the measurement is complete
+        print(f"  (note: {arm} run exited {res.returncode} after printing its result)", flush=True)
+    return {k: float(v) for k, v in json.loads(line).items()}
+
+
+def end_to_end(pairs: int, steps: dict[str, int], arms: list[str]) -> dict[str, dict[str, list[dict[str, float]]]]:
+    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    out: dict[str, dict[str, list[dict[str, float]]]] = {name: {a: [] for a in arms} for name in CONFIGS}
+    n = 0
+    try:
+        with Procs() as procs:
+            for i in range(pairs):
+                for name, cfg in CONFIGS.items():
+                    # alternate which arm goes first, so a drifting load does not favour one arm
+                    order = arms if i % 2 == 0 else arms[::-1]
+                    for arm in order:
+                        n += 1
+                        r = one_run(procs, arm, cfg, steps[name], steps[name] // 5, shm, n)
+                        out[name][arm].append(r)
+                        print(
+                            f"  round {i + 1}/{pairs} {name:>4} {arm:<10} median step {r['median_step_ms']:8.3f} ms, "
+                            f"mean {r['step_ms']:8.3f} ms, training-thread CPU {r['thread_cpu_ms']:7.3f} ms/step",
+                            flush=True,
+                        )
+                        shutil.rmtree(os.path.join(shm, f"bench-hook-{n}"), ignore_errors=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def ratio_pct(runs: dict[str, list[dict[str, float]]], arm: str, key: str) -> tuple[float, float, float, float]:
+    """(base median, arm median, slowdown % of the medians, median of the per-round paired slowdowns %)."""
+    b = [r[key] for r in runs["base"]]
+    h = [r[key] for r in runs[arm]]
+    paired = [(y / x - 1) * 100 for x, y in zip(b, h, strict=False)]
+    return median(b), median(h), (median(h) / median(b) - 1) * 100, median(paired)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer batches, 3 pairs, shorter runs")
+    p.add_argument("--pairs", type=int, default=None, help="interleaved A/B rounds (default 6, quick 3)")
+    p.add_argument("--micro-only", action="store_true")
+    p.add_argument(
+        "--extra-arms",
+        nargs="*",
+        default=[],
+        choices=[a for a in ARM_ENV if a not in ("base", "hook")],
+        help="more arms to separate costs: hook-noddp (RANKWATCH_DDP_TIMING=0), hook-nofr (flight recorder "
+        "off), base-fr (no hook, flight recorder on)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    args = p.parse_args()
+    pairs = args.pairs or (3 if args.quick else 6)
+    batches, calls = (100, 1000) if args.quick else (1000, 1000)
+    steps = {"5ms": 300, "50ms": 60} if args.quick else {"5ms": 600, "50ms": 120}
+
+    print(f"(a) micro: median of {batches} batches of {calls} calls", flush=True)
+    m = micro(batches, calls)
+    for k, v in m.items():
+        print(f"  {k:<24} {v:8.1f} ns")
+    transition = (m["phase_pair_ns"]) / 2
+    # dataloader, forward, backward, optimizer (+ grad_sync split) pairs; step(); the loss all_reduce
+    per_step_pairs = 4
+    est = (
+        per_step_pairs * m["phase_pair_ns"]
+        + m["step_ns"]
+        + m["collective_pair_ns"]
+        + (DEMO_MODULE_CALLS - 1) * m["inner_module_hook_ns"]
+        + (m["module_call_hooked_ns"] - m["module_call_ns"] - m["phase_pair_ns"])
+    )
+    raw: dict[str, object] = {"micro": m}
+
+    rows = [
+        f"| phase enter+exit (Tracker over a real mmap record) | {m['phase_pair_ns']:.0f} ns per pair = "
+        f"**{transition:.0f} ns per transition** | < 2 µs per transition | {'yes' if transition < 2000 else 'NO'} |",
+        f"| nested phase enter+exit | {m['nested_pair_ns']:.0f} ns per pair | < 4 µs | "
+        f"{'yes' if m['nested_pair_ns'] < 4000 else 'NO'} |",
+        f"| step() (ring entry + live state) | {m['step_ns']:.0f} ns | — | — |",
+        f"| collective_enter + collective_exit | {m['collective_pair_ns']:.0f} ns | — | — |",
+        f"| nn.Module call, without → with instrument()'s global forward hooks | "
+        f"{m['module_call_ns']:.0f} → {m['module_call_hooked_ns']:.0f} ns "
+        f"(+{m['module_call_hooked_ns'] - m['module_call_ns']:.0f} ns: one forward phase + the hooks) | — | — |",
+        f"| nn.Module call nested inside the outermost one (global hooks only, no record write) | "
+        f"+{m['inner_module_hook_ns']:.0f} ns per module call | — | — |",
+        f"| estimated hook CPU per demo step (~{per_step_pairs} phase pairs, step(), 1 collective, "
+        f"{DEMO_MODULE_CALLS} module calls) | {est / 1000:.1f} µs = {est / 50_000:.2f} % of 5 ms, "
+        f"{est / 500_000:.3f} % of 50 ms | — | — |",
+    ]
+    if not args.micro_only:
+        arms = ["base", "hook", *args.extra_arms]
+        print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
+        e2e = end_to_end(pairs, steps, arms)
+        raw["e2e"] = e2e
+        targets = {"5ms": 3.0, "50ms": 1.0}
+        for name in CONFIGS:
+            for arm in arms[1:]:
+                bw, hw, slow, paired = ratio_pct(e2e[name], arm, "median_step_ms")
+                _, _, slow_mean, _ = ratio_pct(e2e[name], arm, "step_ms")
+                bc, hc, slow_cpu, paired_cpu = ratio_pct(e2e[name], arm, "thread_cpu_ms")
+                per_round = [
+                    (h["median_step_ms"] / b["median_step_ms"] - 1) * 100
+                    for b, h in zip(e2e[name]["base"], e2e[name][arm], strict=False)
+                ]
+                label = "hook" if arm == "hook" else arm
+                met = "yes" if slow < targets[name] else "NO"
+                rows.append(
+                    f"| DDP step time at ~{name[:-2]} ms/step, 2 ranks, base → {label}, {pairs} interleaved rounds "
+                    f"(wall, median step) | {bw:.2f} → {hw:.2f} ms = **{slow:+.1f} %** (paired {paired:+.1f} %, "
+                    f"per round {min(per_round):+.0f} … {max(per_round):+.0f} %; mean-step ratio {slow_mean:+.1f} %) "
+                    f"| < {targets[name]:.0f} % | {met} |"
+                )
+                rows.append(
+                    f"| … same runs, training-thread CPU time per step | {bc:.3f} → {hc:.3f} ms = "
+                    f"**{slow_cpu:+.1f} %** (paired {paired_cpu:+.1f} %, +{(hc - bc) * 1000:.0f} µs) | — | — |"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+    print("\n| what | median | target | met? |\n|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
