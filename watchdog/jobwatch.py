@@ -20,7 +20,9 @@ from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, ZOMBIE, RankView
 log = structlog.get_logger("rankwatch.jobwatch")
 
 _RANK_FILE = re.compile(r"^rank-(\d{1,7})\.hb$")
-HISTORY_STEPS = 20_000  # per rank, for the end-of-run summary (~1 MB per rank at most)
+# steps kept per rank for the end-of-run summary and metrics (~400 bytes each: ~1 MB per rank); the
+# diagnosis looks at the last 200
+HISTORY_STEPS = 2_500
 
 
 @dataclass
