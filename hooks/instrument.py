@@ -1,16 +1,20 @@
 """Automatic phase points for an unmodified training script.
 
 Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
-(DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives).
+(DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives,
+``DistributedDataParallel`` construction for the gradient-bucket timing of ``ddp_timing.py``).
 Wrappers call the original first-class function and never alter arguments or results.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import ddp_timing
+from .ddp_timing import DDPTiming
 from .record import CANONICAL_PHASES
 from .tracker import Tracker
 
@@ -69,6 +73,25 @@ def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Calla
     return wrapper
 
 
+def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming | None) -> Callable[..., Any]:
+    """``backward``; with DDP bucket timing, the tail after this rank's last gradient bucket was ready
+    (waiting for the all-reduce, i.e. for the peers) is booked as ``grad_sync``."""
+    if timing is None:
+        return _wrap_phase(fn, tracker, BACKWARD)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        timing.begin()
+        tracker.enter(BACKWARD)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.exit(BACKWARD, timing.split_ns(), timing.grad_sync_slot)
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
 def install(tracker: Tracker) -> None:
     """Install every automatic point once per process."""
     global _installed
@@ -101,7 +124,13 @@ def install(tracker: Tracker) -> None:
     module_mod.register_module_forward_hook(post_hook, always_call=True)
 
     # Backward: Tensor.backward delegates to torch.autograd.backward, so wrapping the latter covers both.
-    torch.autograd.backward = _wrap_phase(torch.autograd.backward, tracker, BACKWARD)
+    # DDP bucket timing (ddp_timing.py) splits the wait for the gradient all-reduce off into grad_sync.
+    try:
+        timing = ddp_timing.install(tracker)
+    except Exception as exc:
+        timing = None
+        warnings.warn(f"rankwatch: DDP bucket timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
+    torch.autograd.backward = _wrap_backward(torch.autograd.backward, tracker, timing)
 
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

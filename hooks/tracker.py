@@ -57,6 +57,10 @@ class Tracker:
             pass
         warnings.warn(f"rankwatch: hook disabled after an internal error: {exc!r}", RuntimeWarning, stacklevel=3)
 
+    def on_thread(self) -> bool:
+        """True on the thread that may write the record (the one that initialised the hook)."""
+        return threading.get_ident() == self.thread_id
+
     def slot(self, name: str) -> int:
         """Slot for a phase name, declaring it in the record on first use (-1 when the table is full)."""
         idx = self._slots.get(name)
@@ -100,7 +104,10 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
-    def exit(self, slot: int) -> None:
+    def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE) -> None:
+        """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
+        attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
+        for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged."""
         if not self.enabled or slot < 0 or threading.get_ident() != self.thread_id:
             return
         try:
@@ -112,7 +119,12 @@ class Tracker:
                 if not stack:
                     return
             now = _now()
-            self._acc[slot] += now - self._last
+            last = self._last
+            if tail_slot >= 0 and last < split_ns < now:
+                self._acc[slot] += split_ns - last
+                self._acc[tail_slot] += now - split_ns
+            else:
+                self._acc[slot] += now - last
             self._last = now
             _, _, budget = stack.pop()
             rec = self._rec

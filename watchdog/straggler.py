@@ -15,7 +15,18 @@ be ``COMMUNICATION-BOUND``.
 
 Each rank is compared with the median of the *other* ranks (leave-one-out), so two-rank jobs work and
 one straggler cannot drag the baseline toward itself. Medians over the window ignore a single slow
-step.
+step. An excess must clear both ``StragglerPolicy.abs_floor_ms`` and ``rel_threshold`` × median step.
+
+Labels by the straggler's phase: ``INPUT STRAGGLER`` (``dataloader``), ``COMPUTE STRAGGLER``
+(``forward``, ``backward`` with bucket timing, ``optimizer``, declared phases). A backward straggler
+keeps the ``COMPUTE`` label (the ``phase`` field says ``backward``): what the user must look at is the
+rank's own compute in that phase, whatever its cause (a slow gradient hook, a slower device). Without
+straggler: ``<family>-BOUND`` when one family dominates the step, else ``BALANCED``.
+
+Bucket-timing caveats (see ``rankwatch.hooks.ddp_timing``): on CUDA the bucket-ready time is CPU-side,
+so GPU work still queued lands in ``grad_sync`` on every rank; models where the hook was not
+registered (their own comm hook, ``RANKWATCH_DDP_TIMING=0``) produce no ``grad_sync`` and fall back to
+treating ``backward`` as waiting.
 """
 
 from __future__ import annotations
