@@ -9,6 +9,7 @@ Wrappers call the original first-class function and never alter arguments or res
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -101,6 +102,12 @@ def install(tracker: Tracker) -> None:
     import torch
     import torch.nn.modules.module as module_mod
     import torch.utils.data.dataloader as dl
+
+    # GPU time per phase on CUDA ranks (None on CPU-only builds and machines: nothing is recorded)
+    if os.environ.get("RANKWATCH_CUDA_EVENTS", "1") != "0":
+        from .cuda_timing import EventPool
+
+        tracker.attach_gpu_timing(EventPool.create())
 
     # DataLoader: every iterator class inherits __next__ from the base iterator.
     base_iter = dl._BaseDataLoaderIter

@@ -33,6 +33,7 @@ FLAG_EXITED = 1  # interpreter exited normally (atexit ran)
 FLAG_DISABLED = 2  # hook disabled itself after an internal error
 FLAG_EXPLICIT_STEPS = 4  # the script calls step() itself; optimizer hooks no longer end steps
 FLAG_CRASHED = 8  # the script ended with an exception or a non-zero exit
+FLAG_GPU_TIMING = 16  # gpu_phase_ms is being filled from CUDA events
 
 NO_PHASE = -1
 
@@ -88,6 +89,8 @@ class RecordLayout(ctypes.Structure):
         ("budget_s", ctypes.c_double),  # largest declared budget among the open phases, 0 if none
         ("budget_start_ns", ctypes.c_uint64),  # when the phase holding that budget began
         ("exit_ns", ctypes.c_uint64),
+        # GPU time per phase slot (ms, cumulative) from CUDA events; only on ranks that use CUDA
+        ("gpu_phase_ms", ctypes.c_double * MAX_PHASES),
         # ring of completed steps: entry i holds step s where s % RING_STEPS == i
         ("steps_done", ctypes.c_uint64),
         ("ring", StepEntry * RING_STEPS),
@@ -150,6 +153,7 @@ class RecordSnapshot:
     budget_start_ns: int
     exit_ns: int
     steps_done: int
+    gpu_phase_ms: dict[str, float] = field(default_factory=dict)
     recent_steps: tuple[StepTiming, ...] = field(default=())
 
     @property
@@ -236,6 +240,11 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
         budget_s=float(rec.budget_s),
         budget_start_ns=int(rec.budget_start_ns),
         exit_ns=int(rec.exit_ns),
+        gpu_phase_ms=(
+            {names[i]: float(rec.gpu_phase_ms[i]) for i in range(n) if rec.gpu_phase_ms[i]}
+            if rec.flags & FLAG_GPU_TIMING
+            else {}
+        ),
         steps_done=done,
         recent_steps=tuple(steps),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from typing import Any
 
 from .record import (
     CANONICAL_PHASES,
@@ -17,6 +18,7 @@ from .record import (
     FLAG_DISABLED,
     FLAG_EXITED,
     FLAG_EXPLICIT_STEPS,
+    FLAG_GPU_TIMING,
     IDLE_SLOT,
     MAX_PHASES,
     NAME_LEN,
@@ -26,6 +28,8 @@ from .record import (
 )
 
 COLLECTIVE_SLOT = CANONICAL_PHASES.index("collective")
+# phases whose GPU work is timed with CUDA events (where the kernels are launched)
+GPU_TIMED_SLOTS = frozenset(CANONICAL_PHASES.index(p) for p in ("forward", "backward", "optimizer"))
 _now = time.monotonic_ns
 
 
@@ -45,6 +49,14 @@ class Tracker:
         self.explicit_steps = False
         self.thread_id = threading.get_ident()
         self.enabled = True
+        self._gpu: Any = None  # cuda_timing.EventPool on CUDA ranks
+
+    def attach_gpu_timing(self, pool: Any) -> None:
+        """Time forward/backward/optimizer on the GPU too (pooled CUDA events, harvested without blocking)."""
+        if pool is None:
+            return
+        self._gpu = pool
+        self._rec.flags |= FLAG_GPU_TIMING
 
     # -- error containment ------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -103,6 +115,8 @@ class Tracker:
             rec.seq += 1
         except Exception as exc:
             self._fail(exc)
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.begin(slot)
 
     def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE) -> None:
         """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
@@ -110,6 +124,8 @@ class Tracker:
         for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged."""
         if not self.enabled or slot < 0 or threading.get_ident() != self.thread_id:
             return
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.end(slot)
         try:
             stack = self._stack
             if not stack or stack[-1][0] != slot:
@@ -205,6 +221,9 @@ class Tracker:
             entry.start_ns = self._step_start
             entry.end_ns = now
             entry.phase_ns[:] = acc
+            if self._gpu is not None:
+                for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
+                    rec.gpu_phase_ms[gslot] += gpu_ms
             rec.steps_done = done + 1
             rec.step = done + 1
             rec.step_start_ns = now

@@ -188,3 +188,43 @@ def test_truncated_foreign_and_corrupt_files_are_rejected_clearly(tmp_path):
     os.symlink(good, tmp_path / "link.hb")
     with pytest.raises(RecordFormatError, match="symlink"):
         RecordReader(str(tmp_path / "link.hb"))
+
+
+class ScriptedEventPool:
+    """Stands in for cuda_timing.EventPool (no GPU here): pairs 'finish' one step after they are recorded."""
+
+    def __init__(self):
+        self.open, self.pending, self.log = {}, [], []
+
+    def begin(self, slot):
+        self.open[slot] = True
+        self.log.append(("begin", slot))
+        return True
+
+    def end(self, slot):
+        self.open.pop(slot)
+        self.pending.append(slot)
+        self.log.append(("end", slot))
+        return True
+
+    def poll(self):
+        done, self.pending = [(s, 1.5) for s in self.pending], []
+        return done
+
+
+def test_gpu_phase_times_accumulate_from_event_pairs_without_blocking(tmp_path):
+    path = str(tmp_path / "rank-3.hb")
+    t = make_tracker(path)
+    assert read_record(path).gpu_phase_ms == {}
+    pool = ScriptedEventPool()
+    t.attach_gpu_timing(pool)
+    for _ in range(4):
+        t.enter(0)  # dataloader: host-side, not GPU-timed
+        t.exit(0)
+        for slot in (1, 2, 3):  # forward, backward, optimizer
+            t.enter(slot)
+            t.exit(slot)
+        t.step()
+    snap = read_record(path)
+    assert snap.gpu_phase_ms == {"forward": 6.0, "backward": 6.0, "optimizer": 6.0}
+    assert ("begin", 0) not in pool.log

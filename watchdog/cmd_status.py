@@ -61,6 +61,7 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
                         "since_progress_s": round(v.since_progress_s, 3),
                         "last_step_ms": round(ring[-1].duration_ms, 3) if ring else None,
                         "collective": f"{v.coll_op}#{v.coll_seq}" if v.coll_seq else None,
+                        "gpu_phase_ms": watch.ranks[v.rank].last.gpu_phase_ms or None,
                     }
                 )
             diag = diagnose({r: list(h) for r, h in watch.history.items()})
