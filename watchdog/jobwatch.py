@@ -144,12 +144,13 @@ class JobWatch:
                 log.warning("record_read_failed", job=self.job_id, rank=rank, error=str(exc))
                 snap = st.last
             st.last = snap
-            for timing in snap.recent_steps:
-                self.history[rank].append(timing)
-                if timing.step > 0:  # step 0 carries start-up costs; it must not inflate the timeout
-                    self.longest_step_s = max(self.longest_step_s, timing.duration_ms / 1000.0)
-            if snap.recent_steps:
-                st.cursor = snap.recent_steps[-1].step
+            steps = snap.recent_steps
+            if steps:
+                self.history[rank].extend(steps)
+                # step 0 carries start-up costs; it must not inflate the learned timeout
+                longest_ns = max((t.end_ns - t.start_ns for t in steps if t.step > 0), default=0)
+                self.longest_step_s = max(self.longest_step_s, longest_ns / 1e9)
+                st.cursor = steps[-1].step
             state = self._state(st, now)
             exit_age = None
             exit_order = None
