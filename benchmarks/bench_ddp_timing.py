@@ -1,4 +1,4 @@
-"""Added cost of the DDP bucket timing (hooks/ddp_timing.py) on the demo's balanced run.
+"""Added cost of the DDP backward timing (hooks/ddp_timing.py) on the demo's balanced run.
 
 Runs ``examples/ddp_demo.py --scenario balanced`` under torchrun with the rankwatch hook, alternating
 ``RANKWATCH_DDP_TIMING=1`` and ``=0`` (interleaved, so drifting host load hits both), and reads each
@@ -9,9 +9,10 @@ absolute difference per step.
     python benchmarks/bench_ddp_timing.py --pairs 6 --steps 300 --nproc 2
 
 On a shared, loaded host run-to-run noise (±30 % and more) swamps a 1 % effect. ``--mode interleaved``
-is the low-noise estimate: one job, two identical demo models stepped alternately, one with the timing
-hook and one with DDP's C++ all-reduce (``--steps`` per model, ``--repeats`` jobs). ``--mode micro``
-measures the CPU overhead per backward in one process (world size 1), free of peer waits.
+is the low-noise estimate: one job, two identical demo models stepped alternately, one with its backward
+split and one without (``--steps`` per model, ``--repeats`` jobs). ``--mode micro`` measures the CPU
+overhead per backward in one process (world size 1), free of peer waits, for rankwatch's mechanism and
+for the Python comm hook it replaced.
 """
 
 from __future__ import annotations
@@ -91,15 +92,16 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 plain = DDP(Model(256, 4))
-# C++ all-reduce, as DDP without a hook; it also keeps rankwatch's hook off this model
-plain._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
-timed = DDP(Model(256, 4))  # rankwatch's bucket-timing hook is registered here at the first backward
+plain._forward_pre_hooks.clear()  # rankwatch's arming pre-hook removed: this model's backward is not split
+timed = DDP(Model(256, 4))  # backward split by rankwatch's end-of-graph callback
 x, y = torch.randn(32, 256), torch.randn(32, 1)
-for m in (plain, timed):  # first backward: rankwatch registers its hook where it may
-    nn.functional.mse_loss(m(x), y).backward()
 from rankwatch.hooks import ddp_timing
-assert ddp_timing.active() is not None and timed in ddp_timing.active().states
-assert plain not in ddp_timing.active().states
+timing = ddp_timing.active()
+assert timing is not None and timed in timing.models
+for m, want in ((plain, 0), (timed, 1)):
+    before = timing.split_count
+    nn.functional.mse_loss(m(x), y).backward()
+    assert timing.split_count - before == want, (m is timed, timing.split_count - before)
 opts = {m: torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, timed)}
 times = {plain: [], timed: []}
 for i in range(2 * steps):
@@ -119,8 +121,8 @@ dist.destroy_process_group()
 
 
 def interleaved(args: argparse.Namespace) -> tuple[float, float]:
-    """One job, two identical DDP models stepped alternately: one with rankwatch's timing hook, one with
-    DDP's C++ all-reduce. Host-load drift hits both equally; returns rank 0's medians (on, off) in ms."""
+    """One job, two identical DDP models stepped alternately: one with its backward split by rankwatch, one
+    without. Host-load drift hits both equally; returns rank 0's medians (on, off) in ms."""
     with tempfile.TemporaryDirectory(prefix="rw-bench-ddp-") as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER)
@@ -149,10 +151,27 @@ def interleaved(args: argparse.Namespace) -> tuple[float, float]:
         return on, off
 
 
+class _Stamp:
+    ready_ns = 0
+
+
+def _old_comm_hook(state: tuple[_Stamp, object], bucket: object) -> object:
+    """The comm hook rankwatch used before (stamp, then DDP's default all-reduce in Python), for comparison."""
+    import torch.distributed as dist
+
+    stamp, group = state
+    stamp.ready_ns = time.monotonic_ns()
+    tensor = bucket.buffer()  # type: ignore[attr-defined]
+    tensor.div_(dist.get_world_size(group))  # type: ignore[arg-type]
+    work = dist.distributed_c10d.all_reduce(tensor, group=group, async_op=True)  # type: ignore[arg-type]
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def micro(steps: int) -> dict[str, float]:
     """CPU overhead per fwd+bwd in this process (world size 1, gloo, the demo's model), models stepped
-    round-robin: DDP's C++ all-reduce, rankwatch's Python comm hook, and for comparison an autograd
-    end-of-graph callback (the cheaper alternative discussed in RESULTS-ddp-timing.md). Median µs."""
+    round-robin in a rotating order: DDP's C++ all-reduce alone, with the Python comm hook rankwatch used
+    before, and with rankwatch's end-of-graph callback (``DDPTiming``: arming forward pre-hook, root
+    pre-hook, engine callback, as instrument.py drives it around backward). Median µs."""
     import torch
     import torch.distributed as dist
     from rankwatch.hooks import ddp_timing
@@ -163,41 +182,48 @@ def micro(steps: int) -> dict[str, float]:
     sys.path.insert(0, str(REPO / "examples"))
     from ddp_demo import Model
 
+    class StubTracker:
+        enabled = True
+
+        def on_thread(self) -> bool:
+            return True
+
+        def slot(self, name: str) -> int:
+            return 5
+
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        ddp_timing._c10d = dist.distributed_c10d
-
-        class Stub:
-            ready_ns = 0
-
-        ready = [0]
-
-        def callback() -> None:
-            ready[0] = time.monotonic_ns()
-
-        def prehook(grad_outputs: object) -> None:
-            Variable._execution_engine.queue_callback(callback)
-
+        timing = ddp_timing.DDPTiming(StubTracker(), Variable._execution_engine.queue_callback)  # type: ignore[arg-type]
         models = {}
-        for name in ("default", "comm_hook", "callback"):
+        for name in ("default", "callback", "old_comm_hook"):
             torch.manual_seed(0)
             m = DDP(Model(256, 4))
-            if name == "comm_hook":
-                state = ddp_timing._HookState(Stub(), m.process_group)  # type: ignore[arg-type]
-                dist._register_comm_hook(m.reducer, state, ddp_timing.comm_hook)
+            if name == "old_comm_hook":
+                dist._register_comm_hook(m.reducer, (_Stamp(), m.process_group), _old_comm_hook)
+            elif name == "callback":
+                timing.constructed(m)
             models[name] = m
         x, y = torch.randn(32, 256), torch.randn(32, 1)
         times: dict[str, list[int]] = {k: [] for k in models}
-        for _ in range(steps):
-            for name, m in models.items():
+        names = list(models)
+        for i in range(steps):
+            # rotate the order: a fixed round-robin position costs or saves tens of µs by itself
+            for name in names[i % 3 :] + names[: i % 3]:
+                m = models[name]
                 t = time.perf_counter_ns()
                 loss = nn.functional.mse_loss(m(x), y)
-                if name == "callback":
-                    loss.grad_fn.register_prehook(prehook)
-                loss.backward()
+                if name == "callback":  # instrument.py's backward wrapper, around the same call
+                    split = timing.begin(loss)
+                    loss.backward()
+                    if split:
+                        timing.end()
+                else:
+                    loss.backward()
                 times[name].append(time.perf_counter_ns() - t)
         dist.destroy_process_group()
+    if timing.split_count != steps or not timing.enabled:
+        raise SystemExit(f"callback model split {timing.split_count} of {steps} backward passes")
     return {k: statistics.median(v[steps // 10 :]) / 1000 for k, v in times.items()}
 
 

@@ -2,7 +2,7 @@
 
 Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
 (DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives,
-``DistributedDataParallel`` construction for the gradient-bucket timing of ``ddp_timing.py``).
+``DistributedDataParallel`` construction for the backward/grad_sync split of ``ddp_timing.py``).
 Wrappers call the original first-class function and never alter arguments or results.
 """
 
@@ -75,19 +75,19 @@ def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Calla
 
 
 def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming | None) -> Callable[..., Any]:
-    """``backward``; with DDP bucket timing, the tail after this rank's last gradient bucket was ready
-    (waiting for the all-reduce, i.e. for the peers) is booked as ``grad_sync``."""
+    """``backward``; with DDP timing, the tail after this rank's backward graph was done (waiting for
+    the gradient all-reduce, i.e. for the peers) is booked as ``grad_sync``."""
     if timing is None:
         return _wrap_phase(fn, tracker, BACKWARD)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        timing.begin()
+        split = timing.begin(args[0] if args else kwargs.get("tensors"))
         tracker.enter(BACKWARD)
         try:
             return fn(*args, **kwargs)
         finally:
-            tracker.exit(BACKWARD, timing.split_ns(), timing.grad_sync_slot)
+            tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot)
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -131,12 +131,12 @@ def install(tracker: Tracker) -> None:
     module_mod.register_module_forward_hook(post_hook, always_call=True)
 
     # Backward: Tensor.backward delegates to torch.autograd.backward, so wrapping the latter covers both.
-    # DDP bucket timing (ddp_timing.py) splits the wait for the gradient all-reduce off into grad_sync.
+    # DDP timing (ddp_timing.py) splits the wait for the gradient all-reduce off into grad_sync.
     try:
         timing = ddp_timing.install(tracker)
     except Exception as exc:
         timing = None
-        warnings.warn(f"rankwatch: DDP bucket timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"rankwatch: DDP backward timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
     torch.autograd.backward = _wrap_backward(torch.autograd.backward, tracker, timing)
 
     # Optimizer: global pre/post step hooks; the post hook closes the step.

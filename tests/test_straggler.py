@@ -1,5 +1,5 @@
 """Straggler diagnosis: unit tests on constructed step rings, the backward/grad_sync split, the DDP
-bucket-timing hook in one process, and a few real ``rankwatch run`` jobs (2 and 4 gloo ranks).
+backward timing in one process, and a few real ``rankwatch run`` jobs (2 and 4 gloo ranks).
 
 Real-job sizes, measured on the 2 shared CPU cores: a base demo step (batch 32, hidden 256, 4 layers)
 is 3–6 ms on 2 ranks and under 15 ms on 4; ``--compute-extra-matmuls 80`` (256×256 matmuls, one
@@ -191,7 +191,7 @@ def test_split_moves_the_tail_of_backward_to_grad_sync(tmp_path, monkeypatch):
     assert results[2] == results[0] and results[3] == results[0]
 
 
-# -- the DDP hook in one process (world size 1, gloo) --------------------------------------------------
+# -- DDP timing in one process (world size 1, gloo) --------------------------------------------------------
 HOOK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, warnings
@@ -229,7 +229,8 @@ HOOK_SCRIPT = textwrap.dedent(
         opt.step()
     got = train(DDP(plain))
     out["same_grads"] = all(torch.allclose(a, b) for a, b in zip(got, want))
-    timing = getattr(torch.autograd.backward, "__rankwatch_wrapped__", None) is not None
+    from rankwatch.hooks import ddp_timing
+    timing = ddp_timing.active()
     calls = []
 
     def user_hook(state, bucket):
@@ -239,19 +240,25 @@ HOOK_SCRIPT = textwrap.dedent(
         return fut
 
     early = DDP(nn.Linear(16, 1))
-    early.register_comm_hook(None, user_hook)  # before the first backward: ours must stay away
+    early.register_comm_hook(None, user_hook)  # no comm hook of ours: the user's is registered untouched
     train(early, 1)
-    out["early_user_hook_calls"] = len(calls)
     late = DDP(nn.Linear(16, 1))
-    train(late, 1)  # ours is registered now
-    late.register_comm_hook(None, user_hook)  # must not raise: runs inside ours
-    calls.clear()
+    train(late, 1)
+    late.register_comm_hook(None, user_hook)  # after a backward: works as without rankwatch
     train(late, 2)
-    out["late_user_hook_calls"] = len(calls)
+    out["user_hook_calls"] = len(calls)
     builtin = DDP(nn.Linear(16, 1))
     train(builtin, 1)
     builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     train(builtin, 1)
+    out["ddp_hooks"] = [bool(m._comm_hooks) for m in (early, late)]
+    splits = timing.split_count if timing else 0
+    with early.no_sync():  # no all-reduce in this backward: not split
+        nn.functional.mse_loss(early(x), y).backward()
+    plain_model = nn.Linear(16, 1)  # not under DDP: not split
+    nn.functional.mse_loss(plain_model(x), y).backward()
+    out["splits"] = splits
+    out["unsplit_extra"] = (timing.split_count if timing else 0) - splits
     tracker = api.current()
     out["phase_names"] = [tracker._rec.phase_names[i].value.decode() for i in range(tracker._rec.n_phases)]
     out["disabled"] = not tracker.enabled
@@ -262,7 +269,7 @@ HOOK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("env_value", ["1", "0"])
-def test_ddp_hook_keeps_gradients_and_user_hooks(procs, tmp_path, env_value):
+def test_ddp_timing_keeps_gradients_and_user_comm_hooks(procs, tmp_path, env_value):
     script = tmp_path / "hook_check.py"
     script.write_text(HOOK_SCRIPT)
     env = dict(
@@ -276,8 +283,9 @@ def test_ddp_hook_keeps_gradients_and_user_hooks(procs, tmp_path, env_value):
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.split("RESULT", 1)[1])
     assert out["same_grads"] and not out["disabled"]
-    assert out["early_user_hook_calls"] == 1
-    assert out["late_user_hook_calls"] == 2
+    assert out["user_hook_calls"] == 3 and out["ddp_hooks"] == [True, True]
+    # every DDP backward with an all-reduce is split (3 + 1 + 1 + 2 + 1 + 1); no_sync and plain ones are not
+    assert out["splits"] == (9 if env_value == "1" else 0) and out["unsplit_extra"] == 0
     assert ("grad_sync" in out["phase_names"]) == (env_value == "1")
     assert "rankwatch" not in result.stderr  # no warning: nothing was disabled
 
