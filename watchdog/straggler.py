@@ -4,9 +4,10 @@ In synchronous data parallel training one rank's extra work shows up in every *o
 (inside backward, where DDP all-reduces gradients, or in a collective). So ranks are compared on their
 **own work** only: phases where a rank waits for peers (``collective``, ``grad_sync``; and
 ``backward`` when DDP bucket timing is absent, since it then mixes compute and the gradient wait) are
-kept apart. The hook's DDP bucket timing splits backward into own compute (start of backward → the
-rank's last gradient bucket ready) and ``grad_sync`` (last bucket ready → backward end), which lets a
-straggler whose extra work is inside backward be named too.
+kept apart. The hook's DDP timing splits backward into own compute (start of backward → the autograd
+graph done on this rank, stamped by an engine callback that runs before DDP waits for its all-reduce)
+and ``grad_sync`` (graph done → backward end), which lets a straggler whose extra work is inside
+backward be named too.
 
 Time spent waiting cannot name a straggler by itself: in a synchronous collective the rank that waits
 longest is the *fastest* one. ``COMMUNICATION STRAGGLER`` is therefore only given by evidence that
@@ -18,15 +19,15 @@ one straggler cannot drag the baseline toward itself. Medians over the window ig
 step. An excess must clear both ``StragglerPolicy.abs_floor_ms`` and ``rel_threshold`` × median step.
 
 Labels by the straggler's phase: ``INPUT STRAGGLER`` (``dataloader``), ``COMPUTE STRAGGLER``
-(``forward``, ``backward`` with bucket timing, ``optimizer``, declared phases). A backward straggler
+(``forward``, ``backward`` with DDP timing, ``optimizer``, declared phases). A backward straggler
 keeps the ``COMPUTE`` label (the ``phase`` field says ``backward``): what the user must look at is the
 rank's own compute in that phase, whatever its cause (a slow gradient hook, a slower device). Without
 straggler: ``<family>-BOUND`` when one family dominates the step, else ``BALANCED``.
 
-Bucket-timing caveats (see ``rankwatch.hooks.ddp_timing``): on CUDA the bucket-ready time is CPU-side,
-so GPU work still queued lands in ``grad_sync`` on every rank; models where the hook was not
-registered (their own comm hook, ``RANKWATCH_DDP_TIMING=0``) produce no ``grad_sync`` and fall back to
-treating ``backward`` as waiting.
+DDP-timing caveats (see ``rankwatch.hooks.ddp_timing``): on CUDA the graph-done time is CPU-side, so
+GPU work still queued lands in ``grad_sync`` on every rank; backward passes that are not split (plain
+models, FSDP, ``no_sync()`` steps, ``RANKWATCH_DDP_TIMING=0``) produce no ``grad_sync`` and fall back
+to treating ``backward`` as waiting.
 """
 
 from __future__ import annotations
