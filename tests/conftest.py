@@ -117,3 +117,15 @@ def wait_for(predicate, timeout: float, interval: float = 0.1):
             return value
         time.sleep(interval)
     return predicate()
+
+
+def start_daemon(procs: Procs, shm, out, *extra: str, poll: str = "0.3", stall: str = "3") -> subprocess.Popen:
+    """A `rankwatch daemon` sidecar with JSON logs on stderr."""
+    cmd = rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(out), "--stall-timeout", stall,
+                        "--poll-interval", poll, "--json-logs", *extra)
+    return procs.start(cmd, text=True)
+
+
+def bundle_dirs(incidents: Path) -> list[Path]:
+    """Finished incident bundles (temp dirs being written start with a dot)."""
+    return sorted(p for p in incidents.iterdir() if not p.name.startswith(".")) if incidents.exists() else []

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from conftest import DEMO, free_port, rankwatch_cmd, torchrun_args, wait_for
+from conftest import DEMO, free_port, rankwatch_cmd, start_daemon, torchrun_args, wait_for
 
 
 def start_node(
@@ -151,23 +151,7 @@ def test_systemd_style_daemons_correlate_through_the_store(procs, tmp_path):
         shm, out = tmp_path / f"dshm{k}", tmp_path / f"dout{k}"
         daemons.append(
             (
-                procs.start(
-                    rankwatch_cmd(
-                        "daemon",
-                        "--shm-dir",
-                        str(shm),
-                        "--out",
-                        str(out),
-                        "--store-port",
-                        str(store),
-                        "--stall-timeout",
-                        "3",
-                        "--poll-interval",
-                        "0.3",
-                        "--json-logs",
-                    ),
-                    text=True,
-                ),
+                start_daemon(procs, shm, out, "--store-port", str(store)),
                 out,
             )
         )

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import DEMO, rankwatch_cmd, torchrun_args, wait_for
+from conftest import DEMO, bundle_dirs, rankwatch_cmd, start_daemon, torchrun_args, wait_for
 from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
 
 CASES = [
@@ -43,8 +43,7 @@ def run_job(
 
 
 def bundles(out):
-    inc = out / "incidents"
-    return sorted(p for p in inc.iterdir() if not p.name.startswith(".")) if inc.exists() else []
+    return bundle_dirs(out / "incidents")
 
 
 @pytest.mark.parametrize(("scenario", "rank", "kind", "phase"), CASES, ids=[f"{c[0]}-r{c[1]}" for c in CASES])
@@ -171,24 +170,10 @@ def test_daemon_survives_corrupt_records_and_recycled_pids(procs, tmp_path):
     assert wait_for(lambda: (shm / "real" / "rank-1.hb").exists(), timeout=90)
     (shm / "real" / "rank-7.hb").write_bytes(os.urandom(5000))
     (shm / "real" / "rank-8.hb").write_bytes(b"\0" * 100_000)
-    daemon = procs.start(
-        rankwatch_cmd(
-            "daemon",
-            "--shm-dir",
-            str(shm),
-            "--out",
-            str(out),
-            "--stall-timeout",
-            "3",
-            "--poll-interval",
-            "0.3",
-            "--json-logs",
-        ),
-        text=True,
-    )
+    daemon = start_daemon(procs, shm, out, poll="0.3")
     inc = out / "real" / "incidents"
-    assert wait_for(lambda: inc.exists() and any(not p.name.startswith(".") for p in inc.iterdir()), timeout=90)
-    bundle = next(p for p in inc.iterdir() if not p.name.startswith("."))
+    assert wait_for(lambda: bundle_dirs(inc), timeout=90)
+    bundle = bundle_dirs(inc)[0]
     verdict = json.loads((bundle / "verdict.json").read_text())
     assert verdict["initiating_ranks"] == [1] and verdict["phase"] == "dataloader"
     assert daemon.poll() is None, "daemon died"
@@ -232,25 +217,11 @@ def test_one_incident_per_stall_and_recovery_closes_it(procs, tmp_path):
         ],
         env=env,
     )
-    daemon = procs.start(
-        rankwatch_cmd(
-            "daemon",
-            "--shm-dir",
-            str(shm),
-            "--out",
-            str(out),
-            "--stall-timeout",
-            "3",
-            "--poll-interval",
-            "0.2",
-            "--json-logs",
-        ),
-        text=True,
-    )
+    daemon = start_daemon(procs, shm, out, poll="0.2")
     inc = out / "rec" / "incidents"
-    assert wait_for(lambda: inc.exists() and any(not p.name.startswith(".") for p in inc.iterdir()), timeout=120)
+    assert wait_for(lambda: bundle_dirs(inc), timeout=120)
     time.sleep(2.0)  # ten more polls while still stopped: still one incident
-    bundles_now = [p for p in inc.iterdir() if not p.name.startswith(".")]
+    bundles_now = bundle_dirs(inc)
     assert len(bundles_now) == 1
     verdict = json.loads((bundles_now[0] / "verdict.json").read_text())
     assert verdict["kind"] == "stopped_rank" and verdict["initiating_ranks"] == [1]
@@ -262,4 +233,4 @@ def test_one_incident_per_stall_and_recovery_closes_it(procs, tmp_path):
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any(e["event"] == "incident_closed" for e in events)
     assert sum(e["event"] == "verdict" for e in events) == 1
-    assert len([p for p in inc.iterdir() if not p.name.startswith(".")]) == 1
+    assert len(bundle_dirs(inc)) == 1
