@@ -38,7 +38,6 @@ class Tracker:
         self._writer = writer
         self._rec = writer.rec
         self._slots: dict[str, int] = {name: i for i, name in enumerate(CANONICAL_PHASES)}
-        self._budgets = [0.0] * MAX_PHASES
         # open phases: (slot, start_ns, budget_s)
         self._stack: list[tuple[int, int, float]] = []
         self._acc = [0] * MAX_PHASES
@@ -110,7 +109,6 @@ class Tracker:
             if budget_s > rec.budget_s:
                 rec.budget_s = budget_s
                 rec.budget_start_ns = now
-                self._budgets[slot] = budget_s
                 rec.phase_budget_s[slot] = budget_s
             rec.seq += 1
         except Exception as exc:

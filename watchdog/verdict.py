@@ -24,7 +24,7 @@ Outside evidence refines these (``_apply_fr``, ``_apply_gpu``):
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -668,7 +668,3 @@ def _tag(finding: _Finding | None, rule: str) -> _Finding | None:
     if finding is not None:
         finding.rule = rule
     return finding
-
-
-def counts_by(views: Sequence[RankView], key: str) -> Counter[Any]:
-    return Counter(getattr(v, key) for v in views)
