@@ -129,3 +129,16 @@ def start_daemon(procs: Procs, shm, out, *extra: str, poll: str = "0.3", stall: 
 def bundle_dirs(incidents: Path) -> list[Path]:
     """Finished incident bundles (temp dirs being written start with a dot)."""
     return sorted(p for p in incidents.iterdir() if not p.name.startswith(".")) if incidents.exists() else []
+
+
+def skip_if_gloo_teardown_abort(result: subprocess.CompletedProcess, job_dir: Path, steps: int) -> None:
+    """gloo occasionally aborts a rank (SIGABRT) while tearing down its process group after the last step on
+    an overloaded host (seen about once in 100 jobs on 2 shared cores). Training itself finished, so such a
+    run says nothing about what the test checks: skip it, with the reason, instead of failing."""
+    from rankwatch.hooks.record import read_record
+
+    if result.returncode == 0 or "SIGABRT" not in (result.stderr or ""):
+        return
+    records = [read_record(str(p)) for p in Path(job_dir).glob("rank-*.hb")]
+    if records and all(r.steps_done >= steps for r in records):
+        pytest.skip(f"gloo aborted a rank during process-group teardown after all {steps} steps")

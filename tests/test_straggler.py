@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import DEMO, rankwatch_cmd, torchrun_args
+from conftest import DEMO, rankwatch_cmd, skip_if_gloo_teardown_abort, torchrun_args
 from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, StepTiming, read_record, write_identity
 from rankwatch.hooks.tracker import Tracker
 from rankwatch.watchdog.straggler import StragglerPolicy, diagnose
@@ -328,6 +328,7 @@ def run_demo(procs, tmp_path, scenario: str, nproc: int, straggler: int, steps: 
     )
     started = time.monotonic()
     result = procs.run(cmd, timeout=240, text=True)
+    skip_if_gloo_teardown_abort(result, shm / f"strag-{scenario}-{nproc}", steps)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
     return summary, shm, time.monotonic() - started
