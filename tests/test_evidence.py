@@ -14,32 +14,14 @@ import pytest
 from rankwatch.watchdog import evidence as evidence_mod
 from rankwatch.watchdog.capture import RankCapture
 from rankwatch.watchdog.evidence import GpuWatch, RasWatch, fr_evidence
-from rankwatch.watchdog.snapshot import RankView
 from rankwatch.watchdog.verdict import FrBehind, FrHints, decide
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml
 from test_nvml_probe import script as nvml_script
+from test_verdict_rules import rv
 
 FR = Path(__file__).parent / "fixtures" / "fr"
-
-
-def rv(rank, **kw) -> RankView:
-    base = dict(
-        rank=rank,
-        node="n0",
-        pid=1000 + rank,
-        state="running",
-        step=10,
-        phase="backward",
-        in_phase_s=30.0,
-        since_progress_s=30.0,
-        coll_seq=10,
-        coll_done=10,
-        coll_op="all_reduce",
-    )
-    base.update(kw)
-    return RankView(**base)
 
 
 def verdict(views, **kw):
