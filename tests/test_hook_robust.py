@@ -117,3 +117,31 @@ def test_forked_and_spawned_children_never_write(tmp_path):
     assert "child-silent" in result.stdout
     assert "spawn-init False" in result.stdout
     assert "parent-transitions 2" in result.stdout
+
+
+PROMOTE = r"""
+import torch
+import torch.nn.modules.module as mm
+from torch import nn
+model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)], nn.Linear(8, 1))
+loss_fn = nn.MSELoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+calls = [len(mm._global_forward_pre_hooks)]
+for step in range(4):
+    loss = loss_fn(model(torch.randn(4, 8)), torch.randn(4, 1))
+    opt.zero_grad(); loss.backward(); opt.step()
+    calls.append(len(mm._global_forward_pre_hooks))
+print("GLOBAL", calls, flush=True)
+"""
+
+
+def test_forward_hooks_move_from_every_module_to_the_model_after_the_first_step(tmp_path):
+    shm = tmp_path / "shm"
+    result = run_hooked(tmp_path, PROMOTE, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    assert result.returncode == 0, result.stderr
+    # one global pre-hook during the first step, none afterwards (inner modules then cost nothing)
+    assert "GLOBAL [1, 0, 0, 0, 0]" in result.stdout, result.stdout
+    rec = read_record(str(shm / "j" / "rank-0.hb"))
+    assert rec.steps_done == 4
+    for s in rec.recent_steps:  # the model's forward is still timed after the switch
+        assert s.phases_ms.get("forward", 0) > 0
