@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import DEMO, rankwatch_cmd, skip_if_gloo_teardown_abort, torchrun_args
+from conftest import run_demo_job, skip_if_gloo_teardown_abort
 from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, StepTiming, read_record, write_identity
 from rankwatch.hooks.tracker import Tracker
 from rankwatch.watchdog.straggler import StragglerPolicy, diagnose
@@ -301,33 +301,10 @@ JOBS = [
 
 
 def run_demo(procs, tmp_path, scenario: str, nproc: int, straggler: int, steps: int = 50):
-    out, shm = tmp_path / "out", tmp_path / "shm"
-    cmd = rankwatch_cmd(
-        "run",
-        "--out",
-        str(out),
-        "--shm-dir",
-        str(shm),
-        "--quiet",
-        "--",
-        *torchrun_args(
-            nproc,
-            f"strag-{scenario}-{nproc}",
-            DEMO,
-            "--scenario",
-            scenario,
-            "--straggler-rank",
-            str(straggler),
-            "--steps",
-            str(steps),
-            "--compute-extra-matmuls",
-            "80",
-            "--input-sleep-ms",
-            "30",
-        ),
-    )
     started = time.monotonic()
-    result = procs.run(cmd, timeout=240, text=True)
+    demo_args = ("--scenario", scenario, "--straggler-rank", str(straggler), "--steps", str(steps),
+                 "--compute-extra-matmuls", "80", "--input-sleep-ms", "30")
+    result, out, shm = run_demo_job(procs, tmp_path, f"strag-{scenario}-{nproc}", nproc, *demo_args)
     skip_if_gloo_teardown_abort(result, shm / f"strag-{scenario}-{nproc}", steps)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())

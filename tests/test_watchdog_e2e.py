@@ -13,7 +13,7 @@ import pytest
 from conftest import (
     DEMO,
     bundle_dirs,
-    rankwatch_cmd,
+    run_demo_job,
     skip_if_gloo_teardown_abort,
     start_daemon,
     torchrun_args,
@@ -35,19 +35,9 @@ CASES = [
 def run_job(
     procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4, timeout: float = 240
 ):
-    out, shm = tmp_path / "out", tmp_path / "shm"
-    cmd = rankwatch_cmd(
-        "run",
-        "--out",
-        str(out),
-        "--shm-dir",
-        str(shm),
-        "--quiet",
-        *options,
-        "--",
-        *torchrun_args(nproc, f"e2e-{scenario}", DEMO, "--scenario", scenario, *demo_args),
+    result, out, _ = run_demo_job(
+        procs, tmp_path, f"e2e-{scenario}", nproc, "--scenario", scenario, *demo_args, options=options, timeout=timeout
     )
-    result = procs.run(cmd, timeout=timeout, text=True)
     return result, out
 
 
