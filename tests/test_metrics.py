@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 import rankwatch.hooks.tracker as tracker_mod
+from conftest import new_tracker
 from prometheus_client.parser import text_string_to_metric_families
-from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
-from rankwatch.hooks.tracker import Tracker
+from rankwatch.hooks.record import RecordWriter
 from rankwatch.watchdog.daemon import Daemon, DaemonConfig, OpenIncident
 from rankwatch.watchdog.detect import Trigger
 from rankwatch.watchdog.errors import UserError
@@ -38,14 +38,9 @@ class FakeClock:
 
 def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
     os.makedirs(os.path.join(shm, JOB), mode=0o700, exist_ok=True)
-    writer = RecordWriter(os.path.join(shm, JOB, f"rank-{rank}.hb"))
-    write_identity(
-        writer,
-        Identity(pid=os.getpid(), global_rank=rank, local_rank=rank, world_size=3, local_world_size=3, node_rank=0,
-                 device=-1, hostname="nodeA", job_id=JOB, start_ns=clock.now),
-        list(CANONICAL_PHASES),
-    )
-    t = Tracker(writer)
+    t = new_tracker(os.path.join(shm, JOB, f"rank-{rank}.hb"), rank=rank, local_rank=rank, world_size=3,
+                    local_world_size=3, job_id=JOB, start_ns=clock.now)
+    writer = t._writer
     loader = SLOW_LOADER if rank == SLOW_RANK else OWN["dataloader"]
     wait = SLOW_LOADER - loader
     for _ in range(STEPS):

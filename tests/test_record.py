@@ -9,39 +9,19 @@ import sys
 import time
 
 import pytest
+from conftest import new_tracker
 from rankwatch.hooks.record import (
-    CANONICAL_PHASES,
     RECORD_SIZE,
     RING_STEPS,
-    Identity,
     RecordFormatError,
     RecordReader,
-    RecordWriter,
     read_record,
-    write_identity,
 )
 from rankwatch.hooks.tracker import Tracker
 
 
 def make_tracker(path: str, rank: int = 3) -> Tracker:
-    writer = RecordWriter(path)
-    write_identity(
-        writer,
-        Identity(
-            pid=os.getpid(),
-            global_rank=rank,
-            local_rank=1,
-            world_size=8,
-            local_world_size=4,
-            node_rank=0,
-            device=-1,
-            hostname="nodeA",
-            job_id="jobX",
-            start_ns=time.monotonic_ns(),
-        ),
-        list(CANONICAL_PHASES),
-    )
-    return Tracker(writer)
+    return new_tracker(path, rank=rank, local_rank=1, world_size=8, local_world_size=4, job_id="jobX")
 
 
 def test_round_trip_identity_live_state_and_ring(tmp_path):

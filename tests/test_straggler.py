@@ -16,8 +16,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import run_demo_job, skip_if_gloo_teardown_abort
-from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, StepTiming, read_record, write_identity
+from conftest import new_tracker, run_demo_job, skip_if_gloo_teardown_abort
+from rankwatch.hooks.record import CANONICAL_PHASES, StepTiming, read_record
 from rankwatch.hooks.tracker import Tracker
 from rankwatch.watchdog.straggler import StragglerPolicy, diagnose
 
@@ -146,24 +146,7 @@ def test_policy_thresholds_are_documented_and_frozen():
 
 # -- the tracker split -------------------------------------------------------------------------------------
 def _tracker(path) -> Tracker:
-    writer = RecordWriter(str(path))
-    write_identity(
-        writer,
-        Identity(
-            pid=os.getpid(),
-            global_rank=0,
-            local_rank=0,
-            world_size=1,
-            local_world_size=1,
-            node_rank=0,
-            device=-1,
-            hostname="h",
-            job_id="j",
-            start_ns=1_000,
-        ),
-        list(CANONICAL_PHASES),
-    )
-    return Tracker(writer)
+    return new_tracker(path, hostname="h", start_ns=1_000)
 
 
 def test_split_moves_the_tail_of_backward_to_grad_sync(tmp_path, monkeypatch):

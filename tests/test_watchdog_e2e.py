@@ -13,13 +13,13 @@ import pytest
 from conftest import (
     DEMO,
     bundle_dirs,
+    new_tracker,
     run_demo_job,
     skip_if_gloo_teardown_abort,
     start_daemon,
     torchrun_args,
     wait_for,
 )
-from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
 
 CASES = [
     # scenario, fault rank, kind, phase
@@ -116,24 +116,7 @@ def test_slow_first_step_and_declared_long_phase_are_not_hangs(procs, tmp_path):
 
 
 def _fake_record(path, pid: int, rank: int = 0) -> None:
-    writer = RecordWriter(str(path))
-    write_identity(
-        writer,
-        Identity(
-            pid=pid,
-            global_rank=rank,
-            local_rank=0,
-            world_size=2,
-            local_world_size=2,
-            node_rank=0,
-            device=-1,
-            hostname="x",
-            job_id="fake",
-            start_ns=1,
-        ),
-        list(CANONICAL_PHASES),
-    )
-    writer.close()
+    new_tracker(path, pid=pid, rank=rank, world_size=2, local_world_size=2, hostname="x", job_id="fake", start_ns=1)
 
 
 def test_daemon_survives_corrupt_records_and_recycled_pids(procs, tmp_path):
