@@ -22,7 +22,7 @@ from .jobinfo import job_id as env_job_id
 from .jobinfo import rank_identity, sanitize_job_id
 from .jobinfo import shm_dir as env_shm_dir
 from .record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
-from .responder import DumpResponder, install_faulthandler
+from .responder import DumpResponder, atomic_write, install_faulthandler
 from .tracker import Tracker
 
 _tracker: Tracker | None = None
@@ -58,11 +58,7 @@ def _write_job_json(job_dir: str, job: str, ident: dict[str, int]) -> None:
         "master_port": os.environ.get("MASTER_PORT"),
         "created_unix": time.time(),
     }
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(info).encode())
 
 
 def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:

@@ -72,7 +72,8 @@ def flight_recorder_json() -> tuple[bytes | None, str | None]:
     return None, "; ".join(errors) or "this torch build has no flight recorder"
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes) -> None:
+    """Owner-only file written under a temp name and renamed: readers see all of it or nothing."""
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
@@ -90,13 +91,13 @@ def answer(job_dir: str, rank: int, token: str) -> str:
     os.makedirs(out_dir, mode=0o700, exist_ok=True)
     base = os.path.join(out_dir, f"rank-{rank}")
     stacks = {"pid": os.getpid(), "rank": rank, "threads": python_stacks()}
-    _atomic_write(base + ".stacks.json", json.dumps(stacks).encode())
+    atomic_write(base + ".stacks.json", json.dumps(stacks).encode())
     fr, why_not = flight_recorder_json()
     if fr is not None:
-        _atomic_write(base + ".fr.json", fr)
+        atomic_write(base + ".fr.json", fr)
     else:
-        _atomic_write(base + ".fr.err", (why_not or "").encode())
-    _atomic_write(base + ".done", b"")
+        atomic_write(base + ".fr.err", (why_not or "").encode())
+    atomic_write(base + ".done", b"")
     return out_dir
 
 
