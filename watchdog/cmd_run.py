@@ -19,7 +19,7 @@ from .argparsing import Parser
 from .bundle import atomic_json, atomic_text
 from .daemon import Daemon, DaemonConfig
 from .errors import UserError
-from .launcher import TorchrunCommand
+from .launcher import TorchrunCommand, inject_hooks
 from .options import add_watch_options, policies_from_args
 from .render import headline, verdict_text
 from .straggler import diagnose, summary_text
@@ -57,8 +57,6 @@ def main(argv: list[str]) -> int:
     if not torchrun_args:
         raise UserError("missing torchrun arguments: rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...")
     logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
-    from .launcher import inject_hooks
-
     cmd = inject_hooks(torchrun_args)
     job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or _default_job_id(cmd))
     out = os.path.abspath(args.out)
