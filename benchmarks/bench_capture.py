@@ -1,4 +1,4 @@
-"""Capture time: ``rankwatch.watchdog.capture.capture_all`` over N live ranks, py-spy in parallel.
+"""Capture time: ``rankwatch.watchdog.evidence.capture.capture_all`` over N live ranks, py-spy in parallel.
 
 Starts ``benchmarks/blocked_job.py`` under ``torchrun --nproc-per-node N -m rankwatch.hooks`` (a real
 gloo job: N-1 ranks blocked in an all_reduce, one rank waiting outside it), waits until every rank's
@@ -51,8 +51,8 @@ def wait_blocked(job_dir: Path, n: int, timeout: float) -> list[tuple[int, int, 
 
 
 def bench(n: int, reps: int) -> dict:
-    from rankwatch.watchdog.capture import capture_all, waiting_on_peers
-    from rankwatch.watchdog.policy import CapturePolicy
+    from rankwatch.watchdog.core.policy import CapturePolicy
+    from rankwatch.watchdog.evidence.capture import capture_all, waiting_on_peers
 
     tmp = Path(tempfile.mkdtemp(prefix="rw-bench-cap-"))
     job = f"bench-cap-{n}"

@@ -11,7 +11,7 @@
     Δ(user+system CPU time) / Δwall from psutil on the daemon pid, after a warm-up; RSS sampled each
     second (median and max). At the end: does the daemon process map libtorch (``/proc/PID/maps``)?
 (2) Import cost, interleaved, median of ``--import-reps``: wall time and peak RSS (``os.wait4``) of
-    ``python -c pass``, ``python -c "import rankwatch.watchdog.daemon"``, ``python -c "import torch"``.
+    ``python -c pass``, ``python -c "import rankwatch.watchdog.serve.daemon"``, ``python -c "import torch"``.
 (3) Does the daemon's import path load torch? A child process imports every module ``rankwatch daemon``
     loads (cli, cmd_daemon, daemon, its probes), builds a Daemon and polls a fake job once, with an
     import tracer that records the rankwatch frames importing ``torch``; same with ``--store-port``'s
@@ -220,7 +220,7 @@ def child_cost(code: str) -> tuple[float, float]:
 
 IMPORTS = {
     "python -c pass": "pass",
-    "import rankwatch.watchdog.daemon": "import rankwatch.watchdog.daemon",
+    "import rankwatch.watchdog.serve.daemon": "import rankwatch.watchdog.serve.daemon",
     "import torch": "import torch",
 }
 
@@ -254,9 +254,9 @@ ROOT = __ROOT__
 sys.meta_path.insert(0, Tracer())
 step = __STEP__
 out = {}
-import rankwatch.watchdog.cli
-import rankwatch.watchdog.cmd_daemon as cmd_daemon
-from rankwatch.watchdog.daemon import Daemon, DaemonConfig
+import rankwatch.watchdog.cli.main
+import rankwatch.watchdog.cli.daemon as cmd_daemon
+from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
 from rankwatch.hooks.tracker import Tracker
 tmp = tempfile.mkdtemp()
@@ -269,9 +269,9 @@ d.poll_once(); d.poll_once()
 d.close()
 out["daemon_path"] = "torch" in sys.modules
 if step == "store":
-    import rankwatch.watchdog.correlate
+    import rankwatch.watchdog.cluster.correlate
     out["correlate_import"] = "torch" in sys.modules
-    from rankwatch.watchdog.store import JobStore
+    from rankwatch.watchdog.cluster.store import JobStore
     try:
         JobStore("127.0.0.1", 0, "job", host_server=True, timeout_s=2.0)
     except Exception as exc:

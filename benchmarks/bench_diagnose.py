@@ -76,7 +76,7 @@ WORST_LINES = {
 
 
 def worst_case(d: str, mb: int = 30) -> None:
-    from rankwatch.watchdog.diagnose import analyze
+    from rankwatch.watchdog.diagnose import diagnose_logs
 
     for name, line in WORST_LINES.items():
         path = Path(d) / "worst.log"
@@ -85,7 +85,7 @@ def worst_case(d: str, mb: int = 30) -> None:
             for _ in range(mb * 1_000_000 // len(blk)):
                 f.write(blk)
         t0 = time.perf_counter()
-        analyze([str(path)])
+        diagnose_logs([str(path)])
         dt = time.perf_counter() - t0
         size = path.stat().st_size / 1e6
         print(f"{size:8.1f} MB  {dt:6.2f} s  {size / dt:6.1f} MB/s  ({name}, in-process)")

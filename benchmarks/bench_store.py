@@ -93,8 +93,8 @@ class CountingStore:
 
 
 def make_correlator(k: int, port: int, nnodes: int) -> Any:
-    from rankwatch.watchdog.correlate import Correlator, SharedIncident
-    from rankwatch.watchdog.store import ValueRejected, parse_node_doc
+    from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
+    from rankwatch.watchdog.cluster.store import ValueRejected, parse_node_doc
 
     class BatchedGather(Correlator):
         """Prototype: the leader waits server-side for every node's evidence key, then reads them all in
@@ -145,7 +145,7 @@ def node_views(k: int, world: int) -> list[Any]:
 
 def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> None:
     """One node daemon: polls, then handles cfg['incidents'] incidents; bounded by cfg["run_s"]."""
-    from rankwatch.watchdog.verdict import decide
+    from rankwatch.watchdog.core.verdict import decide
 
     k, n, world, poll_s = corr.node_rank, cfg["nodes"], cfg["nodes"] * RANKS_PER_NODE, cfg["poll_s"]
     views = node_views(k, world)

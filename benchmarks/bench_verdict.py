@@ -28,8 +28,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from rankwatch.watchdog.snapshot import DEAD, RUNNING, RankView
-from rankwatch.watchdog.verdict import decide
+from rankwatch.watchdog.core.snapshot import DEAD, RUNNING, RankView
+from rankwatch.watchdog.core.verdict import decide
 
 RANKS_PER_NODE = 8
 SIZES = (64, 1024, 8192)

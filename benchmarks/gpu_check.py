@@ -54,7 +54,7 @@ def cuda_available() -> bool:
 
 
 def check_nvml_open() -> tuple[str, str]:
-    from rankwatch.watchdog.probes.nvml import NvmlProbe
+    from rankwatch.watchdog.evidence.nvml import NvmlProbe
 
     probe = NvmlProbe.open()
     if probe is None:
@@ -82,7 +82,7 @@ torch.cuda.synchronize()
 
 
 def check_nvml_process() -> tuple[str, str]:
-    from rankwatch.watchdog.probes.nvml import NvmlProbe, gpu_evidence
+    from rankwatch.watchdog.evidence.nvml import NvmlProbe, gpu_evidence
 
     if not cuda_available():
         return "SKIP", "no CUDA"
@@ -168,7 +168,7 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
     data = fn(includeCollectives=True, onlyActive=False)
     Path(out_dir, f"rank-{rank}.fr.json").write_bytes(bytes(data))
     if backend == "nccl" and rank == 0:
-        from rankwatch.watchdog.nccl_ras import query_ras, ras_evidence
+        from rankwatch.watchdog.evidence.nccl_ras import query_ras, ras_evidence
 
         st = query_ras(ras_addr, ras_timeout_s=5, timeout_s=15)
         info = (
@@ -228,13 +228,13 @@ def launch(backend: str, world: int, out_dir: str, ras_addr: str, timeout: float
 
 
 def analyse(out_dir: str, world: int) -> tuple[str, str]:
-    from rankwatch.watchdog.flight_recorder import analyze, load_dump
+    from rankwatch.watchdog.evidence.flight_recorder import analyze_fr, load_dump
 
     traces = {}
     for r in range(world):
         t = load_dump(Path(out_dir, f"rank-{r}.fr.json"))
         traces[r] = t
-    a = analyze(traces)
+    a = analyze_fr(traces)
     t0 = traces[0]
     states = sorted({e.state for e in t0.entries})
     ops = sorted({e.profiling_name for e in t0.entries})

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import rankwatch.watchdog.daemon as daemon_mod
+import rankwatch.watchdog.serve.daemon as daemon_mod
 from conftest import DEMO, torchrun_args, wait_for
 from rankwatch.hooks.record import RecordFormatError, RecordReader
-from rankwatch.watchdog.daemon import Daemon, DaemonConfig
-from rankwatch.watchdog.evidence import GpuWatch
-from rankwatch.watchdog.policy import StallPolicy
+from rankwatch.watchdog.core.policy import StallPolicy
+from rankwatch.watchdog.evidence.outside import GpuWatch
+from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 from test_nvml_probe import FakeNvml
 from test_nvml_probe import script as nvml_script
 

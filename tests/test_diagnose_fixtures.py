@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.diagnose import analyze
+from rankwatch.watchdog.diagnose import diagnose_logs
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 
@@ -35,7 +35,7 @@ EXPECTED: dict[str, tuple[list[int], str]] = {
 @pytest.mark.parametrize("fixture", sorted(EXPECTED))
 def test_fixture_initiator_and_kind(fixture: str) -> None:
     ranks, kind = EXPECTED[fixture]
-    d, _ = analyze([str(LOGS / fixture)])
+    d, _ = diagnose_logs([str(LOGS / fixture)])
     assert d.initiating_ranks == ranks, d.reason
     assert d.kind == kind, d.reason
     assert d.decided == bool(ranks)
@@ -53,22 +53,22 @@ def test_every_fixture_is_covered() -> None:
 
 
 def test_root_cause_that_was_a_victim_is_called_out() -> None:
-    d, _ = analyze([str(LOGS / "torchrun_tee/input_hang_r1.log")])
+    d, _ = diagnose_logs([str(LOGS / "torchrun_tee/input_hang_r1.log")])
     assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
-    d, _ = analyze([str(LOGS / "logdir_dead_rank_r1")])
+    d, _ = diagnose_logs([str(LOGS / "logdir_dead_rank_r1")])
     assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
 
 
 def test_evidence_points_at_the_initiators_lines() -> None:
-    d, _ = analyze([str(LOGS / "torchrun_tee/collective_mismatch_r3.log")])
+    d, _ = diagnose_logs([str(LOGS / "torchrun_tee/collective_mismatch_r3.log")])
     assert "all_gather" in d.evidence[0] and "collective_mismatch_r3.log:14:" in d.evidence[0]
     assert "ranks 0-2 called all_reduce" in d.reason
-    d, _ = analyze([str(LOGS / "templated/host_oom_r6")])
+    d, _ = diagnose_logs([str(LOGS / "templated/host_oom_r6")])
     assert any("dmesg.txt:" in e and "48213" in e for e in d.evidence)
 
 
 def test_other_ranks_are_described() -> None:
-    d, _ = analyze([str(LOGS / "templated/nccl_behind_r2.log")])
+    d, _ = diagnose_logs([str(LOGS / "templated/nccl_behind_r2.log")])
     assert set(d.others) == {0, 1, 3}
     assert all("ALLREDUCE #1043" in v for v in d.others.values())
     assert "1042" in d.reason and "1043" in d.reason
@@ -76,10 +76,10 @@ def test_other_ranks_are_described() -> None:
 
 def test_undecided_says_what_would_decide() -> None:
     for fixture in ("torchrun_tee/size_mismatch_large.log", "torchrun_tee/debug_detail_all_segv.log"):
-        d, _ = analyze([str(LOGS / fixture)])
+        d, _ = diagnose_logs([str(LOGS / fixture)])
         assert not d.decided and d.would_decide
 
 
 def test_local_ranks_map_to_global_via_rank_prefixes() -> None:
-    _, ev = analyze([str(LOGS / "logdir_input_hang_r3/fx5_5pi475zf/attempt_0")])
+    _, ev = diagnose_logs([str(LOGS / "logdir_input_hang_r3/fx5_5pi475zf/attempt_0")])
     assert sorted(ev.ranks) == [0, 1, 2, 3]

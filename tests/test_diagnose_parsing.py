@@ -8,10 +8,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankwatch.watchdog.diagnose import events as ev
-from rankwatch.watchdog.diagnose.evidence import collect
+from rankwatch.watchdog.diagnose.facts import collect
 from rankwatch.watchdog.diagnose.parser import PathRank, SourceParser
 from rankwatch.watchdog.diagnose.patterns import prefilter_accepts, split_prefix
-from rankwatch.watchdog.diagnose.reasoning import diagnose
+from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
 from rankwatch.watchdog.diagnose.sources import ScanStats, rank_from_path, scan
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
@@ -197,7 +197,7 @@ def test_random_bytes_never_raise(data: bytes, chunk: int) -> None:
     events: list[ev.Event] = []
     for n, line in scan(io.BytesIO(data), ScanStats(), chunk=chunk, max_line=512):
         events.extend(p.feed(n, line.decode("utf-8", "replace")))
-    diagnose(collect(events))
+    diagnose_evidence(collect(events))
 
 
 @settings(max_examples=400, deadline=None)
@@ -212,7 +212,7 @@ def test_mangled_real_lines_never_raise(lines: list[str], edits: list[tuple[int,
             line = line[:pos] + ins + line[pos + cut :]
         mangled.append(line)
     events = feed(mangled)
-    d = diagnose(collect(events))
+    d = diagnose_evidence(collect(events))
     assert d.kind in ("hang", "dead_rank", "stopped_rank", "collective_mismatch", "comm_hang", "unknown")
     d.to_json()
 
@@ -240,6 +240,6 @@ def test_mangled_real_lines_never_raise(lines: list[str], edits: list[tuple[int,
     )
 )
 def test_reasoning_total_on_arbitrary_events(events: list[ev.Event]) -> None:
-    d = diagnose(collect(events))
+    d = diagnose_evidence(collect(events))
     assert set(d.initiating_ranks) <= set(int(r) for r in d.ranks)
     assert d.decided or not d.initiating_ranks or d.kind == "dead_rank"

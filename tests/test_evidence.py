@@ -11,10 +11,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog import evidence as evidence_mod
-from rankwatch.watchdog.capture import RankCapture
-from rankwatch.watchdog.evidence import GpuWatch, RasWatch, fr_evidence
-from rankwatch.watchdog.verdict import FrBehind, FrHints, decide
+from rankwatch.watchdog.evidence import outside as evidence_mod
+from rankwatch.watchdog.core.verdict import FrBehind, FrHints, decide
+from rankwatch.watchdog.evidence.capture import RankCapture
+from rankwatch.watchdog.evidence.outside import GpuWatch, RasWatch, fr_evidence
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml

@@ -7,10 +7,10 @@ import pickle
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.flight_recorder import (
+from rankwatch.watchdog.evidence.flight_recorder import (
     FlightRecorderFormatError,
     RankTrace,
-    analyze,
+    analyze_fr,
     load_dump,
 )
 
@@ -52,7 +52,7 @@ def test_gloo_dump_fields_as_recorded():
 
 
 def test_healthy_run_has_no_findings():
-    a = analyze(traces("healthy"))
+    a = analyze_fr(traces("healthy"))
     assert a.ranks == (0, 1)
     assert a.behind_ranks == () and a.missing_ranks == () and a.mismatches == ()
     assert a.per_rank[1].last_entered is not None and a.per_rank[1].last_entered.op == "broadcast"
@@ -61,7 +61,7 @@ def test_healthy_run_has_no_findings():
 
 
 def test_skipped_collective_names_the_rank_that_never_joined():
-    a = analyze(traces("skip"))
+    a = analyze_fr(traces("skip"))
     assert a.missing_ranks == (2,)
     assert a.behind_ranks == (2,)
     (m,) = a.missing
@@ -76,7 +76,7 @@ def test_skipped_collective_names_the_rank_that_never_joined():
 
 
 def test_op_mismatch_names_minority_rank():
-    a = analyze(traces("mismatch_op"))
+    a = analyze_fr(traces("mismatch_op"))
     (mm,) = a.mismatches
     assert (mm.seq, mm.kind, mm.odd_ranks) == (3, "op", (1,))
     assert mm.variants == {"all_reduce": (0, 2), "broadcast": (1,)}
@@ -84,7 +84,7 @@ def test_op_mismatch_names_minority_rank():
 
 
 def test_size_mismatch_names_minority_rank_and_async_retirement_is_weak():
-    a = analyze(traces("mismatch_size"))
+    a = analyze_fr(traces("mismatch_size"))
     (mm,) = a.mismatches
     assert (mm.seq, mm.kind, mm.odd_ranks) == (3, "size", (1,))
     # rank 0 entered seq 3 but its seq 2 was not yet retired when it dumped: reported as lag, not "behind"
@@ -100,7 +100,7 @@ def test_nccl_hang_fixture():
     assert tr[0].comm_lib_version == "2.27.3"
     assert tr[0].pg_config["0"].ranks == (0, 1, 2, 3)
     assert tr[0].entries[-1].state == "started" and not tr[0].entries[-1].finished
-    a = analyze(tr)
+    a = analyze_fr(tr)
     assert a.missing_ranks == (3,) and a.behind_ranks == (3,)
     sub = next(g for g in a.groups if g.name == "1")
     assert sub.members == (0, 1) and sub.behind == () and sub.mismatches == ()
@@ -110,7 +110,7 @@ def test_nccl_hang_fixture():
 
 
 def test_nccl_dtype_mismatch_and_timeout():
-    a = analyze(traces("nccl_mismatch_dtype"))
+    a = analyze_fr(traces("nccl_mismatch_dtype"))
     (mm,) = a.mismatches
     assert (mm.seq, mm.kind, mm.odd_ranks) == (5, "dtype", (2,))
     assert [c.seq for c in a.per_rank[0].timed_out] == [4]
@@ -119,7 +119,7 @@ def test_nccl_dtype_mismatch_and_timeout():
 
 def test_two_way_tie_has_no_majority():
     tr = traces("mismatch_op")
-    a = analyze({0: tr[0], 1: tr[1]})
+    a = analyze_fr({0: tr[0], 1: tr[1]})
     (mm,) = a.mismatches
     assert mm.odd_ranks == ()
     assert "no majority" in "\n".join(a.summary_lines())
@@ -133,7 +133,7 @@ def test_rank_without_entries_in_default_pg_is_behind(tmp_path):
     assert empty.entries == ()
     tr = traces("healthy")
     tr[5] = empty
-    a = analyze(tr)
+    a = analyze_fr(tr)
     assert a.empty_ranks == (5,)
     assert a.behind_ranks == (5,)
 
@@ -142,7 +142,7 @@ def test_ring_wrap_uses_pg_status():
     doc = json.loads((FIX / "healthy" / "rank-1.fr.json").read_text())
     doc["entries"] = doc["entries"][-1:]  # only seq 4 left in the ring
     t = load_dump(json.dumps(doc).encode(), rank=1)
-    a = analyze({0: load_dump(FIX / "healthy" / "rank-0.fr.json"), 1: t})
+    a = analyze_fr({0: load_dump(FIX / "healthy" / "rank-0.fr.json"), 1: t})
     assert a.behind_ranks == () and a.missing_ranks == ()
 
 

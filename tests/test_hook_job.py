@@ -10,7 +10,7 @@ import time
 
 from conftest import DEMO, skip_if_gloo_teardown_abort, torchrun_args, wait_for
 from rankwatch.hooks.record import read_record
-from rankwatch.watchdog.capture import RankCapture, collect_dump, request_dump
+from rankwatch.watchdog.evidence.capture import RankCapture, collect_dump, request_dump
 
 
 def torchrun(*args: str) -> list[str]:

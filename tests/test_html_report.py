@@ -11,11 +11,11 @@ import sys
 
 import pytest
 from rankwatch.hooks.record import StepTiming
+from rankwatch.watchdog.core.snapshot import RUNNING, RankView
+from rankwatch.watchdog.core.straggler import diagnose_stragglers
+from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.errors import UserError
-from rankwatch.watchdog.html_report import nice_ticks, render_html, write_html
-from rankwatch.watchdog.snapshot import RUNNING, RankView
-from rankwatch.watchdog.straggler import diagnose
-from rankwatch.watchdog.verdict import decide
+from rankwatch.watchdog.report.html import nice_ticks, render_html, write_html
 
 EVIL = "<script>alert('x')</script>"
 MS = 1_000_000
@@ -40,7 +40,7 @@ def rings(n_ranks: int = 4, steps: int = 40, slow: int = 3) -> dict[int, list[St
 
 def summary_doc(incidents: list[str]) -> dict:
     per_rank = rings()
-    diag = diagnose(per_rank)
+    diag = diagnose_stragglers(per_rank)
     assert diag.label == "COMPUTE STRAGGLER" and diag.straggler_ranks == [3]
     return json.loads(json.dumps(diag.summary_doc("job-html", incidents, per_rank)))
 

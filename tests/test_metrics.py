@@ -15,10 +15,10 @@ import rankwatch.hooks.tracker as tracker_mod
 from conftest import new_tracker
 from prometheus_client.parser import text_string_to_metric_families
 from rankwatch.hooks.record import RecordWriter
-from rankwatch.watchdog.daemon import Daemon, DaemonConfig, OpenIncident
-from rankwatch.watchdog.detect import Trigger
+from rankwatch.watchdog.core.detect import Trigger
 from rankwatch.watchdog.errors import UserError
-from rankwatch.watchdog.metrics import METRIC_NAMES, serve_metrics
+from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig, OpenIncident
+from rankwatch.watchdog.serve.metrics import METRIC_NAMES, serve_metrics
 
 JOB = "jobM"
 STEPS = 30

@@ -100,7 +100,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     import datetime
 
     import torch.distributed as dist
-    from rankwatch.watchdog.correlate import Correlator
+    from rankwatch.watchdog.cluster.correlate import Correlator
 
     port = free_port()
     leader = Correlator("g", 0, "127.0.0.1", port)
@@ -117,13 +117,13 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     assert follower.poll_incident() is None
     client.set("rankwatch/g/verdict/1", b'{"schema": "rankwatch.verdict/1", "kind": "__import__(\'os\')"}')
     client.set("rankwatch/g/node/0", b"[" * 100000)
-    from rankwatch.watchdog.snapshot import RankView
-    from rankwatch.watchdog.verdict import decide
+    from rankwatch.watchdog.core.snapshot import RankView
+    from rankwatch.watchdog.core.verdict import decide
 
     view = RankView(
         rank=2, node="n1", pid=5, state="running", step=3, phase="forward", in_phase_s=9.0, since_progress_s=9.0
     )
-    from rankwatch.watchdog.correlate import SharedIncident
+    from rankwatch.watchdog.cluster.correlate import SharedIncident
 
     inc = SharedIncident(gen=1, incident_id="inc", by_node=1, trigger={})
     follower.verdict_timeout_s = 1.0
@@ -201,9 +201,9 @@ def test_systemd_style_daemons_correlate_through_the_store(procs, tmp_path):
 
 
 def test_published_verdict_is_slim_for_very_large_jobs():
-    from rankwatch.watchdog.correlate import slim_verdict
-    from rankwatch.watchdog.snapshot import RankView
-    from rankwatch.watchdog.verdict import decide
+    from rankwatch.watchdog.cluster.correlate import slim_verdict
+    from rankwatch.watchdog.core.snapshot import RankView
+    from rankwatch.watchdog.core.verdict import decide
 
     views = [
         RankView(

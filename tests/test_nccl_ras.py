@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.nccl_ras import (
+from rankwatch.watchdog.evidence.nccl_ras import (
     parse_ras_addr,
     parse_ras_reply,
     query_ras,

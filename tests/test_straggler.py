@@ -19,7 +19,7 @@ import pytest
 from conftest import new_tracker, run_demo_job, skip_if_gloo_teardown_abort
 from rankwatch.hooks.record import CANONICAL_PHASES, StepTiming, read_record
 from rankwatch.hooks.tracker import Tracker
-from rankwatch.watchdog.straggler import StragglerPolicy, diagnose
+from rankwatch.watchdog.core.straggler import StragglerPolicy, diagnose_stragglers
 
 BASE = {"dataloader": 1.0, "forward": 3.0, "backward": 4.0, "grad_sync": 1.0, "optimizer": 1.0, "idle": 0.5}
 
@@ -52,13 +52,13 @@ def job(n_ranks: int, n_steps: int, tweak=None, seed: int = 0) -> dict[int, list
     return {r: ring(steps) for r, steps in per_rank.items()}
 
 
-# -- diagnose() on constructed rings -------------------------------------------------------------------
+# -- diagnose_stragglers() on constructed rings -------------------------------------------------------------------
 def test_backward_straggler_is_named_not_the_waiting_ranks():
     def tweak(r, s, p, rng):
         if r == 2:
             p["backward"] += 25.0
 
-    d = diagnose(job(4, 40, tweak))
+    d = diagnose_stragglers(job(4, 40, tweak))
     assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [2], "backward")
     assert "rank 2" in d.why
 
@@ -72,9 +72,9 @@ def test_input_and_optimizer_stragglers_on_two_ranks():
         if r == 0:
             p["optimizer"] += 20.0
 
-    d = diagnose(job(2, 30, slow_input))
+    d = diagnose_stragglers(job(2, 30, slow_input))
     assert (d.label, d.straggler_ranks, d.phase) == ("INPUT STRAGGLER", [1], "dataloader")
-    d = diagnose(job(2, 30, slow_opt))
+    d = diagnose_stragglers(job(2, 30, slow_opt))
     assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [0], "optimizer")
 
 
@@ -83,7 +83,7 @@ def test_one_slow_step_is_not_a_straggler():
         if r == 3 and s == 17:
             p["backward"] += 500.0
 
-    d = diagnose(job(4, 40, tweak))
+    d = diagnose_stragglers(job(4, 40, tweak))
     assert "STRAGGLER" not in d.label, d.why
     assert d.straggler_ranks == []
 
@@ -96,7 +96,7 @@ def test_random_jitter_on_four_ranks_is_not_a_straggler():
             p["forward"] += rng.uniform(5, 30)  # occasional hiccup
 
     for seed in range(20):
-        d = diagnose(job(4, 60, tweak, seed=seed))
+        d = diagnose_stragglers(job(4, 60, tweak, seed=seed))
         assert "STRAGGLER" not in d.label, (seed, d.why)
 
 
@@ -107,7 +107,7 @@ def test_a_rank_that_only_waits_is_never_blamed():
             p["grad_sync"] += 40.0
             p["collective"] = 10.0
 
-    d = diagnose(job(2, 30, tweak))
+    d = diagnose_stragglers(job(2, 30, tweak))
     assert 1 not in d.straggler_ranks
     assert "STRAGGLER" not in d.label, d.why
     assert d.label == "COMMUNICATION-BOUND"
@@ -128,7 +128,7 @@ def test_without_grad_sync_backward_counts_as_wait():
             p["backward"] += p.pop("grad_sync")
             rows.append(p)
         merged[r] = ring(rows)
-    d = diagnose(merged)
+    d = diagnose_stragglers(merged)
     assert d.straggler_ranks == [] and "STRAGGLER" not in d.label, d.why
 
 
@@ -137,10 +137,11 @@ def test_policy_thresholds_are_documented_and_frozen():
     with pytest.raises(AttributeError):
         policy.abs_floor_ms = 0.0  # type: ignore[misc]
     # a 2 ms excess on a 10 ms step is noise (below the absolute floor) ...
-    assert "STRAGGLER" not in diagnose(job(2, 30, lambda r, s, p, g: p.update(forward=p["forward"] + 2 * r))).label
+    slow = job(2, 30, lambda r, s, p, g: p.update(forward=p["forward"] + 2 * r))
+    assert "STRAGGLER" not in diagnose_stragglers(slow).label
     # ... unless a stricter policy says otherwise
     strict = StragglerPolicy(abs_floor_ms=1.0, rel_threshold=0.05)
-    d = diagnose(job(2, 30, lambda r, s, p, g: p.update(forward=p["forward"] + 2 * r)), strict)
+    d = diagnose_stragglers(job(2, 30, lambda r, s, p, g: p.update(forward=p["forward"] + 2 * r)), strict)
     assert d.straggler_ranks == [1]
 
 

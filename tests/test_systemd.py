@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, rankwatch_cmd
-from rankwatch.watchdog.cmd_daemon import env_defaults
+from rankwatch.watchdog.cli.daemon import env_defaults
 from rankwatch.watchdog.errors import UserError
 
 UNIT = REPO / "systemd" / "rankwatch.service"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from rankwatch.watchdog.detect import find_trigger, recovered
-from rankwatch.watchdog.policy import StallPolicy
-from rankwatch.watchdog.snapshot import RankView
-from rankwatch.watchdog.verdict import decide
+from rankwatch.watchdog.core.detect import find_trigger, recovered
+from rankwatch.watchdog.core.policy import StallPolicy
+from rankwatch.watchdog.core.snapshot import RankView
+from rankwatch.watchdog.core.verdict import decide
 
 
 def rv(rank, **kw) -> RankView:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import events as ev
-from .evidence import Evidence, RankFacts
+from .facts import Evidence, RankFacts
 
 SCHEMA = "rankwatch.verdict/1"
 
@@ -203,7 +203,7 @@ def _rank_doc(f: RankFacts) -> dict[str, Any]:
 
 
 # -- the rules -----------------------------------------------------------------------------------------
-def diagnose(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
+def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     known = sorted(E.ranks)
     facts = E.ranks
     d = (

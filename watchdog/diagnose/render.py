@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .evidence import Evidence
+from .facts import Evidence
 from .reasoning import Diagnosis, fmt_ranks
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import structlog
 from rankwatch.hooks.record import StepTiming
 
-from .snapshot import MISSING, RankView
+from ..core.snapshot import MISSING, RankView
+from ..core.verdict import KINDS, SCHEMA, Verdict, rank_entry
 from .store import (
     INCIDENT_SCHEMA,
     MAX_RANKS_PER_NODE,
@@ -39,7 +40,6 @@ from .store import (
     v_int,
     v_str,
 )
-from .verdict import KINDS, SCHEMA, Verdict, rank_entry
 
 log = structlog.get_logger("rankwatch.correlate")
 

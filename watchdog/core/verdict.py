@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flight_recorder import Mismatch, MissingCollective
+from ..evidence.flight_recorder import Mismatch, MissingCollective
 from .snapshot import CRASHED, GONE_STATES, MISSING, PHASE_ORDER, RUNNING, STOPPED, RankView
 
 SCHEMA = "rankwatch.verdict/1"

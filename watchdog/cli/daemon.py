@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
-from . import logs
-from .argparsing import Parser
-from .daemon import Daemon, DaemonConfig
-from .errors import UserError
+from .. import logs
+from ..errors import UserError
+from ..serve.daemon import Daemon, DaemonConfig
+from ..serve.sdnotify import Notifier
 from .options import add_watch_options, policies_from_args
-from .sdnotify import Notifier
+from .parser import Parser
 
 if TYPE_CHECKING:
-    from .correlate import Correlator
-    from .jobwatch import JobWatch
+    from ..cluster.correlate import Correlator
+    from ..observe.jobwatch import JobWatch
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -57,8 +57,8 @@ def correlator_factory(
 ) -> Callable[[JobWatch], Correlator | None]:
     """Multi-node jobs (job.json: world size above the local one) get a correlator; node 0 hosts the store
     at MASTER_ADDR:store_port unless --store names one. One multi-node job per store port at a time."""
-    from .correlate import Correlator
-    from .store import DEFAULT_STORE_PORT
+    from ..cluster.correlate import Correlator
+    from ..cluster.store import DEFAULT_STORE_PORT
 
     def build(watch: JobWatch) -> Correlator | None:
         info = watch.job_info
@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     notifier = Notifier()
     extras: list[Any] = []
     if args.metrics_port is not None:
-        from .metrics import serve_metrics
+        from ..serve.metrics import serve_metrics
 
         extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port))
     if args.store_port is not None or args.store is not None:

@@ -17,12 +17,12 @@ from typing import Any
 
 import structlog
 
+from ..core.snapshot import RUNNING, STOPPED, RankView
+from ..core.verdict import FrBehind, FrHints
 from .capture import RankCapture
-from .flight_recorder import FlightRecorderFormatError, FrAnalysis, RankTrace, analyze, load_dump
+from .flight_recorder import FlightRecorderFormatError, FrAnalysis, RankTrace, analyze_fr, load_dump
 from .nccl_ras import DEFAULT_ADDR, DEFAULT_RAS_TIMEOUT_S, RasFinding, RasStatus, query_ras, ras_findings
-from .probes.nvml import DeviceSample, NvmlProbe, gpu_evidence
-from .snapshot import RUNNING, STOPPED, RankView
-from .verdict import FrBehind, FrHints
+from .nvml import DeviceSample, NvmlProbe, gpu_evidence
 
 log = structlog.get_logger("rankwatch.evidence")
 
@@ -226,7 +226,7 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
     if not traces:
         return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes))
     try:
-        analysis = analyze(traces)
+        analysis = analyze_fr(traces)
     except Exception as exc:  # analyze is pure, but a dump can hold shapes nobody anticipated
         log.exception("fr_analyze_failed")
         notes.append(f"flight-recorder analysis failed: {type(exc).__name__}: {exc}"[:300])

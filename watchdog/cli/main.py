@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from .errors import UserError
+from ..errors import UserError
 
 USAGE = """usage: rankwatch COMMAND [OPTIONS]
 
@@ -24,13 +24,9 @@ commands:
 
 
 def _load(name: str) -> Callable[[list[str]], int]:
-    if name == "diagnose":
-        from .diagnose import main as diagnose_main
-
-        return diagnose_main
     from importlib import import_module
 
-    module = import_module(f"rankwatch.watchdog.cmd_{name}")
+    module = import_module(f"rankwatch.watchdog.cli.{name}")
     entry: Callable[[list[str]], int] = module.main
     return entry
 

@@ -10,12 +10,12 @@ from typing import Any
 
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
-from . import logs
-from .argparsing import Parser
-from .errors import UserError
-from .jobwatch import JobWatch
-from .probes.process import ExitWatcher, ProcessProbe
-from .straggler import diagnose
+from .. import logs
+from ..core.straggler import diagnose_stragglers
+from ..errors import UserError
+from ..observe.jobwatch import JobWatch
+from ..observe.process import ExitWatcher, ProcessProbe
+from .parser import Parser
 
 
 def build_parser() -> Parser:
@@ -64,7 +64,7 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
                         "gpu_phase_ms": watch.ranks[v.rank].last.gpu_phase_ms or None,
                     }
                 )
-            diag = diagnose({r: list(h) for r, h in watch.history.items()})
+            diag = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
             jobs.append(
                 {
                     "job_id": name,

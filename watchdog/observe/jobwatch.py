@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot, StepTiming
 
-from .probes.process import ExitWatcher, ProcessProbe
-from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, ZOMBIE, RankView
+from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, ZOMBIE, RankView
+from .process import ExitWatcher, ProcessProbe
 
 log = structlog.get_logger("rankwatch.jobwatch")
 

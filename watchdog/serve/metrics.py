@@ -30,10 +30,10 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 from rankwatch.hooks.record import StepTiming
 
+from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
+from ..core.straggler import Diagnosis, StragglerPolicy, diagnose_stragglers
+from ..errors import UserError
 from .daemon import Daemon, JobEntry
-from .errors import UserError
-from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
-from .straggler import Diagnosis, StragglerPolicy, diagnose
 
 log = structlog.get_logger("rankwatch.metrics")
 
@@ -151,7 +151,7 @@ class DaemonCollector(Collector):
         cached = self._cache.get(job_id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        diag = diagnose(per_rank, self.policy)
+        diag = diagnose_stragglers(per_rank, self.policy)
         self._cache[job_id] = (key, diag)
         return diag
 

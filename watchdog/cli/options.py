@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from .errors import UserError
-from .policy import CapturePolicy, StallPolicy
+from ..core.policy import CapturePolicy, StallPolicy
+from ..errors import UserError
 
 
 def stall_timeout(text: str) -> float | None:

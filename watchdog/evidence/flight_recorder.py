@@ -564,7 +564,7 @@ def _progress(trace: RankTrace, pg: str, entries: list[FrEntry]) -> PgProgress:
     return PgProgress(entered=entered, completed=completed, entered_op=op, in_flight=in_flight)
 
 
-def analyze(traces: Mapping[int, RankTrace]) -> FrAnalysis:
+def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
     """Match collectives across ranks by (process group name, collective_seq_id) and report differences.
 
     Pure: ``traces`` maps global rank → trace. P2P entries (send/recv) are not matched, only listed per

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 
 @dataclass(frozen=True)

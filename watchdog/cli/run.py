@@ -14,15 +14,15 @@ import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
 from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
 
-from . import logs
-from .argparsing import Parser
-from .bundle import atomic_json, atomic_text
-from .daemon import Daemon, DaemonConfig
-from .errors import UserError
-from .launcher import TorchrunCommand, inject_hooks
+from .. import logs
+from ..core.straggler import diagnose_stragglers, summary_text
+from ..errors import UserError
+from ..report.bundle import atomic_json, atomic_text
+from ..report.text import headline, verdict_text
+from ..serve.daemon import Daemon, DaemonConfig
 from .options import add_watch_options, policies_from_args
-from .render import headline, verdict_text
-from .straggler import diagnose, summary_text
+from .parser import Parser
+from .torchrun_args import TorchrunCommand, inject_hooks
 
 log = structlog.get_logger("rankwatch.run")
 
@@ -88,15 +88,15 @@ def main(argv: list[str]) -> int:
     daemon = Daemon(config, on_incident=on_incident)
     correlator = None
     if args.store is not None or cmd.nnodes not in ("1", "1:1"):
-        from .correlate import Correlator
-        from .store import DEFAULT_STORE_PORT
+        from ..cluster.correlate import Correlator
+        from ..cluster.store import DEFAULT_STORE_PORT
 
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
         correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes))
         daemon.correlators[job_id] = correlator
     metrics = None
     if args.metrics_port is not None:
-        from .metrics import serve_metrics
+        from ..serve.metrics import serve_metrics
 
         metrics = serve_metrics(daemon, args.metrics_addr, args.metrics_port)
     env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
@@ -164,7 +164,7 @@ def _max_nodes(nnodes: str) -> int | None:
 
 def _clear_stale_records(job_dir: str) -> None:
     """Remove records an earlier run left under this job id; refuse if a live rank still owns one."""
-    from .probes.process import maps_file
+    from ..observe.process import maps_file
 
     try:
         names = os.listdir(job_dir)
@@ -206,7 +206,7 @@ def _wait(proc: subprocess.Popen[bytes]) -> int:
 def _write_summary(daemon: Daemon, job_id: str, out: str, history: dict[int, list[StepTiming]]) -> None:
     entry = daemon.jobs.get(job_id)
     incidents = entry.incidents if entry else []
-    diag = diagnose(history)
+    diag = diagnose_stragglers(history)
     doc = diag.summary_doc(job_id, incidents, history)
     doc["details"] = diag.details
     text = summary_text(doc)

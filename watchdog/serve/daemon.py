@@ -17,17 +17,17 @@ from typing import Any
 
 import structlog
 
-from . import bundle
-from .capture import RankCapture, capture_all, signature, stack_top, waiting_on_peers
-from .correlate import Correlator, SharedIncident
-from .detect import Trigger, find_trigger, recovered
-from .evidence import RAS_RECHECK_S, GpuWatch, RasWatch, fr_evidence
-from .jobwatch import JobWatch
-from .policy import CapturePolicy, KillPolicy, StallPolicy
-from .probes.process import ExitWatcher, ProcessProbe
-from .render import verdict_text
-from .snapshot import RUNNING, STOPPED, RankView
-from .verdict import Verdict, decide, rank_entry
+from ..cluster.correlate import Correlator, SharedIncident
+from ..core.detect import Trigger, find_trigger, recovered
+from ..core.policy import CapturePolicy, KillPolicy, StallPolicy
+from ..core.snapshot import RUNNING, STOPPED, RankView
+from ..core.verdict import Verdict, decide, rank_entry
+from ..evidence.capture import RankCapture, capture_all, signature, stack_top, waiting_on_peers
+from ..evidence.outside import RAS_RECHECK_S, GpuWatch, RasWatch, fr_evidence
+from ..observe.jobwatch import JobWatch
+from ..observe.process import ExitWatcher, ProcessProbe
+from ..report import bundle
+from ..report.text import verdict_text
 
 log = structlog.get_logger("rankwatch.daemon")
 

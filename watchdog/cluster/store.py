@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from .snapshot import RankView
+from ..core.snapshot import RankView
 
 log = structlog.get_logger("rankwatch.store")
 

@@ -7,10 +7,10 @@ import os
 import sys
 from typing import Any
 
-from .argparsing import Parser
-from .errors import UserError
-from .render import verdict_text
-from .straggler import summary_text
+from ..core.straggler import summary_text
+from ..errors import UserError
+from ..report.text import verdict_text
+from .parser import Parser
 
 
 def build_parser() -> Parser:
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     paths = resolve(args.path)
     docs = [_load(p) for p in paths]
     if args.html:
-        from .html_report import write_html
+        from ..report.html import write_html
 
         write_html(args.html, docs, base_dir=args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
         sys.stdout.write(f"wrote {args.html}\n")

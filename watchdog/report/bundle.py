@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .capture import RankCapture, render_text
-from .snapshot import RankView
-from .verdict import stack_groups
+from ..core.snapshot import RankView
+from ..core.verdict import stack_groups
+from ..evidence.capture import RankCapture, render_text
 
 
 def _write(path: str, data: bytes) -> None:

@@ -24,7 +24,7 @@ import rankwatch.hooks as hooks_pkg
 import structlog
 from rankwatch.hooks.responder import ctl_path
 
-from .policy import CapturePolicy
+from ..core.policy import CapturePolicy
 
 log = structlog.get_logger("rankwatch.capture")
 

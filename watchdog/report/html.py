@@ -18,9 +18,9 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import UserError
-from .render import NEXT_STEPS
-from .straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
+from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
+from ..errors import UserError
+from .text import NEXT_STEPS
 
 HEADLINES = {
     "hang": "HANG",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class Parser(argparse.ArgumentParser):

@@ -130,7 +130,9 @@ def _family(phase: str | None) -> str:
     return "COMPUTE"
 
 
-def diagnose(per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None) -> Diagnosis:
+def diagnose_stragglers(
+    per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None
+) -> Diagnosis:
     policy = policy or StragglerPolicy()
     steps, aligned = _align(per_rank, policy.window_steps)
     ranks = sorted(aligned)

@@ -1,1 +1,0 @@
-"""Platform probes: thin boundaries to host facilities (NVML, ...) that return plain frozen data."""
