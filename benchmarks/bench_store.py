@@ -128,7 +128,7 @@ def make_correlator(k: int, port: int, nnodes: int) -> Any:
                 return super()._gather(store, inc, local_views, world_size, 0.0)
             return [by_rank[r] for r in sorted(by_rank)], []
 
-    return BatchedGather(JOB, k, "127.0.0.1", port, nnodes=nnodes, evidence_timeout_s=10.0, verdict_timeout_s=15.0)
+    return BatchedGather(JOB, k, "127.0.0.1", port, nnodes=nnodes)
 
 
 @functools.cache
@@ -152,8 +152,8 @@ def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> No
     store = corr.store._store
     rng = random.Random(k)
 
-    def decide_fn(vs: Sequence[Any], notes: Sequence[str]) -> Any:
-        return decide(vs, job_id=JOB, incident_id="inc", detected_after_s=180.0, extra_evidence=notes)
+    def decide_fn(vs: Sequence[Any], notes: Sequence[str], how: Any) -> Any:
+        return decide(vs, job_id=JOB, incident_id="inc", detected_after_s=180.0, extra_evidence=notes).to_json()
 
     def poll(measure: bool = False) -> Any:
         c0, t0 = store.calls, time.perf_counter()
@@ -168,7 +168,7 @@ def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> No
         time.sleep(rng.uniform(*CAPTURE_S))
         c0 = store.calls
         corr.batched = inc.gen % 2 == 0
-        verdict, how = corr.resolve(inc, views, f"node{k:04d}", world, decide_fn)
+        verdict, how, _ = corr.resolve(inc, views, f"node{k:04d}", world, decide_fn)
         rec["verdicts"].append(
             {"gen": inc.gen, "t": time.monotonic(), "calls": store.calls - c0, "kind": verdict["kind"],
              "initiators": verdict["initiating_ranks"], "how": how}

@@ -68,7 +68,6 @@ def base(rank: int, **kw: object) -> RankView:
         "coll_done": 4936,
         "coll_op": "all_reduce",
         "gpu_util": 100.0,
-        "cpu_percent": 99.0,
         "stack_top": WAIT_STACK,
         "stack_signature": sig(WAIT_STACK),
         "waiting": True,
@@ -81,7 +80,7 @@ def shape_dataloader(n: int) -> tuple[list[RankView], str, list[int]]:
     bad = n // 2 + 3
     views = [
         base(r, phase="dataloader", stack_top=LOADER_STACK, stack_signature=sig(LOADER_STACK), waiting=False,
-             gpu_util=0.0, cpu_percent=2.0)
+             gpu_util=0.0)
         if r == bad
         else base(r)
         for r in range(n)

@@ -168,7 +168,7 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
     data = fn(includeCollectives=True, onlyActive=False)
     Path(out_dir, f"rank-{rank}.fr.json").write_bytes(bytes(data))
     if backend == "nccl" and rank == 0:
-        from rankwatch.watchdog.evidence.nccl_ras import query_ras, ras_evidence
+        from rankwatch.watchdog.evidence.nccl_ras import query_ras, ras_findings
 
         st = query_ras(ras_addr, ras_timeout_s=5, timeout_s=15)
         info = (
@@ -180,7 +180,7 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
                 "version": st.nccl_version,
                 "comms": len(st.communicators),
                 "complete": st.complete,
-                "evidence": ras_evidence(None, st),
+                "evidence": [f.text for f in ras_findings(None, st)],
                 "head": st.raw[:400],
             }
         )
@@ -228,7 +228,8 @@ def launch(backend: str, world: int, out_dir: str, ras_addr: str, timeout: float
 
 
 def analyse(out_dir: str, world: int) -> tuple[str, str]:
-    from rankwatch.watchdog.evidence.flight_recorder import analyze_fr, load_dump
+    from rankwatch.watchdog.core.fr_analysis import analyze_fr
+    from rankwatch.watchdog.evidence.flight_recorder import load_dump
 
     traces = {}
     for r in range(world):

@@ -18,11 +18,12 @@ import warnings
 from collections.abc import Iterator
 from types import TracebackType
 
+from .files import atomic_write
 from .jobinfo import job_id as env_job_id
 from .jobinfo import rank_identity, sanitize_job_id
 from .jobinfo import shm_dir as env_shm_dir
 from .record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
-from .responder import DumpResponder, atomic_write, install_faulthandler
+from .responder import DumpResponder, install_faulthandler
 from .tracker import Tracker
 
 _tracker: Tracker | None = None

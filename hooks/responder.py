@@ -22,6 +22,8 @@ import threading
 import traceback
 from typing import Any
 
+from .files import atomic_write
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_REQUEST = 256
 
@@ -70,20 +72,6 @@ def flight_recorder_json() -> tuple[bytes | None, str | None]:
             return bytes(data), None
         errors.append(f"{name}: empty trace (TORCH_FR_BUFFER_SIZE unset?)")
     return None, "; ".join(errors) or "this torch build has no flight recorder"
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Owner-only file written under a temp name and renamed: readers see all of it or nothing."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    except Exception:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.replace(tmp, path)
 
 
 def answer(job_dir: str, rank: int, token: str) -> str:

@@ -9,7 +9,6 @@ evidence.GpuWatch (``Daemon.gpu``).
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import sys
@@ -19,28 +18,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-import rankwatch.watchdog.serve.daemon as daemon_mod
 from conftest import DEMO, torchrun_args, wait_for
 from rankwatch.hooks.record import RecordFormatError, RecordReader
 from rankwatch.watchdog.core.policy import StallPolicy
-from rankwatch.watchdog.evidence.outside import GpuWatch
+from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 from test_nvml_probe import FakeNvml
 from test_nvml_probe import script as nvml_script
-
-
-def _wired() -> bool:
-    """``Daemon.gpu`` exists (class attribute, or assigned in ``__init__``)."""
-    if hasattr(daemon_mod.Daemon, "gpu"):
-        return True
-    try:
-        return "self.gpu" in inspect.getsource(daemon_mod.Daemon.__init__)
-    except (OSError, TypeError):
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _wired(), reason="not wired yet")
 
 CULPRIT = 1
 
@@ -119,10 +103,9 @@ def run_daemon_until_bundle(shm: Path, out: Path, job: str, gpu: GpuWatch) -> di
     daemon = Daemon(
         DaemonConfig(
             shm_dir=str(shm), out_dir=str(out), poll_interval_s=0.3, stall=StallPolicy(timeout_s=3), job_filter=job
-        )
+        ),
+        gpu=gpu,
     )
-    daemon.gpu.close()
-    daemon.gpu = gpu
     thread = threading.Thread(target=daemon.run, name="test-daemon", daemon=True)
     thread.start()
     inc = out / job / "incidents"

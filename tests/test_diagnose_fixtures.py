@@ -62,7 +62,7 @@ def test_root_cause_that_was_a_victim_is_called_out() -> None:
 def test_evidence_points_at_the_initiators_lines() -> None:
     d, _ = diagnose_logs([str(LOGS / "torchrun_tee/collective_mismatch_r3.log")])
     assert "all_gather" in d.evidence[0] and "collective_mismatch_r3.log:14:" in d.evidence[0]
-    assert "ranks 0-2 called all_reduce" in d.reason
+    assert "ranks 0–2 called all_reduce" in d.reason
     d, _ = diagnose_logs([str(LOGS / "templated/host_oom_r6")])
     assert any("dmesg.txt:" in e and "48213" in e for e in d.evidence)
 

@@ -11,10 +11,12 @@ import socket
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.evidence import outside as evidence_mod
 from rankwatch.watchdog.core.verdict import FrBehind, FrHints, decide
+from rankwatch.watchdog.evidence import flight_recorder as evidence_mod
 from rankwatch.watchdog.evidence.capture import RankCapture
-from rankwatch.watchdog.evidence.outside import GpuWatch, RasWatch, fr_evidence
+from rankwatch.watchdog.evidence.flight_recorder import fr_evidence
+from rankwatch.watchdog.evidence.gpu import GpuWatch
+from rankwatch.watchdog.evidence.ras import RasWatch
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml
@@ -178,7 +180,7 @@ def test_fr_evidence_on_real_gloo_dumps():
     assert f.hints is not None and f.hints.ranks == (0, 1, 2)
     (mm,) = f.hints.mismatches
     assert (mm.seq, mm.kind, mm.odd_ranks) == (3, "op", (1,))
-    assert f.lines[0].startswith("flight recorder: pg 0 (default_pg) seq 3: op mismatch, odd rank(s) [1]")
+    assert f.lines[0].startswith("flight recorder: pg 0 (default_pg) seq 3: op mismatch, odd rank 1")
     f = fr_evidence(captures("skip"))
     assert f.hints is not None and f.hints.behind_ranks == (2,)
     (b,) = f.hints.behind
@@ -295,7 +297,7 @@ def test_ras_watch_disabled_or_unreachable():
     port = s.getsockname()[1]
     s.close()
     w = RasWatch(f"127.0.0.1:{port}", timeout_s=1)
-    assert w.query() is None and w.query_twice(gap_s=0) == (None, None)
+    assert w.query() is None and w.evidence(None, w.query()) == []
     assert RasWatch("localhost:1", disabled=True).query() is None
     assert RasWatch("10.0.0.1:28028", timeout_s=0.2).query() is None  # not loopback: refused
 

@@ -7,12 +7,9 @@ import pickle
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.evidence.flight_recorder import (
-    FlightRecorderFormatError,
-    RankTrace,
-    analyze_fr,
-    load_dump,
-)
+from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.fr_trace import FlightRecorderFormatError, RankTrace
+from rankwatch.watchdog.evidence.flight_recorder import load_dump
 
 FIX = Path(__file__).parent / "fixtures" / "fr"
 
@@ -72,7 +69,7 @@ def test_skipped_collective_names_the_rank_that_never_joined():
     assert [c.seq for c in a.per_rank[0].in_flight] == [4]
     assert a.per_rank[2].in_flight == ()
     text = "\n".join(a.summary_lines())
-    assert "never joined by [2]" in text
+    assert "entered by ranks 0, 1; never joined by rank 2" in text
 
 
 def test_op_mismatch_names_minority_rank():

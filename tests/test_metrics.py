@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rankwatch.hooks.record import RecordWriter
 from rankwatch.watchdog.core.detect import Trigger
 from rankwatch.watchdog.errors import UserError
+from rankwatch.watchdog.observe.process import ProcessTable
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig, OpenIncident
 from rankwatch.watchdog.serve.metrics import METRIC_NAMES, serve_metrics
 
@@ -70,7 +71,8 @@ def daemon_setup(tmp_path, monkeypatch):
     for rank in range(3):
         clock.now = start
         writers.append(write_rank(shm, rank, clock))
-    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out))
+    # the records are written by this test process: let the daemon verify it as their rank
+    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out), procs=ProcessTable(protected={1}))
     daemon.poll_once()
     server = serve_metrics(daemon, "127.0.0.1", 0)
     yield daemon, server

@@ -12,7 +12,6 @@ from rankwatch.watchdog.evidence.nccl_ras import (
     parse_ras_addr,
     parse_ras_reply,
     query_ras,
-    ras_evidence,
     ras_findings,
 )
 
@@ -132,7 +131,7 @@ def test_old_nccl_without_json_falls_back_to_text():
     assert c.rank_errors == {9: "Remote process error"}
     kinds = {f.kind for f in ras_findings(None, st)}
     assert {"dead", "incomplete", "timeout", "unresponsive", "error"} <= kinds
-    lines = ras_evidence(None, st)
+    lines = [f.text for f in ras_findings(None, st)]
     assert any("3487984" in s and "dead" in s for s in lines)
 
 

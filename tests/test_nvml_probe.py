@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from rankwatch.watchdog.evidence.nvml import NvmlProbe, gpu_evidence, map_pids, read_nspid
 from rankwatch.watchdog.evidence import nvml as nvml_probe
+from rankwatch.watchdog.evidence.nvml import NvmlProbe, gpu_evidence, map_pids, read_nspid
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 

@@ -98,15 +98,16 @@ def main(argv: list[str]) -> int:
         capture=capture,
         on_stall=args.on_stall,
     )
-    daemon = Daemon(config)
+    factory = None
+    if args.store_port is not None or args.store is not None:
+        factory = correlator_factory(args.store, args.store_port)
+    daemon = Daemon(config, correlator_factory=factory)
     notifier = Notifier()
     extras: list[Any] = []
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
 
         extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port))
-    if args.store_port is not None or args.store is not None:
-        daemon.correlator_factory = correlator_factory(args.store, args.store_port)
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("daemon_stopping", signal=signal.Signals(signum).name)

@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Any
 
-from ..core.straggler import summary_text
+from ..core.schema import SUMMARY_SCHEMA, VERDICT_SCHEMA
 from ..errors import UserError
-from ..report.text import verdict_text
+from ..report.text import summary_text, verdict_text
 from .parser import Parser
 
 
@@ -33,7 +33,7 @@ def _load(path: str) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON (not UTF-8)") from exc
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(doc, dict) or doc.get("schema") not in ("rankwatch.verdict/1", "rankwatch.summary/1"):
+    if not isinstance(doc, dict) or doc.get("schema") not in (VERDICT_SCHEMA, SUMMARY_SCHEMA):
         raise UserError(f"{path} is not a rankwatch verdict or summary")
     return doc
 
@@ -74,6 +74,6 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2) + "\n")
         return 0
     for doc in docs:
-        text = verdict_text(doc) if doc["schema"] == "rankwatch.verdict/1" else summary_text(doc)
+        text = verdict_text(doc) if doc["schema"] == VERDICT_SCHEMA else summary_text(doc)
         sys.stdout.write(text + "\n")
     return 0

@@ -15,19 +15,16 @@ from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
 from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
 
 from .. import logs
-from ..core.straggler import diagnose_stragglers, summary_text
+from ..core.straggler import diagnose_stragglers
 from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
-from ..report.text import headline, verdict_text
+from ..report.text import headline, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
 from .options import add_watch_options, policies_from_args
 from .parser import Parser
 from .torchrun_args import TorchrunCommand, inject_hooks
 
 log = structlog.get_logger("rankwatch.run")
-
-# how long the leader waits at the end for the other nodes' step rings
-SUMMARY_WAIT_S = 15.0
 
 
 def build_parser() -> Parser:
@@ -85,7 +82,6 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         printed.append(str(verdict.get("incident_id")))
 
-    daemon = Daemon(config, on_incident=on_incident)
     correlator = None
     if args.store is not None or cmd.nnodes not in ("1", "1:1"):
         from ..cluster.correlate import Correlator
@@ -93,7 +89,7 @@ def main(argv: list[str]) -> int:
 
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
         correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes))
-        daemon.correlators[job_id] = correlator
+    daemon = Daemon(config, on_incident=on_incident, correlators={job_id: correlator} if correlator else None)
     metrics = None
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
@@ -131,13 +127,16 @@ def main(argv: list[str]) -> int:
         if all(v.state in ("exited",) for v in entry.last_views):
             break
         time.sleep(args.poll_interval)
+    # incidents run off the poll loop: their bundles and verdicts belong in the summary
+    if not daemon.drain(config.serve.drain_timeout_s):
+        log.error("incidents_unfinished", job=job_id)
     entry = daemon.jobs.get(job_id)
     history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
     if correlator is not None:
         # every node shares its rings; the leader's summary covers every rank of the job
         correlator.publish_history(history)
         if correlator.leader:
-            for rank, steps in correlator.gather_histories(wait_s=SUMMARY_WAIT_S).items():
+            for rank, steps in correlator.gather_histories(wait_s=correlator.policy.summary_wait_s).items():
                 history.setdefault(rank, steps)
         correlator.close()
     if metrics is not None:

@@ -11,10 +11,12 @@ from typing import Any
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from .. import logs
+from ..core.policy import ObservePolicy
+from ..core.ranks import fmt_ranks
 from ..core.straggler import diagnose_stragglers
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
-from ..observe.process import ExitWatcher, ProcessProbe
+from ..observe.process import ProcessTable
 from .parser import Parser
 
 
@@ -32,7 +34,7 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
         names = sorted(os.listdir(shm_dir)) if job is None else [job]
     except OSError as exc:
         raise UserError(f"cannot read shm dir {shm_dir}: {exc.strerror}") from exc
-    exits, procs = ExitWatcher(), ProcessProbe()
+    procs = ProcessTable()
     jobs = []
     try:
         for name in names:
@@ -40,7 +42,7 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
                 if job is not None:
                     raise UserError(f"no job {name!r} under {shm_dir}")
                 continue
-            watch = JobWatch(shm_dir, name, exits, procs)
+            watch = JobWatch(shm_dir, name, procs, ObservePolicy(track_descendants=False))
             watch.refresh()
             views = watch.poll()
             if not views or (not include_finished and watch.all_gone(views)):
@@ -77,7 +79,7 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
             )
             watch.close()
     finally:
-        exits.close()
+        procs.close()
     return jobs
 
 
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> int:
                 style=style,
             )
         console.print(table)
-        who = f" — rank(s) {', '.join(map(str, job['straggler_ranks']))}" if job["straggler_ranks"] else ""
+        who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
         console.print(
             f"diagnosis: [bold]{job['diagnosis']}[/bold]{who}" + (f" in {job['phase']}" if job["phase"] else "")
         )

@@ -25,10 +25,11 @@ from typing import Any
 import structlog
 from rankwatch.hooks.record import StepTiming
 
+from ..core.policy import CorrelationPolicy
+from ..core.ranks import fmt_ranks
+from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
-from ..core.verdict import KINDS, SCHEMA, Verdict, rank_entry
 from .store import (
-    INCIDENT_SCHEMA,
     MAX_RANKS_PER_NODE,
     JobStore,
     StoreError,
@@ -43,13 +44,8 @@ from .store import (
 
 log = structlog.get_logger("rankwatch.correlate")
 
-HISTORY_SCHEMA = "rankwatch.history/1"
-# above this many ranks the published verdict drops the non-initiating ranks' entries (~450 bytes each)
-SLIM_VERDICT_ABOVE_RANKS = 512
-# steps per rank sent for the leader's summary: the diagnosis window, bounded for the store
-HISTORY_STEPS_SHARED = 200
-
-DecideFn = Callable[[Sequence[RankView], Sequence[str]], Verdict]
+# (views of every node, evidence notes, how the nodes agreed) → the finalized verdict document
+DecideFn = Callable[[Sequence[RankView], Sequence[str], "str | None"], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -61,8 +57,8 @@ class SharedIncident:
 
 
 def validate_verdict(raw: bytes) -> dict[str, Any]:
-    doc = parse_json(raw, SCHEMA)
-    if doc.get("kind") not in KINDS or doc.get("confidence") not in ("high", "medium", "low"):
+    doc = parse_json(raw, VERDICT_SCHEMA)
+    if doc.get("kind") not in KINDS or doc.get("confidence") not in CONFIDENCES:
         raise ValueRejected("verdict: unknown kind or confidence")
     ranks = doc.get("initiating_ranks")
     if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -84,18 +80,14 @@ class Correlator:
         port: int,
         *,
         nnodes: int | None = None,
-        evidence_timeout_s: float = 10.0,
-        verdict_timeout_s: float = 15.0,
-        connect_timeout_s: float = 10.0,  # each TCPStore connect does a reverse DNS lookup (5 s default)
+        policy: CorrelationPolicy | None = None,
     ) -> None:
         self.job_id = job_id
         self.node_rank = node_rank
         self.leader = node_rank == 0
         self.host, self.port = host, port
         self.nnodes = nnodes
-        self.evidence_timeout_s = evidence_timeout_s
-        self.verdict_timeout_s = verdict_timeout_s
-        self.connect_timeout_s = connect_timeout_s
+        self.policy = policy or CorrelationPolicy()
         self.store: JobStore | None = None
         self.error: str | None = "not connected yet"
         self.handled_gen = 0
@@ -112,7 +104,7 @@ class Correlator:
         while not self._stop.is_set() and self.store is None:
             try:
                 store = JobStore(
-                    self.host, self.port, self.job_id, host_server=self.leader, timeout_s=self.connect_timeout_s
+                    self.host, self.port, self.job_id, host_server=self.leader, timeout_s=self.policy.connect_timeout_s
                 )
             except StoreError as exc:
                 if self.error != str(exc):
@@ -211,11 +203,12 @@ class Correlator:
         store = self.store
         if store is None:
             return
+        keep = self.policy.history_steps_shared
         doc = {
             "schema": HISTORY_SCHEMA,
             "node_rank": self.node_rank,
             "ranks": {
-                str(rank): [[t.step, t.start_ns, t.end_ns, t.phases_ms] for t in steps[-HISTORY_STEPS_SHARED:]]
+                str(rank): [[t.step, t.start_ns, t.end_ns, t.phases_ms] for t in steps[-keep:]]
                 for rank, steps in list(history.items())[:MAX_RANKS_PER_NODE]
             },
         }
@@ -256,13 +249,15 @@ class Correlator:
     # -- on an incident ---------------------------------------------------------------------------
     def resolve(
         self, inc: SharedIncident, local_views: list[RankView], node: str, world_size: int, decide: DecideFn
-    ) -> tuple[dict[str, Any], str]:
-        """(verdict, how it was reached). Publishes this node's evidence; the leader decides for all."""
+    ) -> tuple[dict[str, Any], str, bool]:
+        """(verdict, how it was reached, decided by this node). Publishes this node's evidence; the leader
+        decides for all. A verdict taken from the leader (decided_here False) is returned as published,
+        for the caller to finalize with this node's own ranks."""
         self.handled_gen = max(self.handled_gen, inc.gen)
         store = self.store
         if store is None or inc.gen == 0:
             why = f"local only: store unreachable ({self.error})"
-            return decide(local_views, [why]).to_json(), why
+            return decide(local_views, [why], why), why, True
         try:
             store.set_json(
                 f"evidence/{inc.gen}/{self.node_rank}", node_doc(self.node_rank, node, 0, local_views, "evidence")
@@ -270,17 +265,17 @@ class Correlator:
         except StoreError as exc:
             self._lost(exc)
             why = f"local only: could not publish evidence ({exc})"
-            return decide(local_views, [why]).to_json(), why
+            return decide(local_views, [why], why), why, True
         if self.leader:
-            views, notes = self._gather(store, inc, local_views, world_size, self.evidence_timeout_s)
-            verdict = decide(views, notes).to_json()
-            verdict["correlation"] = f"leader node {self.node_rank} over {self._heard} node(s)"
+            views, notes = self._gather(store, inc, local_views, world_size, self.policy.evidence_timeout_s)
+            how = f"leader node {self.node_rank} over {self._heard} node(s)"
+            verdict = decide(views, notes, how)
             try:
-                store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict))
+                store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict, self.policy.slim_verdict_above_ranks))
             except StoreError as exc:
                 self._lost(exc)
-            return verdict, verdict["correlation"]
-        deadline = time.monotonic() + self.verdict_timeout_s
+            return verdict, how, True
+        deadline = time.monotonic() + self.policy.verdict_timeout_s
         while time.monotonic() < deadline:
             try:
                 raw = store.get_raw(f"verdict/{inc.gen}")
@@ -290,10 +285,7 @@ class Correlator:
             if raw is not None:
                 try:
                     verdict = validate_verdict(raw)
-                    # a slimmed verdict carries only the initiators' entries: add this node's own ranks
-                    for v in local_views:
-                        verdict["ranks"].setdefault(str(v.rank), rank_entry(v))
-                    return verdict, str(verdict.get("correlation", "leader"))
+                    return verdict, str(verdict.get("correlation", "leader")), False
                 except ValueRejected as exc:
                     self._reject(f"verdict/{inc.gen}", exc)
                     break
@@ -303,9 +295,7 @@ class Correlator:
         if self.store is not None:
             views, more = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
-        verdict = decide(views, notes).to_json()
-        verdict["correlation"] = why
-        return verdict, why
+        return decide(views, notes, why), why, True
 
     def _gather(
         self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float
@@ -363,7 +353,7 @@ class Correlator:
                     )
                 )
             notes.append(
-                f"no evidence from ranks {missing[0]}–{missing[-1]}"
+                f"no evidence from {fmt_ranks(missing)}"
                 + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
             )
         return [by_rank[r] for r in sorted(by_rank)], notes
@@ -391,11 +381,13 @@ class Correlator:
         return out
 
 
-def slim_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
+def slim_verdict(
+    verdict: dict[str, Any], above_ranks: int = CorrelationPolicy.slim_verdict_above_ranks
+) -> dict[str, Any]:
     """What the leader publishes: whole for ordinary jobs; for very large ones only the initiating ranks'
     entries (every node adds its own ranks), so the value stays far below the store limit and 256 nodes
     do not each download megabytes."""
-    if len(verdict.get("ranks", {})) <= SLIM_VERDICT_ABOVE_RANKS:
+    if len(verdict.get("ranks", {})) <= above_ranks:
         return verdict
     keep = {str(r) for r in verdict.get("initiating_ranks", [])}
     slim = dict(verdict)
@@ -411,7 +403,7 @@ def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:
         raise ValueRejected("history: ranks malformed")
     out: dict[int, list[StepTiming]] = {}
     for key, steps in ranks.items():
-        if not key.isdigit() or not isinstance(steps, list) or len(steps) > HISTORY_STEPS_SHARED:
+        if not key.isdigit() or not isinstance(steps, list) or len(steps) > CorrelationPolicy.history_steps_shared:
             raise ValueRejected("history: rank entry malformed")
         timings = []
         for item in steps:

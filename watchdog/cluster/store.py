@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from ..core.schema import NODE_SCHEMA
 from ..core.snapshot import RankView
 
 log = structlog.get_logger("rankwatch.store")
@@ -26,8 +27,6 @@ MAX_VALUE_BYTES = 4 << 20  # a node snapshot of 4096 ranks with stack tops stays
 MAX_RANKS_PER_NODE = 4096
 MAX_STR = 512
 MAX_STACK_FRAMES = 16
-NODE_SCHEMA = "rankwatch.node/1"
-INCIDENT_SCHEMA = "rankwatch.incident/1"
 
 
 class StoreError(Exception):
@@ -62,13 +61,14 @@ def v_float(value: Any, field: str, *, optional: bool = False) -> float | None:
     return float(value)
 
 
-_VIEW_STATES = {"running", "stopped", "dead", "crashed", "zombie", "exited", "missing", "unknown"}
+_VIEW_STATES = {
+    "running", "stopped", "dead", "crashed", "zombie", "exited", "missing", "unknown", "unverified", "unreadable"
+}
 
 
 def view_to_doc(v: RankView) -> dict[str, Any]:
     doc = dataclasses.asdict(v)
     doc["stack_top"] = list(v.stack_top)[:MAX_STACK_FRAMES]
-    doc["notes"] = list(v.notes)[:8]
     return doc
 
 
@@ -103,11 +103,9 @@ def view_from_doc(doc: Any) -> RankView:
         exit_age_s=v_float(doc.get("exit_age_s"), "exit_age_s", optional=True),
         gpu_util=v_float(doc.get("gpu_util"), "gpu_util", optional=True),
         gpu_missing=bool(doc.get("gpu_missing", False)),
-        cpu_percent=v_float(doc.get("cpu_percent"), "cpu_percent", optional=True),
         stack_top=tuple(v_str(f, "stack_top[]") or "" for f in stack),
         stack_signature=v_str(doc.get("stack_signature"), "stack_signature", optional=True),
         waiting=waiting,
-        notes=tuple(v_str(n, "notes[]") or "" for n in doc.get("notes", [])[:8]),
     )
 
 
@@ -190,14 +188,6 @@ class JobStore:
             return bytes(self._store.get(full))
         except Exception as exc:
             raise StoreError(f"store get {key} failed: {exc}") from exc
-
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        out = {}
-        for key in keys:
-            raw = self.get_raw(key)
-            if raw is not None:
-                out[key] = raw
-        return out
 
     def claim(self, key: str, doc: dict[str, Any]) -> bytes:
         """Set ``key`` only if absent; returns the value now stored (ours, or the earlier claimant's)."""

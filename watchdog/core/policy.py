@@ -45,9 +45,95 @@ class CapturePolicy:
     # frames used for grouping ranks by stack signature (deep enough to separate call sites)
     signature_frames: int = 12
     include_locals: bool = False
+    # gap between the two NCCL RAS queries of an incident: operation counts that did not move across it
+    # are stuck, not just slow (one RAS round trip is ~ms; a healthy collective finishes well within 1 s)
+    ras_recheck_s: float = 1.0
 
 
 @dataclass(frozen=True)
 class KillPolicy:
     # after SIGTERM, ranks get this long to exit before SIGKILL (stopped ranks get SIGCONT first)
     term_grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class ServePolicy:
+    """How the daemon loop treats jobs and incidents over time."""
+
+    # a job whose ranks are all gone is retired after this long: a death seen in the last poll can still
+    # open its incident (and a dead-rank incident needs its exit order) before the job is forgotten
+    retire_after_s: float = 10.0
+    # retired jobs are checked for a new run's records (torchrun restart, reused run name) every this
+    # many polls: a restart is rare, listing the dir every poll is not free at many jobs
+    revive_check_every: int = 4
+    # incidents handled at once, off the poll loop; each runs py-spy for every local rank in parallel,
+    # so more would only compete for the same cores (one incident per job at a time anyway)
+    incident_workers: int = 4
+    # a bundle write that fails (ENOSPC, EIO) is retried this many times, this far apart, within one try
+    bundle_attempts: int = 3
+    bundle_retry_s: float = 0.2
+    # on shutdown, in-flight incidents get this long to finish their bundles (capture ≤ pyspy timeout,
+    # cross-node verdict wait ≤ CorrelationPolicy.verdict_timeout_s)
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class CorrelationPolicy:
+    """Cross-node exchange through the TCPStore."""
+
+    # the leader waits this long for every node's evidence: each node captures in parallel (≤ the py-spy
+    # timeout) before publishing, so a few seconds beyond it
+    evidence_timeout_s: float = 10.0
+    # a follower waits this long for the leader's verdict (evidence wait + the leader's own decision)
+    verdict_timeout_s: float = 15.0
+    # each TCPStore connect does a reverse DNS lookup (5 s resolver default): a slow DNS must not fail it
+    connect_timeout_s: float = 10.0
+    # above this many ranks the published verdict drops non-initiating ranks' entries (~450 bytes each),
+    # so 256 nodes do not each download megabytes; every node adds its own ranks back
+    slim_verdict_above_ranks: int = 512
+    # steps per rank shared for the leader's end-of-run summary: the straggler window, bounded for the store
+    history_steps_shared: int = 200
+    # at the end of `rankwatch run` the leader waits this long for the other nodes' step rings
+    summary_wait_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class VerdictPolicy:
+    """Thresholds of the live verdict (``core.verdict.decide``)."""
+
+    # Two exits closer than this (seconds) are not ordered with confidence: exit ages come from each
+    # node's daemon polling /proc, whose poll jitter and cross-node skew are tens of milliseconds.
+    exit_order_tolerance_s: float = 0.05
+    # GPU utilisation (%) that counts as idle: NVML's sampled utilisation of a GPU with no kernel
+    # running reads 0-2 %, a few percent more with monitoring tools or a display attached.
+    gpu_idle_pct: float = 5.0
+    # GPU utilisation (%) that counts as busy: a rank spinning in an NCCL kernel reads ~100 %; half
+    # leaves room for sampling windows that straddle the start of the wait.
+    gpu_busy_pct: float = 50.0
+
+
+@dataclass(frozen=True)
+class OfflinePolicy:
+    """Thresholds of the offline log diagnosis (``diagnose.reasoning.diagnose_evidence``)."""
+
+    # Failures closer than this (seconds, same clock) are not ordered: NCCL/gloo report to the second
+    # or millisecond, but the printing order across processes is only that precise.
+    tie_s: float = 1.0
+    # Evidence lines quoted per rank, and overall, so a verdict stays readable.
+    evidence_per_rank: int = 4
+    max_evidence: int = 24
+    # A rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal).
+    fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+
+
+@dataclass(frozen=True)
+class ObservePolicy:
+    """How records and rank processes are read."""
+
+    # a rank that could not be verified is tried again this often (polls): a record planted for a pid
+    # must not cost a /proc maps scan every poll, and a real rank is verified on its first look anyway
+    reverify_every_polls: int = 10
+    # descendants (DataLoader workers, subprocesses) are pinned this often (seconds), so --on-stall kill
+    # knows them even after the rank died and they were reparented; one scan reads every /proc/<pid>/stat
+    descendants_every_s: float = 2.0
+    track_descendants: bool = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Process states as the verdict sees them.
 RUNNING = "running"
@@ -12,13 +12,15 @@ CRASHED = "crashed"  # the script raised or exited non-zero
 ZOMBIE = "zombie"  # exited, not yet reaped
 EXITED = "exited"  # normal interpreter exit
 MISSING = "missing"  # no evidence (node never answered)
+UNVERIFIED = "unverified"  # the record's pid is not proven to write it: never dead, never stalled, never a target
+UNREADABLE = "unreadable"  # the record stopped parsing (corrupt, truncated): its own state, never a stall
 UNKNOWN = "unknown"
 
 GONE_STATES = frozenset({DEAD, CRASHED, ZOMBIE})
 
 # Within one step the canonical phases run in this order; a rank earlier in the order than its peers
 # (same step, same collective count) is behind them.
-PHASE_ORDER = {"dataloader": 1, "forward": 2, "backward": 3, "optimizer": 4}
+STEP_PHASE_ORDER = {"dataloader": 1, "forward": 2, "backward": 3, "optimizer": 4}
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,9 @@ class RankView:
     exit_age_s: float | None = None  # seconds since it exited, as seen by its node's daemon
     gpu_util: float | None = None
     gpu_missing: bool = False  # absent from the per-process GPU samples while others are present
-    cpu_percent: float | None = None
     stack_top: tuple[str, ...] = ()
     stack_signature: str | None = None
     waiting: bool | None = None  # stack shows it blocked in a collective / wait (None: no stack)
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def in_collective(self) -> bool:

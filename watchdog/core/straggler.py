@@ -35,9 +35,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rankwatch.hooks.record import StepTiming
+if TYPE_CHECKING:  # the step ring type only: the pure core imports no record reader
+    from rankwatch.hooks.record import StepTiming
+
+
+from .ranks import fmt_ranks
+from .schema import SUMMARY_SCHEMA
 
 SYNC_PHASES = frozenset({"collective", "grad_sync"})
 INPUT_PHASES = frozenset({"dataloader"})
@@ -77,7 +82,7 @@ class Diagnosis:
         self, job_id: str, incidents: Sequence[str], per_rank: Mapping[int, Sequence[StepTiming]] | None = None
     ) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "schema": "rankwatch.summary/1",
+            "schema": SUMMARY_SCHEMA,
             "job_id": job_id,
             "diagnosis": self.label,
             "straggler_ranks": self.straggler_ranks,
@@ -191,7 +196,7 @@ def diagnose_stragglers(
             base = _median([med[q][phase] for q in ranks if q not in who])
             label = f"{_family(phase)} STRAGGLER"
             why = (
-                f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))} "
+                f"{fmt_ranks(who)} "
                 f"spend{'s' if len(who) == 1 else ''} "
                 f"{med[rank][phase]:.1f} ms/step in {phase} vs {base:.1f} ms on the other ranks "
                 f"(+{best:.1f} ms, {100 * best / overall:.0f}% of the {overall:.1f} ms median step); "
@@ -220,35 +225,3 @@ def diagnose_stragglers(
             f"{100 * value / overall:.0f}% of the {overall:.1f} ms median step on every rank",
         )
     return result("BALANCED", [], None, f"no straggler and no dominant phase ({overall:.1f} ms median step)")
-
-
-def summary_text(doc: Mapping[str, Any]) -> str:
-    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why."""
-    st = doc.get("step_time_ms", {})
-    lines = [
-        f"rankwatch summary — job {doc.get('job_id')}, {doc.get('steps')} common steps, "
-        f"{len(doc.get('ranks', {}))} ranks",
-        "",
-        f"{'phase':<14} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
-    ]
-    for p, s in sorted(doc.get("phases", {}).items(), key=lambda kv: -kv[1].get("median_ms", 0.0)):
-        lines.append(
-            f"{p:<14} {s.get('median_ms', 0):>10.1f} {s.get('worst_ms', 0):>10.1f} {s.get('worst_rank', -1):>11} "
-            f"{s.get('skew_ms', 0):>9.1f}"
-        )
-    lines.append(
-        f"{'step':<14} {st.get('median', 0):>10.1f} {st.get('worst', 0):>10.1f} {st.get('worst_rank', -1):>11}"
-    )
-    label = doc.get("diagnosis")
-    who = doc.get("straggler_ranks") or []
-    lines += [
-        "",
-        f"diagnosis: {label}"
-        + (f" — rank(s) {', '.join(map(str, who))}" if who else "")
-        + (f" in {doc.get('phase')}" if doc.get("phase") else ""),
-        f"why: {doc.get('why', '')}",
-    ]
-    incidents = doc.get("incidents") or []
-    if incidents:
-        lines.append(f"incidents: {', '.join(incidents)}")
-    return "\n".join(lines) + "\n"

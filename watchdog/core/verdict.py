@@ -6,7 +6,8 @@ Rules, strongest first (DESIGN.md), each backed by stack grouping:
 3. at the same step and collective count, the minority that is *not* waiting (not in a collective, not
    in DDP's gradient sync inside backward, stack not blocked in a wait) started it; among ranks that are
    not waiting, the one earliest in the step's phase order is behind;
-4. everyone in the same collective number with different ops: collective mismatch, odd ranks named;
+4. everyone in the same collective number with different ops: collective mismatch, every rank outside the
+   strictly largest op group named (``ranks.outside_majority``); on a tie nobody is named, confidence low;
 5. everyone in the same collective: communication hang, no single initiator unless GPU evidence or a
    missing node singles one out.
 
@@ -23,24 +24,33 @@ Outside evidence refines these (``_apply_fr``, ``_apply_gpu``):
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..evidence.flight_recorder import Mismatch, MissingCollective
-from .snapshot import CRASHED, GONE_STATES, MISSING, PHASE_ORDER, RUNNING, STOPPED, RankView
+from .fr_analysis import Mismatch, MissingCollective
+from .policy import VerdictPolicy
+from .ranks import behind as ranks_behind
+from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
+from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
+from .snapshot import CRASHED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
 
-SCHEMA = "rankwatch.verdict/1"
-KINDS = ("hang", "dead_rank", "stopped_rank", "collective_mismatch", "comm_hang", "unknown")
-# two exits closer than this (seconds) are not ordered with confidence
-EXIT_ORDER_TOLERANCE_S = 0.05
-# GPU utilisation (%) that counts as idle vs busy when singling out a rank during a comm hang
-GPU_IDLE_PCT = 5.0
-GPU_BUSY_PCT = 50.0
-# confidences by strength, to raise or lower one step at a time
-_CONFIDENCE = ("low", "medium", "high")
+DEFAULT_VERDICT_POLICY = VerdictPolicy()
+
+__all__ = [
+    "DEFAULT_VERDICT_POLICY",
+    "FrBehind",
+    "FrHints",
+    "Verdict",
+    "decide",
+    "fmt_ranks",
+    "fold_rank_lines",
+    "is_waiting",
+    "phase_kind",
+    "rank_entry",
+    "stack_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class Verdict:
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
-            "schema": SCHEMA,
+            "schema": VERDICT_SCHEMA,
             "job_id": self.job_id,
             "incident_id": self.incident_id,
             "kind": self.kind,
@@ -126,27 +136,6 @@ class Verdict:
         return doc
 
 
-_RANK_LINE = re.compile(r"^rank (\d+): (.*)$")
-
-
-def fold_rank_lines(lines: Sequence[str]) -> list[str]:
-    """'rank N: text' lines that share their text become one 'ranks a–b, c: text' line, in first-seen order,
-    so evidence stays readable (and small) for thousands of ranks."""
-    groups: dict[str, list[int]] = {}
-    order: list[tuple[str, str]] = []
-    for line in lines:
-        m = _RANK_LINE.match(line)
-        if m is None:
-            order.append(("line", line))
-            continue
-        text = m.group(2)
-        if text not in groups:
-            groups[text] = []
-            order.append(("group", text))
-        groups[text].append(int(m.group(1)))
-    return [item if kind == "line" else f"{fmt_ranks(groups[item])}: {item}" for kind, item in order]
-
-
 def phase_kind(phase: str | None) -> str:
     """What a phase says about the cause, in the words an on-call engineer uses."""
     if phase == "dataloader":
@@ -158,23 +147,6 @@ def phase_kind(phase: str | None) -> str:
     if phase in (None, "idle"):
         return "between phases"
     return f"declared phase '{phase}'"
-
-
-def fmt_ranks(ranks: Iterable[int]) -> str:
-    """'rank 3', 'ranks 0, 1, 3', or with runs folded for big jobs: 'ranks 0–2046, 2048'."""
-    items = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{items[i]}–{items[j]}")
-        else:
-            parts.extend(str(r) for r in items[i : j + 1])
-        i = j + 1
-    return ("rank " if len(items) == 1 else "ranks ") + ", ".join(parts)
 
 
 def rank_entry(v: RankView) -> dict[str, Any]:
@@ -237,25 +209,16 @@ class _Finding:
     rule: str = ""  # which rule produced it: gone, stopped, behind, not_waiting, collective, fr, missing_node
 
 
-def _raise(confidence: str) -> str:
-    return _CONFIDENCE[min(len(_CONFIDENCE) - 1, _CONFIDENCE.index(confidence) + 1)]
-
-
-def _lower(confidence: str) -> str:
-    return _CONFIDENCE[max(0, _CONFIDENCE.index(confidence) - 1)]
-
-
-def _rule_gone(views: Sequence[RankView]) -> _Finding | None:
+def _rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
     gone = [v for v in views if v.state in GONE_STATES]
     if not gone:
         return None
     # larger exit age = exited earlier; node-local order breaks ties within a node
     ordered = sorted(gone, key=lambda v: (-(v.exit_age_s or 0.0), v.exit_order if v.exit_order is not None else 0))
     first = ordered[0]
-    firsts = [first]
-    for v in ordered[1:]:
-        if (first.exit_age_s or 0.0) - (v.exit_age_s or 0.0) < EXIT_ORDER_TOLERANCE_S and v.node != first.node:
-            firsts.append(v)
+    # exits within the tolerance are not ordered across nodes; within a node the exit order is exact
+    near = first_by_time(ordered, key=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s)
+    firsts = [first, *(v for v in near if v is not first and v.node != first.node)]
     how = "exited with an error" if first.state == CRASHED else "died (killed, no normal-exit mark)"
     evidence = [
         f"rank {v.rank} {v.state} {v.exit_age_s or 0.0:.2f}s ago in phase {v.phase or 'idle'} at step {v.step}"
@@ -290,21 +253,21 @@ def _rule_stopped(views: Sequence[RankView]) -> _Finding | None:
     )
 
 
-def _minority(groups: dict[Any, list[RankView]]) -> list[RankView] | None:
-    """Ranks of the smallest group when one group is strictly smallest and not everyone."""
-    if len(groups) < 2:
+def _odd_views(groups: dict[Any, list[RankView]]) -> list[RankView] | None:
+    """The views of every rank outside the strictly largest group (``ranks.outside_majority``)."""
+    odd = outside_majority({k: [v.rank for v in vs] for k, vs in groups.items()})
+    if odd is None:
         return None
-    sizes = sorted(len(g) for g in groups.values())
-    if sizes[0] == sizes[1]:
-        return None
-    return min(groups.values(), key=len)
+    chosen = set(odd)
+    return sorted((v for vs in groups.values() for v in vs if v.rank in chosen), key=lambda v: v.rank)
 
 
 def _rule_behind(live: Sequence[RankView]) -> _Finding | None:
     top_step = max(v.step for v in live)
     low_step = min(v.step for v in live)
-    if low_step < top_step:
-        behind = [v for v in live if v.step == low_step]
+    by_step = set(ranks_behind({v.rank: v.step for v in live}))
+    if by_step:
+        behind = [v for v in live if v.rank in by_step]
         return _Finding(
             "hang",
             sorted(v.rank for v in behind),
@@ -314,9 +277,9 @@ def _rule_behind(live: Sequence[RankView]) -> _Finding | None:
             [f"rank {v.rank}: step {v.step}, phase {v.phase or 'idle'}" for v in live],
         )
     top_seq = max(v.coll_seq for v in live)
-    low_seq = min(v.coll_seq for v in live)
-    if low_seq < top_seq:
-        behind = [v for v in live if v.coll_seq == low_seq]
+    by_seq = set(ranks_behind({v.rank: v.coll_seq for v in live}))
+    if by_seq:
+        behind = [v for v in live if v.rank in by_seq]
         ahead = [v for v in live if v.coll_seq == top_seq]
         return _Finding(
             "hang",
@@ -335,13 +298,13 @@ def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
     busy = [v for v in live if not is_waiting(v)]
     if waiting and busy:
         # among the ranks that are not waiting, the one earliest in the step is behind the rest
-        ordered = sorted(busy, key=lambda v: PHASE_ORDER.get(v.phase or "", 0))
+        ordered = sorted(busy, key=lambda v: STEP_PHASE_ORDER.get(v.phase or "", 0))
         culprits = busy
         if len(busy) > 1:
             by_phase: dict[str | None, list[RankView]] = defaultdict(list)
             for v in busy:
                 by_phase[v.phase].append(v)
-            odd = _minority(by_phase)
+            odd = _odd_views(by_phase)
             culprits = odd if odd is not None else [ordered[0]] if len(by_phase) > 1 else busy
         confidence = "high" if len(busy) < len(waiting) else "medium"
         lead = culprits[0]
@@ -358,7 +321,7 @@ def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
     if busy and not waiting:
         by_order: dict[int, list[RankView]] = defaultdict(list)
         for v in busy:
-            by_order[PHASE_ORDER.get(v.phase or "", 0)].append(v)
+            by_order[STEP_PHASE_ORDER.get(v.phase or "", 0)].append(v)
         if len(by_order) > 1:
             earliest = by_order[min(by_order)]
             lead = earliest[0]
@@ -382,34 +345,41 @@ def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
     return None
 
 
-def _rule_collective(live: Sequence[RankView]) -> _Finding | None:
+def _rule_collective(live: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
     by_op: dict[str, list[RankView]] = defaultdict(list)
     for v in live:
         by_op[v.coll_op or "?"].append(v)
     seq = live[0].coll_seq
     if len(by_op) > 1:
-        odd = _minority(by_op)
-        ops = ", ".join(f"{op} on {fmt_ranks(v.rank for v in vs)}" for op, vs in sorted(by_op.items()))
-        if odd is None:
+        by_op_ranks = {op: [v.rank for v in vs] for op, vs in by_op.items()}
+        top_op = majority(by_op_ranks)
+        odd = outside_majority(by_op_ranks)
+        ops = ", ".join(f"{op} on {fmt_ranks(rs)}" for op, rs in sorted(by_op_ranks.items()))
+        if top_op is None or odd is None:
+            # a tie: naming every rank (or a majority of them) would be wrong, so nobody is named
             return _Finding(
                 "collective_mismatch",
-                sorted(v.rank for v in live),
+                [],
                 "low",
                 f"collective #{seq} differs across ranks ({ops}); no majority says which side is wrong",
                 [],
             )
+        odd_ops = sorted(op for op in by_op_ranks if op != top_op)
+        odd_desc = (
+            odd_ops[0] if len(odd_ops) == 1 else ", ".join(f"{op} ({fmt_ranks(by_op_ranks[op])})" for op in odd_ops)
+        )
         return _Finding(
             "collective_mismatch",
-            sorted(v.rank for v in odd),
+            list(odd),
             "high",
-            f"collective mismatch at collective #{seq}: {fmt_ranks(v.rank for v in odd)} called "
-            f"{odd[0].coll_op} while the others called {max(by_op.items(), key=lambda kv: len(kv[1]))[0]}",
+            f"collective mismatch at collective #{seq}: {fmt_ranks(odd)} called {odd_desc} while the others "
+            f"({fmt_ranks(by_op_ranks[top_op])}) called {top_op}",
             [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op}" for v in live],
         )
     op = live[0].coll_op
     # the same collective everywhere: only outside evidence singles a rank out
-    idle = [v for v in live if v.gpu_util is not None and v.gpu_util <= GPU_IDLE_PCT]
-    busy = [v for v in live if v.gpu_util is not None and v.gpu_util >= GPU_BUSY_PCT]
+    idle = [v for v in live if v.gpu_util is not None and v.gpu_util <= policy.gpu_idle_pct]
+    busy = [v for v in live if v.gpu_util is not None and v.gpu_util >= policy.gpu_busy_pct]
     absent = [v for v in live if v.gpu_missing]
     odd_gpu = absent or (idle if idle and busy and len(idle) < len(busy) else [])
     if odd_gpu:
@@ -432,15 +402,16 @@ def _rule_collective(live: Sequence[RankView]) -> _Finding | None:
 
 
 def _fr_mismatch_finding(mm: Mismatch, covered: bool, live: Sequence[RankView]) -> _Finding:
-    top_desc, top_ranks = max(mm.variants.items(), key=lambda kv: len(kv[1]))
     evidence = [
         f"flight recorder: {fmt_ranks(rs)} entered collective #{mm.seq} as {d}" for d, rs in mm.variants.items()
     ]
     evidence += [f"rank {v.rank}: python-level collective #{v.coll_seq} {v.coll_op or ''}" for v in live]
-    if not mm.odd_ranks:
+    top_desc = majority(mm.variants)
+    if not mm.odd_ranks or top_desc is None:
+        # a tie: nobody is named (naming every rank, or a majority, would be wrong)
         return _Finding(
             "collective_mismatch",
-            sorted({r for rs in mm.variants.values() for r in rs}),
+            [],
             "low",
             f"flight recorder shows a {mm.kind} mismatch at collective #{mm.seq} of process group {mm.pg}; "
             "no majority says which side is wrong",
@@ -453,7 +424,7 @@ def _fr_mismatch_finding(mm: Mismatch, covered: bool, live: Sequence[RankView]) 
         list(mm.odd_ranks),
         "high" if covered else "medium",
         f"collective mismatch ({mm.kind}) at collective #{mm.seq} of process group {mm.pg}, seen in the flight "
-        f"recorder: {fmt_ranks(mm.odd_ranks)} entered it as {odd_desc} while {fmt_ranks(top_ranks)} "
+        f"recorder: {fmt_ranks(mm.odd_ranks)} entered it as {odd_desc} while {fmt_ranks(mm.variants[top_desc])} "
         f"entered it as {top_desc}",
         evidence,
         rule="fr",
@@ -499,7 +470,7 @@ def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]
                     f"flight recorder agrees: {decisive.kind} mismatch at collective #{decisive.seq}, "
                     f"odd {fmt_ranks(decisive.odd_ranks)}"
                 )
-                finding.confidence = _raise(finding.confidence)
+                finding.confidence = raise_confidence(finding.confidence)
                 return finding, "backed"
             finding.evidence.append(
                 f"flight recorder disagrees: it shows {fmt_ranks(decisive.odd_ranks)} odd at collective "
@@ -523,11 +494,11 @@ def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]
         chosen = set(finding.initiators)
         if chosen == set(behind):
             finding.evidence.append(f"flight recorder agrees: {detail}")
-            finding.confidence = _raise(finding.confidence)
+            finding.confidence = raise_confidence(finding.confidence)
             return finding, "backed"
         finding.evidence.append(f"flight recorder names {fmt_ranks(behind)} behind instead: {detail}")
         if not chosen & set(behind) and finding.rule == "not_waiting":
-            finding.confidence = _lower(finding.confidence)
+            finding.confidence = lower_confidence(finding.confidence)
         return finding, "disagreed"
     if not weak:
         return finding, "none"
@@ -549,15 +520,7 @@ def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]
     return _Finding("hang", behind, confidence, reason, evidence, rule="fr"), "decided"
 
 
-def _gpu_idle(v: RankView) -> bool:
-    return v.gpu_missing or (v.gpu_util is not None and v.gpu_util <= GPU_IDLE_PCT)
-
-
-def _gpu_busy(v: RankView) -> bool:
-    return v.gpu_util is not None and v.gpu_util >= GPU_BUSY_PCT
-
-
-def _apply_gpu(finding: _Finding, live: Sequence[RankView]) -> None:
+def _apply_gpu(finding: _Finding, live: Sequence[RankView], policy: VerdictPolicy) -> None:
     """Back a hang finding with GPU use; never single a rank out on high utilisation alone."""
     if finding.kind != "hang" or not finding.initiators:
         return
@@ -571,16 +534,22 @@ def _apply_gpu(finding: _Finding, live: Sequence[RankView]) -> None:
     def pct(v: RankView) -> str:
         return "missing from NVML samples" if v.gpu_missing else f"{v.gpu_util:.0f} %"
 
+    def _gpu_idle(v: RankView) -> bool:
+        return v.gpu_missing or (v.gpu_util is not None and v.gpu_util <= policy.gpu_idle_pct)
+
+    def _gpu_busy(v: RankView) -> bool:
+        return v.gpu_util is not None and v.gpu_util >= policy.gpu_busy_pct
+
     if read and all(_gpu_idle(v) for v in chosen) and all(_gpu_busy(v) for v in read):
         finding.evidence.append(
             f"GPU agrees: {', '.join(f'rank {v.rank} {pct(v)}' for v in chosen)} (no kernel running: a CPU-side "
-            f"stall) while {fmt_ranks(v.rank for v in read)} read ≥{GPU_BUSY_PCT:.0f} % "
+            f"stall) while {fmt_ranks(v.rank for v in read)} read ≥{policy.gpu_busy_pct:.0f} % "
             "(spinning in the collective kernel)"
         )
-        finding.confidence = _raise(finding.confidence)
+        finding.confidence = raise_confidence(finding.confidence)
     elif all(_gpu_busy(v) for v in live):
         finding.evidence.append(
-            f"GPU singles nobody out: every rank reads ≥{GPU_BUSY_PCT:.0f} % (ranks spinning in a collective "
+            f"GPU singles nobody out: every rank reads ≥{policy.gpu_busy_pct:.0f} % (ranks spinning in a collective "
             "kernel and a rank stuck inside a kernel look alike)"
         )
     elif read and all(_gpu_busy(v) for v in chosen) and any(_gpu_idle(v) for v in read):
@@ -598,23 +567,25 @@ def decide(
     detected_after_s: float,
     extra_evidence: Sequence[str] = (),
     fr_hints: FrHints | None = None,
+    policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
 ) -> Verdict:
     """The verdict for one incident over every rank's view (all nodes).
 
     ``fr_hints`` (from ``evidence.fr_evidence``) lets the flight recorder decide or back the Python-level
     rules; the hints then appear under the extra key ``flight_recorder``. GPU use comes in the views.
+    ``policy`` holds the thresholds (exit-order tolerance, GPU idle/busy levels).
     """
     views = sorted(views, key=lambda v: v.rank)
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    finding = _tag(_rule_gone(present), "gone") or _tag(_rule_stopped(present), "stopped")
+    finding = _tag(_rule_gone(present, policy), "gone") or _tag(_rule_stopped(present), "stopped")
     if finding is None and live:
         finding = _tag(_rule_behind(live), "behind")
         if finding is None:
             in_coll = [v for v in live if v.in_collective]
             finding = (
-                _tag(_rule_collective(live), "collective")
+                _tag(_rule_collective(live, policy), "collective")
                 if len(in_coll) == len(live)
                 else _tag(_rule_not_waiting(live), "not_waiting")
             )
@@ -622,7 +593,7 @@ def decide(
     if fr_hints is not None:
         finding, fr_role = _apply_fr(finding, fr_hints, live)
     if finding is not None and finding.rule not in ("gone", "stopped"):
-        _apply_gpu(finding, live)
+        _apply_gpu(finding, live, policy)
     if finding is None and missing:
         finding = _Finding(
             "unknown",

@@ -8,7 +8,8 @@ what logs can show):
    names a rank that was merely waiting, so it is never taken on its own word when better evidence
    exists.
 2. Collective mismatch: same sequence number with different ops (NCCL watchdog, c10d DETAIL
-   fingerprints) or tracebacks stuck in different collectives: the minority is named. A gloo size
+   fingerprints) or tracebacks stuck in different collectives: every rank outside the strictly largest
+   group is named (``core.ranks.outside_majority``, the rule the live verdict and the FR use). A gloo size
    enforcement names only the rank that *noticed*; the sender stays unknown unless 1 decides.
 3. Behind: the rank(s) whose last enqueued collective is lower than the others'.
 4. Outside: ranks that printed no waiting message while a majority waited (timed out or lost their
@@ -19,29 +20,20 @@ what logs can show):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.policy import OfflinePolicy
+from ..core.ranks import behind as ranks_behind
+from ..core.ranks import first_by_time, fmt_ranks, majority, outside_majority
+from ..core.schema import VERDICT_SCHEMA
 from . import events as ev
 from .facts import Evidence, RankFacts
 
-SCHEMA = "rankwatch.verdict/1"
+__all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
 
-
-@dataclass(frozen=True)
-class Policy:
-    # failures closer than this (seconds, same clock) are not ordered: NCCL/gloo report to the second
-    # or millisecond, but the printing order across processes is only that precise
-    tie_s: float = 1.0
-    # evidence lines quoted per rank, and overall, so a verdict stays readable
-    evidence_per_rank: int = 4
-    max_evidence: int = 24
-    # a rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal)
-    fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
-
-
-DEFAULT_POLICY = Policy()
+Policy = OfflinePolicy  # the thresholds live in core.policy with the others; the old name stays
+DEFAULT_POLICY = OfflinePolicy()
 
 
 @dataclass
@@ -61,7 +53,7 @@ class Diagnosis:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": SCHEMA,
+            "schema": VERDICT_SCHEMA,
             "job_id": None,
             "incident_id": None,
             "kind": self.kind,
@@ -85,23 +77,6 @@ def quote(e: ev.Event) -> str:
     if e.family == ev.RANK_SEEN:
         return f"{e.file}:0: (this rank's own log is empty of errors)"
     return f"{e.file}:{e.line}: {e.text}"
-
-
-def fmt_ranks(ranks: Iterable[int]) -> str:
-    rs = sorted(set(ranks))
-    if not rs:
-        return "no rank"
-    runs: list[str] = []
-    start = prev = rs[0]
-    tail: list[int | None] = [*rs[1:], None]
-    for r in tail:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(runs)
 
 
 def _is_waiting(f: RankFacts) -> bool:
@@ -285,8 +260,7 @@ def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     first = prim
     ts = {r: _first_ts(evs[r]) for r in prim}
     if len(prim) > 1 and all(t is not None for t in ts.values()):
-        t0 = min(t for t in ts.values() if t is not None)
-        first = [r for r in prim if (ts[r] or 0.0) - t0 <= p.tie_s]
+        first = sorted(first_by_time(prim, key=lambda r: ts[r] or 0.0, tolerance=p.tie_s))
     lead = E.ranks[first[0]]
     lead_events = evs[first[0]]
     label = _failure_label(lead, lead_events)
@@ -368,16 +342,14 @@ def _primary_action(f: RankFacts, events: list[ev.Event], ranks: list[int]) -> s
 
 
 def _minority(groups: dict[str, list[int]]) -> tuple[list[int], str, str] | None:
-    """The odd group out: smallest group when one group is clearly the majority."""
-    if len(groups) < 2:
-        return None
-    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
-    big_key, big = ordered[-1]
-    if len(ordered[-2][1]) == len(big):
+    """(odd ranks, their ops, the majority op): every rank outside the strictly largest group
+    (``core.ranks.outside_majority``); None when the groups agree or tie."""
+    big_key = majority(groups)
+    odd = outside_majority(groups)
+    if big_key is None or odd is None:
         return None  # no majority: nobody is the odd one out
-    odd = sorted(r for k, v in groups.items() if k != big_key for r in v)
     odd_key = ", ".join(sorted(k for k in groups if k != big_key))
-    return odd, odd_key, big_key
+    return list(odd), odd_key, big_key
 
 
 def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
@@ -484,7 +456,7 @@ def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
     if not key:
         return None
     low = min(key.values())
-    behind = sorted(r for r, v in key.items() if v == low)
+    behind = list(ranks_behind(key))
     ahead = sorted(r for r, v in key.items() if v != low)
     if len(behind) > len(ahead) and len(key) > 2:
         # most ranks agree on the low number: the few ahead ran extra collectives (a mismatch)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..core.ranks import fmt_ranks
 from .facts import Evidence
-from .reasoning import Diagnosis, fmt_ranks
+from .reasoning import Diagnosis
 
 
 def render_text(d: Diagnosis, E: Evidence) -> str:

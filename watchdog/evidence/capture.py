@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -20,30 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import rankwatch.hooks as hooks_pkg
 import structlog
 from rankwatch.hooks.responder import ctl_path
 
 from ..core.policy import CapturePolicy
+from ..core.stacks import Frame
 
 log = structlog.get_logger("rankwatch.capture")
-
-_HOOK_DIR = os.path.dirname(os.path.abspath(hooks_pkg.__file__))
-# frames that only say "rankwatch/runpy launched this": dropped from signatures and stack tops
-_NOISE_FILES = ("<frozen runpy>", "runpy.py", "c10d_logger.py")
-_PEER_WAIT_DIRS = ("torch/distributed/", "torch/nn/parallel/distributed.py")
-_AMBIGUOUS_DIRS = ("torch/autograd/",)
-
-
-@dataclass(frozen=True)
-class Frame:
-    name: str
-    filename: str
-    line: int
-
-    def short(self) -> str:
-        return f"{self.name} ({os.path.basename(self.filename)}:{self.line})"
-
 
 @dataclass
 class RankCapture:
@@ -72,40 +54,6 @@ class RankCapture:
                 if t.get("thread_name") == "MainThread":
                     return [Frame(str(f["name"]), str(f["filename"]), int(f["line"])) for f in t["frames"]]
         return []
-
-
-def meaningful(frames: Sequence[Frame]) -> list[Frame]:
-    return [
-        f
-        for f in frames
-        if not f.filename.startswith(_HOOK_DIR) and not f.filename.endswith(_NOISE_FILES) and f.filename != "<string>"
-    ]
-
-
-def signature(frames: Sequence[Frame], depth: int) -> str | None:
-    """Stable id of a stack (function + file, no line numbers) for grouping ranks."""
-    useful = meaningful(frames)[:depth]
-    if not useful:
-        return None
-    text = "|".join(f"{f.name}@{os.path.basename(f.filename)}" for f in useful)
-    return hashlib.sha1(text.encode()).hexdigest()[:12]  # noqa: S324 - an id, not security
-
-
-def stack_top(frames: Sequence[Frame], n: int) -> tuple[str, ...]:
-    return tuple(f.short() for f in meaningful(frames)[:n])
-
-
-def waiting_on_peers(frames: Sequence[Frame]) -> bool | None:
-    """True: blocked in a torch.distributed call; None: cannot tell (autograd may be DDP's sync)."""
-    useful = meaningful(frames)
-    if not useful:
-        return None
-    top = useful[0].filename.replace(os.sep, "/")
-    if any(d in top for d in _PEER_WAIT_DIRS):
-        return True
-    if any(d in top for d in _AMBIGUOUS_DIRS):
-        return None
-    return False
 
 
 def pyspy_available() -> str | None:

@@ -728,8 +728,3 @@ def ras_findings(prev: RasStatus | None, cur: RasStatus) -> list[RasFinding]:
                 )
             )
     return out
-
-
-def ras_evidence(prev: RasStatus | None, cur: RasStatus) -> list[str]:
-    """``ras_findings`` as human lines, for a verdict's evidence list."""
-    return [f.text for f in ras_findings(prev, cur)]

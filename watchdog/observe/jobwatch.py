@@ -1,8 +1,12 @@
-"""One job on this node: its rank records, process probes and step history, turned into RankViews."""
+"""One job on this node: its rank records, verified rank processes and step history, turned into RankViews.
+
+A record is only a claim: the process it names becomes a rank once ``ProcessTable.verify`` proves it
+writes the record. Until then the rank is ``unverified`` (never dead, never stalled, never a target);
+a record that stops parsing is ``unreadable`` (its own state, never a stall by itself).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -14,8 +18,9 @@ from dataclasses import dataclass
 import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot, StepTiming
 
-from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, ZOMBIE, RankView
-from .process import ExitWatcher, ProcessProbe
+from ..core.policy import ObservePolicy
+from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
+from .process import Identity, ProcessTable, Unverified
 
 log = structlog.get_logger("rankwatch.jobwatch")
 
@@ -23,19 +28,61 @@ _RANK_FILE = re.compile(r"^rank-(\d{1,7})\.hb$")
 # steps kept per rank for the end-of-run summary and metrics (~400 bytes each: ~1 MB per rank); the
 # diagnosis looks at the last 200
 HISTORY_STEPS = 2_500
+MAX_JOB_JSON = 64 << 10
+# job.json keys the watchdog reads, with their types; anything else in the file is ignored
+_JOB_KEYS: dict[str, type | tuple[type, ...]] = {
+    "schema": str,
+    "job_id": str,
+    "world_size": int,
+    "node_rank": int,
+    "local_world_size": int,
+    "hostname": str,
+    "master_addr": str,
+    "master_port": (str, int),
+}
+
+
+def read_job_info(path: str) -> dict[str, object]:
+    """The known, well-typed keys of a job.json; {} for a missing, oversized, malformed or hostile file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JOB_JSON + 1)
+        if len(raw) > MAX_JOB_JSON:
+            return {}
+        doc = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    out: dict[str, object] = {}
+    for key, kind in _JOB_KEYS.items():
+        value = doc.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            if isinstance(value, str):
+                value = value[:256]
+            elif isinstance(value, int) and not 0 <= value < 1 << 31:
+                continue
+            out[key] = value
+    return out
 
 
 @dataclass
 class RankState:
     reader: RecordReader
     last: RecordSnapshot
+    ident: Identity | None = None  # set once the process is proven to write this record
+    unverified: str | None = None  # why it is not (yet) verified
+    verify_at_poll: int = 0  # next poll at which an unverified rank is tried again
+    unreadable: str | None = None  # why the record did not parse at the last read
     cursor: int = -1  # last step already copied into history
     gone_seen_ns: int | None = None
     stopped_since_ns: int | None = None
 
 
 class JobWatch:
-    def __init__(self, shm_dir: str, job_id: str, exits: ExitWatcher, procs: ProcessProbe) -> None:
+    def __init__(
+        self, shm_dir: str, job_id: str, procs: ProcessTable, policy: ObservePolicy | None = None
+    ) -> None:
         self.shm_dir = shm_dir
         self.job_id = job_id
         self.job_dir = os.path.join(shm_dir, job_id)
@@ -43,8 +90,10 @@ class JobWatch:
         self.ranks: dict[int, RankState] = {}
         self.history: dict[int, deque[StepTiming]] = {}
         self.longest_step_s = 0.0
-        self._exits = exits
         self._procs = procs
+        self.policy = policy or ObservePolicy()
+        self.polls = 0
+        self._tracked_at_ns = 0  # last descendant scan
         self._rejected: set[tuple[str, int]] = set()
         self.first_seen_ns = time.monotonic_ns()
         self.retired = False
@@ -58,11 +107,7 @@ class JobWatch:
         except OSError:
             return 0
         if not self.job_info and "job.json" in names:
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(self.job_dir, "job.json"), "rb") as f:
-                    info = json.loads(f.read(65536))
-                if isinstance(info, dict):
-                    self.job_info = info
+            self.job_info = read_job_info(os.path.join(self.job_dir, "job.json"))
         for name in names:
             m = _RANK_FILE.match(name)
             if not m:
@@ -79,8 +124,10 @@ class JobWatch:
                 reader = RecordReader(path)
                 snap = reader.read()
             except (RecordFormatError, OSError) as exc:
-                with contextlib.suppress(OSError):
+                try:
                     self._rejected.add((path, os.stat(path).st_ino))
+                except OSError:
+                    pass
                 log.warning("record_rejected", job=self.job_id, path=path, error=str(exc))
                 continue
             if snap.global_rank != rank:
@@ -90,14 +137,46 @@ class JobWatch:
                 continue
             if state is not None:
                 state.reader.close()
-                self._exits.forget(state.last.pid)
+                if state.ident is not None:
+                    self._procs.forget(state.ident)
                 log.info("rank_restarted", job=self.job_id, rank=rank, pid=snap.pid)
-            self.ranks[rank] = RankState(reader=reader, last=snap)
+            st = RankState(reader=reader, last=snap)
+            self.ranks[rank] = st
             found += 1
             self.history[rank] = deque(maxlen=HISTORY_STEPS)
-            self._exits.watch(snap.pid)
-            log.info("rank_discovered", job=self.job_id, rank=rank, pid=snap.pid, node=snap.hostname)
+            self._verify(rank, st)
+            log.info(
+                "rank_discovered",
+                job=self.job_id,
+                rank=rank,
+                pid=snap.pid,
+                node=snap.hostname,
+                verified=st.ident is not None,
+            )
         return found
+
+    def _verify(self, rank: int, st: RankState) -> None:
+        """Prove the record's pid writes it; an unverified rank is retried every few polls."""
+        if st.ident is not None or self.polls < st.verify_at_poll:
+            return
+        if st.last.crashed or st.last.exited_normally:
+            st.unverified = "the record says its process already ended"
+            st.verify_at_poll = 1 << 62  # never: there is no process left to prove anything
+            return
+        got = self._procs.verify(st.last.pid, st.reader.path)
+        if isinstance(got, Unverified):
+            if st.unverified != got.reason:
+                log.warning("rank_unverified", job=self.job_id, rank=rank, pid=st.last.pid, reason=got.reason)
+            st.unverified = got.reason
+            st.verify_at_poll = self.polls + self.policy.reverify_every_polls
+            return
+        st.ident, st.unverified = got, None
+        if self.policy.track_descendants:
+            self._procs.track_descendants([got])
+
+    def identities(self) -> list[Identity]:
+        """The verified ranks of this job (what ``--on-stall kill`` may signal)."""
+        return [st.ident for st in self.ranks.values() if st.ident is not None]
 
     def drop_gone_ranks(self) -> int:
         """Forget ranks whose process is gone (returns how many): a new run reusing this job id starts a new
@@ -106,23 +185,26 @@ class JobWatch:
         for rank, st in list(self.ranks.items()):
             if st.reader.replaced():
                 continue
-            info = self._procs.probe(st.last.pid, st.reader.path)
-            if not info.alive:
+            if st.ident is None or not self._procs.info(st.ident).alive:
                 st.reader.close()
-                self._procs.forget(st.last.pid)
-                self._exits.forget(st.last.pid)
+                if st.ident is not None:
+                    self._procs.forget(st.ident)
                 del self.ranks[rank]
                 self.history.pop(rank, None)
                 dropped += 1
         return dropped
 
     def _state(self, st: RankState, now_ns: int) -> str:
+        if st.ident is None:
+            return UNVERIFIED
+        if st.unreadable is not None:
+            return UNREADABLE
         snap = st.last
         if snap.crashed:
             return CRASHED
         if snap.exited_normally:
             return EXITED
-        info = self._procs.probe(snap.pid, st.reader.path)
+        info = self._procs.info(st.ident)
         if info.status == "zombie":
             return ZOMBIE
         if not info.alive:
@@ -135,15 +217,28 @@ class JobWatch:
         return RUNNING
 
     def poll(self) -> list[RankView]:
+        self.polls += 1
         now = time.monotonic_ns()
         views = []
         for rank, st in sorted(self.ranks.items()):
             try:
                 snap = st.reader.read(since_step=st.cursor)
+                if snap.global_rank != rank:
+                    raise RecordFormatError("rank in the record differs from its file name")
+                if st.unreadable is not None:
+                    log.info("record_readable_again", job=self.job_id, rank=rank)
+                st.unreadable = None
             except (RecordFormatError, OSError) as exc:
-                log.warning("record_read_failed", job=self.job_id, rank=rank, error=str(exc))
+                if st.unreadable is None:
+                    log.warning("record_unreadable", job=self.job_id, rank=rank, error=str(exc)[:200])
+                st.unreadable = str(exc)[:200]
                 snap = st.last
+            if snap.pid != st.last.pid and st.ident is not None:
+                # the record now names another process: what was verified no longer holds
+                self._procs.forget(st.ident)
+                st.ident, st.unverified, st.verify_at_poll = None, "the record's pid changed", 0
             st.last = snap
+            self._verify(rank, st)
             steps = snap.recent_steps
             if steps:
                 self.history[rank].extend(steps)
@@ -154,13 +249,13 @@ class JobWatch:
             state = self._state(st, now)
             exit_age = None
             exit_order = None
-            if state in (DEAD, ZOMBIE, CRASHED, EXITED):
-                exit_ns = self._exits.exit_ns(snap.pid) or (snap.exit_ns or None)
+            if state in (DEAD, ZOMBIE, CRASHED, EXITED) and st.ident is not None:
+                exit_ns = self._procs.exit_ns(st.ident) or (snap.exit_ns or None)
                 if exit_ns is None:
                     st.gone_seen_ns = st.gone_seen_ns or now
                     exit_ns = st.gone_seen_ns
                 exit_age = max(0.0, (now - exit_ns) / 1e9)
-                exit_order = self._exits.exit_index(snap.pid)
+                exit_order = self._procs.exit_index(st.ident)
             views.append(
                 RankView(
                     rank=rank,
@@ -180,6 +275,9 @@ class JobWatch:
                     exit_age_s=exit_age,
                 )
             )
+        if self.policy.track_descendants and now - self._tracked_at_ns > self.policy.descendants_every_s * 1e9:
+            self._tracked_at_ns = now
+            self._procs.track_descendants(self.identities())
         return views
 
     def stopped_for_s(self) -> dict[int, float]:
@@ -192,5 +290,5 @@ class JobWatch:
     def close(self) -> None:
         for st in self.ranks.values():
             st.reader.close()
-            self._procs.forget(st.last.pid)
-            self._exits.forget(st.last.pid)
+            if st.ident is not None:
+                self._procs.forget(st.ident)

@@ -1,8 +1,17 @@
-"""Process probes: liveness, state, CPU use and exact exit times of rank processes (psutil + pidfds).
+"""Rank processes: verified identity, state and exact exit times, all through pidfds.
 
-Exit order matters for the verdict (the first rank to die started it), and a 0.5 s poll cannot order
-exits that happen within milliseconds. A watcher thread blocks in ``poll()`` on one pidfd per rank and
-timestamps each exit the moment the kernel reports it.
+A pid is a rank only once verified (DESIGN "Trust model"): a pidfd is opened first, then the process's
+start time is read from ``/proc/<pid>/stat`` and its maps are checked for the record; when the pidfd has
+not reported an exit after those reads, they describe the very process the pidfd pins, not a successor
+that reused the pid. Unreadable evidence (``/proc/1/maps`` is unreadable even to root in many containers)
+means *unverified*, never owned. PID 1, this process and its ancestors are never verified.
+
+From then on the pidfd is the rank: its exit is timestamped the moment the kernel reports it (a watcher
+thread blocks in ``poll()`` on all of them; exit order matters to the verdict and a 0.5 s poll cannot
+order exits milliseconds apart), a changed start time means the rank is gone, and every signal is sent
+with ``pidfd_send_signal`` so a recycled pid is never touched. Descendants (DataLoader workers,
+subprocesses) are tracked the same way while the rank is alive and its ``ppid`` chain still says whose they
+are, so ``--on-stall kill`` can free the node without guessing at kill time.
 """
 
 from __future__ import annotations
@@ -10,32 +19,101 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import psutil
 import structlog
 
-log = structlog.get_logger("rankwatch.probes.process")
+log = structlog.get_logger("rankwatch.process")
+
+MAX_DESCENDANTS = 1024
+"""Descendants tracked per rank (pidfds held): DataLoader workers are a handful; a fork bomb is not ours."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One verified process: its pid and the start time that pid had when verified (clock ticks)."""
+
+    pid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True)
+class Unverified:
+    reason: str
 
 
 @dataclass(frozen=True)
 class ProcInfo:
     alive: bool
-    status: str  # psutil status string, "gone" when the process no longer exists
-    cpu_percent: float | None
-    owns_record: bool | None  # the process maps the record file (None: cannot tell)
+    status: str  # "running" | "stopped" | "zombie" | "gone"
 
 
-class ExitWatcher:
-    """Timestamps (CLOCK_MONOTONIC ns) rank process exits as they happen."""
+@dataclass(frozen=True)
+class ProcStat:
+    state: str  # one letter, as in /proc/<pid>/stat
+    ppid: int
+    start_ticks: int
 
-    def __init__(self) -> None:
+
+def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
+    """State, parent and start time from ``/proc/<pid>/stat``; None when gone or unreadable.
+
+    The command name may hold spaces and parentheses, so fields are counted after its last ')'.
+    """
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+        fields = data[data.rindex(b")") + 2 :].split()
+        return ProcStat(state=fields[0].decode("ascii", "replace"), ppid=int(fields[1]), start_ticks=int(fields[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def maps_file(pid: int, path: str) -> bool | None:
+    """Whether ``pid`` has ``path`` mapped (True), provably not (False), or cannot tell (None)."""
+    try:
+        needle = os.path.realpath(path).encode()
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(needle in line for line in f)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+
+
+def protected_pids() -> frozenset[int]:
+    """PID 1, this process and every ancestor of it: never a target, whatever a record says."""
+    out = {0, 1, os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        st = read_stat(pid)
+        pid = st.ppid if st is not None else 0
+    return frozenset(out)
+
+
+def _exited(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class ProcessTable:
+    """Verified rank processes and their descendants, one pidfd each, held from verification on."""
+
+    def __init__(self, protected: Iterable[int] | None = None) -> None:
         self._lock = threading.Lock()
-        self._fds: dict[int, int] = {}  # fd -> pid
-        self._exits: dict[int, int] = {}  # pid -> exit monotonic ns
-        self._order: list[int] = []
+        self._protected = frozenset(protected) if protected is not None else protected_pids()
+        self._fd: dict[Identity, int] = {}
+        self._by_fd: dict[int, Identity] = {}
+        self._ranks: set[Identity] = set()  # exits of these are ordered; descendants' are not
+        self._children: dict[Identity, set[Identity]] = {}
+        self._exits: dict[Identity, int] = {}  # identity -> exit monotonic ns
+        self._order: list[Identity] = []
         self._poller = select.poll()
         self._wake_r, self._wake_w = os.pipe()
         self._poller.register(self._wake_r, select.POLLIN)
@@ -43,40 +121,159 @@ class ExitWatcher:
         self._thread = threading.Thread(target=self._run, name="rankwatch-exit-watcher", daemon=True)
         self._thread.start()
 
-    def watch(self, pid: int) -> bool:
-        """Start watching; False when the pid is already gone (or pidfds are unavailable)."""
+    # -- verification -----------------------------------------------------------------------------
+    def verify(self, pid: int, record_path: str) -> Identity | Unverified:
+        """A rank identity for ``pid`` once it is proven to write ``record_path``."""
+        if pid in self._protected or pid <= 1:
+            return Unverified(f"pid {pid} is init, rankwatch or one of its ancestors")
         with self._lock:
-            if pid in self._fds.values() or pid in self._exits:
-                return True
+            known = next((i for i in self._fd if i.pid == pid and i in self._ranks), None)
+        if known is not None:
+            st = read_stat(pid)
+            if st is not None and st.start_ticks == known.start_ticks:
+                return known
+        pinned = self._pin(pid)
+        if isinstance(pinned, Unverified):
+            return pinned
+        ident, fd = pinned
+        owns = maps_file(pid, record_path)
+        if owns is not True or _exited(fd):
+            os.close(fd)
+            if owns is None:
+                return Unverified("its memory maps are unreadable, so it cannot be proven to write the record")
+            return Unverified("it does not map the record (another process holds this pid)")
+        self._register(ident, fd, rank=True)
+        return ident
+
+    def _pin(self, pid: int) -> tuple[Identity, int] | Unverified:
         try:
             fd = os.pidfd_open(pid)
-        except (OSError, AttributeError):
-            return False
+        except ProcessLookupError:
+            return Unverified("no such process")
+        except (OSError, AttributeError) as exc:
+            return Unverified(f"no pidfd: {getattr(exc, 'strerror', exc)}")
+        st = read_stat(pid)
+        if st is None:
+            os.close(fd)
+            return Unverified("its /proc stat is unreadable")
+        return Identity(pid, st.start_ticks), fd
+
+    def _register(self, ident: Identity, fd: int, *, rank: bool) -> None:
         with self._lock:
-            self._fds[fd] = pid
-            self._poller.register(fd, select.POLLIN)
+            old = self._fd.get(ident)
+            if old is not None:
+                os.close(fd)
+            else:
+                self._fd[ident] = fd
+                self._by_fd[fd] = ident
+                self._poller.register(fd, select.POLLIN)
+            if rank:
+                self._ranks.add(ident)
         os.write(self._wake_w, b"x")
+
+    # -- descendants ------------------------------------------------------------------------------
+    def track_descendants(self, ranks: Iterable[Identity], proc_root: str = "/proc") -> int:
+        """Pin every current descendant of the live ``ranks`` (one /proc scan); returns how many are tracked."""
+        live = [r for r in ranks if self.exit_ns(r) is None and r in self._ranks]
+        if not live:
+            return 0
+        kids: dict[int, list[int]] = {}
+        try:
+            names = os.listdir(proc_root)
+        except OSError:
+            names = []
+        for name in names:
+            if name.isdigit():
+                st = read_stat(int(name), proc_root)
+                if st is not None:
+                    kids.setdefault(st.ppid, []).append(int(name))
+        total = 0
+        for rank in live:
+            self._track_tree(rank, kids)
+            with self._lock:
+                total += len(self._children.get(rank, ()))
+        return total
+
+    def _track_tree(self, rank: Identity, kids: dict[int, list[int]]) -> None:
+        found: list[int] = []
+        todo = list(kids.get(rank.pid, ()))
+        while todo and len(found) < MAX_DESCENDANTS:
+            pid = todo.pop()
+            found.append(pid)  # parents before their children
+            todo.extend(kids.get(pid, ()))
+        with self._lock:
+            family = {rank.pid} | {i.pid for i in self._children.setdefault(rank, set())}
+        for pid in found:
+            if pid in family or pid in self._protected:
+                continue
+            pinned = self._pin(pid)
+            if isinstance(pinned, Unverified):
+                continue
+            child, fd = pinned
+            st = read_stat(pid)
+            # still in this rank's tree after the pidfd pinned it (not reparented, not a reused pid)
+            if st is None or _exited(fd) or st.ppid not in family:
+                os.close(fd)
+                continue
+            self._register(child, fd, rank=False)
+            with self._lock:
+                self._children.setdefault(rank, set()).add(child)
+            family.add(pid)
+
+    def descendants(self, ident: Identity) -> list[Identity]:
+        """Live tracked descendants (an exited one is dropped the moment it exits)."""
+        with self._lock:
+            return list(self._children.get(ident, ()))
+
+    # -- state ------------------------------------------------------------------------------------
+    def info(self, ident: Identity) -> ProcInfo:
+        """State of a verified rank; a changed start time means the pid now belongs to someone else."""
+        if self.exit_ns(ident) is not None:
+            return ProcInfo(alive=False, status="gone")
+        st = read_stat(ident.pid)
+        if st is None or st.start_ticks != ident.start_ticks:
+            return ProcInfo(alive=False, status="gone")
+        if st.state in ("Z", "X", "x"):
+            return ProcInfo(alive=False, status="zombie")
+        if st.state in ("T", "t"):
+            return ProcInfo(alive=True, status="stopped")
+        return ProcInfo(alive=True, status="running")
+
+    def exit_ns(self, ident: Identity) -> int | None:
+        with self._lock:
+            return self._exits.get(ident)
+
+    def exit_index(self, ident: Identity) -> int | None:
+        with self._lock:
+            ranks = [i for i in self._order if i in self._ranks]
+            return ranks.index(ident) if ident in ranks else None
+
+    # -- action -----------------------------------------------------------------------------------
+    def send_signal(self, ident: Identity, sig: int) -> bool:
+        """Signal exactly the verified process (through its pidfd); False when it is gone or unknown."""
+        with self._lock:
+            fd = self._fd.get(ident)
+        if fd is None or ident.pid in self._protected:
+            return False
+        try:
+            signal.pidfd_send_signal(fd, sig)
+        except OSError:
+            return False
         return True
 
-    def exit_ns(self, pid: int) -> int | None:
+    def forget(self, ident: Identity) -> None:
         with self._lock:
-            return self._exits.get(pid)
-
-    def exit_index(self, pid: int) -> int | None:
-        with self._lock:
-            return self._order.index(pid) if pid in self._order else None
-
-    def forget(self, pid: int) -> None:
-        with self._lock:
-            self._exits.pop(pid, None)
-            if pid in self._order:
-                self._order.remove(pid)
-            for fd, p in list(self._fds.items()):
-                if p == pid:
+            for i in [ident, *self._children.pop(ident, ())]:
+                self._exits.pop(i, None)
+                self._ranks.discard(i)
+                if i in self._order:
+                    self._order.remove(i)
+                fd = self._fd.pop(i, None)
+                if fd is not None:
                     self._close(fd)
 
     def _close(self, fd: int) -> None:
-        self._fds.pop(fd, None)
+        self._by_fd.pop(fd, None)
         with contextlib.suppress(KeyError, ValueError):
             self._poller.unregister(fd)
         with contextlib.suppress(OSError):
@@ -95,13 +292,19 @@ class ExitWatcher:
                         os.read(self._wake_r, 4096)
                     continue
                 with self._lock:
-                    pid = self._fds.get(fd)
-                    if pid is None:
+                    ident = self._by_fd.get(fd)
+                    if ident is None:
                         continue
-                    self._exits[pid] = now
-                    self._order.append(pid)
+                    # the pid may be reused from now on: drop the pidfd, so nothing can signal through it
+                    self._fd.pop(ident, None)
                     self._close(fd)
-                log.info("rank_process_exited", pid=pid)
+                    if ident not in self._ranks:
+                        for kids in self._children.values():
+                            kids.discard(ident)
+                        continue
+                    self._exits[ident] = now
+                    self._order.append(ident)
+                log.info("rank_process_exited", pid=ident.pid)
 
     def close(self) -> None:
         self._stop = True
@@ -109,54 +312,9 @@ class ExitWatcher:
             os.write(self._wake_w, b"x")
         self._thread.join(timeout=2)
         with self._lock:
-            for fd in list(self._fds):
+            for fd in list(self._by_fd):
                 self._close(fd)
-
-
-def maps_file(pid: int, path: str) -> bool | None:
-    """Whether ``pid`` has ``path`` mapped: proves it is the record's writer, not a recycled pid."""
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            needle = os.path.realpath(path).encode()
-            return any(needle in line for line in f)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-
-
-class ProcessProbe:
-    """psutil-based state per pid; keeps Process objects so cpu_percent measures between polls."""
-
-    def __init__(self) -> None:
-        self._procs: dict[int, psutil.Process] = {}
-        self._owner: dict[tuple[int, str], bool | None] = {}
-
-    def probe(self, pid: int, record_path: str) -> ProcInfo:
-        key = (pid, record_path)
-        if key not in self._owner or self._owner[key] is None:
-            self._owner[key] = maps_file(pid, record_path)
-        owns = self._owner[key]
-        if owns is False:
-            # the pid is alive but belongs to something else: the record's writer is gone
-            return ProcInfo(alive=False, status="gone", cpu_percent=None, owns_record=False)
-        try:
-            proc = self._procs.get(pid)
-            if proc is None:
-                proc = self._procs[pid] = psutil.Process(pid)
-                proc.cpu_percent(None)
-            with proc.oneshot():
-                status = proc.status()
-                cpu = proc.cpu_percent(None)
-        except psutil.NoSuchProcess:
-            self._procs.pop(pid, None)
-            return ProcInfo(alive=False, status="gone", cpu_percent=None, owns_record=owns)
-        except psutil.Error as exc:
-            log.warning("process_probe_failed", pid=pid, error=str(exc))
-            return ProcInfo(alive=True, status="unknown", cpu_percent=None, owns_record=owns)
-        return ProcInfo(alive=status != psutil.STATUS_ZOMBIE, status=status, cpu_percent=cpu, owns_record=owns)
-
-    def forget(self, pid: int) -> None:
-        self._procs.pop(pid, None)
-        for key in [k for k in self._owner if k[0] == pid]:
-            del self._owner[key]
+            self._fd.clear()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -13,34 +13,25 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rankwatch.hooks.files import atomic_write, fsync_dir, write_new
+
+from ..core.ranks import fmt_ranks
 from ..core.snapshot import RankView
 from ..core.verdict import stack_groups
 from ..evidence.capture import RankCapture, render_text
 
 
-def _write(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_json(path: str, doc: Any) -> None:
-    _write(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
+    write_new(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
 def atomic_json(path: str, doc: Any) -> None:
     """Replace one file atomically (summary files outside bundles)."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    _write(tmp, (json.dumps(doc, indent=2) + "\n").encode())
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
 def atomic_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    _write(tmp, text.encode())
-    os.replace(tmp, path)
+    atomic_write(path, text.encode())
 
 
 def groups_text(views: Sequence[RankView], captures: Mapping[int, RankCapture]) -> str:
@@ -50,12 +41,12 @@ def groups_text(views: Sequence[RankView], captures: Mapping[int, RankCapture]) 
     by_rank = {v.rank: v for v in views}
     lines = [f"{len(groups)} distinct stack(s) across {sum(len(r) for _, r in groups)} rank(s)", ""]
     for sig, ranks in groups:
-        lines.append(f"[{sig}] ranks {', '.join(map(str, ranks))} ({len(ranks)})")
+        lines.append(f"[{sig}] {fmt_ranks(ranks)} ({len(ranks)})")
         lines.extend(f"    {frame}" for frame in by_rank[ranks[0]].stack_top)
         lines.append("")
     no_stack = sorted(set(by_rank) - {r for _, rs in groups for r in rs})
     if no_stack:
-        lines.append(f"no stack: ranks {', '.join(map(str, no_stack))}")
+        lines.append(f"no stack: {fmt_ranks(no_stack)}")
         for r in no_stack:
             cap = captures.get(r)
             if cap is not None and (cap.pyspy_error or cap.responder_error):
@@ -79,7 +70,7 @@ def write_bundle(
     os.mkdir(tmp, 0o700)
     try:
         write_json(os.path.join(tmp, "verdict.json"), verdict)
-        _write(os.path.join(tmp, "summary.txt"), summary_text.encode())
+        write_new(os.path.join(tmp, "summary.txt"), summary_text.encode())
         write_json(os.path.join(tmp, "ranks.json"), ranks_doc)
         stacks = os.path.join(tmp, "stacks")
         fr = os.path.join(tmp, "fr")
@@ -100,15 +91,11 @@ def write_bundle(
                     "errors": [e for e in (cap.pyspy_error, cap.responder_error) if e] + cap.notes,
                 },
             )
-            _write(os.path.join(stacks, f"rank-{v.rank}.txt"), render_text(cap).encode())
+            write_new(os.path.join(stacks, f"rank-{v.rank}.txt"), render_text(cap).encode())
             if cap.fr_json:
-                _write(os.path.join(fr, f"rank-{v.rank}.json"), cap.fr_json)
-        _write(os.path.join(stacks, "groups.txt"), groups_text(views, captures).encode())
-        dir_fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+                write_new(os.path.join(fr, f"rank-{v.rank}.json"), cap.fr_json)
+        write_new(os.path.join(stacks, "groups.txt"), groups_text(views, captures).encode())
+        fsync_dir(tmp)
         if os.path.exists(final):
             final = f"{final}-{uuid.uuid4().hex[:6]}"
         os.rename(tmp, final)

@@ -10,26 +10,20 @@ written to a temp file and renamed, so a reader never sees half a report.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from rankwatch.hooks.files import atomic_write
+
+from ..core.ranks import fmt_ranks
+from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_of
 from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
 from ..errors import UserError
 from .text import NEXT_STEPS
 
-HEADLINES = {
-    "hang": "HANG",
-    "dead_rank": "DEAD RANK",
-    "stopped_rank": "STOPPED RANK",
-    "collective_mismatch": "COLLECTIVE MISMATCH",
-    "comm_hang": "COMMUNICATION HANG",
-    "unknown": "STALL (cause unknown)",
-}
 # Canonical phases keep one colour in every report, so readers learn them; input warm, compute cool,
 # waiting grey (the eye should skip it: waiting is the victim, not the cause).
 PHASE_COLOURS = {
@@ -42,7 +36,8 @@ PHASE_COLOURS = {
     "idle": "#ece9e6",
 }
 EXTRA_COLOURS = ("#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#8cd17d", "#86bcb6", "#f1ce63", "#a0cbe8")
-PHASE_ORDER = ("dataloader", "forward", "backward", "optimizer", "grad_sync", "collective", "idle")
+# the order phases are listed and stacked in charts (not core.snapshot.STEP_PHASE_ORDER, the rule order)
+DISPLAY_PHASE_ORDER = ("dataloader", "forward", "backward", "optimizer", "grad_sync", "collective", "idle")
 STRAGGLER = "#d62728"
 RANK_COLOURS = ("#4e79a7", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#9c755f", "#f28e2b", "#86bcb6",
                 "#8cd17d", "#a0cbe8", "#ff9da7", "#bab0ac")
@@ -124,7 +119,7 @@ def phase_colours(phases: Iterable[str]) -> dict[str, str]:
 def ordered_phases(names: Iterable[str]) -> list[str]:
     """Canonical phases in step order, then declared phases by name."""
     names = set(names)
-    return [p for p in PHASE_ORDER if p in names] + sorted(names - set(PHASE_ORDER))
+    return [p for p in DISPLAY_PHASE_ORDER if p in names] + sorted(names - set(DISPLAY_PHASE_ORDER))
 
 
 def nice_ticks(top: float, count: int = 5) -> list[float]:
@@ -292,7 +287,7 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     bad = bool(who) or "STRAGGLER" in label
     headline = esc(label)
     if who:
-        headline += f" — {'rank' if len(who) == 1 else 'ranks'} {esc(', '.join(map(str, who)))}"
+        headline += f" — {esc(fmt_ranks(who))}"
     if phase:
         headline += f" in <code>{esc(phase)}</code>"
     out = [
@@ -377,14 +372,13 @@ def _groups_text(doc: Mapping[str, Any], base_dir: str) -> str | None:
 def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
     kind = str(doc.get("kind"))
     initiators = _ranks(doc.get("initiating_ranks") or [])
-    who = (("rank " if len(initiators) == 1 else "ranks ") + ", ".join(map(str, initiators))) if initiators \
-        else "no single rank"
+    who = fmt_ranks(initiators) if initiators else "no single rank"
     phase = doc.get("phase")
     conf = str(doc.get("confidence"))
-    headline = f"{esc(HEADLINES.get(kind, kind.upper()))} — initiating {esc(who)}"
+    headline = f"{esc(headline_of(kind))} — initiating {esc(who)}"
     if phase:
         headline += f" in phase <code>{esc(phase)}</code>"
-    conf_cls = f"conf-{conf}" if conf in ("high", "medium", "low") else "conf-low"
+    conf_cls = f"conf-{conf}" if conf in CONFIDENCES else "conf-low"
     out = [
         f'<section class="doc verdict" id="{esc(anchor)}">',
         f"<h2>Incident {esc(doc.get('incident_id'))}</h2>",
@@ -441,7 +435,7 @@ def render_html(docs: Sequence[Mapping[str, Any]], base_dir: str) -> str:
     anchors = []
     incident_anchors: dict[str, str] = {}
     for i, doc in enumerate(docs):
-        if doc.get("schema") == "rankwatch.verdict/1":
+        if doc.get("schema") == VERDICT_SCHEMA:
             anchor = f"incident-{i}"
             incident_anchors.setdefault(str(doc.get("incident_id")), anchor)
         else:
@@ -452,10 +446,10 @@ def render_html(docs: Sequence[Mapping[str, Any]], base_dir: str) -> str:
     sections = []
     nav = []
     for doc, anchor in zip(docs, anchors, strict=True):
-        if doc.get("schema") == "rankwatch.verdict/1":
+        if doc.get("schema") == VERDICT_SCHEMA:
             sections.append(verdict_section(doc, anchor, base_dir))
             nav.append((anchor, f"incident {doc.get('incident_id')}"))
-        elif doc.get("schema") == "rankwatch.summary/1":
+        elif doc.get("schema") == SUMMARY_SCHEMA:
             sections.append(summary_section(doc, anchor, incident_anchors))
             nav.append((anchor, "run summary"))
     nav_html = ("<nav>" + "".join(f'<a href="#{esc(a)}">{esc(t)}</a>' for a, t in nav) + "</nav>") if len(nav) > 1 \
@@ -473,19 +467,7 @@ def render_html(docs: Sequence[Mapping[str, Any]], base_dir: str) -> str:
 def write_html(path: str, docs: list[dict[str, Any]], base_dir: str) -> None:
     """Render ``docs`` (summary and/or verdict documents) into one self-contained, owner-only HTML file."""
     page = render_html(docs, base_dir).encode("utf-8")
-    target_dir = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".rankwatch-report-", suffix=".tmp", dir=target_dir)
+        atomic_write(os.path.abspath(path), page)
     except OSError as exc:
-        raise UserError(f"cannot write HTML report to {path}: {exc.strerror}") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(page)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise UserError(f"cannot write HTML report to {path}: {exc.strerror or exc}") from exc

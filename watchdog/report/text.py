@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-_HEADLINES = {
-    "hang": "HANG",
-    "dead_rank": "DEAD RANK",
-    "stopped_rank": "STOPPED RANK",
-    "collective_mismatch": "COLLECTIVE MISMATCH",
-    "comm_hang": "COMMUNICATION HANG",
-    "unknown": "STALL (cause unknown)",
-}
+from ..core.ranks import fmt_ranks
+from ..core.schema import headline_of
 
 NEXT_STEPS = {
     "hang": "Read the initiating rank's stack (stacks/rank-<g>.txt): it shows where it is stuck. "
@@ -28,12 +22,17 @@ NEXT_STEPS = {
 }
 
 
+def int_ranks(values: Iterable[object]) -> list[int]:
+    """The integer ranks of a list read from a document (anything else is dropped)."""
+    return [int(r) for r in values if isinstance(r, int) and not isinstance(r, bool)]
+
+
 def headline(v: Mapping[str, Any]) -> str:
-    ranks = v.get("initiating_ranks") or []
-    who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) if ranks else "no single rank"
+    ranks = int_ranks(v.get("initiating_ranks") or [])
+    who = fmt_ranks(ranks) if ranks else "no single rank"
     phase = v.get("phase")
     return (
-        f"{_HEADLINES.get(str(v.get('kind')), str(v.get('kind')).upper())} — initiating {who}"
+        f"{headline_of(str(v.get('kind')))} — initiating {who}"
         + (f" in phase '{phase}'" if phase else "")
         + f" (confidence {v.get('confidence')})"
     )
@@ -69,4 +68,36 @@ def verdict_text(v: Mapping[str, Any]) -> str:
                 f"{r.get('step'):>6} {phase_txt[:12]:<12} {r.get('in_phase_s'):>8}s  {top}"
             )
     lines += ["", f"next: {NEXT_STEPS.get(str(v.get('kind')), NEXT_STEPS['unknown'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def summary_text(doc: Mapping[str, Any]) -> str:
+    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why."""
+    st = doc.get("step_time_ms", {})
+    lines = [
+        f"rankwatch summary — job {doc.get('job_id')}, {doc.get('steps')} common steps, "
+        f"{len(doc.get('ranks', {}))} ranks",
+        "",
+        f"{'phase':<14} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
+    ]
+    for p, s in sorted(doc.get("phases", {}).items(), key=lambda kv: -kv[1].get("median_ms", 0.0)):
+        lines.append(
+            f"{p:<14} {s.get('median_ms', 0):>10.1f} {s.get('worst_ms', 0):>10.1f} {s.get('worst_rank', -1):>11} "
+            f"{s.get('skew_ms', 0):>9.1f}"
+        )
+    lines.append(
+        f"{'step':<14} {st.get('median', 0):>10.1f} {st.get('worst', 0):>10.1f} {st.get('worst_rank', -1):>11}"
+    )
+    label = doc.get("diagnosis")
+    who = [r for r in doc.get("straggler_ranks") or [] if isinstance(r, int) and not isinstance(r, bool)]
+    lines += [
+        "",
+        f"diagnosis: {label}"
+        + (f" — {fmt_ranks(who)}" if who else "")
+        + (f" in {doc.get('phase')}" if doc.get("phase") else ""),
+        f"why: {doc.get('why', '')}",
+    ]
+    incidents = doc.get("incidents") or []
+    if incidents:
+        lines.append(f"incidents: {', '.join(incidents)}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,313 @@
+"""Cross-rank flight-recorder analysis: match collectives by (process group, seq) and name who is behind,
+missing or mismatched (pure: traces in, findings out; the same odd-one-out rule as the live verdict)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .fr_trace import FrEntry, RankTrace
+from .ranks import fmt_ranks, outside_majority
+
+MAX_REPORTED = 16
+"""Findings of one kind kept per process group; the first ones are the ones that matter."""
+
+# Ops whose input sizes must agree on every rank; others (gather, scatter, all_to_all, p2p) legitimately
+# differ, so only their op name and dtypes are compared.
+SIZE_MUST_MATCH = frozenset(
+    {
+        "all_reduce",
+        "allreduce",
+        "allreduce_coalesced",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "allgather",
+        "_allgather_base",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "allgather_into_tensor_coalesced",
+        "reduce_scatter",
+        "_reduce_scatter_base",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "barrier",
+    }
+)
+
+
+@dataclass(frozen=True)
+class CollectiveRef:
+    pg: str
+    seq: int
+    op: str
+
+
+@dataclass(frozen=True)
+class PgProgress:
+    """How far one rank got in one pg: highest collective seq entered and finished (-1: none)."""
+
+    entered: int
+    completed: int
+    entered_op: str | None
+    in_flight: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MissingCollective:
+    """A collective some members entered while others never reached it (their last seq is lower)."""
+
+    pg: str
+    seq: int
+    op: str
+    joined: tuple[int, ...]
+    missing: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Ranks disagree on the collective at one (pg, seq); ``odd_ranks`` are outside the majority."""
+
+    pg: str
+    seq: int
+    kind: str  # "op" | "size" | "dtype"
+    variants: Mapping[str, tuple[int, ...]]  # description → ranks
+    odd_ranks: tuple[int, ...]  # every rank outside the strict majority (core.ranks.outside_majority); empty on a tie
+
+
+@dataclass(frozen=True)
+class PgAnalysis:
+    name: str
+    desc: str
+    members: tuple[int, ...]
+    progress: Mapping[int, PgProgress]
+    behind: tuple[int, ...]
+    completion_lag: tuple[int, ...]
+    missing: tuple[MissingCollective, ...]
+    mismatches: tuple[Mismatch, ...]
+
+
+@dataclass(frozen=True)
+class RankFr:
+    rank: int
+    entries: int
+    last_entered: CollectiveRef | None
+    last_completed: CollectiveRef | None
+    in_flight: tuple[CollectiveRef, ...]
+    timed_out: tuple[CollectiveRef, ...]
+
+
+@dataclass(frozen=True)
+class FrAnalysis:
+    ranks: tuple[int, ...]
+    empty_ranks: tuple[int, ...]
+    groups: tuple[PgAnalysis, ...]
+    per_rank: Mapping[int, RankFr]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def behind_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for r in g.behind}))
+
+    @property
+    def missing_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for g in self.groups for m in g.missing for r in m.missing}))
+
+    @property
+    def mismatches(self) -> tuple[Mismatch, ...]:
+        return tuple(m for g in self.groups for m in g.mismatches)
+
+    @property
+    def missing(self) -> tuple[MissingCollective, ...]:
+        return tuple(m for g in self.groups for m in g.missing)
+
+    def summary_lines(self) -> list[str]:
+        """Short human lines, most telling first: mismatches, missing ranks, laggards, then per rank."""
+        lines: list[str] = []
+        for g in self.groups:
+            label = g.name if not g.desc or g.desc == g.name else f"{g.name} ({g.desc})"
+            for mm in g.mismatches:
+                variants = "; ".join(f"{fmt_ranks(rs)}: {d}" for d, rs in mm.variants.items())
+                who = f"odd {fmt_ranks(mm.odd_ranks)}" if mm.odd_ranks else "no majority"
+                lines.append(f"pg {label} seq {mm.seq}: {mm.kind} mismatch, {who} ({variants})")
+            for mc in g.missing:
+                lines.append(
+                    f"pg {label} seq {mc.seq} {mc.op}: entered by {fmt_ranks(mc.joined)}; "
+                    f"never joined by {fmt_ranks(mc.missing)}"
+                )
+            if g.behind:
+                top = max(p.entered for p in g.progress.values())
+                detail = ", ".join(f"rank {r} at seq {g.progress[r].entered}" for r in g.behind)
+                lines.append(f"pg {label}: behind (others entered seq {top}): {detail}")
+            if g.completion_lag:
+                detail = ", ".join(
+                    f"rank {r} completed seq {g.progress[r].completed}" for r in g.completion_lag
+                )
+                lines.append(f"pg {label}: same seq entered but completion lags (weak evidence): {detail}")
+        for r in self.empty_ranks:
+            lines.append(
+                f"rank {r}: flight recorder empty (TORCH_FR_BUFFER_SIZE unset, or no collective yet)"
+            )
+        for r in sorted(self.per_rank):
+            info = self.per_rank[r]
+            entered = _fmt_ref(info.last_entered)
+            done = _fmt_ref(info.last_completed)
+            waiting = ", ".join(_fmt_ref(c) for c in info.in_flight) or "none"
+            lines.append(f"rank {r}: last entered {entered}, last completed {done}, in flight: {waiting}")
+            for c in info.timed_out:
+                lines.append(f"rank {r}: {_fmt_ref(c)} retired without completing (timed out)")
+        lines.extend(self.notes)
+        return lines
+
+
+def _fmt_ref(c: CollectiveRef | None) -> str:
+    return "none" if c is None else f"{c.op}#{c.seq} (pg {c.pg})"
+
+
+def _signature(e: FrEntry, kind: str) -> str:
+    if kind == "op":
+        return e.op
+    if kind == "dtype":
+        return f"in {list(e.input_dtypes)} out {list(e.output_dtypes)}"
+    return f"in {[list(s) for s in e.input_sizes]}"
+
+
+def _compare_at_seq(pg: str, seq: int, by_rank: Mapping[int, FrEntry]) -> list[Mismatch]:
+    if len(by_rank) < 2:
+        return []
+    out: list[Mismatch] = []
+    kinds = ["op", "dtype"]
+    ops = {e.op for e in by_rank.values()}
+    if len(ops) == 1 and next(iter(ops)) in SIZE_MUST_MATCH:
+        kinds.insert(1, "size")
+    for kind in kinds:
+        sig: dict[str, list[int]] = {}
+        for r, e in sorted(by_rank.items()):
+            sig.setdefault(_signature(e, kind), []).append(r)
+        if len(sig) > 1:
+            variants = {k: tuple(v) for k, v in sig.items()}
+            out.append(
+                Mismatch(pg=pg, seq=seq, kind=kind, variants=variants, odd_ranks=outside_majority(variants) or ())
+            )
+            break  # an op mismatch explains size/dtype differences at the same seq
+    return out
+
+
+def _progress(trace: RankTrace, pg: str, entries: list[FrEntry]) -> PgProgress:
+    entered = max((e.collective_seq_id for e in entries), default=-1)
+    completed = max((e.collective_seq_id for e in entries if e.finished), default=-1)
+    # pg_status is keyed by the local pg id; it survives ring-buffer wrap-around, so prefer it when higher
+    local_ids = {e.pg_id for e in entries}
+    for pid in local_ids:
+        st = trace.pg_status.get(pid)
+        if st is not None:
+            entered = max(entered, st.last_enqueued)
+            completed = max(completed, st.last_completed)
+    op = None
+    for e in entries:
+        if e.collective_seq_id == entered:
+            op = e.op
+    in_flight = tuple(sorted({e.collective_seq_id for e in entries if not e.finished}))
+    return PgProgress(entered=entered, completed=completed, entered_op=op, in_flight=in_flight)
+
+
+def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
+    """Match collectives across ranks by (process group name, collective_seq_id) and report differences.
+
+    Pure: ``traces`` maps global rank → trace. P2P entries (send/recv) are not matched, only listed per
+    rank. A rank whose ring buffer wrapped is judged only on the sequence numbers it still holds plus its
+    ``pg_status`` counters.
+    """
+    ranks = tuple(sorted(traces))
+    empty = tuple(r for r in ranks if not traces[r].entries)
+    notes: list[str] = []
+
+    # pg name → rank → collective entries; pg name → desc
+    per_pg: dict[str, dict[int, list[FrEntry]]] = {}
+    descs: dict[str, str] = {}
+    declared: dict[str, set[int]] = {}
+    for r in ranks:
+        t = traces[r]
+        for e in t.entries:
+            if e.is_p2p:
+                continue
+            per_pg.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
+            descs.setdefault(e.pg_name, e.pg_desc)
+        for name, cfg in t.pg_config.items():
+            if name and cfg.ranks:
+                declared.setdefault(name, set()).update(cfg.ranks)
+
+    groups: list[PgAnalysis] = []
+    for pg in sorted(per_pg, key=lambda n: (len(n), n)):
+        by_rank = per_pg[pg]
+        members = set(by_rank)
+        if pg in declared:
+            members |= declared[pg] & set(ranks)
+        if descs.get(pg) == "default_pg":
+            members |= set(ranks)
+        members_t = tuple(sorted(members))
+        progress = {r: _progress(traces[r], pg, by_rank.get(r, [])) for r in members_t}
+        top = max(p.entered for p in progress.values())
+        behind = tuple(r for r in members_t if progress[r].entered < top)
+        top_completed = max(p.completed for p in progress.values())
+        completion_lag = tuple(
+            r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed
+        )
+
+        # index by seq
+        at_seq: dict[int, dict[int, FrEntry]] = {}
+        for r, es in by_rank.items():
+            for e in es:
+                at_seq.setdefault(e.collective_seq_id, {})[r] = e
+
+        missing: list[MissingCollective] = []
+        for seq in sorted(at_seq):
+            joined = tuple(sorted(at_seq[seq]))
+            absent = tuple(r for r in members_t if r not in at_seq[seq] and progress[r].entered < seq)
+            if absent and len(missing) < MAX_REPORTED:
+                op = Counter(e.op for e in at_seq[seq].values()).most_common(1)[0][0]
+                missing.append(MissingCollective(pg=pg, seq=seq, op=op, joined=joined, missing=absent))
+
+        mismatches: list[Mismatch] = []
+        for seq in sorted(at_seq):
+            if len(mismatches) >= MAX_REPORTED:
+                notes.append(f"pg {pg}: more than {MAX_REPORTED} mismatching collectives, rest not listed")
+                break
+            mismatches.extend(_compare_at_seq(pg, seq, at_seq[seq]))
+
+        groups.append(
+            PgAnalysis(
+                name=pg,
+                desc=descs.get(pg, ""),
+                members=members_t,
+                progress=progress,
+                behind=behind,
+                completion_lag=completion_lag,
+                missing=tuple(missing),
+                mismatches=tuple(mismatches),
+            )
+        )
+
+    per_rank: dict[int, RankFr] = {}
+    for r in ranks:
+        rank_entries = traces[r].entries
+        last = rank_entries[-1] if rank_entries else None
+        done = [e for e in rank_entries if e.finished]
+        per_rank[r] = RankFr(
+            rank=r,
+            entries=len(rank_entries),
+            last_entered=_ref(last) if last else None,
+            last_completed=_ref(done[-1]) if done else None,
+            in_flight=tuple(_ref(e) for e in rank_entries if not e.finished and not e.timed_out),
+            timed_out=tuple(_ref(e) for e in rank_entries if e.timed_out),
+        )
+    return FrAnalysis(
+        ranks=ranks, empty_ranks=empty, groups=tuple(groups), per_rank=per_rank, notes=tuple(notes)
+    )
+
+
+def _ref(e: FrEntry) -> CollectiveRef:
+    seq = e.p2p_seq_id if e.is_p2p else e.collective_seq_id
+    return CollectiveRef(pg=e.pg_name, seq=seq, op=e.op)

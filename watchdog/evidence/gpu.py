@@ -1,0 +1,160 @@
+"""GPU use as evidence: NVML opened once per daemon, per-rank utilisation in the views, device health notes.
+
+Reads through ``evidence.nvml`` (the probe); this module turns its samples into ``RankView.gpu_util`` /
+``gpu_missing`` and XID lines. Nothing here raises into the daemon: a failing probe is one log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ..core.snapshot import RUNNING, STOPPED, RankView
+from .nvml import DeviceSample, NvmlProbe, gpu_evidence
+
+log = structlog.get_logger("rankwatch.evidence")
+
+MAX_XIDS_KEPT = 64
+"""XIDs remembered since start; a storm of one XID repeats the same line, the first ones tell the story."""
+XID_MEANING = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "preemptive cleanup after an earlier error",
+    48: "double-bit ECC error",
+    63: "ECC page retirement / row remap recorded",
+    64: "ECC page retirement / row remap failed",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    device: int
+    xid: int
+    age_s: float  # seconds after the watch started (monotonic)
+
+
+class GpuWatch:
+    """NVML opened once for the daemon's lifetime; fills GPU fields of rank views and keeps device health.
+
+    Without NVML (no driver, no library, ``enabled=False``) every call is a cheap no-op, logged once.
+    """
+
+    def __init__(
+        self,
+        nvml: Any = None,
+        *,
+        enabled: bool = True,
+        probe: NvmlProbe | None = None,
+        proc_root: str = "/proc",
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._t0 = time.monotonic()
+        self._xids: deque[XidEvent] = deque(maxlen=MAX_XIDS_KEPT)
+        self._xid_total = 0
+        self._devices: dict[int, DeviceSample] = {}
+        self._device_ranks: dict[int, set[int]] = {}
+        self.probe: NvmlProbe | None = probe
+        if probe is None and enabled:
+            try:
+                self.probe = NvmlProbe.open(nvml=nvml, proc_root=proc_root, wall_clock=wall_clock)
+            except Exception as exc:  # open() already catches; a broken stand-in must not stop the daemon
+                log.warning("gpu_watch.open_failed", error=f"{type(exc).__name__}: {exc}")
+                self.probe = None
+        if self.probe is None:
+            log.info("gpu_watch.disabled", reason="disabled" if not enabled else "NVML unavailable")
+        else:
+            log.info("gpu_watch.enabled", devices=self.probe.device_count)
+
+    @property
+    def available(self) -> bool:
+        return self.probe is not None
+
+    def apply(self, views: Sequence[RankView]) -> list[RankView]:
+        """The views with ``gpu_util``/``gpu_missing`` from one NVML sample of their pids. Never raises.
+
+        ``gpu_missing`` is set only while some other sampled rank has a fresh sample: when every rank is
+        missing (nobody ran a kernel, or per-process samples unsupported) it singles nobody out.
+        """
+        out = list(views)
+        if self.probe is None:
+            return out
+        try:
+            pids = {v.rank: v.pid for v in views if v.pid > 0 and v.state in (RUNNING, STOPPED)}
+            if not pids:
+                return out
+            sample = self.probe.sample(pids.values())
+            self._note_devices(sample.devices)
+            ev = gpu_evidence(sample, pids)
+            someone_fresh = any(g.util is not None for g in ev.values())
+            for g in ev.values():
+                for d in g.devices:
+                    self._device_ranks.setdefault(d, set()).add(g.rank)
+            return [
+                dataclasses.replace(v, gpu_util=ev[v.rank].util, gpu_missing=ev[v.rank].missing and someone_fresh)
+                if v.rank in ev
+                else v
+                for v in views
+            ]
+        except Exception:
+            log.exception("gpu_watch.apply_failed")
+            return out
+
+    def _note_devices(self, devices: Sequence[DeviceSample]) -> None:
+        age = time.monotonic() - self._t0
+        for d in devices:
+            self._devices[d.index] = d
+            for xid in d.xids:
+                self._xid_total += 1
+                self._xids.append(XidEvent(d.index, xid, age))
+                log.warning("gpu_xid", device=d.index, xid=xid, meaning=XID_MEANING.get(xid))
+
+    def device_notes(self) -> list[str]:
+        """XIDs since start and current ECC / row-remap trouble, as evidence lines (empty when healthy)."""
+        lines: list[str] = []
+        try:
+            for e in self._xids:
+                meaning = XID_MEANING.get(e.xid)
+                lines.append(
+                    f"GPU {e.device}{self._users(e.device)}: XID {e.xid}"
+                    + (f" ({meaning})" if meaning else "")
+                    + f" {e.age_s:.1f}s after the watchdog started"
+                )
+            if self._xid_total > len(self._xids):
+                lines.append(f"{self._xid_total - len(self._xids)} older XID event(s) not listed")
+            for i, d in sorted(self._devices.items()):
+                where = f"GPU {i}{self._users(i)}"
+                if d.ecc_uncorrected_volatile:
+                    lines.append(f"{where}: {d.ecc_uncorrected_volatile} uncorrected ECC error(s) since driver load")
+                if d.remap_failed:
+                    lines.append(f"{where}: row remapping failed (the GPU needs service)")
+                elif d.remap_pending:
+                    lines.append(f"{where}: row remap pending (takes effect after a GPU reset)")
+        except Exception:
+            log.exception("gpu_watch.notes_failed")
+        return lines
+
+    def _users(self, device: int) -> str:
+        ranks = sorted(self._device_ranks.get(device, ()))
+        return f" (rank {', '.join(str(r) for r in ranks)})" if ranks else ""
+
+    def close(self) -> None:
+        if self.probe is not None:
+            try:
+                self.probe.close()
+            except Exception:
+                log.exception("gpu_watch.close_failed")

@@ -1,0 +1,328 @@
+"""One incident as a pipeline of explicit stages, run off the poll loop by a bounded pool of workers.
+
+    open → capture → evidence → decide → finalize → publish → act
+
+Capture (py-spy, responder dumps) takes up to the py-spy timeout, NCCL RAS a second look, and a
+cross-node verdict waits for the leader: together tens of seconds. Run inside the poll loop that would
+leave every other job on the node unwatched and stop the systemd heartbeat for longer than
+``WatchdogSec`` — systemd would kill the daemon in the middle of the incident it exists to report. Here
+the loop only hands a request over and keeps polling; the request carries a callable that returns the
+loop's newest views of the job, so the pipeline never touches the loop's ``JobWatch`` (not thread-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from ..cluster.correlate import Correlator, SharedIncident
+from ..core.detect import Trigger
+from ..core.policy import CapturePolicy, ServePolicy
+from ..core.snapshot import RUNNING, STOPPED, RankView
+from ..core.stacks import signature, stack_top, waiting_on_peers
+from ..core.verdict import decide, rank_entry
+from ..core.verdict_doc import finalize_verdict, trigger_doc
+from ..evidence.capture import RankCapture, capture_all
+from ..evidence.flight_recorder import FrFindings, fr_evidence
+from ..evidence.gpu import GpuWatch
+from ..evidence.ras import RasWatch
+from ..observe.process import Identity
+from ..report import bundle
+from ..report.text import verdict_text
+from .act import Killer
+
+log = structlog.get_logger("rankwatch.incident")
+
+IncidentCallback = Callable[[dict[str, Any], "str | None"], None]
+
+
+class CaptureFn(Protocol):
+    def __call__(
+        self, targets: Sequence[tuple[int, int, bool]], job_dir: str, token: str, policy: CapturePolicy
+    ) -> dict[int, RankCapture]: ...
+
+
+@dataclass(frozen=True)
+class IncidentRequest:
+    """What the poll loop knows when it opens an incident; everything the pipeline may use of the job."""
+
+    job_id: str
+    incident_id: str
+    trigger: Trigger
+    views: tuple[RankView, ...]  # at detection (GPU readings are kept from here: py-spy pauses ranks)
+    job_dir: str
+    node: str
+    world_size: int
+    incidents_dir: str
+    latest_views: Callable[[], Sequence[RankView]]  # the loop's newest poll of this job
+    correlator: Correlator | None = None
+    shared: SharedIncident | None = None  # set when another node opened it
+    identities: tuple[Identity, ...] = ()  # the job's verified ranks: all that --on-stall kill may signal
+
+
+@dataclass
+class IncidentResult:
+    incident_id: str
+    verdict: dict[str, Any]
+    bundle_path: str | None
+    views: list[RankView] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    views: list[RankView]
+    captures: dict[int, RankCapture]
+    fr: FrFindings
+    outside: list[str]
+
+
+def enrich(views: Sequence[RankView], captures: Mapping[int, RankCapture], policy: CapturePolicy) -> list[RankView]:
+    """The views with the stack evidence of their captures."""
+    out = []
+    for v in views:
+        cap = captures.get(v.rank)
+        if cap is None:
+            out.append(v)
+            continue
+        frames = cap.main_frames()
+        out.append(
+            dataclasses.replace(
+                v,
+                stack_top=stack_top(frames, policy.stack_top_frames),
+                stack_signature=signature(frames, policy.signature_frames),
+                waiting=waiting_on_peers(frames) if frames else None,
+            )
+        )
+    return out
+
+
+def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "job": verdict.get("job"),
+        "ranks": [
+            {
+                **rank_entry(v),
+                "rank": v.rank,
+                "since_progress_s": round(v.since_progress_s, 3),
+                "collective_done": v.coll_done,
+                "stack_signature": v.stack_signature,
+                "waiting": v.waiting,
+            }
+            for v in views
+        ],
+    }
+
+
+class IncidentPipeline:
+    def __init__(
+        self,
+        *,
+        capture_policy: CapturePolicy,
+        serve_policy: ServePolicy,
+        gpu: GpuWatch,
+        ras: RasWatch,
+        killer: Killer | None,
+        capture: CaptureFn = capture_all,
+        on_incident: IncidentCallback | None = None,
+    ) -> None:
+        self.capture_policy = capture_policy
+        self.serve_policy = serve_policy
+        self.gpu = gpu
+        self.ras = ras
+        self.killer = killer
+        self.capture_fn = capture
+        self.on_incident = on_incident
+        self._pool = ThreadPoolExecutor(max_workers=serve_policy.incident_workers, thread_name_prefix="rankwatch-inc")
+        self._futures: set[Future[IncidentResult]] = set()
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def submit(self, req: IncidentRequest, done: Callable[[IncidentResult], None]) -> Future[IncidentResult]:
+        """Run ``req`` on a worker; ``done`` gets the result (also when a stage failed)."""
+
+        def work() -> IncidentResult:
+            try:
+                result = self.run(req)
+            except Exception as exc:  # a failing stage never stops the daemon, and the incident is kept
+                log.exception("incident_failed", job=req.job_id, incident=req.incident_id)
+                result = self._fallback(req, exc)
+            try:
+                done(result)
+            except Exception:
+                log.exception("incident_done_failed", job=req.job_id, incident=req.incident_id)
+            return result
+
+        fut = self._pool.submit(work)
+        self._futures.add(fut)
+        fut.add_done_callback(self._futures.discard)
+        return fut
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for in-flight incidents; True when none is left."""
+        pending = set(self._futures)
+        if not pending:
+            return True
+        _, left = wait(pending, timeout=timeout_s)
+        return not left
+
+    def close(self) -> None:
+        self.drain(self.serve_policy.drain_timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the stages, in order ---------------------------------------------------------------------
+    def run(self, req: IncidentRequest) -> IncidentResult:
+        shared, incident_id = self.open(req)
+        req = dataclasses.replace(req, incident_id=incident_id, shared=shared)
+        ev = self.evidence(req, self.capture(req))
+        verdict = self.decide(req, ev)
+        path = self.publish(req, verdict, ev)
+        self.act(req)
+        return IncidentResult(incident_id, verdict, path, ev.views)
+
+    def open(self, req: IncidentRequest) -> tuple[SharedIncident | None, str]:
+        """Claim the incident for every node (multi-node jobs), so all nodes share one id."""
+        shared = req.shared
+        if req.correlator is not None and shared is None:
+            shared = req.correlator.claim(req.incident_id, trigger_doc(req.trigger))
+        incident_id = shared.incident_id if shared is not None else req.incident_id
+        log.warning(
+            "incident_detected",
+            job=req.job_id,
+            incident=incident_id,
+            trigger=req.trigger.kind,
+            ranks=list(req.trigger.ranks),
+            reason=req.trigger.reason,
+            signalled_by=shared.by_node if shared is not None and req.shared is not None else None,
+        )
+        return shared, incident_id
+
+    def capture(self, req: IncidentRequest) -> tuple[dict[int, RankCapture], Any, float]:
+        """Stacks and dumps of every live local rank, in parallel; NCCL RAS asked before and after."""
+        ras_first = self.ras.query()
+        t0 = time.monotonic()
+        targets = [(v.rank, v.pid, v.state == STOPPED) for v in req.views if v.state in (RUNNING, STOPPED)]
+        captures = self.capture_fn(targets, req.job_dir, req.incident_id, self.capture_policy)
+        log.info(
+            "capture_done",
+            job=req.job_id,
+            incident=req.incident_id,
+            ranks=len(targets),
+            stacks=sum(1 for c in captures.values() if c.main_frames()),
+            seconds=round(time.monotonic() - t0, 3),
+        )
+        return captures, ras_first, t0
+
+    def evidence(self, req: IncidentRequest, captured: tuple[dict[int, RankCapture], Any, float]) -> Evidence:
+        """Fresh states with the stacks, the flight-recorder analysis, GPU notes and the RAS recheck."""
+        captures, ras_first, t0 = captured
+        # states may have moved on during capture (a rank died): take the loop's newest poll, keep the
+        # GPU reading of detection time (py-spy pauses ranks during capture)
+        fresh = {v.rank: v for v in req.latest_views()}
+        merged = [
+            dataclasses.replace(fresh[v.rank], gpu_util=v.gpu_util, gpu_missing=v.gpu_missing) if v.rank in fresh else v
+            for v in req.views
+        ]
+        views = enrich(merged, captures, self.capture_policy)
+        fr = fr_evidence(captures)
+        outside = [*fr.lines, *self.gpu.device_notes()]
+        if ras_first is not None:
+            time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
+            outside += self.ras.evidence(ras_first, self.ras.query())
+        return Evidence(views, captures, fr, outside)
+
+    def decide(self, req: IncidentRequest, ev: Evidence) -> dict[str, Any]:
+        """The verdict over this node's evidence, or over every node's through the leader."""
+
+        def decide_over(all_views: Sequence[RankView], notes: Sequence[str], correlation: str | None) -> dict[str, Any]:
+            verdict = decide(
+                all_views,
+                job_id=req.job_id,
+                incident_id=req.incident_id,
+                detected_after_s=req.trigger.detected_after_s,
+                extra_evidence=[*notes, *ev.outside],
+                fr_hints=ev.fr.hints,
+            ).to_json()
+            return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
+
+        if req.correlator is None or req.shared is None:
+            return decide_over(ev.views, [], None)
+        verdict, how, decided_here = req.correlator.resolve(req.shared, ev.views, req.node, req.world_size, decide_over)
+        log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
+        if decided_here:
+            return verdict
+        # the leader's verdict, completed with this node's trigger and ranks
+        return finalize_verdict(
+            verdict, trigger=req.trigger, correlation=str(verdict.get("correlation") or how), local_views=ev.views
+        )
+
+    def publish(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> str | None:
+        """Bundle, log line and callback."""
+        path = self._write_bundle(req, verdict, ev)
+        log.warning(
+            "verdict",
+            job=req.job_id,
+            incident=req.incident_id,
+            kind=verdict["kind"],
+            initiating_ranks=verdict["initiating_ranks"],
+            phase=verdict["phase"],
+            confidence=verdict["confidence"],
+            reason=verdict["reason"],
+            bundle=path,
+        )
+        if self.on_incident is not None:
+            try:
+                self.on_incident(verdict, path)
+            except Exception:
+                log.exception("incident_callback_failed", job=req.job_id)
+        return path
+
+    def act(self, req: IncidentRequest) -> None:
+        """Only with ``--on-stall kill`` (a killer is configured), and only on verified ranks."""
+        if self.killer is not None and req.identities:
+            self.killer.kill_job(req.job_id, req.identities)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _write_bundle(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> str | None:
+        policy = self.serve_policy
+        for attempt in range(policy.bundle_attempts):
+            try:
+                path = bundle.write_bundle(
+                    req.incidents_dir,
+                    req.incident_id,
+                    verdict,
+                    verdict_text(verdict),
+                    ranks_doc(req.job_id, verdict, ev.views),
+                    ev.views,
+                    ev.captures,
+                )
+                log.info("bundle_written", job=req.job_id, incident=req.incident_id, path=path)
+                return path
+            except OSError as exc:
+                log.error(
+                    "bundle_write_failed", job=req.job_id, incident=req.incident_id, error=str(exc), attempt=attempt
+                )
+                time.sleep(policy.bundle_retry_s)
+        return None
+
+    def _fallback(self, req: IncidentRequest, exc: Exception) -> IncidentResult:
+        """A stage raised: the incident is still decided over the detection-time views and published."""
+        verdict = decide(
+            req.views,
+            job_id=req.job_id,
+            incident_id=req.incident_id,
+            detected_after_s=req.trigger.detected_after_s,
+            extra_evidence=[f"incident pipeline failed: {type(exc).__name__}: {exc}"[:300]],
+        ).to_json()
+        verdict = finalize_verdict(verdict, trigger=req.trigger, correlation=None, local_views=req.views)
+        path = None
+        try:
+            path = self.publish(req, verdict, Evidence(list(req.views), {}, FrFindings((), None, ()), []))
+        except Exception:
+            log.exception("incident_publish_failed", job=req.job_id, incident=req.incident_id)
+        return IncidentResult(req.incident_id, verdict, path, list(req.views))
