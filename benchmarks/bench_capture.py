@@ -52,7 +52,8 @@ def wait_blocked(job_dir: Path, n: int, timeout: float) -> list[tuple[int, int, 
 
 def bench(n: int, reps: int) -> dict:
     from rankwatch.watchdog.core.policy import CapturePolicy
-    from rankwatch.watchdog.evidence.capture import capture_all, waiting_on_peers
+    from rankwatch.watchdog.core.stacks import waiting_on_peers
+    from rankwatch.watchdog.evidence.capture import capture_all
 
     tmp = Path(tempfile.mkdtemp(prefix="rw-bench-cap-"))
     job = f"bench-cap-{n}"

@@ -25,19 +25,19 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", DEFAULT_FR_BUFFER)
 
     from rankwatch.hooks import instrument
-    from rankwatch.hooks.api import mark_crashed
+    from rankwatch.hooks.api import crash_text, mark_crashed
 
     instrument()
     try:
         _run(argv)
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            mark_crashed()
+            mark_crashed(f"SystemExit: {exc.code}"[:200])
         raise
     except KeyboardInterrupt:
         raise
-    except BaseException:
-        mark_crashed()
+    except BaseException as exc:
+        mark_crashed(crash_text(exc))
         raise
 
 

@@ -24,6 +24,7 @@ from .jobinfo import rank_identity, sanitize_job_id
 from .jobinfo import shm_dir as env_shm_dir
 from .record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
 from .responder import DumpResponder, install_faulthandler
+from .shmdir import ensure_job_dir
 from .tracker import Tracker
 
 _tracker: Tracker | None = None
@@ -69,13 +70,15 @@ def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
         return True
     if os.environ.get("RANKWATCH_DISABLE") == "1" or multiprocessing.parent_process() is not None:
         return False
+    if _init_attempted:  # an earlier call failed and warned (once), or this is a fork of the recording process
+        return False
     _init_attempted = True
     try:
         base = shm_dir or env_shm_dir()
         job = sanitize_job_id(job_id) if job_id else env_job_id()
         ident = rank_identity()
-        job_dir = os.path.join(base, job)
-        os.makedirs(job_dir, mode=0o700, exist_ok=True)
+        # the base is shared by every user (01777, like /tmp); the job dir must be ours and 0700
+        job_dir = ensure_job_dir(base, job)
         writer = RecordWriter(record_path(base, job, ident["global_rank"]))
         write_identity(
             writer,
@@ -115,15 +118,20 @@ def _chain_excepthook(tracker: Tracker) -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
-            tracker.mark_crashed()
+            tracker.mark_crashed(crash_text(exc))
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
 
 
-def mark_crashed() -> None:
+def crash_text(exc: BaseException) -> str:
+    """What the crash mark says: the exception's type and the start of its message."""
+    return f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+def mark_crashed(info: str = "") -> None:
     if _tracker is not None:
-        _tracker.mark_crashed()
+        _tracker.mark_crashed(info)
 
 
 class _NullPhase(contextlib.AbstractContextManager[None]):

@@ -1,6 +1,6 @@
 """The one way rankwatch writes a file: owner-only, and whole or absent.
 
-Shared by the hook (job.json, dump responder answers) and the watchdog (bundles, summaries, HTML reports),
+Shared by the hook (job.json) and the watchdog (bundles, summaries, HTML reports),
 so every writer fsyncs, refuses symlinks and cleans up after a failure in the same way. Standard library
 only: this module runs inside training processes.
 """

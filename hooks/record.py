@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 MAGIC = b"RNKWTCH1"
-VERSION = 1
+CRASH_LEN = 240
+VERSION = 2  # 2: crash_info (why the script ended with an exception)
 MAX_PHASES = 16  # slot table; canonical phases take the first six
 RING_STEPS = 512  # steps kept; at 5 ms steps a 1 Hz poll needs ~200
 NAME_LEN = 24
@@ -89,6 +90,8 @@ class RecordLayout(ctypes.Structure):
         ("budget_s", ctypes.c_double),  # largest declared budget among the open phases, 0 if none
         ("budget_start_ns", ctypes.c_uint64),  # when the phase holding that budget began
         ("exit_ns", ctypes.c_uint64),
+        # "ExceptionType: message" of the exception that ended the script (bounded, UTF-8), set with FLAG_CRASHED
+        ("crash_info", ctypes.c_char * CRASH_LEN),
         # GPU time per phase slot (ms, cumulative) from CUDA events; only on ranks that use CUDA
         ("gpu_phase_ms", ctypes.c_double * MAX_PHASES),
         # ring of completed steps: entry i holds step s where s % RING_STEPS == i
@@ -153,6 +156,7 @@ class RecordSnapshot:
     budget_start_ns: int
     exit_ns: int
     steps_done: int
+    crash_info: str = ""
     gpu_phase_ms: dict[str, float] = field(default_factory=dict)
     recent_steps: tuple[StepTiming, ...] = field(default=())
 
@@ -246,6 +250,7 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
             else {}
         ),
         steps_done=done,
+        crash_info=_decode_str(rec.crash_info),
         recent_steps=tuple(steps),
     )
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .record import (
     CANONICAL_PHASES,
+    CRASH_LEN,
     FLAG_CRASHED,
     FLAG_DISABLED,
     FLAG_EXITED,
@@ -233,11 +234,15 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
-    def mark_crashed(self) -> None:
-        """The script is ending with an exception or non-zero exit: this rank failed, not its peers."""
+    def mark_crashed(self, info: str = "") -> None:
+        """The script is ending with an exception or non-zero exit; ``info`` ("Type: message") lets the
+        daemon tell an own failure from a consequence of a peer's (connection closed, timeout)."""
         try:
             rec = self._rec
             rec.seq += 1
+            if info and not rec.crash_info:  # the first cause wins (atexit may report again)
+                raw = info.encode("utf-8", "replace")[: CRASH_LEN - 1]
+                rec.crash_info = raw.decode("utf-8", "ignore").encode()
             rec.flags |= FLAG_CRASHED
             rec.seq += 1
         except Exception:

@@ -10,7 +10,7 @@ import time
 
 from conftest import DEMO, skip_if_gloo_teardown_abort, torchrun_args, wait_for
 from rankwatch.hooks.record import read_record
-from rankwatch.watchdog.evidence.capture import RankCapture, collect_dump, request_dump
+from rankwatch.watchdog.evidence.capture import DumpRequest, RankCapture, collect_dump, request_dump
 
 
 def torchrun(*args: str) -> list[str]:
@@ -92,9 +92,11 @@ def test_dump_responder_answers_from_a_rank_blocked_in_allreduce(procs, shm_dir,
 
     assert wait_for(blocked, timeout=90), "rank 0 never reached its second all_reduce"
     time.sleep(0.5)
-    assert request_dump(job_dir, 0, "tok1") is None
-    cap = RankCapture(rank=0, pid=read_record(rec_path).pid)
-    collect_dump(job_dir, 0, "tok1", time.monotonic() + 20, cap)
+    pid = read_record(rec_path).pid
+    req = request_dump(job_dir, 0, "tok1", pid)
+    assert isinstance(req, DumpRequest), req
+    cap = RankCapture(rank=0, pid=pid)
+    collect_dump(req, time.monotonic() + 20, cap)
     assert cap.responder_error is None
     main = next(t for t in cap.responder_stacks["threads"] if t["thread_name"] == "MainThread")
     assert main["frames"][0]["name"] == "all_reduce"
@@ -107,4 +109,8 @@ def test_dump_responder_answers_from_a_rank_blocked_in_allreduce(procs, shm_dir,
     assert int(status["last_enqueued_collective"]) == entries[-1]["collective_seq_id"]
     assert int(status["last_completed_collective"]) < int(status["last_enqueued_collective"])
     # a request for a rank with no responder is refused immediately
-    assert request_dump(job_dir, 7, "tok2") is not None
+    assert isinstance(request_dump(job_dir, 7, "tok2"), str)
+    # only the rank itself may answer: a request naming another pid is refused after connecting
+    assert "not by the rank" in str(request_dump(job_dir, 0, "tok3", pid + 100000))
+    # the answer came over the socket: nothing was left in the job dir
+    assert not os.path.exists(os.path.join(job_dir, "dumps"))

@@ -68,7 +68,7 @@ def test_both_nodes_agree_on_the_initiating_rank(procs, tmp_path, scenario, rank
     found = [verdicts(out) for _, out in nodes]
     assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
     v0, v1 = found[0][0], found[1][0]
-    assert v0["initiating_ranks"] == [rank] and v0["kind"] == kind, v0
+    assert v0["initiating_ranks"] == [rank] and v0["kind"] == kind, "\n".join([v0["reason"], *v0["evidence"]])
     if phase:
         assert v0["phase"] == phase
     # one verdict, the same on both nodes

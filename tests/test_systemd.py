@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -30,13 +31,63 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     assert "SystemCallFilter" not in text  # py-spy needs ptrace/process_vm_readv (@debug)
 
 
+def unit_settings() -> dict[str, str]:
+    out = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+# cheap hardening that leaves ptrace alone (README "Running as a systemd service" gives the score)
+HARDENING = {
+    "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "read-only", "PrivateTmp": "yes",
+    "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes", "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes", "ProtectClock": "yes", "ProtectHostname": "yes", "RestrictNamespaces": "yes",
+    "RestrictSUIDSGID": "yes", "RestrictRealtime": "yes", "LockPersonality": "yes",
+    "SystemCallArchitectures": "native", "UMask": "0077", "RestartPreventExitStatus": "2",
+}
+
+
+def test_unit_is_hardened_and_keeps_only_the_capabilities_it_needs():
+    unit = unit_settings()
+    for key, value in HARDENING.items():
+        assert unit.get(key) == value, f"{key}={unit.get(key)!r}, expected {value!r}"
+    # ptrace for py-spy, DAC_READ_SEARCH for other users' records and responder sockets, KILL for
+    # --on-stall kill; never DAC_OVERRIDE (the responder answers over its socket, nothing to write)
+    wanted = {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL"}
+    assert set(unit["CapabilityBoundingSet"].split()) == wanted
+    assert set(unit["AmbientCapabilities"].split()) <= wanted
+    assert unit["ReadWritePaths"].lstrip("-") == "/dev/shm/rankwatch"
+    assert unit["StateDirectory"] == "rankwatch"  # /var/lib/rankwatch, writable under ProtectSystem=strict
+    # no private /dev or /proc view: the ranks' records, /proc/<pid> and NVML devices must stay visible
+    for key in ("PrivateDevices", "ProtectProc", "ProcSubset", "PrivateUsers", "SystemCallFilter"):
+        assert key not in unit
+
+
+def test_tmpfiles_entry_creates_the_shared_shm_dir_root_owned_and_sticky(tmp_path):
+    conf = REPO / "systemd" / "rankwatch-tmpfiles.conf"
+    entries = [line.split() for line in conf.read_text().splitlines() if line and not line.startswith("#")]
+    assert entries == [["d", "/dev/shm/rankwatch", "1777", "root", "root", "-"]]
+    env = (REPO / "systemd" / "rankwatch.env").read_text()
+    assert "RANKWATCH_SHM_DIR=/dev/shm/rankwatch\n" in env
+    if shutil.which("systemd-tmpfiles") is None or os.geteuid() != 0:
+        pytest.skip("systemd-tmpfiles (as root) not available")
+    (tmp_path / "dev" / "shm").mkdir(parents=True)
+    result = subprocess.run(["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(conf)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    st = (tmp_path / "dev" / "shm" / "rankwatch").stat()
+    assert oct(st.st_mode & 0o7777) == "0o1777" and st.st_uid == 0
+
+
 def test_daemon_sends_ready_and_watchdog_pings_to_notify_socket(procs, tmp_path):
     sock_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(sock_path)
     sock.settimeout(30)
     env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000", "PATH": "/usr/bin:/bin"}
-    import os
 
     env = dict(os.environ, **env)
     env.pop("WATCHDOG_PID", None)

@@ -90,6 +90,47 @@ def test_first_death_wins_over_later_ones_and_over_waiting_ranks():
     assert "exit order: 2 → 1 → 3" in v["evidence"]
 
 
+PEER_LOST = "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:41231"
+
+
+def test_a_killed_rank_beats_a_peer_whose_connection_error_was_seen_first():
+    # under load the peer's crash reaches the watchdog 10 ms before the killed rank's exit
+    views = [
+        rv(0),
+        rv(1, state="dead", exit_age_s=0.20, exit_order=1),
+        rv(2, state="crashed", exit_age_s=0.21, exit_order=0, exit_cause=PEER_LOST),
+        rv(3),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("dead_rank", [1], "high")
+    assert any("consequence" in e for e in v["evidence"])
+
+
+def test_across_nodes_cause_decides_where_clocks_cannot():
+    # node n1's evidence was captured two seconds after n0's: ages across nodes are not comparable
+    views = [
+        rv(0, state="dead", exit_age_s=2.1, exit_order=1),  # torchrun tore node n0 down after rank 1 crashed
+        rv(1, state="crashed", exit_age_s=2.2, exit_order=0, exit_cause=PEER_LOST),
+        rv(2, node="n1", state="crashed", exit_age_s=0.05, exit_order=1, exit_cause=PEER_LOST),
+        rv(3, node="n1", state="dead", exit_age_s=0.08, exit_order=0),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [3])
+
+
+def test_an_own_exception_is_the_initiator_and_its_peers_connection_errors_are_not():
+    views = [
+        rv(0, state="crashed", exit_age_s=0.5, exit_order=0, exit_cause="ConnectionResetError: reset by peer"),
+        rv(1, state="crashed", exit_age_s=0.5, exit_order=1, exit_cause=PEER_LOST),
+        rv(2, state="crashed", exit_age_s=0.4, exit_order=2, exit_cause="ValueError: batch 17 has no labels"),
+        rv(3, state="crashed", exit_age_s=0.3, exit_order=3,
+           exit_cause="RuntimeError: CUDA error: an illegal memory access was encountered (NCCL)"),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [2])
+    assert "ValueError: batch 17 has no labels" in v["reason"]
+
+
 def test_stopped_rank():
     v = verdict([rv(0), rv(1, state="stopped", phase="idle"), rv(2)])
     assert (v["kind"], v["initiating_ranks"]) == ("stopped_rank", [1])

@@ -8,6 +8,14 @@ from typing import Any
 
 import structlog
 
+from .core.text import PROSE, clean
+
+
+def _clean_strings(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Console lines print string values as they are: clean them (a job named with an escape sequence
+    must not drive the terminal). JSON lines need nothing: the encoder escapes control characters."""
+    return {k: clean(v, PROSE) if isinstance(v, str) else v for k, v in event.items()}
+
 
 def configure(json_output: bool | None = None, level: str = "info", stream: Any = None) -> None:
     """json_output None: JSON unless stderr is a terminal."""
@@ -22,7 +30,7 @@ def configure(json_output: bool | None = None, level: str = "info", stream: Any 
     if json_output:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors += [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+        processors += [_clean_strings, structlog.dev.ConsoleRenderer(colors=stream.isatty())]
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),

@@ -4,7 +4,8 @@
         python tests/procs/rank.py [--stall-after STEPS] [--children N] [--step-s S]
 
 Steps every ``--step-s`` seconds (dataloader → forward → backward → optimizer); after ``--stall-after``
-steps it stops making progress inside ``forward``. ``--children`` forks that many workers that ignore
+steps it stops making progress inside ``forward``; with ``--steps`` it exits normally after that
+many. ``--children`` forks that many workers that ignore
 SIGTERM and block forever, like DataLoader workers stuck in ``collate``. Prints "ready <pid>" once its
 record exists.
 """
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--stall-after", type=int, default=-1)
     p.add_argument("--children", type=int, default=0)
     p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=-1, help="exit normally after this many steps")
     args = p.parse_args()
     if not rw.init():
         sys.exit("rankwatch hook did not start")
@@ -48,6 +50,8 @@ def main() -> None:
                 time.sleep(args.step_s / 4)
         rw.step()
         step += 1
+        if step == args.steps:
+            return
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import signal
 from collections.abc import Callable
@@ -11,6 +13,8 @@ import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from .. import logs
+from ..cluster.auth import load_secret
+from ..core.policy import ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
@@ -36,8 +40,42 @@ def build_parser() -> Parser:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="poll once and exit (for checks)")
+    p.add_argument(
+        "--retain-finished",
+        type=seconds_or_never,
+        default=ServePolicy.retain_finished_s,
+        metavar="SECONDS|never",
+        help="remove a finished job's records this long after it ended (default: %(default)s)",
+    )
+    p.add_argument(
+        "--keep-incidents",
+        type=count_or_all,
+        default=ServePolicy.keep_incidents,
+        metavar="N|all",
+        help="keep only the N newest incident bundles under --out (default: %(default)s)",
+    )
     add_watch_options(p)
     return p
+
+
+def seconds_or_never(text: str) -> float | None:
+    if text.strip().lower() == "never":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SECONDS or 'never', got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text!r}")
+    return value
+
+
+def count_or_all(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive count or 'all', got {text!r}")
+    return int(text)
 
 
 def env_defaults(env: dict[str, str] | None = None) -> list[str]:
@@ -53,7 +91,7 @@ def env_defaults(env: dict[str, str] | None = None) -> list[str]:
 
 
 def correlator_factory(
-    store: tuple[str, int] | None, store_port: int | None
+    store: tuple[str, int] | None, store_port: int | None, secret: bytes | None = None
 ) -> Callable[[JobWatch], Correlator | None]:
     """Multi-node jobs (job.json: world size above the local one) get a correlator; node 0 hosts the store
     at MASTER_ADDR:store_port unless --store names one. One multi-node job per store port at a time."""
@@ -75,7 +113,7 @@ def correlator_factory(
             store_port or DEFAULT_STORE_PORT,
         )
         log.info("correlating", job=watch.job_id, node_rank=node_rank, store=f"{host}:{port}")
-        return Correlator(watch.job_id, node_rank, host, port, nnodes=-(-world // max(1, local)))
+        return Correlator(watch.job_id, node_rank, host, port, nnodes=-(-world // max(1, local)), secret=secret)
 
     return build
 
@@ -84,6 +122,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(env_defaults() + argv)
     logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
     stall, capture = policies_from_args(args)
+    secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
     try:
         os.makedirs(args.out, mode=0o700, exist_ok=True)
     except OSError as exc:
@@ -97,11 +136,13 @@ def main(argv: list[str]) -> int:
         stall=stall,
         capture=capture,
         on_stall=args.on_stall,
+        serve=ServePolicy(retain_finished_s=args.retain_finished, keep_incidents=args.keep_incidents),
     )
     factory = None
     if args.store_port is not None or args.store is not None:
-        factory = correlator_factory(args.store, args.store_port)
+        factory = correlator_factory(args.store, args.store_port, secret)
     daemon = Daemon(config, correlator_factory=factory)
+    daemon.clean_leftovers()
     notifier = Notifier()
     extras: list[Any] = []
     if args.metrics_port is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from ..core.policy import CapturePolicy, StallPolicy
 from ..errors import UserError
@@ -73,6 +74,14 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="TCPStore for cross-node correlation (default: MASTER_ADDR and port 29431 on multi-node jobs)",
+    )
+    p.add_argument(
+        "--store-secret-file",
+        default=os.environ.get("RANKWATCH_STORE_SECRET_FILE") or None,
+        metavar="PATH",
+        help="shared secret (same file on every node, mode 0600/0400) that authenticates every store value "
+        "(default: $RANKWATCH_STORE_SECRET_FILE; without one the store is unauthenticated and other nodes' "
+        "claims never kill here)",
     )
     p.add_argument("--pyspy-timeout", type=positive_float, default=CapturePolicy.pyspy_timeout_s, metavar="SECONDS")
     p.add_argument(

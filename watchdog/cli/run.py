@@ -8,14 +8,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
 from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
+from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs
+from ..cluster.auth import load_secret
 from ..core.straggler import diagnose_stragglers
+from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
 from ..report.text import headline, summary_text, verdict_text
@@ -54,12 +58,16 @@ def main(argv: list[str]) -> int:
     if not torchrun_args:
         raise UserError("missing torchrun arguments: rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...")
     logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
+    secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
     cmd = inject_hooks(torchrun_args)
     job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or _default_job_id(cmd))
     out = os.path.abspath(args.out)
     try:
         os.makedirs(out, mode=0o700, exist_ok=True)
-        os.makedirs(args.shm_dir, mode=0o700, exist_ok=True)
+        # shared by every user of the node like /tmp (01777); each job dir inside is its user's, 0700
+        ensure_base_dir(args.shm_dir)
+    except ShmDirError as exc:
+        raise UserError(str(exc)) from exc
     except OSError as exc:
         raise UserError(f"cannot create {exc.filename}: {exc.strerror}") from exc
     _clear_stale_records(os.path.join(args.shm_dir, job_id))
@@ -88,8 +96,9 @@ def main(argv: list[str]) -> int:
         from ..cluster.store import DEFAULT_STORE_PORT
 
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
-        correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes))
+        correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes), secret=secret)
     daemon = Daemon(config, on_incident=on_incident, correlators={job_id: correlator} if correlator else None)
+    daemon.clean_leftovers()
     metrics = None
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
@@ -106,12 +115,13 @@ def main(argv: list[str]) -> int:
         raise UserError(f"cannot start torchrun: {exc}") from exc
 
     def forward(signum: int, _frame: Any) -> None:
+        daemon.quiesce()  # the user stops the job: the ranks torchrun now stops are not dead ranks
         if proc.poll() is None:
             proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = _wait(proc)
+        code = _wait(proc, on_interrupt=daemon.quiesce)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -141,8 +151,8 @@ def main(argv: list[str]) -> int:
         correlator.close()
     if metrics is not None:
         metrics.close()
+    daemon.close()  # finishes incidents in flight and retries bundles the disk refused
     _write_summary(daemon, job_id, out, history)
-    daemon.close()
     return code
 
 
@@ -188,11 +198,12 @@ def _clear_stale_records(job_dir: str) -> None:
                 pass
 
 
-def _wait(proc: subprocess.Popen[bytes]) -> int:
+def _wait(proc: subprocess.Popen[bytes], on_interrupt: Callable[[], None]) -> int:
     while True:
         try:
             return proc.wait()
         except KeyboardInterrupt:
+            on_interrupt()
             # the terminal sent SIGINT to torchrun too; give it time to stop its ranks
             try:
                 return proc.wait(timeout=30)
@@ -209,15 +220,21 @@ def _write_summary(daemon: Daemon, job_id: str, out: str, history: dict[int, lis
     doc = diag.summary_doc(job_id, incidents, history)
     doc["details"] = diag.details
     text = summary_text(doc)
+    summary_path: str | None = os.path.join(out, "summary.json")
     try:
         atomic_json(os.path.join(out, "summary.json"), doc)
         atomic_text(os.path.join(out, "summary.txt"), text)
     except OSError as exc:
         log.error("summary_write_failed", out=out, error=str(exc))
+        summary_path = None
+    bundles = entry.bundles if entry else {}
     recap = "".join(
-        f"incident {v.get('incident_id')}: {headline(v)}\n    why: {v.get('reason')}\n    bundle: "
-        f"{os.path.join(out, 'incidents', str(v.get('incident_id')))}\n"
+        f"incident {clean(v.get('incident_id'), NAME)}: {headline(v)}\n    why: {clean(v.get('reason'), PROSE)}\n"
+        "    bundle: "
+        + (bundles.get(str(v.get("incident_id"))) or "NOT WRITTEN (the disk refused it; the verdict is in the log)")
+        + "\n"
         for v in (entry.verdicts if entry else [])
     )
-    sys.stdout.write("\n" + text + f"summary: {os.path.join(out, 'summary.json')}\n" + recap)
+    where = f"summary: {summary_path}\n" if summary_path else "summary: NOT WRITTEN (see the log)\n"
+    sys.stdout.write("\n" + text + where + recap)
     sys.stdout.flush()

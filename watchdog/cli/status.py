@@ -14,6 +14,7 @@ from .. import logs
 from ..core.policy import ObservePolicy
 from ..core.ranks import fmt_ranks
 from ..core.straggler import diagnose_stragglers
+from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
@@ -38,7 +39,9 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
     jobs = []
     try:
         for name in names:
-            if not os.path.isdir(os.path.join(shm_dir, name)):
+            path = os.path.join(shm_dir, name)
+            # anyone may create a job dir in the shared shm dir: never follow a symlink out of it
+            if not os.path.isdir(path) or os.path.islink(path):
                 if job is not None:
                     raise UserError(f"no job {name!r} under {shm_dir}")
                 continue
@@ -55,26 +58,26 @@ def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[
                     {
                         "rank": v.rank,
                         "pid": v.pid,
-                        "node": v.node,
+                        "node": clean(v.node, NAME),
                         "state": v.state,
                         "step": v.step,
-                        "phase": v.phase or "idle",
+                        "phase": clean(v.phase or "idle", NAME),
                         "in_phase_s": round(v.in_phase_s, 3),
                         "since_progress_s": round(v.since_progress_s, 3),
                         "last_step_ms": round(ring[-1].duration_ms, 3) if ring else None,
-                        "collective": f"{v.coll_op}#{v.coll_seq}" if v.coll_seq else None,
+                        "collective": clean(f"{v.coll_op}#{v.coll_seq}", NAME) if v.coll_seq else None,
                         "gpu_phase_ms": watch.ranks[v.rank].last.gpu_phase_ms or None,
                     }
                 )
             diag = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
             jobs.append(
                 {
-                    "job_id": name,
+                    "job_id": clean(name, NAME),
                     "ranks": rows,
                     "diagnosis": diag.label,
                     "straggler_ranks": diag.straggler_ranks,
-                    "phase": diag.phase,
-                    "why": diag.why,
+                    "phase": clean(diag.phase, NAME) if diag.phase else None,
+                    "why": clean(diag.why, PROSE),
                 }
             )
             watch.close()
@@ -95,10 +98,13 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console()
     for job in jobs:
-        table = Table(title=f"job {job['job_id']}", title_justify="left")
+        # every string shown is cleaned (collect) and passed as Text, never as markup: a phase or job
+        # named "[link=…]" is shown as written
+        table = Table(title=Text(f"job {clean(job['job_id'], NAME)}"), title_justify="left")
         for col, justify in (
             ("rank", "right"),
             ("pid", "right"),
@@ -117,16 +123,17 @@ def main(argv: list[str]) -> int:
                 str(r["rank"]),
                 str(r["pid"]),
                 str(r["step"]),
-                phase,
+                Text(clean(phase, NAME)),
                 f"{r['in_phase_s']:.1f}s",
                 last,
-                r["state"],
+                Text(clean(r["state"], NAME)),
                 style=style,
             )
         console.print(table)
         who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
-        console.print(
-            f"diagnosis: [bold]{job['diagnosis']}[/bold]{who}" + (f" in {job['phase']}" if job["phase"] else "")
-        )
-        console.print(f"why: {job['why']}", markup=False)
+        line = Text("diagnosis: ")
+        line.append(clean(job["diagnosis"], NAME), style="bold")
+        line.append(who + (f" in {clean(job['phase'], NAME)}" if job["phase"] else ""))
+        console.print(line)
+        console.print(Text(f"why: {clean(job['why'], PROSE)}"))
     return 0

@@ -3,8 +3,9 @@
 The hook module is inserted right before the training script, so the user's torchrun options and the
 script's arguments pass through untouched. Finding the script means parsing torchrun's command line, and
 this runs in ``rankwatch run``'s watchdog process, which lives as long as the job: importing
-``torch.distributed.run`` for its ``get_args_parser()`` would keep torch (~200 MiB RSS) mapped on every
-node for the whole run. So torch is never imported here. Two parsers, one of which always decides:
+``torch.distributed.run`` for its ``get_args_parser()`` kept torch mapped on every node for the whole run
+(230 MiB RSS against 36 MiB without it: benchmarks/bench_footprint.py). So torch is never imported here.
+Two parsers, one of which always decides:
 
 1. **A hand parser** (``_hand_parse``) for the grammar torchrun's command lines use in practice: the
    option strings of torch 2.13's ``get_args_parser()``, verbatim (dash and underscore spellings,
@@ -14,7 +15,7 @@ node for the whole run. So torch is never imported here. Two parsers, one of whi
    ``check_env`` actions do (torchrun sees the same environment), and typed values (int, float,
    choices) are checked the way argparse would.
 2. **torch's own parser in a short-lived child** (``_torch_parse``: ``python -c …`` prints the parsed
-   namespace as JSON and exits, so torch never enters the watchdog; ~1.5 s). The hand parser hands the
+   namespace as JSON and exits, so torch never enters the watchdog; 1.5–2.5 s). The hand parser hands the
    command line over whenever it cannot vouch for the answer: an option it does not know (one that a
    newer torch added, an abbreviation such as ``--nnode``, bundled short options such as ``-r3``, ``-h``,
    a bare ``--``), a value that starts with ``-``, a value that fails its type or choices, a missing
@@ -23,7 +24,7 @@ node for the whole run. So torch is never imported here. Two parsers, one of whi
    ``train.py --no 1``: argparse matches every token before the first ``--`` against its options).
 
 Why a hybrid rather than either alone: torch's parser in a child is exact for every torch and Python
-version but costs ~1.5 s and a second torch import on every start; a hand parser alone is free but
+version but costs a second torch import (1.5–2.5 s) on every start; a hand parser alone is free but
 drifts silently when torch adds or changes options. The hybrid is exact whenever it is unsure, and fast
 for the command lines it knows; every one of its own answers is a plain exact-match reading that every
 argparse version agrees on (abbreviations, whose rules and ambiguity errors differ between Python

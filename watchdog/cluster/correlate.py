@@ -11,6 +11,12 @@ Protocol under ``rankwatch/<job-id>/`` in a TCPStore hosted by the leader (the n
 Only durations, step counts and collective sequence numbers cross nodes, never clock readings. A node
 that cannot reach the store, or gets no verdict from the leader, decides over what it has and says so
 in the verdict's ``correlation`` field; a node that sends no evidence is named as missing.
+
+Trust: with a store secret every value is sealed with an HMAC bound to its key and job (``cluster.auth``)
+and an unsealed or forged one is rejected like a malformed one. Without a secret anyone who reaches the
+store can write, so another node's claim is captured for only when this node's own ranks show a stall
+(``screen_unauthenticated``), never leads to a kill here (``IncidentRequest.trusted``), and the leader's
+verdict is refused when it names a local rank that this node sees making progress.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import structlog
 from rankwatch.hooks.record import StepTiming
 
+from ..core.detect import progressing_here
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
@@ -81,8 +88,10 @@ class Correlator:
         *,
         nnodes: int | None = None,
         policy: CorrelationPolicy | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.job_id = job_id
+        self.secret = secret
         self.node_rank = node_rank
         self.leader = node_rank == 0
         self.host, self.port = host, port
@@ -95,6 +104,17 @@ class Correlator:
         self._seq = 0
         self._stop = threading.Event()
         self._rejected_logged: set[str] = set()
+        # unauthenticated remote claims not (yet) confirmed by this node's ranks: (gen, id) → first seen
+        self._unconfirmed: dict[tuple[int, str], float] = {}
+        self._ignored: set[tuple[int, str]] = set()
+        if secret is None:
+            log.warning(
+                "store_unauthenticated",
+                job=job_id,
+                store=f"{host}:{port}",
+                detail="no --store-secret-file: anyone who reaches the store can write to it; other nodes' "
+                "claims are checked against this node's ranks and never kill here",
+            )
         self._connector = threading.Thread(target=self._connect_loop, name="rankwatch-store-connect", daemon=True)
         self._connector.start()
 
@@ -104,7 +124,12 @@ class Correlator:
         while not self._stop.is_set() and self.store is None:
             try:
                 store = JobStore(
-                    self.host, self.port, self.job_id, host_server=self.leader, timeout_s=self.policy.connect_timeout_s
+                    self.host,
+                    self.port,
+                    self.job_id,
+                    host_server=self.leader,
+                    timeout_s=self.policy.connect_timeout_s,
+                    secret=self.secret,
                 )
             except StoreError as exc:
                 if self.error != str(exc):
@@ -115,7 +140,18 @@ class Correlator:
                 continue
             self.store = store
             self.error = None
-            log.info("store_connected", job=self.job_id, address=store.address, hosting=store.hosting)
+            log.info(
+                "store_connected",
+                job=self.job_id,
+                address=store.address,
+                hosting=store.hosting,
+                authenticated=self.authenticated,
+            )
+
+    @property
+    def authenticated(self) -> bool:
+        """Values are sealed and checked under a shared secret."""
+        return self.secret is not None
 
     def _lost(self, exc: StoreError) -> None:
         log.warning("store_failed", job=self.job_id, error=str(exc))
@@ -145,9 +181,9 @@ class Correlator:
         except StoreError as exc:
             self._lost(exc)
 
-    def _incident_from(self, key: str, raw: bytes) -> SharedIncident | None:
+    def _incident_from(self, store: JobStore, key: str, raw: bytes) -> SharedIncident | None:
         try:
-            doc = parse_json(raw, INCIDENT_SCHEMA)
+            doc = parse_json(store.unseal(key, raw), INCIDENT_SCHEMA)
             trigger = doc.get("trigger")
             if not isinstance(trigger, dict):
                 raise ValueRejected("trigger must be an object")
@@ -173,10 +209,61 @@ class Correlator:
             return None
         if raw is None:
             return None
-        inc = self._incident_from("incident/current", raw)
+        inc = self._incident_from(store, "incident/current", raw)
         if inc is None or inc.gen <= self.handled_gen:
             return None
         return inc
+
+    def screen_unauthenticated(
+        self, inc: SharedIncident, local_signs: str | None, give_up_after_s: float
+    ) -> SharedIncident | None:
+        """Whether this node captures for a remote claim that no secret authenticates (with a secret: always).
+        ``local_signs`` is what this node's own ranks show of a stall (``core.detect.local_stall_signs``);
+        without any the claim waits (one log line) and is dropped after ``give_up_after_s`` — by then a
+        real incident would have stalled the ranks here too."""
+        if self.authenticated:
+            return inc
+        ident = (inc.gen, inc.incident_id)
+        if ident in self._ignored:
+            return None
+        if local_signs is not None:
+            self._unconfirmed.pop(ident, None)
+            log.warning(
+                "remote_claim_confirmed_locally",
+                job=self.job_id,
+                gen=inc.gen,
+                incident=inc.incident_id,
+                by_node=inc.by_node,
+                seen_here=local_signs,
+            )
+            return inc
+        now = time.monotonic()
+        if ident not in self._unconfirmed:
+            if len(self._unconfirmed) >= 64:  # bounded, whatever a writer floods the store with
+                self._unconfirmed.clear()
+            self._unconfirmed[ident] = now
+            log.warning(
+                "remote_claim_unconfirmed",
+                job=self.job_id,
+                gen=inc.gen,
+                incident=inc.incident_id,
+                by_node=inc.by_node,
+                detail="unauthenticated claim while this node's ranks make progress: not captured unless they stall",
+            )
+        elif now - self._unconfirmed[ident] > give_up_after_s:
+            del self._unconfirmed[ident]
+            if len(self._ignored) >= 64:
+                self._ignored.clear()
+            self._ignored.add(ident)
+            log.warning(
+                "remote_claim_ignored",
+                job=self.job_id,
+                gen=inc.gen,
+                incident=inc.incident_id,
+                by_node=inc.by_node,
+                waited_s=round(give_up_after_s, 1),
+            )
+        return None
 
     def claim(self, incident_id: str, trigger: dict[str, Any]) -> SharedIncident:
         """Open the next incident for every node, or join the one another node opened first."""
@@ -187,8 +274,15 @@ class Correlator:
         gen = self.handled_gen + 1
         doc = {"schema": INCIDENT_SCHEMA, "gen": gen, "id": incident_id, "by": self.node_rank, "trigger": trigger}
         try:
-            raw = store.claim(f"incident/{gen}", doc)
-            winner = self._incident_from(f"incident/{gen}", raw) or dataclasses.replace(local, gen=gen)
+            key = f"incident/{gen}"
+            raw = store.claim(key, doc)
+            winner = self._incident_from(store, key, raw)
+            if winner is None and self.authenticated:
+                # a value no node signed squats the claim: replace exactly it, atomically, so that of several
+                # nodes doing the same one wins and the others join it
+                raw = store.claim(key, doc, replacing=raw)
+                winner = self._incident_from(store, key, raw)
+            winner = winner or dataclasses.replace(local, gen=gen)
             if winner.by_node == self.node_rank:
                 store.set_json("incident/current", doc)
                 log.info("incident_signalled", job=self.job_id, gen=gen, incident=incident_id)
@@ -237,7 +331,7 @@ class Correlator:
                     continue
                 pending.discard(k)
                 try:
-                    out.update(parse_history(raw))
+                    out.update(parse_history(store.unseal(key, raw)))
                 except ValueRejected as exc:
                     self._reject(key, exc)
             if pending:
@@ -248,11 +342,20 @@ class Correlator:
 
     # -- on an incident ---------------------------------------------------------------------------
     def resolve(
-        self, inc: SharedIncident, local_views: list[RankView], node: str, world_size: int, decide: DecideFn
+        self,
+        inc: SharedIncident,
+        local_views: list[RankView],
+        node: str,
+        world_size: int,
+        decide: DecideFn,
+        *,
+        stall_timeout_s: float | None = None,
     ) -> tuple[dict[str, Any], str, bool]:
         """(verdict, how it was reached, decided by this node). Publishes this node's evidence; the leader
         decides for all. A verdict taken from the leader (decided_here False) is returned as published,
-        for the caller to finalize with this node's own ranks."""
+        for the caller to finalize with this node's own ranks. Without a secret a leader's verdict that
+        names as initiator a local rank progressing within ``stall_timeout_s`` is refused, and this node
+        decides over its own ranks."""
         self.handled_gen = max(self.handled_gen, inc.gen)
         store = self.store
         if store is None or inc.gen == 0:
@@ -276,6 +379,7 @@ class Correlator:
                 self._lost(exc)
             return verdict, how, True
         deadline = time.monotonic() + self.policy.verdict_timeout_s
+        rejected = False  # a bad value may still be overwritten by the leader's: keep waiting for it
         while time.monotonic() < deadline:
             try:
                 raw = store.get_raw(f"verdict/{inc.gen}")
@@ -283,14 +387,40 @@ class Correlator:
                 self._lost(exc)
                 break
             if raw is not None:
+                key = f"verdict/{inc.gen}"
                 try:
-                    verdict = validate_verdict(raw)
-                    return verdict, str(verdict.get("correlation", "leader")), False
+                    verdict = validate_verdict(store.unseal(key, raw))
                 except ValueRejected as exc:
-                    self._reject(f"verdict/{inc.gen}", exc)
-                    break
+                    self._reject(key, exc)
+                    rejected = True
+                    time.sleep(0.1)
+                    continue
+                healthy = (
+                    progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
+                    if not self.authenticated and stall_timeout_s is not None
+                    else []
+                )
+                if not healthy:
+                    return verdict, str(verdict.get("correlation", "leader")), False
+                why = (
+                    f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
+                    f"as initiating but this node sees it making progress"
+                )
+                log.warning(
+                    "remote_verdict_refused",
+                    job=self.job_id,
+                    key=key,
+                    initiating_ranks=verdict["initiating_ranks"][:16],
+                    progressing_here=healthy[:16],
+                    stall_timeout_s=stall_timeout_s,
+                )
+                return decide(local_views, [why], why), why, True
             time.sleep(0.1)
-        why = "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
+        why = (
+            "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
+            if rejected
+            else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
+        )
         views, notes = local_views, [why]
         if self.store is not None:
             views, more = self._gather(self.store, inc, local_views, world_size, 0.0)
@@ -318,10 +448,9 @@ class Correlator:
                 if raw is None:
                     continue
                 try:
-                    _, _, _, views = parse_node_doc(raw)
-                except ValueRejected as exc:
+                    _, _, _, views = parse_node_doc(store.unseal(key, raw))
+                except ValueRejected as exc:  # not heard: the node's own evidence may still replace it
                     self._reject(key, exc)
-                    heard.add(k)
                     continue
                 heard.add(k)
                 for v in views:
@@ -370,7 +499,7 @@ class Correlator:
                 raw = store.get_raw(key)
                 if raw is None:
                     continue
-                _, _, _, views = parse_node_doc(raw)
+                _, _, _, views = parse_node_doc(store.unseal(key, raw))
             except StoreError:
                 continue
             except ValueRejected as exc:

@@ -2,7 +2,8 @@
 ``rankwatch/<job-id>/``.
 
 Everything read from the store is untrusted: a value is size-bounded, parsed as JSON (never unpickled,
-never evaluated), checked against its schema, and dropped with one log line when it does not fit.
+never evaluated), checked against its schema, and dropped with one log line when it does not fit. With a
+store secret every value is also sealed on write and its MAC checked on read (``cluster.auth``).
 torch is imported only here and only when cross-node correlation is on, so a single-node daemon never
 pays for it.
 """
@@ -13,12 +14,13 @@ import dataclasses
 import datetime
 import json
 import math
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
 from ..core.schema import NODE_SCHEMA
 from ..core.snapshot import RankView
+from . import auth
 
 log = structlog.get_logger("rankwatch.store")
 
@@ -101,6 +103,9 @@ def view_from_doc(doc: Any) -> RankView:
         budget_elapsed_s=v_float(doc.get("budget_elapsed_s", 0.0), "budget_elapsed_s") or 0.0,
         exit_order=v_int(doc.get("exit_order"), "exit_order", optional=True, lo=0, hi=10**7),
         exit_age_s=v_float(doc.get("exit_age_s"), "exit_age_s", optional=True),
+        exit_cause=v_str(doc.get("exit_cause"), "exit_cause", optional=True),
+        node_rank=cast(int, v_int(doc.get("node_rank", -1), "node_rank", lo=-1, hi=10**6)),
+        verified=doc.get("verified", True) is True,
         gpu_util=v_float(doc.get("gpu_util"), "gpu_util", optional=True),
         gpu_missing=bool(doc.get("gpu_missing", False)),
         stack_top=tuple(v_str(f, "stack_top[]") or "" for f in stack),
@@ -149,9 +154,20 @@ def parse_json(raw: bytes, schema: str) -> dict[str, Any]:
 class JobStore:
     """One job's keys in a TCPStore; every call is bounded by the store timeout."""
 
-    def __init__(self, host: str, port: int, job_id: str, *, host_server: bool, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        job_id: str,
+        *,
+        host_server: bool,
+        timeout_s: float = 5.0,
+        secret: bytes | None = None,
+    ) -> None:
         import torch.distributed as dist
 
+        self.job_id = job_id
+        self.secret = secret  # None: values are written and read unauthenticated
         self.prefix = f"rankwatch/{job_id}/"
         self.address = f"{host}:{port}"
         try:
@@ -170,8 +186,27 @@ class JobStore:
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    def set_json(self, key: str, doc: dict[str, Any]) -> None:
+    def _encode(self, key: str, doc: dict[str, Any]) -> str:
         text = json.dumps(doc, separators=(",", ":"))
+        return text if self.secret is None else auth.seal(self.secret, self.job_id, key, text)
+
+    def unseal(self, key: str, raw: bytes) -> bytes:
+        """The JSON document in a value read from ``key``: with a secret only if its MAC is valid for this
+        key and job; without one only if it is not sealed (nodes must agree on having a secret).
+        ValueRejected otherwise."""
+        if len(raw) > MAX_VALUE_BYTES:
+            raise ValueRejected(f"value of {len(raw)} bytes exceeds {MAX_VALUE_BYTES}")
+        if self.secret is None:
+            if auth.is_sealed(raw):
+                raise ValueRejected("value is signed but this node has no --store-secret-file (give every node one)")
+            return raw
+        try:
+            return auth.unseal(self.secret, self.job_id, key, raw)
+        except auth.EnvelopeError as exc:
+            raise ValueRejected(str(exc)) from None
+
+    def set_json(self, key: str, doc: dict[str, Any]) -> None:
+        text = self._encode(key, doc)
         if len(text) > MAX_VALUE_BYTES:
             raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         try:
@@ -189,11 +224,15 @@ class JobStore:
         except Exception as exc:
             raise StoreError(f"store get {key} failed: {exc}") from exc
 
-    def claim(self, key: str, doc: dict[str, Any]) -> bytes:
-        """Set ``key`` only if absent; returns the value now stored (ours, or the earlier claimant's)."""
-        text = json.dumps(doc, separators=(",", ":"))
+    def claim(self, key: str, doc: dict[str, Any], *, replacing: bytes = b"") -> bytes:
+        """Set ``key`` only if absent (or still holding exactly ``replacing``); returns the value now stored
+        (ours, or the earlier claimant's), still sealed: read it through ``unseal``."""
+        text = self._encode(key, doc)
+        # compared byte for byte: the binding takes bytes too (a std::string), and what is replaced need not
+        # be UTF-8
+        expected: Any = replacing
         try:
-            return bytes(self._store.compare_set(self._k(key), "", text))
+            return bytes(self._store.compare_set(self._k(key), expected, text))
         except Exception as exc:
             raise StoreError(f"store claim {key} failed: {exc}") from exc
 

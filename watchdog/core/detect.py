@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .policy import StallPolicy
+from .ranks import fmt_ranks
 from .snapshot import GONE_STATES, RUNNING, STOPPED, RankView
 
 
@@ -39,7 +40,9 @@ def find_trigger(
     if not views:
         return None
     timeout = policy.timeout_for(longest_step_s)
-    gone = [v for v in views if v.state in GONE_STATES]
+    # only a verified rank's end opens an incident: a record alone (forged, or of a process that ended
+    # before rankwatch saw it) is evidence for a verdict, never a trigger
+    gone = [v for v in views if v.state in GONE_STATES and v.verified]
     if gone:
         ages = [v.exit_age_s or 0.0 for v in gone]
         return Trigger(
@@ -80,3 +83,36 @@ def recovered(views: Sequence[RankView], policy: StallPolicy, longest_step_s: fl
     if not live or any(v.state in GONE_STATES or v.state == STOPPED for v in views):
         return False
     return all(v.since_progress_s < allowance_s(v, policy, longest_step_s) for v in live)
+
+
+# -- claims and verdicts from other nodes that no store secret authenticates ---------------------------
+
+
+def local_stall_signs(
+    views: Sequence[RankView], policy: StallPolicy, longest_step_s: float, fraction: float
+) -> str | None:
+    """What this node's own ranks show of a stall (None: nothing), the test an unauthenticated remote claim
+    must pass before this node captures for it. A rank gone or stopped here, or a live rank without
+    progress for ``fraction`` of its stall allowance: in a real hang every rank stops progressing within a
+    step of the one that started it, while a healthy rank progresses at every phase. A rank inside a
+    declared phase and within its budget explains the others' waiting, as in ``find_trigger``."""
+    gone = [v.rank for v in views if v.state in GONE_STATES or v.state == STOPPED]
+    if gone:
+        return f"{fmt_ranks(gone)} gone or stopped here"
+    live = [v for v in views if v.state == RUNNING]
+    if not live or any(excused(v) for v in live):
+        return None
+    stuck = [v for v in live if v.since_progress_s >= fraction * allowance_s(v, policy, longest_step_s)]
+    if not stuck:
+        return None
+    worst = max(v.since_progress_s for v in stuck)
+    return f"{fmt_ranks(v.rank for v in stuck)} without progress here for up to {worst:.1f}s"
+
+
+def progressing_here(views: Sequence[RankView], ranks: Sequence[int], timeout_s: float) -> list[int]:
+    """Those of ``ranks`` that this node sees healthy: running and progressed within the stall timeout. A
+    verdict naming one of them as the initiator contradicts this node's own observation."""
+    named = set(ranks)
+    return sorted(
+        v.rank for v in views if v.rank in named and v.state == RUNNING and v.since_progress_s < timeout_s
+    )

@@ -75,6 +75,18 @@ class ServePolicy:
     # on shutdown, in-flight incidents get this long to finish their bundles (capture ≤ pyspy timeout,
     # cross-node verdict wait ≤ CorrelationPolicy.verdict_timeout_s)
     drain_timeout_s: float = 30.0
+    # a bundle that still could not be written (full or read-only disk) is retried this often until it is;
+    # its verdict is in the log meanwhile. At most this many wait in memory (captures can be MBs each).
+    bundle_retry_every_s: float = 5.0
+    max_unwritten_bundles: int = 16
+    # records of finished jobs are removed this long after the job was retired (None: never): long enough
+    # for `rankwatch status --all` and a post-mortem look, short enough that /dev/shm does not fill up
+    retain_finished_s: float | None = 3600.0
+    # incident bundles kept under the daemon's --out, newest first (None: all); an incident storm must not
+    # fill /var/lib on a GPU node
+    keep_incidents: int | None = 200
+    # at start, dump dirs older than this are leftovers of a daemon that was killed mid-capture
+    stale_dump_age_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,11 @@ class CorrelationPolicy:
     history_steps_shared: int = 200
     # at the end of `rankwatch run` the leader waits this long for the other nodes' step rings
     summary_wait_s: float = 15.0
+    # without a store secret, another node's claim is captured for only once a local rank has made no
+    # progress for this fraction of its stall allowance: in a real hang every rank stops within a step of
+    # the initiator (auto timeouts are ≥ 4 steps, so half leaves 2 steps of margin), while a healthy rank
+    # progresses at every phase — a forged claim cannot make a healthy node write a bundle
+    unauthenticated_claim_stall_fraction: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,21 @@ class RankView:
     budget_elapsed_s: float = 0.0
     exit_order: int | None = None  # 0 = first rank of its node to exit; node-local
     exit_age_s: float | None = None  # seconds since it exited, as seen by its node's daemon
+    exit_cause: str | None = None  # crashed: "ExceptionType: message" from the hook's crash mark
+    node_rank: int = -1  # the launcher's node rank (hostnames can repeat: containers, simulated nodes)
+    # the process was proven to write the record; False for one that ended before rankwatch first saw it
+    # (its record is evidence for a verdict, never a reason to open an incident or to act)
+    verified: bool = True
     gpu_util: float | None = None
     gpu_missing: bool = False  # absent from the per-process GPU samples while others are present
     stack_top: tuple[str, ...] = ()
     stack_signature: str | None = None
     waiting: bool | None = None  # stack shows it blocked in a collective / wait (None: no stack)
+
+    @property
+    def node_key(self) -> tuple[int, str]:
+        """Which node a rank ran on, for comparing exit order within a node."""
+        return (self.node_rank, "") if self.node_rank >= 0 else (-1, self.node)
 
     @property
     def in_collective(self) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .failures import CONSEQUENCE, INITIATING, crash_role
 from .fr_analysis import Mismatch, MissingCollective
 from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
@@ -209,30 +210,79 @@ class _Finding:
     rule: str = ""  # which rule produced it: gone, stopped, behind, not_waiting, collective, fr, missing_node
 
 
+def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
+    """Initiating or consequence, per gone rank (``core.failures``).
+
+    A crash is judged by its exception (a communication error is a peer's fault). A rank killed without
+    any mark is initiating unless another rank *of its node* ended clearly (beyond the tolerance) before
+    it: then it is the launcher tearing the node's workers down after that first failure.
+    """
+    roles: dict[int, str] = {}
+    for v in gone:
+        if v.state == CRASHED:
+            roles[v.rank] = crash_role(v.exit_cause)
+            continue
+        age = v.exit_age_s or 0.0
+        # clearly earlier: a launcher notices a failure at its next monitor tick, so its teardown comes
+        # after the tolerance; a kill and a peer's crash milliseconds apart are a tie, decided by cause
+        earlier = any(
+            o.node_key == v.node_key and o is not v and (o.exit_age_s or 0.0) - age > tolerance_s for o in gone
+        )
+        roles[v.rank] = CONSEQUENCE if earlier else INITIATING
+    return roles
+
+
 def _rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
     gone = [v for v in views if v.state in GONE_STATES]
     if not gone:
         return None
     # larger exit age = exited earlier; node-local order breaks ties within a node
     ordered = sorted(gone, key=lambda v: (-(v.exit_age_s or 0.0), v.exit_order if v.exit_order is not None else 0))
-    first = ordered[0]
+    roles = exit_roles(gone, policy.exit_order_tolerance_s)
+    # cause before time: an initiating exit, however late it was seen, beats a consequence seen earlier
+    candidates = [v for v in ordered if roles[v.rank] == INITIATING] or ordered
+    first = candidates[0]
     # exits within the tolerance are not ordered across nodes; within a node the exit order is exact
-    near = first_by_time(ordered, key=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s)
-    firsts = [first, *(v for v in near if v is not first and v.node != first.node)]
+    near = first_by_time(candidates, key=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s)
+    firsts = [first, *(v for v in near if v is not first and v.node_key != first.node_key)]
     how = "exited with an error" if first.state == CRASHED else "died (killed, no normal-exit mark)"
-    evidence = [
-        f"rank {v.rank} {v.state} {v.exit_age_s or 0.0:.2f}s ago in phase {v.phase or 'idle'} at step {v.step}"
-        for v in ordered
-    ]
+
+    def line(v: RankView) -> str:
+        cause = f" ({v.exit_cause})" if v.state == CRASHED and v.exit_cause else ""
+        return (
+            f"rank {v.rank} {v.state} {v.exit_age_s or 0.0:.2f}s ago in phase {v.phase or 'idle'} at step "
+            f"{v.step}{cause}: {roles[v.rank]}"
+        )
+
+    evidence = [line(v) for v in ordered]
     if len(gone) > 1:
         evidence.append(f"exit order: {' → '.join(str(v.rank) for v in ordered)}")
-    confidence = "high" if len(firsts) == 1 else "medium"
+    consequences = [v.rank for v in ordered if roles[v.rank] == CONSEQUENCE]
+    if consequences and candidates[0] is not ordered[0]:
+        evidence.append(
+            f"{fmt_ranks(consequences)} ended with communication errors or were torn down after a peer's "
+            "failure: consequences, even where seen first"
+        )
+    unverified = [v.rank for v in firsts if not v.verified]
+    if unverified:
+        evidence.append(
+            f"{fmt_ranks(unverified)} ended before rankwatch first saw its process: its exit time is when "
+            "rankwatch noticed, and who it was rests on its record alone"
+        )
+    all_consequences = not any(roles[v.rank] == INITIATING for v in gone)
+    confidence = "high" if len(firsts) == 1 and not all_consequences else "medium"
+    if unverified and confidence == "high":
+        confidence = "medium"
+    if all_consequences:
+        evidence.append("every rank that ended reports a consequence (communication error): the cause may lie outside")
+        confidence = "low" if len(gone) > 1 else confidence
     return _Finding(
         "dead_rank",
         sorted(v.rank for v in firsts),
         confidence,
         f"{fmt_ranks(v.rank for v in firsts)} {how} first, in {phase_kind(first.phase)} "
         f"({first.phase or 'idle'}) at step {first.step}"
+        + (f" ({first.exit_cause})" if first.state == CRASHED and first.exit_cause else "")
         + (f"; {len(gone) - len(firsts)} other rank(s) exited after it" if len(gone) > len(firsts) else ""),
         evidence,
     )

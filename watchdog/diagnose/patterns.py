@@ -12,6 +12,8 @@ import re
 import signal as _signal
 from dataclasses import dataclass
 
+from ..core.failures import COMMUNICATION
+
 # --- cheap prefilter ----------------------------------------------------------------------------
 # A line can only matter if it contains one of these literals, so only such lines reach Python.
 # Speed comes from their first letters: every alternative of PREFILTER starts with an uppercase letter
@@ -214,10 +216,7 @@ TB_EXCEPTION = re.compile(
 # a c10d collective in the innermost torch.distributed frame names the op
 C10D_FILE = "distributed_c10d.py"
 TORCH_PATH = re.compile(r"/(?:site|dist)-packages/|/torch/|<frozen ")
-COMM_MESSAGE = re.compile(
-    r"gloo|NCCL|nccl|Timed out|timed out|Connection (?:closed|reset)|DistBackendError|DistNetworkError"
-    r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
-)
+COMM_MESSAGE = COMMUNICATION  # one classification with the live verdict (core/failures.py)
 
 
 def signal_name(exitcode: int) -> str | None:

@@ -12,7 +12,11 @@ import errno
 import json
 import os
 import shutil
+import socket
+import stat
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from rankwatch.hooks.responder import ctl_path
+from rankwatch.hooks.responder import ctl_path, peer_cred, socket_address
 
 from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
+from ..core.text import FIELD, NAME, PROSE, clean
 
 log = structlog.get_logger("rankwatch.capture")
 
@@ -57,6 +62,10 @@ class RankCapture:
 
 
 def pyspy_available() -> str | None:
+    """py-spy next to this Python first (a venv's bin is not on systemd's PATH), then on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if sys.executable and os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
     return shutil.which("py-spy")
 
 
@@ -87,46 +96,153 @@ def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bo
         return None, "py-spy printed invalid JSON"
 
 
-def request_dump(job_dir: str, rank: int, token: str) -> str | None:
-    """Ask the rank's responder for a dump; returns an error string when it cannot be asked."""
+# the largest answer parts read from a responder (a flight-recorder trace of a big job is tens of MB)
+MAX_STACKS_BYTES = 8 << 20
+MAX_FR_BYTES = 64 << 20
+MAX_FR_ERR_BYTES = 4096
+_FRAME_LIMITS = {"stacks": MAX_STACKS_BYTES, "fr": MAX_FR_BYTES, "fr_err": MAX_FR_ERR_BYTES, "done": 0}
+CONNECT_TIMEOUT_S = 1.0
+# after py-spy returns, a responder that was paused by it gets at least this long to finish its answer
+COLLECT_GRACE_S = 0.5
+
+
+class DumpRequest:
+    """A request the rank's responder accepted: its answer is read from ``sock`` by ``collect_dump``."""
+
+    def __init__(self, sock: socket.socket, deadline: float = 0.0) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self._buf = bytearray()
+
+    def extend(self, deadline: float) -> None:
+        self.deadline = max(self.deadline, deadline)
+
+    def cancel(self) -> None:
+        """Wake a reader blocked on the answer (it then fails with 'did not answer in time')."""
+        self.deadline = 0.0
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _fill(self) -> None:
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            # short waits, so a deadline extended meanwhile (py-spy still running) is seen
+            self.sock.settimeout(min(left, 0.25))
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            if not chunk:
+                raise EOFError
+            self._buf += chunk
+            return
+
+    def read_line(self, limit: int) -> bytes:
+        while b"\n" not in self._buf:
+            if len(self._buf) > limit:
+                raise ValueError("answer header too long")
+            self._fill()
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf = bytearray(rest)
+        return line
+
+    def read_exact(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            self._fill()
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+
+def request_dump(job_dir: str, rank: int, token: str, pid: int | None = None) -> DumpRequest | str:
+    """Ask the rank's responder for a dump: the open request, or an error string when it cannot be asked.
+
+    Only the rank itself may answer: the socket must be a socket (not a symlink to some other service's),
+    and the peer behind it must run as the socket's owner and, when ``pid`` is given, be that process."""
     path = ctl_path(job_dir, rank)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "dump responder not listening (no control socket)"
     except OSError as exc:
-        if exc.errno == errno.ENXIO:
-            return "dump responder not listening"
         return f"dump responder unreachable: {exc.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return "dump responder unreachable: its control file is not a socket (a hook older than this watchdog?)"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        os.write(fd, f"dump {token}\n".encode())
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        with socket_address(path) as address:
+            sock.connect(address)
+        peer_pid, peer_uid, _ = peer_cred(sock)
+        if peer_uid != st.st_uid:
+            sock.close()
+            return f"dump responder refused: the peer runs as uid {peer_uid}, the socket belongs to uid {st.st_uid}"
+        if pid is not None and peer_pid != pid:
+            sock.close()
+            return f"dump responder refused: answered by pid {peer_pid}, not by the rank (pid {pid})"
+        sock.sendall(f"dump {token}\n".encode())
     except OSError as exc:
-        return f"dump request failed: {exc.strerror}"
+        sock.close()
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return "dump responder not listening"
+        return f"dump responder unreachable: {exc.strerror or exc}"
+    return DumpRequest(sock)
+
+
+def collect_dump(req: DumpRequest, deadline: float, cap: RankCapture) -> None:
+    """Read the responder's answer into ``cap`` until ``deadline`` (``req.extend`` may push it back)."""
+    req.extend(deadline)
+    got: dict[str, bytes] = {}
+    try:
+        while True:
+            header = req.read_line(64).decode("ascii", "replace").split()
+            if len(header) != 2 or header[0] not in _FRAME_LIMITS or not header[1].isdigit():
+                cap.responder_error = "dump responder sent a malformed answer"
+                return
+            kind, size = header[0], int(header[1])
+            if size > _FRAME_LIMITS[kind]:
+                cap.responder_error = f"dump responder answer too large ({kind}: {size} bytes)"
+                return
+            if kind == "done":
+                break
+            got[kind] = req.read_exact(size)
+    except (TimeoutError, EOFError, OSError, ValueError):
+        cap.responder_error = (
+            "dump responder sent its stacks but not the flight recorder in time"
+            if "stacks" in got
+            else "dump responder did not answer in time"
+        )
     finally:
-        os.close(fd)
-    return None
-
-
-def collect_dump(job_dir: str, rank: int, token: str, deadline: float, cap: RankCapture) -> None:
-    base = os.path.join(job_dir, "dumps", token, f"rank-{rank}")
-    while time.monotonic() < deadline and not os.path.exists(base + ".done"):
-        time.sleep(0.05)
-    if not os.path.exists(base + ".done"):
-        cap.responder_error = "dump responder did not answer in time"
-        return
-    with contextlib.suppress(OSError, ValueError), open(base + ".stacks.json", "rb") as f:
-        cap.responder_stacks = json.loads(f.read(8 << 20))
-    with contextlib.suppress(OSError), open(base + ".fr.json", "rb") as f:
-        cap.fr_json = f.read(64 << 20)
-    if cap.fr_json is None:
-        with contextlib.suppress(OSError), open(base + ".fr.err", "rb") as f:
-            cap.notes.append("flight recorder: " + f.read(4096).decode("utf-8", "replace"))
+        req.close()
+    if "stacks" in got:
+        try:
+            stacks = json.loads(got["stacks"])
+        except (ValueError, RecursionError):
+            stacks = None
+        cap.responder_stacks = stacks if isinstance(stacks, dict) else None
+    if "fr" in got:
+        cap.fr_json = got["fr"]
+    elif "fr_err" in got:
+        cap.notes.append("flight recorder: " + got["fr_err"].decode("utf-8", "replace"))
 
 
 def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     cap = RankCapture(rank=rank, pid=pid)
     deadline = time.monotonic() + policy.responder_timeout_s
-    asked = request_dump(job_dir, rank, token) if not stopped else "rank is stopped; responder cannot run"
-    if asked is not None:
+    asked = request_dump(job_dir, rank, token, pid) if not stopped else "rank is stopped; responder cannot run"
+    reader = None
+    if isinstance(asked, str):
         cap.responder_error = asked
+    else:
+        # the answer is read while py-spy runs: a flight-recorder trace is larger than a socket buffer
+        reader = threading.Thread(target=collect_dump, args=(asked, deadline, cap), name="rankwatch-dump-reader")
+        reader.start()
     threads, err = pyspy_dump(pid, policy.pyspy_timeout_s, nonblocking=stopped, include_locals=policy.include_locals)
     if threads is None and not stopped:
         # blocking dumps fail on processes that cannot be paused; the nonblocking read still works
@@ -134,8 +250,13 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
         if threads is None:
             err = f"{err}; nonblocking: {err2}"
     cap.pyspy_threads, cap.pyspy_error = threads, err
-    if asked is None:
-        collect_dump(job_dir, rank, token, deadline, cap)
+    if reader is not None and not isinstance(asked, str):
+        # py-spy pauses the rank while it reads it: the responder gets a little time after that
+        asked.extend(time.monotonic() + COLLECT_GRACE_S)
+        reader.join(max(asked.deadline - time.monotonic(), 0.0) + 1.0)
+        if reader.is_alive():
+            asked.cancel()
+            reader.join()
     if cap.pyspy_error:
         log.warning("pyspy_failed", rank=rank, pid=pid, error=cap.pyspy_error)
     return cap
@@ -158,28 +279,39 @@ def capture_all(
                 results[rank] = fut.result()
             except Exception as exc:  # one failing capture never costs the others
                 results[rank] = RankCapture(rank=rank, pid=-1, pyspy_error=f"capture failed: {exc!r}")
-    with contextlib.suppress(OSError):
-        shutil.rmtree(os.path.join(job_dir, "dumps", token))
     return results
 
 
+def _frame_line(f: object) -> str:
+    if not isinstance(f, dict):
+        return f"    {clean(f, FIELD)}"
+    return f"    {clean(f.get('name'), NAME)} ({clean(f.get('filename'), FIELD)}:{clean(f.get('line'), 12)})"
+
+
+def _threads(value: object) -> list[dict[str, Any]]:
+    return [t for t in value if isinstance(t, dict)] if isinstance(value, list) else []
+
+
 def render_text(cap: RankCapture) -> str:
+    """A rank's stacks as text. Function, file and thread names come from the training process (py-spy reads
+    its memory; the responder is code running inside it): every one is cleaned and bounded (``core.text``)."""
     lines = [f"rank {cap.rank} pid {cap.pid}"]
     if cap.pyspy_threads:
-        for t in cap.pyspy_threads:
+        for t in _threads(cap.pyspy_threads):
             lines.append(
-                f"Thread {t.get('os_thread_id')} ({t.get('thread_name')}){' active' if t.get('active') else ''}"
+                f"Thread {clean(t.get('os_thread_id'), NAME)} ({clean(t.get('thread_name'), NAME)})"
+                + (" active" if t.get("active") else "")
             )
-            lines.extend(f"    {f.get('name')} ({f.get('filename')}:{f.get('line')})" for f in t.get("frames", []))
+            lines.extend(_frame_line(f) for f in t.get("frames") or [])
     elif cap.responder_stacks:
         lines.append("(from the rank's dump responder; py-spy unavailable)")
-        for t in cap.responder_stacks.get("threads", []):
-            lines.append(f"Thread {t.get('thread_id')} ({t.get('thread_name')})")
-            lines.extend(f"    {f['name']} ({f['filename']}:{f['line']})" for f in t.get("frames", []))
+        for t in _threads(cap.responder_stacks.get("threads")):
+            lines.append(f"Thread {clean(t.get('thread_id'), NAME)} ({clean(t.get('thread_name'), NAME)})")
+            lines.extend(_frame_line(f) for f in t.get("frames") or [])
     else:
         lines.append("no stack captured")
     for label, err in (("py-spy", cap.pyspy_error), ("responder", cap.responder_error)):
         if err:
-            lines.append(f"{label}: {err}")
-    lines.extend(cap.notes)
+            lines.append(f"{label}: {clean(err, FIELD)}")
+    lines.extend(clean(n, PROSE) for n in cap.notes)
     return "\n".join(lines) + "\n"

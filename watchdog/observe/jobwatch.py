@@ -7,10 +7,12 @@ a record that stops parsing is ``unreadable`` (its own state, never a stall by i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+import stat
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,11 +22,14 @@ from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapsh
 
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
-from .process import Identity, ProcessTable, Unverified
+from .process import NO_PROCESS, Identity, ProcessTable, Unverified
 
 log = structlog.get_logger("rankwatch.jobwatch")
 
 _RANK_FILE = re.compile(r"^rank-(\d{1,7})\.hb$")
+_CTL_FILE = re.compile(r"^rank-\d{1,7}\.(?:ctl|sock)$")  # the responder's FIFO or socket
+_FAULT_FILE = re.compile(r"^rank-\d{1,7}\.faulthandler$")
+_DUMP_FILE = re.compile(r"^\.?rank-\d{1,7}\.(?:stacks\.json|fr\.json|fr\.err|done)(?:\.tmp-[0-9a-f]{8})?$")
 # steps kept per rank for the end-of-run summary and metrics (~400 bytes each: ~1 MB per rank); the
 # diagnosis looks at the last 200
 HISTORY_STEPS = 2_500
@@ -66,6 +71,41 @@ def read_job_info(path: str) -> dict[str, object]:
     return out
 
 
+def _remove_dumps(dumps: str, older_than_s: float = 0.0) -> int:
+    """Dump answers the hook wrote under ``dumps/<token>/`` (by name, no symlinks), then the empty dirs."""
+    removed = 0
+    now = time.time()
+    try:
+        tokens = os.listdir(dumps)
+    except OSError:
+        return 0
+    for token in tokens:
+        tdir = os.path.join(dumps, token)
+        try:
+            st = os.lstat(tdir)
+            if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < older_than_s:
+                continue
+            files = os.listdir(tdir)
+        except OSError:
+            continue
+        for name in files:
+            path = os.path.join(tdir, name)
+            with contextlib.suppress(OSError):
+                if _DUMP_FILE.match(name) and stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed += 1
+        with contextlib.suppress(OSError):
+            os.rmdir(tdir)
+    with contextlib.suppress(OSError):
+        os.rmdir(dumps)
+    return removed
+
+
+def remove_stale_dumps(job_dir: str, older_than_s: float) -> int:
+    """Dump dirs left by a capture that never finished (a SIGKILLed daemon), older than ``older_than_s``."""
+    return _remove_dumps(os.path.join(job_dir, "dumps"), older_than_s)
+
+
 @dataclass
 class RankState:
     reader: RecordReader
@@ -95,6 +135,9 @@ class JobWatch:
         self.polls = 0
         self._tracked_at_ns = 0  # last descendant scan
         self._rejected: set[tuple[str, int]] = set()
+        # records of processes that are gone, by (path, inode): never rediscovered as a new run — only a new
+        # record (a new inode, created by rename) is
+        self._finished: set[tuple[str, int]] = set()
         self.first_seen_ns = time.monotonic_ns()
         self.retired = False
         self.job_info: dict[str, object] = {}
@@ -119,7 +162,7 @@ class JobWatch:
                 continue
             try:
                 ino = os.stat(path).st_ino
-                if (path, ino) in self._rejected:
+                if (path, ino) in self._rejected or (path, ino) in self._finished:
                     continue
                 reader = RecordReader(path)
                 snap = reader.read()
@@ -186,17 +229,26 @@ class JobWatch:
             if st.reader.replaced():
                 continue
             if st.ident is None or not self._procs.info(st.ident).alive:
+                self._finished.add((st.reader.path, st.reader.inode))
                 st.reader.close()
                 if st.ident is not None:
                     self._procs.forget(st.ident)
                 del self.ranks[rank]
-                self.history.pop(rank, None)
+                # the history stays: `rankwatch run` summarises it after the job ended, however long the
+                # launcher took to exit; a new run's record for this rank starts a fresh one (refresh)
                 dropped += 1
         return dropped
 
     def _state(self, st: RankState, now_ns: int) -> str:
         if st.ident is None:
-            return UNVERIFIED
+            # ended before this watch could verify it: the record's marks say how (evidence, not a trigger);
+            # a pid that exists but does not map the record is someone else — never judged
+            snap = st.last
+            if snap.crashed:
+                return CRASHED
+            if snap.exited_normally:
+                return EXITED
+            return DEAD if st.unverified == NO_PROCESS else UNVERIFIED
         if st.unreadable is not None:
             return UNREADABLE
         snap = st.last
@@ -249,13 +301,13 @@ class JobWatch:
             state = self._state(st, now)
             exit_age = None
             exit_order = None
-            if state in (DEAD, ZOMBIE, CRASHED, EXITED) and st.ident is not None:
-                exit_ns = self._procs.exit_ns(st.ident) or (snap.exit_ns or None)
+            if state in (DEAD, ZOMBIE, CRASHED, EXITED):
+                exit_ns = (self._procs.exit_ns(st.ident) if st.ident else None) or (snap.exit_ns or None)
                 if exit_ns is None:
                     st.gone_seen_ns = st.gone_seen_ns or now
                     exit_ns = st.gone_seen_ns
                 exit_age = max(0.0, (now - exit_ns) / 1e9)
-                exit_order = self._procs.exit_index(st.ident)
+                exit_order = self._procs.exit_index(st.ident) if st.ident else None
             views.append(
                 RankView(
                     rank=rank,
@@ -273,12 +325,62 @@ class JobWatch:
                     budget_elapsed_s=max(0.0, (now - snap.budget_start_ns) / 1e9) if snap.budget_s else 0.0,
                     exit_order=exit_order,
                     exit_age_s=exit_age,
+                    exit_cause=(snap.crash_info or None) if state == CRASHED else None,
+                    node_rank=snap.node_rank,
+                    verified=st.ident is not None,
                 )
             )
         if self.policy.track_descendants and now - self._tracked_at_ns > self.policy.descendants_every_s * 1e9:
             self._tracked_at_ns = now
             self._procs.track_descendants(self.identities())
         return views
+
+    def remove_finished_files(self) -> int:
+        """Delete what finished runs of this job left in its dir (returns how many entries went).
+
+        Only what is provably rankwatch's: records whose inode this watch saw finish, and — once no other
+        record is left — the job.json, control FIFOs, faulthandler files and dump files named as the hook
+        names them. Symlinks and anything else are left alone; the job dir goes only when empty.
+        """
+        removed = 0
+        try:
+            names = os.listdir(self.job_dir)
+        except OSError:
+            return 0
+        others = False
+        for name in names:
+            if not _RANK_FILE.match(name):
+                continue
+            path = os.path.join(self.job_dir, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (path, st.st_ino) in self._finished and stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed += 1
+            else:
+                others = True
+        if others:
+            return removed
+        for name in names:
+            path = os.path.join(self.job_dir, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            fifo = _CTL_FILE.match(name) and (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode))
+            plain = (name == "job.json" or _FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
+            if fifo or plain:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed += 1
+            elif name == "dumps" and stat.S_ISDIR(st.st_mode):
+                removed += _remove_dumps(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.job_dir)
+        return removed
 
     def stopped_for_s(self) -> dict[int, float]:
         now = time.monotonic_ns()

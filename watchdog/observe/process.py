@@ -46,6 +46,9 @@ class Unverified:
     reason: str
 
 
+NO_PROCESS = "no such process"  # the pid is free: whatever wrote the record has ended
+
+
 @dataclass(frozen=True)
 class ProcInfo:
     alive: bool
@@ -149,7 +152,7 @@ class ProcessTable:
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            return Unverified("no such process")
+            return Unverified(NO_PROCESS)
         except (OSError, AttributeError) as exc:
             return Unverified(f"no pidfd: {getattr(exc, 'strerror', exc)}")
         st = read_stat(pid)
@@ -235,7 +238,7 @@ class ProcessTable:
             return ProcInfo(alive=False, status="gone")
         if st.state in ("Z", "X", "x"):
             return ProcInfo(alive=False, status="zombie")
-        if st.state in ("T", "t"):
+        if st.state == "T":  # SIGSTOP; "t" is a tracing stop (py-spy, a debugger): the rank itself runs on
             return ProcInfo(alive=True, status="stopped")
         return ProcInfo(alive=True, status="running")
 

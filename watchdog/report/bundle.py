@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
@@ -17,6 +18,7 @@ from rankwatch.hooks.files import atomic_write, fsync_dir, write_new
 
 from ..core.ranks import fmt_ranks
 from ..core.snapshot import RankView
+from ..core.text import FIELD, clean
 from ..core.verdict import stack_groups
 from ..evidence.capture import RankCapture, render_text
 
@@ -42,7 +44,8 @@ def groups_text(views: Sequence[RankView], captures: Mapping[int, RankCapture]) 
     lines = [f"{len(groups)} distinct stack(s) across {sum(len(r) for _, r in groups)} rank(s)", ""]
     for sig, ranks in groups:
         lines.append(f"[{sig}] {fmt_ranks(ranks)} ({len(ranks)})")
-        lines.extend(f"    {frame}" for frame in by_rank[ranks[0]].stack_top)
+        # frames name functions and files of the training code (and thread names it chose): cleaned
+        lines.extend(f"    {clean(frame, FIELD)}" for frame in by_rank[ranks[0]].stack_top)
         lines.append("")
     no_stack = sorted(set(by_rank) - {r for _, rs in groups for r in rs})
     if no_stack:
@@ -50,7 +53,7 @@ def groups_text(views: Sequence[RankView], captures: Mapping[int, RankCapture]) 
         for r in no_stack:
             cap = captures.get(r)
             if cap is not None and (cap.pyspy_error or cap.responder_error):
-                lines.append(f"    rank {r}: {cap.pyspy_error or cap.responder_error}")
+                lines.append(f"    rank {r}: {clean(cap.pyspy_error or cap.responder_error, FIELD)}")
     return "\n".join(lines) + "\n"
 
 
@@ -104,3 +107,48 @@ def write_bundle(
             shutil.rmtree(tmp)
         raise
     return final
+
+
+_TMP_BUNDLE = re.compile(r"^\.tmp-[A-Za-z0-9._-]+-[0-9a-f]{6}$")
+
+
+def remove_partial_bundles(incidents_dir: str) -> int:
+    """Temp dirs a killed writer left behind (``.tmp-<id>-<hex>``, never a finished bundle)."""
+    removed = 0
+    try:
+        names = os.listdir(incidents_dir)
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(incidents_dir, name)
+        if _TMP_BUNDLE.match(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def prune_bundles(incidents_dirs: Sequence[str], keep: int) -> list[str]:
+    """Remove all but the ``keep`` newest finished bundles across ``incidents_dirs``; returns what went.
+
+    A finished bundle is a real directory holding a ``verdict.json``; nothing else is touched.
+    """
+    bundles: list[tuple[float, str]] = []
+    for d in incidents_dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(d, name)
+            if name.startswith(".") or os.path.islink(path):
+                continue
+            try:
+                bundles.append((os.stat(os.path.join(path, "verdict.json")).st_mtime, path))
+            except OSError:
+                continue
+    bundles.sort(reverse=True)
+    gone = []
+    for _, path in bundles[max(0, keep) :]:
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone

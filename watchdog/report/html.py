@@ -4,7 +4,8 @@ The file is meant to be attached to a ticket or mailed, then opened anywhere, of
 charts are SVG drawn here, and there is no JavaScript at all. A Content-Security-Policy forbids every
 fetch and script, so even a mistake in escaping cannot make the page load or run anything. Every value
 shown comes from rank records, stacks and logs (attacker-influenced text such as exception messages),
-so all of it passes through ``html.escape``. The file is owner-only (stacks reveal code paths) and
+so all of it passes through ``esc``: control, bidi and format characters replaced and the length bounded
+(``core.text.clean``), then ``html.escape``. The file is owner-only (stacks reveal code paths) and
 written to a temp file and renamed, so a reader never sees half a report.
 """
 
@@ -21,6 +22,7 @@ from rankwatch.hooks.files import atomic_write
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_of
 from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
+from ..core.text import BLOCK, PROSE, clean
 from ..errors import UserError
 from .text import NEXT_STEPS
 
@@ -70,8 +72,9 @@ nav a{margin-right:12px}ul{margin:6px 0;padding-left:22px}
 """
 
 
-def esc(value: object) -> str:
-    return html.escape(str(value), quote=True)
+def esc(value: object, limit: int = PROSE) -> str:
+    """Cleaned (no control, bidi or format characters; bounded: ``core.text``), then HTML-escaped."""
+    return html.escape(clean(value, limit), quote=True)
 
 
 def _num(value: object) -> float | None:
@@ -364,7 +367,7 @@ def _groups_text(doc: Mapping[str, Any], base_dir: str) -> str | None:
                 raw = f.read(GROUPS_MAX_BYTES + 1)
         except OSError:
             continue
-        text = raw[:GROUPS_MAX_BYTES].decode("utf-8", "replace")
+        text = clean(raw[:GROUPS_MAX_BYTES].decode("utf-8", "replace"), BLOCK, multiline=True)
         return text + ("\n… (cut)\n" if len(raw) > GROUPS_MAX_BYTES else "")
     return None
 
@@ -424,7 +427,7 @@ def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
         out.append("</table>")
     groups = _groups_text(doc, base_dir)
     if groups is not None:
-        out.append(f"<h3>Stack groups</h3><pre>{esc(groups)}</pre>")
+        out.append(f"<h3>Stack groups</h3><pre>{html.escape(groups, quote=True)}</pre>")
     out.append("</section>")
     return "\n".join(out)
 

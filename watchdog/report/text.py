@@ -7,6 +7,7 @@ from typing import Any
 
 from ..core.ranks import fmt_ranks
 from ..core.schema import headline_of
+from ..core.text import NAME, PROSE, clean
 
 NEXT_STEPS = {
     "hang": "Read the initiating rank's stack (stacks/rank-<g>.txt): it shows where it is stuck. "
@@ -32,72 +33,101 @@ def headline(v: Mapping[str, Any]) -> str:
     who = fmt_ranks(ranks) if ranks else "no single rank"
     phase = v.get("phase")
     return (
-        f"{headline_of(str(v.get('kind')))} — initiating {who}"
-        + (f" in phase '{phase}'" if phase else "")
-        + f" (confidence {v.get('confidence')})"
+        f"{clean(headline_of(str(v.get('kind'))), NAME)} — initiating {who}"
+        + (f" in phase '{clean(phase, NAME)}'" if phase else "")
+        + f" (confidence {clean(v.get('confidence'), NAME)})"
     )
 
 
 def verdict_text(v: Mapping[str, Any]) -> str:
-    ranks = v.get("initiating_ranks") or []
+    """Every value comes from a document (records, stacks, the store, a hand-edited file): each one is
+    cleaned (``core.text``) and bounded, so no escape sequence or 10 MB field reaches a terminal."""
+    ranks = int_ranks(v.get("initiating_ranks") or [])
     lines = [
         f"rankwatch: {headline(v)}",
-        f"job {v.get('job_id')} · incident {v.get('incident_id')} · detected {v.get('detected_after_s')}s after onset",
+        f"job {clean(v.get('job_id'), NAME)} · incident {clean(v.get('incident_id'), NAME)} · "
+        f"detected {clean(v.get('detected_after_s'), NAME)}s after onset",
         "",
-        f"why: {v.get('reason')}",
+        f"why: {clean(v.get('reason'), PROSE)}",
     ]
     evidence = v.get("evidence") or []
-    if evidence:
-        lines += ["", "evidence:"] + [f"  - {e}" for e in evidence]
+    if evidence and isinstance(evidence, list):
+        lines += ["", "evidence:"] + [f"  - {clean(e, PROSE)}" for e in evidence]
     table = v.get("ranks") or {}
-    if table:
+    if table and isinstance(table, dict):
         lines += [
             "",
             f"{'rank':>5} {'node':<14} {'pid':>8} {'state':<9} {'step':>6} {'phase':<12} {'in phase':>9}  top of stack",
         ]
-        for key in sorted(table, key=lambda k: int(k)):
-            r = table[key]
-            mark = "*" if int(key) in ranks else " "
-            top = (r.get("stack_top") or ["-"])[0]
+        for key in sorted(table, key=_rank_key):
+            r = table[key] if isinstance(table[key], dict) else {}
+            mark = "*" if _rank_key(key)[0] in ranks else " "
+            stack = r.get("stack_top") if isinstance(r.get("stack_top"), list) else None
+            top = clean(stack[0] if stack else "-")
             coll = r.get("collective")
-            phase_txt = str(r.get("phase"))
-            if coll and r.get("phase") == "collective":
-                phase_txt = f"{coll.get('op')}#{coll.get('seq')}"
+            phase_txt = clean(r.get("phase"), NAME)
+            if isinstance(coll, dict) and r.get("phase") == "collective":
+                phase_txt = f"{clean(coll.get('op'), NAME)}#{clean(coll.get('seq'), NAME)}"
             lines.append(
-                f"{mark}{key:>4} {str(r.get('node'))[:14]:<14} {r.get('pid'):>8} {r.get('state'):<9} "
-                f"{r.get('step'):>6} {phase_txt[:12]:<12} {r.get('in_phase_s'):>8}s  {top}"
+                f"{mark}{clean(key, 8):>4} {clean(r.get('node'), 14):<14} {clean(r.get('pid'), 12):>8} "
+                f"{clean(r.get('state'), 16):<9} {clean(r.get('step'), 16):>6} {phase_txt[:12]:<12} "
+                f"{clean(r.get('in_phase_s'), 16):>8}s  {top}"
             )
     lines += ["", f"next: {NEXT_STEPS.get(str(v.get('kind')), NEXT_STEPS['unknown'])}"]
     return "\n".join(lines) + "\n"
 
 
+def _rank_key(key: object) -> tuple[int, str]:
+    try:
+        return int(str(key)), str(key)
+    except ValueError:
+        return 1 << 30, str(key)
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _ms(value: object) -> float:
+    """A number from a document, 0 for anything else (hand-edited or hostile files)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
+
+
 def summary_text(doc: Mapping[str, Any]) -> str:
-    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why."""
-    st = doc.get("step_time_ms", {})
+    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why.
+
+    Phase names and every other string are cleaned and bounded (``core.text``), as in ``verdict_text``."""
+    st = _dict(doc.get("step_time_ms"))
+    phases = _dict(doc.get("phases"))
+    ranks_doc = doc.get("ranks")
     lines = [
-        f"rankwatch summary — job {doc.get('job_id')}, {doc.get('steps')} common steps, "
-        f"{len(doc.get('ranks', {}))} ranks",
+        f"rankwatch summary — job {clean(doc.get('job_id'), NAME)}, {clean(doc.get('steps'), 24)} common steps, "
+        f"{len(ranks_doc) if isinstance(ranks_doc, dict) else 0} ranks",
         "",
         f"{'phase':<14} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
     ]
-    for p, s in sorted(doc.get("phases", {}).items(), key=lambda kv: -kv[1].get("median_ms", 0.0)):
+    rows = [(p, s) for p, s in phases.items() if isinstance(s, dict)]
+    for p, s in sorted(rows, key=lambda kv: -_ms(kv[1].get("median_ms"))):
         lines.append(
-            f"{p:<14} {s.get('median_ms', 0):>10.1f} {s.get('worst_ms', 0):>10.1f} {s.get('worst_rank', -1):>11} "
-            f"{s.get('skew_ms', 0):>9.1f}"
+            f"{clean(p, NAME):<14} {_ms(s.get('median_ms')):>10.1f} {_ms(s.get('worst_ms')):>10.1f} "
+            f"{clean(s.get('worst_rank', -1), 24):>11} {_ms(s.get('skew_ms')):>9.1f}"
         )
     lines.append(
-        f"{'step':<14} {st.get('median', 0):>10.1f} {st.get('worst', 0):>10.1f} {st.get('worst_rank', -1):>11}"
+        f"{'step':<14} {_ms(st.get('median')):>10.1f} {_ms(st.get('worst')):>10.1f} "
+        f"{clean(st.get('worst_rank', -1), 24):>11}"
     )
     label = doc.get("diagnosis")
-    who = [r for r in doc.get("straggler_ranks") or [] if isinstance(r, int) and not isinstance(r, bool)]
+    who = int_ranks(doc.get("straggler_ranks") or [])
     lines += [
         "",
-        f"diagnosis: {label}"
+        f"diagnosis: {clean(label, NAME)}"
         + (f" — {fmt_ranks(who)}" if who else "")
-        + (f" in {doc.get('phase')}" if doc.get("phase") else ""),
-        f"why: {doc.get('why', '')}",
+        + (f" in {clean(doc.get('phase'), NAME)}" if doc.get("phase") else ""),
+        f"why: {clean(doc.get('why', ''), PROSE)}",
     ]
     incidents = doc.get("incidents") or []
-    if incidents:
-        lines.append(f"incidents: {', '.join(incidents)}")
+    if incidents and isinstance(incidents, list):
+        lines.append(f"incidents: {clean(', '.join(clean(i, NAME) for i in incidents), PROSE)}")
     return "\n".join(lines) + "\n"

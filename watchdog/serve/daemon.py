@@ -18,14 +18,15 @@ from typing import Any
 import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
-from ..core.detect import Trigger, find_trigger, recovered
+from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered
 from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras import RasWatch
-from ..observe.jobwatch import JobWatch
+from ..observe.jobwatch import JobWatch, remove_stale_dumps
 from ..observe.process import ProcessTable
+from ..report import bundle
 from .act import Killer
 from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentRequest, IncidentResult
 
@@ -63,17 +64,24 @@ class JobEntry:
     incidents: list[str] = field(default_factory=list)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     gone_since: float | None = None
+    retired_at: float | None = None
+    files_removed: bool = False
+    bundles: dict[str, str] = field(default_factory=dict)  # incident id -> bundle path, once written
     last_views: list[RankView] = field(default_factory=list)  # replaced, never mutated: read by other threads
 
 
-def remote_trigger(remote: SharedIncident, longest_step_s: float, stall: StallPolicy) -> Trigger:
-    """The trigger of an incident another node detected, as this node records it."""
+def remote_trigger(
+    remote: SharedIncident, longest_step_s: float, stall: StallPolicy, *, unauthenticated_seen: str | None = None
+) -> Trigger:
+    """The trigger of an incident another node detected, as this node records it (an unauthenticated claim
+    with what this node's own ranks showed that made it worth capturing)."""
     ranks = remote.trigger.get("ranks")
     after = remote.trigger.get("detected_after_s")
+    seen = f" [unauthenticated claim; here: {unauthenticated_seen}]" if unauthenticated_seen else ""
     return Trigger(
         kind=str(remote.trigger.get("kind", "remote"))[:32],
         ranks=tuple(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else (),
-        reason=f"signalled by node {remote.by_node}: {str(remote.trigger.get('reason', ''))[:200]}",
+        reason=f"signalled by node {remote.by_node}: {str(remote.trigger.get('reason', ''))[:200]}{seen}",
         timeout_s=stall.timeout_for(longest_step_s),
         detected_after_s=after if isinstance(after, (int, float)) and 0 <= after < 1e7 else 0.0,
     )
@@ -116,6 +124,7 @@ class Daemon:
         killer = Killer(self.procs, config.kill) if config.on_stall == "kill" else None
         # descendants are pinned only when they may have to be killed
         self._observe = dataclasses.replace(config.observe, track_descendants=killer is not None)
+        self._quiet = False  # no new incidents (``rankwatch run`` shutting the job down on purpose)
         self.pipeline = IncidentPipeline(
             capture_policy=config.capture,
             serve_policy=config.serve,
@@ -125,6 +134,7 @@ class Daemon:
             capture=capture,
             on_incident=on_incident,
         )
+        self.pipeline.on_late_bundle = self._late_bundle
 
     # -- discovery --------------------------------------------------------------------------------
     def discover(self) -> None:
@@ -155,9 +165,11 @@ class Daemon:
     def poll_once(self) -> None:
         self.polls += 1
         self.discover()
+        self.pipeline.retry_unwritten()
         for job_id, entry in list(self.jobs.items()):
             if entry.watch.retired:
                 self._maybe_revive(job_id, entry)
+                self._maybe_remove_files(job_id, entry)
                 continue
             try:
                 self._poll_job(job_id, entry)
@@ -172,6 +184,8 @@ class Daemon:
         watch.drop_gone_ranks()
         if watch.refresh():
             watch.retired = False
+            entry.retired_at = None
+            entry.files_removed = False
             entry.last_views = []
             entry.incident = None
             entry.gone_since = None
@@ -195,6 +209,7 @@ class Daemon:
         if first_look and watch.drop_gone_ranks() and not watch.ranks:
             # only records of processes that are gone: an earlier run (they are not this run's dead ranks)
             watch.retired = True
+            entry.retired_at = time.monotonic()
             log.info("job_stale", job=job_id)
             return
         views = self.gpu.apply(watch.poll())
@@ -209,21 +224,46 @@ class Daemon:
         if correlator is not None:
             correlator.publish_snapshot(watch.node, views)
         incident = entry.incident
-        if incident is None:
+        if incident is None and self._quiet:
+            pass  # the job is being shut down on purpose: deaths now are not incidents
+        elif incident is None:
             trigger = find_trigger(views, self.config.stall, watch.longest_step_s, watch.stopped_for_s())
             if trigger is not None and not (trigger.kind == "dead" and entry.incidents and watch.all_gone(views)):
                 self._open_incident(job_id, entry, trigger, views, correlator)
             elif correlator is not None:
                 remote = correlator.poll_incident()
+                seen = None
+                if remote is not None and not correlator.authenticated:
+                    # no secret: anyone could have written the claim; capture only if the ranks here agree
+                    stall, longest = self.config.stall, watch.longest_step_s
+                    seen = local_stall_signs(
+                        views, stall, longest, correlator.policy.unauthenticated_claim_stall_fraction
+                    )
+                    give_up = max((allowance_s(v, stall, longest) for v in views), default=stall.timeout_for(longest))
+                    remote = correlator.screen_unauthenticated(remote, seen, give_up)
                 if remote is not None:
-                    trigger = remote_trigger(remote, watch.longest_step_s, self.config.stall)
+                    trigger = remote_trigger(
+                        remote, watch.longest_step_s, self.config.stall, unauthenticated_seen=seen
+                    )
                     self._open_incident(job_id, entry, trigger, views, correlator, remote)
         elif not incident.pending and recovered(views, self.config.stall, watch.longest_step_s):
             log.info("incident_closed", job=job_id, incident=incident.incident_id)
             entry.incident = None
         if entry.gone_since is not None and time.monotonic() - entry.gone_since > self.config.serve.retire_after_s:
             watch.retired = True
+            entry.retired_at = time.monotonic()
             log.info("job_retired", job=job_id, incidents=len(entry.incidents))
+
+    def _maybe_remove_files(self, job_id: str, entry: JobEntry) -> None:
+        keep = self.config.serve.retain_finished_s
+        if keep is None or entry.files_removed or entry.retired_at is None:
+            return
+        if time.monotonic() - entry.retired_at < keep:
+            return
+        entry.files_removed = True
+        entry.watch.drop_gone_ranks()
+        removed = entry.watch.remove_finished_files()
+        log.info("job_files_removed", job=job_id, entries=removed)
 
     # -- incidents --------------------------------------------------------------------------------
     def incidents_dir(self, job_id: str) -> str:
@@ -258,6 +298,8 @@ class Daemon:
             correlator=correlator,
             shared=shared,
             identities=tuple(watch.identities()),
+            # this node's own detection, or a claim authenticated by the store secret: may be acted upon
+            trusted=shared is None or (correlator is not None and correlator.authenticated),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
 
@@ -266,8 +308,60 @@ class Daemon:
                 entry.incident = OpenIncident(result.incident_id, trigger, result.bundle_path, result.verdict)
                 entry.incidents.append(result.incident_id)
                 entry.verdicts.append(result.verdict)
+                if result.bundle_path is not None:
+                    entry.bundles[result.incident_id] = result.bundle_path
+            if result.bundle_path is not None:
+                self._prune_bundles()
 
         self.pipeline.submit(req, done)
+
+    def _late_bundle(self, job_id: str, incident_id: str, path: str) -> None:
+        log.info("bundle_written_late", job=job_id, incident=incident_id, path=path)
+        entry = self.jobs.get(job_id)
+        if entry is not None:
+            with self._lock:
+                entry.bundles[incident_id] = path
+                if entry.incident is not None and entry.incident.incident_id == incident_id:
+                    entry.incident = dataclasses.replace(entry.incident, bundle_path=path)
+        self._prune_bundles()
+
+    def _incident_dirs(self) -> list[str]:
+        if self.config.incidents_dir:
+            return [self.config.incidents_dir]
+        try:
+            jobs = os.listdir(self.config.out_dir)
+        except OSError:
+            return []
+        return [os.path.join(self.config.out_dir, j, "incidents") for j in jobs if not j.startswith(".")]
+
+    def _prune_bundles(self) -> None:
+        keep = self.config.serve.keep_incidents
+        if keep is None:
+            return
+        for path in bundle.prune_bundles(self._incident_dirs(), keep):
+            log.info("bundle_pruned", path=path, keep=keep)
+
+    def clean_leftovers(self) -> None:
+        """What a daemon killed mid-incident left: half-written bundles and unanswered dump dirs."""
+        for d in self._incident_dirs():
+            n = bundle.remove_partial_bundles(d)
+            if n:
+                log.info("partial_bundles_removed", dir=d, count=n)
+        try:
+            jobs = os.listdir(self.config.shm_dir) if not self.config.job_filter else [self.config.job_filter]
+        except OSError:
+            jobs = []
+        for job in jobs:
+            job_dir = os.path.join(self.config.shm_dir, job)
+            if not os.path.isdir(job_dir) or os.path.islink(job_dir):
+                continue
+            n = remove_stale_dumps(job_dir, self.config.serve.stale_dump_age_s)
+            if n:
+                log.info("stale_dumps_removed", job=job, files=n)
+
+    def quiesce(self) -> None:
+        """Open no new incident from now on (incidents in flight finish): the job is stopped on purpose."""
+        self._quiet = True
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for incidents in flight (``rankwatch run`` before its summary); True when none is left."""

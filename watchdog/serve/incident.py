@@ -13,6 +13,7 @@ loop's newest views of the job, so the pipeline never touches the loop's ``JobWa
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -64,6 +65,8 @@ class IncidentRequest:
     correlator: Correlator | None = None
     shared: SharedIncident | None = None  # set when another node opened it
     identities: tuple[Identity, ...] = ()  # the job's verified ranks: all that --on-stall kill may signal
+    # False: opened on another node's claim that no store secret authenticates; never acted upon
+    trusted: bool = True
 
 
 @dataclass
@@ -141,6 +144,13 @@ class IncidentPipeline:
         self.on_incident = on_incident
         self._pool = ThreadPoolExecutor(max_workers=serve_policy.incident_workers, thread_name_prefix="rankwatch-inc")
         self._futures: set[Future[IncidentResult]] = set()
+        # bundles that could not be written yet (disk full, read-only): retried until they are
+        self._unwritten: list[tuple[IncidentRequest, dict[str, Any], Evidence]] = []
+        self._unwritten_lock = threading.Lock()
+        self._retry_at = 0.0
+        self._retrying = False
+        # (job id, incident id, path) of a bundle written on a later try
+        self.on_late_bundle: Callable[[str, str, str], None] | None = None
 
     # -- scheduling -------------------------------------------------------------------------------
     def submit(self, req: IncidentRequest, done: Callable[[IncidentResult], None]) -> Future[IncidentResult]:
@@ -173,6 +183,10 @@ class IncidentPipeline:
 
     def close(self) -> None:
         self.drain(self.serve_policy.drain_timeout_s)
+        if self.unwritten:
+            self._retry()  # one last try; what still fails is in the log (each verdict was logged whole)
+        for req, _, _ in self._unwritten:
+            log.error("bundle_never_written", job=req.job_id, incident=req.incident_id)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the stages, in order ---------------------------------------------------------------------
@@ -252,7 +266,9 @@ class IncidentPipeline:
 
         if req.correlator is None or req.shared is None:
             return decide_over(ev.views, [], None)
-        verdict, how, decided_here = req.correlator.resolve(req.shared, ev.views, req.node, req.world_size, decide_over)
+        verdict, how, decided_here = req.correlator.resolve(
+            req.shared, ev.views, req.node, req.world_size, decide_over, stall_timeout_s=req.trigger.timeout_s
+        )
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
         if decided_here:
             return verdict
@@ -262,8 +278,10 @@ class IncidentPipeline:
         )
 
     def publish(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> str | None:
-        """Bundle, log line and callback."""
+        """Bundle (or a place in the retry queue), log line with the whole verdict's gist, callback."""
         path = self._write_bundle(req, verdict, ev)
+        if path is None:
+            self._keep_unwritten(req, verdict, ev)
         log.warning(
             "verdict",
             job=req.job_id,
@@ -274,6 +292,8 @@ class IncidentPipeline:
             confidence=verdict["confidence"],
             reason=verdict["reason"],
             bundle=path,
+            # without a bundle the log is the only record until a retry succeeds: keep the evidence here too
+            **({"evidence": verdict.get("evidence", [])[:40]} if path is None else {}),
         )
         if self.on_incident is not None:
             try:
@@ -283,14 +303,71 @@ class IncidentPipeline:
         return path
 
     def act(self, req: IncidentRequest) -> None:
-        """Only with ``--on-stall kill`` (a killer is configured), and only on verified ranks."""
-        if self.killer is not None and req.identities:
-            self.killer.kill_job(req.job_id, req.identities)
+        """Only with ``--on-stall kill`` (a killer is configured), only on verified ranks, and never for an
+        incident opened on another node's unauthenticated claim (anyone reaching the store could forge it)."""
+        if self.killer is None or not req.identities:
+            return
+        if not req.trusted:
+            log.warning(
+                "kill_refused",
+                job=req.job_id,
+                incident=req.incident_id,
+                reason="opened on another node's claim that no store secret authenticates "
+                "(--store-secret-file); only this node's own detection may kill its ranks",
+            )
+            return
+        self.killer.kill_job(req.job_id, req.identities)
+
+    # -- bundles that could not be written ----------------------------------------------------------
+    def _keep_unwritten(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> None:
+        with self._unwritten_lock:
+            self._unwritten.append((req, verdict, ev))
+            while len(self._unwritten) > self.serve_policy.max_unwritten_bundles:
+                lost, _, _ = self._unwritten.pop(0)
+                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, why="retry queue full")
+            self._retry_at = time.monotonic() + self.serve_policy.bundle_retry_every_s
+
+    @property
+    def unwritten(self) -> int:
+        with self._unwritten_lock:
+            return len(self._unwritten)
+
+    def retry_unwritten(self) -> None:
+        """Called every poll: hands a retry of the waiting bundles to a worker when it is time."""
+        with self._unwritten_lock:
+            if not self._unwritten or self._retrying or time.monotonic() < self._retry_at:
+                return
+            self._retrying = True
+        self._pool.submit(self._retry)
+
+    def _retry(self) -> None:
+        try:
+            with self._unwritten_lock:
+                waiting, self._unwritten = self._unwritten, []
+            still = []
+            for req, verdict, ev in waiting:
+                path = self._write_bundle(req, verdict, ev, attempts=1)
+                if path is None:
+                    still.append((req, verdict, ev))
+                    continue
+                if self.on_late_bundle is not None:
+                    try:
+                        self.on_late_bundle(req.job_id, req.incident_id, path)
+                    except Exception:
+                        log.exception("late_bundle_callback_failed", job=req.job_id)
+            with self._unwritten_lock:
+                self._unwritten[:0] = still
+                self._retry_at = time.monotonic() + self.serve_policy.bundle_retry_every_s
+        finally:
+            with self._unwritten_lock:
+                self._retrying = False
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _write_bundle(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> str | None:
+    def _write_bundle(
+        self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence, attempts: int | None = None
+    ) -> str | None:
         policy = self.serve_policy
-        for attempt in range(policy.bundle_attempts):
+        for attempt in range(attempts or policy.bundle_attempts):
             try:
                 path = bundle.write_bundle(
                     req.incidents_dir,
@@ -307,7 +384,8 @@ class IncidentPipeline:
                 log.error(
                     "bundle_write_failed", job=req.job_id, incident=req.incident_id, error=str(exc), attempt=attempt
                 )
-                time.sleep(policy.bundle_retry_s)
+                if attempts is None:
+                    time.sleep(policy.bundle_retry_s)
         return None
 
     def _fallback(self, req: IncidentRequest, exc: Exception) -> IncidentResult:

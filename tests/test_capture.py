@@ -1,0 +1,158 @@
+"""Capture plumbing: where py-spy is found, and the dump responder's socket protocol from both ends."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rankwatch.hooks.responder import DumpResponder, ctl_path
+from rankwatch.watchdog.evidence import capture
+from rankwatch.watchdog.evidence.capture import DumpRequest, RankCapture, collect_dump, request_dump
+
+
+# -- py-spy lookup ----------------------------------------------------------------------------------------
+def fake_exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_pyspy_is_found_next_to_the_python_first_then_on_path(tmp_path, monkeypatch):
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    fake_exe(venv_python)
+    on_path = fake_exe(tmp_path / "path" / "py-spy")
+    monkeypatch.setattr(sys, "executable", str(venv_python))
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    # systemd's PATH has no venv bin: PATH alone would find another py-spy (or none)
+    assert capture.pyspy_available() == str(on_path)
+    beside = fake_exe(tmp_path / "venv" / "bin" / "py-spy")
+    assert capture.pyspy_available() == str(beside)
+    beside.chmod(0o644)  # not executable: ignored
+    assert capture.pyspy_available() == str(on_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert capture.pyspy_available() is None
+    assert capture.pyspy_dump(1, 1.0, False, False) == (None, "py-spy not installed")
+
+
+# -- the responder protocol -------------------------------------------------------------------------------
+@pytest.fixture
+def job_dir(tmp_path):
+    d = tmp_path / "job"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_request_and_collect_over_the_socket(job_dir):
+    responder = DumpResponder(str(job_dir), 3)
+    responder.start()
+    try:
+        st = os.lstat(ctl_path(str(job_dir), 3))
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o666  # the 0700 dir is the gate
+        req = request_dump(str(job_dir), 3, "tok", os.getpid())
+        assert isinstance(req, DumpRequest), req
+        cap = RankCapture(rank=3, pid=os.getpid())
+        collect_dump(req, time.monotonic() + 10, cap)
+        assert cap.responder_error is None
+        assert cap.responder_stacks["pid"] == os.getpid() and cap.responder_stacks["rank"] == 3
+        assert any(t["thread_name"] == "MainThread" for t in cap.responder_stacks["threads"])
+        assert cap.fr_json is None and cap.notes and cap.notes[0].startswith("flight recorder: ")
+        assert sorted(os.listdir(job_dir)) == ["rank-3.ctl"]  # nothing written for the daemon to read
+    finally:
+        responder.close()
+    assert not os.path.exists(ctl_path(str(job_dir), 3))  # close removes its own socket
+    assert request_dump(str(job_dir), 3, "tok") == "dump responder not listening (no control socket)"
+
+
+def test_a_stale_socket_is_not_listening(job_dir):
+    path = ctl_path(str(job_dir), 0)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.close()  # bound, never listening: what a killed rank leaves
+    assert request_dump(str(job_dir), 0, "tok") == "dump responder not listening"
+
+
+def test_a_symlink_or_a_fifo_is_never_connected_to(job_dir, tmp_path):
+    other = tmp_path / "other.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(other))
+    srv.listen(1)
+    try:
+        os.symlink(other, ctl_path(str(job_dir), 0))
+        assert "not a socket" in str(request_dump(str(job_dir), 0, "tok"))
+        os.mkfifo(ctl_path(str(job_dir), 1))  # a hook older than this watchdog
+        assert "not a socket" in str(request_dump(str(job_dir), 1, "tok"))
+    finally:
+        srv.close()
+
+
+def test_sockets_in_deep_job_dirs_still_work(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True, mode=0o700)
+    assert len(ctl_path(str(deep), 0)) > 108
+    responder = DumpResponder(str(deep), 0)
+    responder.start()
+    try:
+        req = request_dump(str(deep), 0, "tok", os.getpid())
+        assert isinstance(req, DumpRequest), req
+        cap = RankCapture(rank=0, pid=os.getpid())
+        collect_dump(req, time.monotonic() + 10, cap)
+        assert cap.responder_error is None and cap.responder_stacks
+    finally:
+        responder.close()
+
+
+def fake_responder(job_dir: Path, reply: bytes, hold_s: float = 0.0) -> threading.Thread:
+    """A listener that answers every request with ``reply`` (malformed, oversized, or never finished)."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(ctl_path(str(job_dir), 0))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.recv(256)
+        conn.sendall(reply)
+        time.sleep(hold_s)
+        conn.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize(
+    ("reply", "hold_s", "error"),
+    [
+        (b"garbage\n", 0.0, "malformed answer"),
+        (b"stacks 999999999999\n", 0.0, "answer too large"),
+        (b"stacks 2\n{}", 3.0, "stacks but not the flight recorder in time"),  # then nothing, no done frame
+        (b"stacks 10\n{}", 0.0, "did not answer in time"),  # closed mid-frame
+    ],
+)
+def test_bad_answers_are_bounded_and_reported(job_dir, reply, hold_s, error):
+    t = fake_responder(job_dir, reply, hold_s)
+    req = request_dump(str(job_dir), 0, "tok", os.getpid())  # the listener is this process
+    assert isinstance(req, DumpRequest), req
+    cap = RankCapture(rank=0, pid=os.getpid())
+    t0 = time.monotonic()
+    collect_dump(req, time.monotonic() + 1.0, cap)
+    assert time.monotonic() - t0 < 2.5
+    assert error in str(cap.responder_error)
+    t.join(5)
+
+
+def test_a_peer_that_is_not_the_rank_is_refused(job_dir):
+    responder = DumpResponder(str(job_dir), 0)
+    responder.start()
+    try:
+        assert "not by the rank" in str(request_dump(str(job_dir), 0, "tok", os.getpid() + 1))
+        assert responder.allowed(0) and responder.allowed(os.geteuid()) and not responder.allowed(54321)
+    finally:
+        responder.close()

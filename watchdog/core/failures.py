@@ -1,0 +1,36 @@
+"""Why a rank ended: an initiating failure, or a consequence of another rank's — one classification for
+the live verdict and offline ``diagnose``.
+
+A rank that dies first is not necessarily the one that started it. When one rank dies its peers fail
+within milliseconds with *communication* errors (connection closed or reset by peer, collective
+timeouts, the watchdog's abort after a timeout) and the launcher SIGTERMs the rest; under load those
+consequences can reach the watchdog before the cause does. So exits are ordered by cause first:
+initiating (killed by a signal nobody on its node sent first, out of memory, a CUDA/NCCL error on that
+rank, its own exception, an early normal exit while peers still need it) before consequences, and only
+then by time.
+"""
+
+from __future__ import annotations
+
+import re
+
+INITIATING = "initiating"
+CONSEQUENCE = "consequence"
+
+# A message about communicating with peers: what a rank says when a *peer* failed (gloo, NCCL, c10d,
+# the TCPStore). Shared with diagnose/patterns.py, which reads the same messages from logs.
+COMMUNICATION = re.compile(
+    r"gloo|NCCL|nccl|Timed out|timed out|Connection (?:closed|reset)|DistBackendError|DistNetworkError"
+    r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
+    r"|Broken pipe|Connection refused"
+)
+# Errors that are the rank's own even when they mention NCCL (a CUDA fault surfaces through NCCL calls)
+OWN_FAULT = re.compile(r"out of memory|OutOfMemoryError|CUDA error|Cuda failure|illegal memory access|ECC")
+
+
+def crash_role(message: str | None) -> str:
+    """The role of a rank that ended with an exception (its crash mark's text)."""
+    text = message or ""
+    if OWN_FAULT.search(text):
+        return INITIATING
+    return CONSEQUENCE if COMMUNICATION.search(text) else INITIATING
