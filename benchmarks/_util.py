@@ -3,6 +3,7 @@ command lines on loopback, and small statistics. Not a benchmark itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -106,3 +107,12 @@ def median(xs: Sequence[float]) -> float:
 def spread(xs: Sequence[float]) -> str:
     """min–max as text, for the notes."""
     return f"{min(xs):.4g}–{max(xs):.4g}"
+
+
+def print_results(rows: Sequence[str], raw: object, json_path: Path | None) -> int:
+    """The benchmark's results table on stdout (and its raw data as JSON when asked); the exit code."""
+    if json_path:
+        json_path.write_text(json.dumps(raw, indent=1))
+    print("\n| what | median | target | met? |\n|---|---|---|---|")
+    print("\n".join(rows))
+    return 0

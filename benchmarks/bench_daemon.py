@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _util import REPO, Procs, kill_tree, median, rankwatch_cmd, spread
+from _util import REPO, Procs, kill_tree, median, print_results, rankwatch_cmd, spread
 
 N_RANKS = 8
 
@@ -356,11 +356,7 @@ def main() -> int:
         f"torch? | {'yes' if store.get('correlate_import') else 'no'} / "
         f"{'yes' if store.get('jobstore') else 'no'} (first import: `{chain}`) | — | — |"
     )
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1))
-    print("\n| what | median | target | met? |\n|---|---|---|---|")
-    print("\n".join(rows))
-    return 0
+    return print_results(rows, raw, args.json)
 
 
 if __name__ == "__main__":

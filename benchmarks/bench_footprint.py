@@ -19,7 +19,6 @@ file), so the watchdog's own footprint is what is measured, not the job's. Per r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _util import REPO, Procs, kill_tree, median, rankwatch_cmd, spread, torchrun_args
+from _util import REPO, Procs, kill_tree, median, print_results, rankwatch_cmd, spread, torchrun_args
 
 JOB = """
 import os, sys, time
@@ -192,11 +191,7 @@ def main() -> int:
     ]
     if failed:
         rows.append(f"| runs where rankwatch run did not exit 0 | {len(failed)} of {len(raw)} | 0 | NO |")
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1))
-    print("\n| what | median | target | met? |\n|---|---|---|---|")
-    print("\n".join(rows))
-    return 0
+    return print_results(rows, raw, args.json)
 
 
 if __name__ == "__main__":

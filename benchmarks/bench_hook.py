@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _util import REPO, Procs, median, torchrun_args, torchrun_cmd
+from _util import REPO, Procs, median, print_results, torchrun_args, torchrun_cmd
 
 TIMED = str(REPO / "benchmarks" / "ddp_timed.py")
 INNER = 20
@@ -305,11 +305,7 @@ def main() -> int:
                     f"| … same runs, training-thread CPU time per step | {bc:.3f} → {hc:.3f} ms = "
                     f"**{slow_cpu:+.1f} %** (paired {paired_cpu:+.1f} %, +{(hc - bc) * 1000:.0f} µs) | — | — |"
                 )
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1))
-    print("\n| what | median | target | met? |\n|---|---|---|---|")
-    print("\n".join(rows))
-    return 0
+    return print_results(rows, raw, args.json)
 
 
 if __name__ == "__main__":

@@ -169,3 +169,21 @@ def new_tracker(path, *, pid: int | None = None, rank: int = 0, local_rank: int 
         list(CANONICAL_PHASES),
     )
     return Tracker(writer)
+
+
+def stalled_record(shm, job: str, *, rank: int = 0, world: int = 1, pid: int | None = None, stall_slot: int = 0):
+    """A real record (written by this test process, which maps it) that finished one step and then stopped
+    making progress in phase slot ``stall_slot`` (0 dataloader, 1 forward). ``pid`` defaults to this process;
+    keep the returned tracker: its writer's mapping is what proves this process owns the record."""
+    from pathlib import Path
+
+    job_dir = Path(shm) / job
+    job_dir.mkdir(mode=0o700, exist_ok=True)
+    t = new_tracker(job_dir / f"rank-{rank}.hb", pid=pid, rank=rank, local_rank=rank, world_size=world,
+                    local_world_size=world, job_id=job)
+    for slot in (0, 1, 2, 3):
+        t.enter(slot)
+        t.exit(slot)
+    t.step()
+    t.enter(stall_slot)
+    return t

@@ -111,8 +111,9 @@ def test_op_mismatch_seen_by_both_layers_is_backed():
     views = [rv(0, **same), rv(1, **same, coll_op="broadcast"), rv(2, **same)]
     v = verdict(views, fr_hints=hints("mismatch_op"))
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
-    assert v["flight_recorder"]["role"] == "backed"
-    assert any(e.startswith("flight recorder agrees") for e in v["evidence"])
+    # the flight recorder is the stronger rung: it decides, and the Python-level counters back it
+    assert v["flight_recorder"]["role"] == "decided" and v["decided_by"] == "flight_recorder"
+    assert any(e.startswith("counters agrees") for e in v["evidence"])
 
 
 def test_ddp_internal_all_reduce_skipped_is_decided_by_the_flight_recorder():
@@ -134,8 +135,9 @@ def test_flight_recorder_backs_the_python_level_rules():
     ]
     v = verdict(views, fr_hints=hints("skip"))
     assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
-    assert v["flight_recorder"]["role"] == "backed"
-    # a 1-vs-1 minority rule (medium) becomes high when the FR agrees
+    assert v["flight_recorder"]["role"] == "decided"
+    assert any(e.startswith("counters agrees") for e in v["evidence"])
+    # a 1-vs-1 minority: the FR decides, the phase rule agrees
     two = [rv(0, waiting=True), rv(1, phase="dataloader", waiting=False)]
     fr = FrHints(ranks=(0, 1), behind=(FrBehind("0", 1, 5, 6, "all_reduce"),))
     v = verdict(two, fr_hints=fr)
@@ -143,12 +145,13 @@ def test_flight_recorder_backs_the_python_level_rules():
     assert any("rank 1 entered collective #5 of pg 0 while others entered #6" in e for e in v["evidence"])
 
 
-def test_flight_recorder_disagreeing_with_the_phase_rule_lowers_confidence_only():
+def test_the_flight_recorder_outranks_the_phase_rule_and_their_disagreement_lowers_confidence():
     views = [rv(0, waiting=True), rv(1, waiting=True), rv(2, phase="dataloader", waiting=False)]
     fr = FrHints(ranks=(0, 1, 2), behind=(FrBehind("0", 0, 5, 6, "all_reduce"),))
     v = verdict(views, fr_hints=fr)
-    assert (v["initiating_ranks"], v["confidence"]) == ([2], "medium")
-    assert v["flight_recorder"]["role"] == "disagreed"
+    assert (v["initiating_ranks"], v["confidence"]) == ([0], "medium")
+    assert v["decided_by"] == "flight_recorder"
+    assert any(e.startswith("waiting (weaker evidence) names rank 2 instead") for e in v["evidence"])
 
 
 def test_dead_rank_is_never_overridden_by_the_survivors_flight_recorder():

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import bundle_dirs, new_tracker, wait_for
+from conftest import bundle_dirs, stalled_record, wait_for
 from rankwatch.watchdog.core.policy import CapturePolicy, StallPolicy
 from rankwatch.watchdog.evidence.capture import capture_all
 from rankwatch.watchdog.observe.process import ProcessTable
@@ -53,19 +53,6 @@ class NotifyListener:
         self._stop.set()
         self._thread.join(timeout=5)
         self.sock.close()
-
-
-def stalled_record(shm: Path, job: str):
-    """A rank (this process) that finished one step and then stopped making progress in its dataloader.
-    Keep the returned tracker: its writer maps the record, which is what proves this process owns it."""
-    (shm / job).mkdir(mode=0o700)
-    t = new_tracker(shm / job / "rank-0.hb", job_id=job)
-    for slot in (0, 1, 2, 3):
-        t.enter(slot)
-        t.exit(slot)
-    t.step()
-    t.enter(0)
-    return t
 
 
 def test_heartbeat_and_other_jobs_survive_a_capture_longer_than_watchdog_sec(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import bundle_dirs, new_tracker, rankwatch_cmd, wait_for
+from conftest import bundle_dirs, rankwatch_cmd, stalled_record, wait_for
 
 HERE = Path(__file__).resolve().parent
 RANK = str(HERE / "procs" / "rank.py")
@@ -54,25 +54,13 @@ def events(stderr: str) -> list[dict]:
     return out
 
 
-def planted_record(shm: Path, job: str, rank: int, pid: int, world: int):
-    """A record that names ``pid`` (written by this test process, which maps it), one step done, then stale."""
-    (shm / job).mkdir(mode=0o700, exist_ok=True)
-    t = new_tracker(shm / job / f"rank-{rank}.hb", pid=pid, rank=rank, local_rank=rank, world_size=world,
-                    local_world_size=world, job_id=job)
-    for slot in (0, 1, 2, 3):
-        t.enter(slot)
-        t.exit(slot)
-    t.step()
-    t.enter(1)
-    return t
-
-
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
 def test_records_naming_pid_1_or_an_unrelated_process_are_never_touched(procs, tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
     bystander, signals = start_counter(procs, tmp_path, "bystander")
-    keep = [planted_record(shm, "planted", 0, 1, 2), planted_record(shm, "planted", 1, bystander.pid, 2)]
+    keep = [stalled_record(shm, "planted", rank=0, world=2, pid=1, stall_slot=1),
+            stalled_record(shm, "planted", rank=1, world=2, pid=bystander.pid, stall_slot=1)]
     time.sleep(1.5)  # both records are already past the 1 s stall timeout when the daemon starts
     trace = tmp_path / "strace.log"
     daemon = procs.start(["strace", "-f", "-qq", "-o", str(trace),

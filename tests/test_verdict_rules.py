@@ -214,3 +214,62 @@ def test_recovery_closes_an_incident():
     assert recovered([rv(0, since_progress_s=1), rv(1, since_progress_s=2)], POLICY, 1.0)
     assert not recovered([rv(0, since_progress_s=1), rv(1, since_progress_s=20)], POLICY, 1.0)
     assert not recovered([rv(0, since_progress_s=1), rv(1, state="dead")], POLICY, 1.0)
+
+
+def test_a_barrier_only_one_rank_calls_is_named_from_the_flight_recorder():
+    # rank 2 runs `if rank == 2: dist.barrier()`; the others wait in DDP's gradient all-reduce, which the
+    # Python-level counters do not see, so by the counters three of four ranks look "behind"
+    from rankwatch.watchdog.core.fr_analysis import Mismatch
+    from rankwatch.watchdog.core.verdict import FrHints
+
+    views = [rv(r, phase="backward", coll_seq=13, coll_done=13, waiting=True) for r in (0, 1, 3)]
+    views.insert(2, rv(2, phase="collective", coll_seq=14, coll_done=13, coll_op="barrier", waiting=True))
+    mm = Mismatch(pg="0", seq=14, kind="op", variants={"all_reduce": (0, 1, 3), "barrier": (2,)}, odd_ranks=(2,))
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
+               fr_hints=FrHints(ranks=(0, 1, 2, 3), mismatches=(mm,))).to_json()
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [2], "flight_recorder")
+    assert any(e.startswith("counters agrees") for e in v["evidence"])
+    # without a flight recorder the counters still point at the rank that entered the extra collective
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [2], "medium")
+
+
+def test_a_rank_that_left_early_is_the_initiator_of_the_crashes_it_caused():
+    # uneven data: rank 1's shard ran out, it left the loop and exited normally; ranks 0 and 2 then crash
+    # with connection errors, rank 3 waits in backward
+    views = [
+        rv(0, state="crashed", exit_age_s=1.0, exit_order=1, exit_cause=PEER_LOST),
+        rv(1, state="exited", phase=None, exit_age_s=1.2, exit_order=0),
+        rv(2, state="crashed", exit_age_s=1.0, exit_order=2, exit_cause=PEER_LOST),
+        rv(3, phase="backward"),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("dead_rank", [1], "high")
+    assert "left early" in v["reason"]
+
+
+def test_ranks_that_all_finished_are_not_early_leavers():
+    # every rank done; one crashed while tearing down afterwards: the exits are not to blame
+    views = [
+        rv(0, state="exited", phase=None, exit_age_s=2.0),
+        rv(1, state="exited", phase=None, exit_age_s=2.0),
+        rv(2, state="crashed", phase=None, exit_age_s=1.0, exit_cause="RuntimeError: gloo teardown"),
+    ]
+    v = verdict(views)
+    assert v["initiating_ranks"] == [2]
+
+
+def test_a_missing_node_singles_out_its_ranks_in_a_communication_hang():
+    views = [rv(r, coll_seq=9, coll_done=8, phase="collective") for r in (0, 1)]
+    views += [rv(r, node="n1", state="missing", step=0, phase=None, coll_seq=0, coll_done=0) for r in (2, 3)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("comm_hang", [2, 3], "missing_node")
+    assert "n1" in v["reason"]
+
+
+def test_a_majority_is_never_blamed_on_weak_evidence():
+    # three of four ranks behind by the Python counters, nobody waiting: the counters alone cannot blame them
+    views = [rv(r, step=5, phase="forward") for r in (0, 1, 2)] + [rv(3, step=6, phase="forward")]
+    v = verdict(views)
+    assert v["initiating_ranks"] == [0, 1, 2] and v["confidence"] == "low"
+    assert any("a majority is only blamed on strong evidence" in e for e in v["evidence"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import signal
 from collections.abc import Callable
@@ -18,7 +16,7 @@ from ..core.policy import ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
-from .options import add_watch_options, policies_from_args
+from .options import add_watch_options, count_or_all, policies_from_args, seconds_or_never
 from .parser import Parser
 
 if TYPE_CHECKING:
@@ -56,26 +54,6 @@ def build_parser() -> Parser:
     )
     add_watch_options(p)
     return p
-
-
-def seconds_or_never(text: str) -> float | None:
-    if text.strip().lower() == "never":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected SECONDS or 'never', got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text!r}")
-    return value
-
-
-def count_or_all(text: str) -> int | None:
-    if text.strip().lower() == "all":
-        return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive count or 'all', got {text!r}")
-    return int(text)
 
 
 def env_defaults(env: dict[str, str] | None = None) -> list[str]:

@@ -1,31 +1,25 @@
 """Naming the initiating rank: a pure function from rank views to a ``rankwatch.verdict/1`` document.
 
-Rules, strongest first (DESIGN.md), each backed by stack grouping:
-1. ranks that died (no normal-exit mark) or crashed, earliest exit first; then stopped ranks;
-2. ranks behind the others: fewer completed steps, then fewer collectives entered;
-3. at the same step and collective count, the minority that is *not* waiting (not in a collective, not
-   in DDP's gradient sync inside backward, stack not blocked in a wait) started it; among ranks that are
-   not waiting, the one earliest in the step's phase order is behind;
-4. everyone in the same collective number with different ops: collective mismatch, every rank outside the
-   strictly largest op group named (``ranks.outside_majority``); on a tie nobody is named, confidence low;
-5. everyone in the same collective: communication hang, no single initiator unless GPU evidence or a
-   missing node singles one out.
+The evidence is a ladder, kept as data (``EVIDENCE_LADDER``), strongest first: exits (by cause, then time,
+``core.failures``; early normal exits while peers are mid-step) → stopped ranks → the flight recorder
+(per process group: a mismatch at one seq, ranks behind or missing; it sees DDP's gradient all-reduces,
+which Python-level counters do not) → Python-level counters (steps, collective seq and ops) → waiting vs
+not waiting and the phase → a stack no other rank shares → GPU activity in a communication hang → a node
+that never answered. Every rung is asked; the strongest that singles ranks out decides, weaker rungs
+that agree back it, weaker rungs that single out someone else lower the confidence — both stated in the
+evidence. A majority of ranks is named only on strong evidence (an exit, a stop, the flight recorder).
+Stack grouping and GPU use back or question the decision. The odd-one-out and "behind" rules are the
+shared ones of ``core.ranks``, as in the flight-recorder analysis and offline ``diagnose``.
 
-Outside evidence refines these (``_apply_fr``, ``_apply_gpu``):
-- flight recorder (FR): a mismatch (op/size/dtype) at one seq decides ``collective_mismatch`` when the
-  Python-level rules found nothing stronger (a size mismatch under identical ``all_reduce`` calls is
-  invisible to the hook); ranks behind / missing by FR seq back rule 2, back or correct rule 3, and decide
-  when the Python-level counters are equal (DDP's gradient all-reduces are not Python-level collectives,
-  so the FR is the only seq evidence for them);
-- GPU: a rank named as stuck outside the collective that reads ~0 % (or is missing from NVML's samples)
-  while its waiting peers spin at ~100 % backs the finding; everyone at ~100 % singles nobody out (a rank
-  stuck *inside* a kernel reads 100 % too), so it only adds a caution line.
+GPU: a rank named as stuck outside the collective that reads ~0 % (or is missing from NVML's samples)
+while its waiting peers spin at ~100 % backs the finding; everyone at ~100 % singles nobody out (a rank
+stuck *inside* a kernel reads 100 % too), so it only adds a caution line.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +29,7 @@ from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
 from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
-from .snapshot import CRASHED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
+from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
 
 DEFAULT_VERDICT_POLICY = VerdictPolicy()
 
@@ -207,7 +201,7 @@ class _Finding:
     confidence: str
     reason: str
     evidence: list[str] = field(default_factory=list)
-    rule: str = ""  # which rule produced it: gone, stopped, behind, not_waiting, collective, fr, missing_node
+    rule: str = ""  # the EVIDENCE_LADDER rung that produced it
 
 
 def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
@@ -219,6 +213,9 @@ def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
     """
     roles: dict[int, str] = {}
     for v in gone:
+        if v.state == EXITED:  # only early leavers get here (``left_early``): their peers still needed them
+            roles[v.rank] = INITIATING
+            continue
         if v.state == CRASHED:
             roles[v.rank] = crash_role(v.exit_cause)
             continue
@@ -232,8 +229,19 @@ def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
     return roles
 
 
+def left_early(v: RankView, views: Sequence[RankView]) -> bool:
+    """A normal exit while a peer that did not exit was still inside a step at least as far along: the peer
+    still needed it (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``)."""
+    return v.state == EXITED and any(
+        o.state != EXITED and o.state in (RUNNING, STOPPED, *GONE_STATES) and o.phase not in (None, "idle")
+        and o.step >= v.step
+        for o in views
+    )
+
+
 def _rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
-    gone = [v for v in views if v.state in GONE_STATES]
+    early = [v for v in views if left_early(v, views)]
+    gone = [v for v in views if v.state in GONE_STATES] + early
     if not gone:
         return None
     # larger exit age = exited earlier; node-local order breaks ties within a node
@@ -245,7 +253,11 @@ def _rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> _Finding | N
     # exits within the tolerance are not ordered across nodes; within a node the exit order is exact
     near = first_by_time(candidates, key=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s)
     firsts = [first, *(v for v in near if v is not first and v.node_key != first.node_key)]
-    how = "exited with an error" if first.state == CRASHED else "died (killed, no normal-exit mark)"
+    how = {
+        CRASHED: "exited with an error",
+        EXITED: "left early — exited normally while its peers were still mid-step (uneven data: give every rank "
+        "the same number of batches or wrap the loop in DDP's join(); or an early return)",
+    }.get(first.state, "died (killed, no normal-exit mark)")
 
     def line(v: RankView) -> str:
         cause = f" ({v.exit_cause})" if v.state == CRASHED and v.exit_cause else ""
@@ -331,6 +343,19 @@ def _rule_behind(live: Sequence[RankView]) -> _Finding | None:
     if by_seq:
         behind = [v for v in live if v.rank in by_seq]
         ahead = [v for v in live if v.coll_seq == top_seq]
+        if len(behind) > len(live) / 2 and all(is_waiting(v) for v in live):
+            # most ranks "behind" yet every rank waits: the few ahead entered a collective the others never
+            # issue (a rank-conditional barrier); the others wait in one Python counters cannot see (DDP)
+            return _Finding(
+                "collective_mismatch",
+                sorted(v.rank for v in ahead),
+                "medium",
+                f"{fmt_ranks(v.rank for v in ahead)} entered collective #{top_seq} ({ahead[0].coll_op}) that "
+                f"{fmt_ranks(v.rank for v in behind)} never issue: they wait in "
+                f"{', '.join(sorted({v.phase or 'idle' for v in behind}))} (a collective Python-level counters do "
+                "not see, such as DDP's gradient all-reduce) — a collective only some ranks call",
+                [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
+            )
         return _Finding(
             "hang",
             sorted(v.rank for v in behind),
@@ -395,7 +420,10 @@ def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
     return None
 
 
-def _rule_collective(live: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
+def _rule_collective(live: Sequence[RankView]) -> _Finding | None:
+    """Every live rank in a Python-level collective at the same seq but with different ops."""
+    if not live or any(not v.in_collective for v in live) or len({v.coll_seq for v in live}) != 1:
+        return None
     by_op: dict[str, list[RankView]] = defaultdict(list)
     for v in live:
         by_op[v.coll_op or "?"].append(v)
@@ -426,8 +454,14 @@ def _rule_collective(live: Sequence[RankView], policy: VerdictPolicy) -> _Findin
             f"({fmt_ranks(by_op_ranks[top_op])}) called {top_op}",
             [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op}" for v in live],
         )
-    op = live[0].coll_op
-    # the same collective everywhere: only outside evidence singles a rank out
+    return None
+
+
+def _rule_same_collective(live: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
+    """Every live rank in the same collective: only outside evidence (GPU) singles one out."""
+    if not live or any(not v.in_collective for v in live) or len({v.coll_op for v in live}) != 1:
+        return None
+    seq, op = live[0].coll_seq, live[0].coll_op
     idle = [v for v in live if v.gpu_util is not None and v.gpu_util <= policy.gpu_idle_pct]
     busy = [v for v in live if v.gpu_util is not None and v.gpu_util >= policy.gpu_busy_pct]
     absent = [v for v in live if v.gpu_missing]
@@ -499,61 +533,25 @@ def _fr_behind_text(hints: FrHints, ranks: Sequence[int]) -> str:
     return "; ".join(parts)
 
 
-def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]) -> tuple[_Finding | None, str]:
-    """Let the flight recorder decide, back or question the Python-level finding; returns (finding, role).
+def _rule_fr(hints: FrHints, live: Sequence[RankView]) -> _Finding | None:
+    """What the flight recorder says on its own: a mismatch at one (pg, seq), else ranks behind or missing.
 
-    Role: "decided", "backed", "disagreed" or "none". Dead and stopped ranks are never overridden: the FR
-    of the survivors only shows the consequence.
-    """
-    if not live or (finding is not None and finding.rule in ("gone", "stopped")):
-        return finding, "none"
+    It sees every collective of every process group, DDP's gradient all-reduces included, which the
+    Python-level counters do not; so it outranks them (the evidence ladder)."""
+    if not live:
+        return None
     live_ranks = {v.rank for v in live}
     covered = live_ranks <= set(hints.ranks)
-    weak = finding is None or finding.kind in ("unknown", "comm_hang") or finding.confidence == "low"
-
     mismatches = [m for m in hints.mismatches if set(m.odd_ranks) <= live_ranks]
     decisive = next((m for m in mismatches if m.odd_ranks), None)
     if decisive is not None:
-        if finding is not None and finding.kind == "collective_mismatch" and finding.confidence != "low":
-            if set(finding.initiators) == set(decisive.odd_ranks):
-                finding.evidence.append(
-                    f"flight recorder agrees: {decisive.kind} mismatch at collective #{decisive.seq}, "
-                    f"odd {fmt_ranks(decisive.odd_ranks)}"
-                )
-                finding.confidence = raise_confidence(finding.confidence)
-                return finding, "backed"
-            finding.evidence.append(
-                f"flight recorder disagrees: it shows {fmt_ranks(decisive.odd_ranks)} odd at collective "
-                f"#{decisive.seq} ({decisive.kind})"
-            )
-            return finding, "disagreed"
-        if weak:
-            out = _fr_mismatch_finding(decisive, covered, live)
-            if finding is not None:
-                out.evidence.append(f"python-level rules alone: {finding.reason}")
-            return out, "decided"
-    elif mismatches and (finding is None or finding.kind in ("unknown",) or not finding.initiators):
-        # a tie: worth reporting when nothing else explains the stall
-        return _fr_mismatch_finding(mismatches[0], covered, live), "decided"
-
+        return _fr_mismatch_finding(decisive, covered, live)
     behind = [r for r in hints.behind_ranks if r in live_ranks]
     if not behind:
-        return finding, "none"
+        # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
+        return _fr_mismatch_finding(mismatches[0], covered, live) if mismatches else None
     detail = _fr_behind_text(hints, behind)
-    if finding is not None and finding.kind == "hang" and finding.rule in ("behind", "not_waiting"):
-        chosen = set(finding.initiators)
-        if chosen == set(behind):
-            finding.evidence.append(f"flight recorder agrees: {detail}")
-            finding.confidence = raise_confidence(finding.confidence)
-            return finding, "backed"
-        finding.evidence.append(f"flight recorder names {fmt_ranks(behind)} behind instead: {detail}")
-        if not chosen & set(behind) and finding.rule == "not_waiting":
-            finding.confidence = lower_confidence(finding.confidence)
-        return finding, "disagreed"
-    if not weak:
-        return finding, "none"
-    behind_set = set(behind)
-    chosen_views = [v for v in live if v.rank in behind_set]
+    chosen_views = [v for v in live if v.rank in set(behind)]
     lead = chosen_views[0]
     others = sorted(live_ranks - set(behind))
     confidence = "high" if covered and len(behind) < len(live) / 2 else "medium"
@@ -565,9 +563,7 @@ def _apply_fr(finding: _Finding | None, hints: FrHints, live: Sequence[RankView]
     evidence = [f"flight recorder: {detail}"]
     if not covered:
         evidence.append(f"flight recorder covers only {fmt_ranks(hints.ranks)}")
-    if finding is not None:
-        evidence.append(f"python-level rules alone: {finding.reason}")
-    return _Finding("hang", behind, confidence, reason, evidence, rule="fr"), "decided"
+    return _Finding("hang", behind, confidence, reason, evidence, rule="fr")
 
 
 def _apply_gpu(finding: _Finding, live: Sequence[RankView], policy: VerdictPolicy) -> None:
@@ -609,6 +605,63 @@ def _apply_gpu(finding: _Finding, live: Sequence[RankView], policy: VerdictPolic
         )
 
 
+@dataclass(frozen=True)
+class Rung:
+    """One kind of evidence; stronger rungs decide, weaker ones back or question the decision."""
+
+    name: str
+    what: str
+    strong: bool  # may name a majority of ranks
+
+
+EVIDENCE_LADDER: tuple[Rung, ...] = (
+    Rung("exits", "own-failure exits, by cause then time; early normal exits while peers are mid-step", True),
+    Rung("stopped", "ranks stopped by SIGSTOP or a debugger", True),
+    Rung("flight_recorder", "per process group: a mismatch (op/size/dtype) at one seq; ranks behind or missing", True),
+    Rung("counters", "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops", False),
+    Rung("waiting", "the minority that is not waiting for peers, and its phase", False),
+    Rung("stacks", "a stack no other rank shares", False),
+    Rung("gpu", "every rank in one collective, one with no GPU activity", False),
+    Rung("missing_node", "every rank here in one collective while a node never answered", False),
+)
+"""The evidence ladder, strongest first (README "How the initiating rank is named")."""
+
+
+def _rule_stacks(present: Sequence[RankView]) -> _Finding | None:
+    groups = stack_groups(present)
+    if len(groups) < 2:
+        return None
+    odd = outside_majority(dict(groups))
+    if odd is None or len(odd) >= len(present) / 2:
+        return None
+    return _Finding(
+        "hang",
+        list(odd),
+        "low",
+        f"{fmt_ranks(odd)} has a stack the other ranks do not share; no other evidence singles a rank out",
+        [],
+    )
+
+
+def _rule_missing_node(live: Sequence[RankView], missing: Sequence[RankView]) -> _Finding | None:
+    if not missing or not live or any(not v.in_collective for v in live):
+        return None
+    nodes = sorted({v.node for v in missing})
+    return _Finding(
+        "comm_hang",
+        sorted(v.rank for v in missing),
+        "medium",
+        f"every rank that answered waits in collective #{live[0].coll_seq} ({live[0].coll_op}) while node(s) "
+        f"{', '.join(nodes)} never answered: {fmt_ranks(v.rank for v in missing)} are the likeliest cause",
+        [],
+    )
+
+
+def _names_everyone(f: _Finding, present: Sequence[RankView]) -> bool:
+    """Names every rank that gave evidence: no single initiator ("a shared cause")."""
+    return bool(present) and {v.rank for v in present} <= set(f.initiators)
+
+
 def decide(
     views: Sequence[RankView],
     *,
@@ -621,28 +674,38 @@ def decide(
 ) -> Verdict:
     """The verdict for one incident over every rank's view (all nodes).
 
-    ``fr_hints`` (from ``evidence.fr_evidence``) lets the flight recorder decide or back the Python-level
-    rules; the hints then appear under the extra key ``flight_recorder``. GPU use comes in the views.
-    ``policy`` holds the thresholds (exit-order tolerance, GPU idle/busy levels).
+    Every rung of ``EVIDENCE_LADDER`` is asked; the strongest rung that names a rank decides, weaker ones
+    that agree back it and weaker ones that single out someone else lower the confidence (both said in
+    ``evidence``). A majority of ranks is named only on strong evidence. ``fr_hints`` (from
+    ``evidence.flight_recorder``) are the flight-recorder rung; they appear under ``flight_recorder``.
     """
     views = sorted(views, key=lambda v: v.rank)
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    finding = _tag(_rule_gone(present, policy), "gone") or _tag(_rule_stopped(present), "stopped")
-    if finding is None and live:
-        finding = _tag(_rule_behind(live), "behind")
-        if finding is None:
-            in_coll = [v for v in live if v.in_collective]
-            finding = (
-                _tag(_rule_collective(live, policy), "collective")
-                if len(in_coll) == len(live)
-                else _tag(_rule_not_waiting(live), "not_waiting")
-            )
-    fr_role = "none"
-    if fr_hints is not None:
-        finding, fr_role = _apply_fr(finding, fr_hints, live)
-    if finding is not None and finding.rule not in ("gone", "stopped"):
+    found: dict[str, _Finding | None] = {
+        "exits": _rule_gone(present, policy),
+        "stopped": _rule_stopped(present),
+        "flight_recorder": _rule_fr(fr_hints, live) if fr_hints is not None else None,
+        "counters": (_rule_behind(live) or _rule_collective(live)) if live else None,
+        "waiting": _rule_not_waiting(live) if live and not all(v.in_collective for v in live) else None,
+        "stacks": _rule_stacks(present),
+        "gpu": _rule_same_collective(live, policy),
+        "missing_node": _rule_missing_node(live, missing),
+    }
+    for name, f in found.items():
+        if f is not None:
+            f.rule = name
+    # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
+    ladder = [r for r in EVIDENCE_LADDER if found[r.name] is not None]
+    singling = [
+        r for r in ladder if (f := found[r.name]) is not None and f.initiators and not _names_everyone(f, present)
+    ]
+    rung = singling[0] if singling else (ladder[0] if ladder else None)
+    finding = found[rung.name] if rung is not None else None
+    if finding is not None and rung is not None and rung.name not in ("exits", "stopped"):
+        # the stopped or dead cannot be second-guessed; everything else is weighed against the weaker rungs
+        _weigh(finding, rung, found, present)
         _apply_gpu(finding, live, policy)
     if finding is None and missing:
         finding = _Finding(
@@ -656,7 +719,7 @@ def decide(
     if finding is None:
         finding = _Finding("unknown", [], "low", "no rule singled out a rank", [])
     evidence = list(finding.evidence)
-    if finding.initiators and finding.kind in ("hang", "collective_mismatch"):
+    if finding.initiators and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
         line, agrees = _stack_backing(present, finding.initiators)
         if line:
             evidence.append(line)
@@ -667,8 +730,9 @@ def decide(
     evidence.extend(extra_evidence)
     initiator_set = set(finding.initiators)
     chosen = [v for v in views if v.rank in initiator_set]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"decided_by": finding.rule or "none"}
     if fr_hints is not None:
+        fr_role = "decided" if finding.rule == "flight_recorder" else _fr_role(found["flight_recorder"], finding)
         extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
     return Verdict(
         job_id=job_id,
@@ -685,7 +749,38 @@ def decide(
     )
 
 
-def _tag(finding: _Finding | None, rule: str) -> _Finding | None:
-    if finding is not None:
-        finding.rule = rule
-    return finding
+def _fr_role(fr: _Finding | None, finding: _Finding) -> str:
+    if fr is None:
+        return "none"
+    return "backed" if set(fr.initiators) == set(finding.initiators) else "disagreed"
+
+
+def _weigh(finding: _Finding, rung: Rung, found: Mapping[str, _Finding | None], present: Sequence[RankView]) -> None:
+    """Back or question the decision with every weaker rung; refuse to blame a majority on weak evidence."""
+    chosen = set(finding.initiators)
+    below = list(EVIDENCE_LADDER)[[r.name for r in EVIDENCE_LADDER].index(rung.name) + 1 :]
+    for r in below:
+        other = found.get(r.name)
+        if other is None or not other.initiators or _names_everyone(other, present):
+            continue
+        if set(other.initiators) == chosen:
+            finding.evidence.append(f"{r.name.replace('_', ' ')} agrees: {other.reason}")
+            if r.name in ("flight_recorder", "counters", "waiting"):
+                finding.confidence = raise_confidence(finding.confidence)
+        elif len(other.initiators) < len(present) / 2:
+            finding.evidence.append(
+                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)} instead: "
+                f"{other.reason}"
+            )
+            finding.confidence = lower_confidence(finding.confidence)
+        else:
+            finding.evidence.append(
+                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}, a majority: "
+                "explained by the stronger evidence above"
+            )
+    if not rung.strong and finding.initiators and len(finding.initiators) > len(present) / 2:
+        finding.confidence = "low"
+        finding.evidence.append(
+            f"naming {len(finding.initiators)} of {len(present)} ranks on {rung.name.replace('_', ' ')} evidence "
+            "alone: a majority is only blamed on strong evidence (an exit, a stop, the flight recorder)"
+        )

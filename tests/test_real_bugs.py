@@ -1,0 +1,36 @@
+"""Bug classes real jobs have, not the demo's injected faults: each a real 4-rank DDP job under `rankwatch run`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import bundle_dirs, rankwatch_cmd, torchrun_args
+
+BUGS = str(Path(__file__).resolve().parent / "procs" / "ddp_bugs.py")
+
+
+@pytest.mark.parametrize(
+    ("bug", "rank", "kind"),
+    [
+        ("rank-barrier", 2, "collective_mismatch"),  # `if rank == 2: dist.barrier()` inside the loop
+        ("rank-barrier", 0, "collective_mismatch"),
+        ("uneven-data", 1, "dead_rank"),  # rank 1's shard runs out: it leaves while its peers need it
+        ("uneven-data", 3, "dead_rank"),
+    ],
+)
+def test_real_bug_classes_name_the_rank_that_caused_them(procs, tmp_path, bug, rank, kind):
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    cmd = rankwatch_cmd("run", "--out", str(out), "--shm-dir", str(shm), "--stall-timeout", "3", "--on-stall",
+                        "kill", "--quiet", "--",
+                        *torchrun_args(4, f"{bug}-{rank}", BUGS, "--bug", bug, "--rank", str(rank)))
+    result = procs.run(cmd, timeout=300, text=True)
+    found = bundle_dirs(out / "incidents")
+    assert len(found) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    v = json.loads((found[0] / "verdict.json").read_text())
+    assert (v["kind"], v["initiating_ranks"]) == (kind, [rank]), "\n".join([v["reason"], *v["evidence"]])
+    if bug == "uneven-data":
+        assert "left early" in v["reason"]
+    else:
+        assert v["decided_by"] in ("flight_recorder", "counters")
