@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.diagnose import diagnose_logs
+from rankwatch.watchdog.diagnose import diagnose_jobs, diagnose_logs
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 
@@ -29,6 +29,21 @@ EXPECTED: dict[str, tuple[list[int], str]] = {
     "templated/cuda_oom_r3.log": ([3], "dead_rank"),
     "templated/host_oom_r6": ([6], "dead_rank"),
     "templated/ecc_r1": ([1], "dead_rank"),
+    # realistic shapes of logs pasted in issues (realistic/make_realistic.py, tests/test_diagnose_realistic.py)
+    "realistic/extra_collective_r3.log": ([3], "collective_mismatch"),
+    "realistic/left_early_r0.log": ([0], "dead_rank"),
+    "realistic/observed_dump_signal_r2.log": ([2], "hang"),
+    "realistic/sigabrt_after_timeout_r6.log": ([6], "hang"),
+    "realistic/dump_signal_from_rank_r2.log": ([2], "collective_mismatch"),
+    "realistic/mpirun_tag_output_r2.log": ([2], "dead_rank"),
+    "realistic/pylogging_prefix_r1.log": ([1], "dead_rank"),
+    "realistic/pid_prefix_r3.log": ([3], "dead_rank"),
+    "realistic/host_pid_prefix_r1.log": ([1], "dead_rank"),
+    # realistic/several_jobs/ holds four jobs (tests/test_diagnose_realistic.py); each alone:
+    "realistic/several_jobs/slurm-48811.out": ([1], "dead_rank"),
+    "realistic/several_jobs/slurm-48907.out": ([3], "dead_rank"),
+    "realistic/several_jobs/pretrain": ([2], "dead_rank"),
+    "realistic/several_jobs/old_attempt.log": ([0], "dead_rank"),
 }
 
 
@@ -43,6 +58,17 @@ def test_fixture_initiator_and_kind(fixture: str) -> None:
     assert doc["schema"] == "rankwatch.verdict/1" and doc["source"] == "logs"
     assert doc["kind"] in ("hang", "dead_rank", "stopped_rank", "collective_mismatch", "comm_hang", "unknown")
     assert all(":" in e for e in doc["evidence"])
+
+
+@pytest.mark.parametrize("fixture", sorted(EXPECTED))
+def test_each_fixture_is_one_job(fixture: str) -> None:
+    """Grouping sources into jobs never splits a fixture (console + per-rank files, log + dmesg)."""
+    result = diagnose_jobs([str(LOGS / fixture)])
+    assert len(result.jobs) == 1 and not result.ungrouped, [j.files for j in result.jobs]
+    ranks, kind = EXPECTED[fixture]
+    d = result.jobs[0].diagnosis
+    assert (d.initiating_ranks, d.kind) == (ranks, kind), d.reason
+    assert result.decided == bool(ranks)
 
 
 def test_every_fixture_is_covered() -> None:

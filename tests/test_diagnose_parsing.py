@@ -15,7 +15,10 @@ from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
 from rankwatch.watchdog.diagnose.sources import ScanStats, rank_from_path, scan
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
-FAMILIES = sorted(ev.PRIMARY | ev.WAITING | ev.MISMATCH | {ev.EXIT, ev.TRACEBACK, ev.AGENT_TERM})
+FAMILIES = sorted(
+    ev.PRIMARY | ev.WAITING | ev.MISMATCH
+    | {ev.EXIT, ev.TRACEBACK, ev.AGENT_TERM, ev.FINISHED, ev.TIMEOUT_REPORTED, ev.WATCHDOG_ABORT, ev.NCCL_STATUS}
+)
 ALL_FIXTURE_LINES = [
     line
     for p in sorted(LOGS.rglob("*"))
@@ -232,6 +235,9 @@ def test_mangled_real_lines_never_raise(lines: list[str], edits: list[tuple[int,
             seq=st.none() | st.integers(0, 5),
             op=st.none() | st.sampled_from(["ALLREDUCE", "BROADCAST", "all_reduce"]),
             enqueued=st.none() | st.integers(-1, 5),
+            completed=st.none() | st.integers(-1, 5),
+            exitcode=st.none() | st.sampled_from([0, 1, -6, -9, -15]),
+            detail=st.sampled_from(["", "this rank", "another rank", "rank 2"]),
             signal=st.none() | st.sampled_from(["SIGKILL", "SIGTERM", "SIGABRT"]),
             root_cause=st.booleans(),
             ts=st.none() | st.floats(0, 100),

@@ -273,3 +273,16 @@ def test_a_majority_is_never_blamed_on_weak_evidence():
     v = verdict(views)
     assert v["initiating_ranks"] == [0, 1, 2] and v["confidence"] == "low"
     assert any("a majority is only blamed on strong evidence" in e for e in v["evidence"])
+
+
+def test_a_rank_still_in_a_collective_after_the_others_finished_is_the_odd_one():
+    # ranks 0-2 finished their loop and exited; rank 3 issued one more all_reduce that nobody joins
+    views = [rv(r, state="exited", phase=None, step=40, exit_age_s=5.0) for r in (0, 1, 2)]
+    views.append(rv(3, step=40, phase="collective", coll_seq=121, coll_done=120, coll_op="all_reduce"))
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [3])
+    assert "finished and exited normally" in v["reason"]
+    # the same when its collective then failed because the others had left
+    views[3] = rv(3, state="crashed", step=40, phase="collective", coll_seq=121, coll_done=120, coll_op="all_reduce",
+                  exit_age_s=0.5, exit_cause=PEER_LOST)
+    assert verdict(views)["initiating_ranks"] == [3]

@@ -4,29 +4,52 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-from ..diagnose import diagnose_logs
-from ..diagnose.render import render_text
+from ..diagnose import Job, JobsResult, diagnose_jobs
+from ..diagnose.render import render_jobs, ungrouped_note
 from .parser import Parser
 
 DESCRIPTION = """Name the rank that started a failure from logs a job already wrote: torchrun's console
-(--tee 3 prefixes [defaultN]:/[rankN]:), torchrun --log-dir per-rank files, srun --label output, dmesg.
-Offline, streamed in constant memory. Exit code 0 when the logs name an initiator, 1 when they cannot
-decide, 2 on bad input."""
+(--tee 3 prefixes [defaultN]:/[rankN]:), torchrun --log-dir per-rank files, srun --label output, mpirun
+--tag-output, dmesg. Offline, streamed in constant memory. Logs of several jobs (different run ids, Slurm
+job ids, master ports, or the same rank at other times / on other hosts) are diagnosed one job at a time.
+Exit code 0 when the logs decide an initiator (for every job), 1 when they cannot decide, 2 on bad
+input."""
 
 
 def _parser() -> Parser:
     p = Parser(prog="rankwatch diagnose", description=DESCRIPTION)
     p.add_argument("logs", nargs="+", metavar="LOG", help="log file, directory (recursive) or - for stdin")
-    p.add_argument("--json", action="store_true", help="print a rankwatch.verdict/1 document")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a rankwatch.verdict/1 document (a list of them when the logs hold several jobs)",
+    )
     return p
+
+
+def _doc(job: Job, result: JobsResult, several: bool) -> dict[str, Any]:
+    doc = job.diagnosis.to_json()
+    if several:  # one job keeps the single document exactly as before
+        doc["job_id"] = job.job_id
+        doc["job"] = job.label
+        doc["sources"] = job.files[:1000]
+        if result.ungrouped:
+            doc["notes"] = [*doc["notes"], ungrouped_note(result.ungrouped)]
+    return doc
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    d, evidence = diagnose_logs(args.logs)
+    result = diagnose_jobs(args.logs)
+    several = len(result.jobs) > 1
     if args.json:
-        sys.stdout.write(json.dumps(d.to_json(), indent=2) + "\n")
+        docs = [_doc(j, result, several) for j in result.jobs]
+        out: Any = docs if several else docs[0]
+        if not several and result.ungrouped:
+            out["notes"] = [*out["notes"], ungrouped_note(result.ungrouped)]
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
-        sys.stdout.write(render_text(d, evidence))
-    return 0 if d.initiating_ranks else 1
+        sys.stdout.write(render_jobs(result))
+    return 0 if result.decided else 1

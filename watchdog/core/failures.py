@@ -34,3 +34,22 @@ def crash_role(message: str | None) -> str:
     if OWN_FAULT.search(text):
         return INITIATING
     return CONSEQUENCE if COMMUNICATION.search(text) else INITIATING
+
+
+# What NCCL's watchdog prints as it takes its own process down after a collective timeout or error
+# (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp): the SIGABRT that follows (exit code -6) is the
+# watchdog's doing, a consequence of the timeout, not the rank's own crash.
+WATCHDOG_ABORT = re.compile(
+    r"Some NCCL operations have failed or timed out|we are taking the entire process down"
+    r"|Terminating the process after attempting to dump debug info"
+    r"|Process group watchdog thread terminated with exception|ProcessGroupNCCL's watchdog detected"
+)
+
+
+def abort_role(own_watchdog: bool, aborted_with_timed_out_peers: bool) -> str:
+    """The role of a rank that died by SIGABRT. After a collective timeout NCCL's watchdog aborts its
+    process, and (flight recorder on) every rank it signalled through the store aborts within the same
+    second: a consequence when the rank's own lines show the watchdog or a timeout, or when it aborted
+    together with peers whose watchdog fired. Only an abort with neither is the rank's own crash (an
+    assert, ``std::terminate`` on its own exception)."""
+    return CONSEQUENCE if own_watchdog or aborted_with_timed_out_peers else INITIATING

@@ -154,3 +154,19 @@ class ObservePolicy:
     # knows them even after the rank died and they were reparented; one scan reads every /proc/<pid>/stat
     descendants_every_s: float = 2.0
     track_descendants: bool = True
+
+
+@dataclass(frozen=True)
+class GroupingPolicy:
+    """Thresholds of grouping sources into jobs."""
+
+    # Two time spans this close still overlap: a rank's console tee and its own per-rank file are
+    # written by one clock; across nodes NTP keeps clocks within a second; report times are whole seconds.
+    time_slack_s: float = 2.0
+    # A source without ranks (dmesg, a scheduler log) fits a job whose span is this close to its own: a
+    # kernel OOM kill or an Xid comes first and the ranks' timeouts follow up to one collective timeout
+    # later (torch's NCCL default 10 min, gloo's 30 min).
+    rankless_slack_s: float = 1800.0
+    # How much of each source is searched for its job keys: launch config, rendezvous result, environment
+    # dumps and Slurm's job lines come first.
+    head_bytes: int = 1 << 20

@@ -239,8 +239,32 @@ def left_early(v: RankView, views: Sequence[RankView]) -> bool:
     )
 
 
+def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView]) -> _Finding | None:
+    """Most ranks finished and exited normally while a few are still inside a step: those few did something
+    the others never did (an extra collective or barrier after the loop), not the majority "leaving early"."""
+    # still inside a step — alive, or ended by what the others' leaving did to it (a connection error)
+    stuck = [v for v in views if v.state != EXITED and v.state in (RUNNING, STOPPED, *GONE_STATES)
+             and v.phase not in (None, "idle")]
+    if len(early) <= len(views) / 2 or not stuck or len(stuck) >= len(views) / 2:
+        return None
+    lead = stuck[0]
+    in_coll = all(v.in_collective or v.phase == "collective" for v in stuck)
+    what = f"collective #{lead.coll_seq} ({lead.coll_op})" if in_coll and lead.coll_op else f"{lead.phase}"
+    kind = "collective_mismatch" if in_coll else "dead_rank" if lead.state in GONE_STATES else "hang"
+    return _Finding(
+        kind,
+        sorted(v.rank for v in stuck),
+        "medium",
+        f"{fmt_ranks(v.rank for v in stuck)} is still in {what} at step {lead.step} after "
+        f"{fmt_ranks(v.rank for v in early)} finished and exited normally: it issued what no other rank did",
+        [f"rank {v.rank}: {v.state} at step {v.step}, phase {v.phase or 'idle'}" for v in views],
+    )
+
+
 def _rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> _Finding | None:
     early = [v for v in views if left_early(v, views)]
+    if (finished := _rule_finished_but_one(views, early)) is not None:
+        return finished
     gone = [v for v in views if v.state in GONE_STATES] + early
     if not gone:
         return None

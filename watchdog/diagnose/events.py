@@ -20,9 +20,12 @@ GLOO_TIMEOUT = "gloo_timeout"
 PEER_LOST = "peer_lost"  # connection closed/reset by peer, ncclRemoteError
 NCCL_TIMEOUT = "nccl_timeout"  # watchdog caught collective operation timeout
 NCCL_STATUS = "nccl_status"  # last enqueued / completed work (watchdog status, dump signal)
-DUMP_SIGNAL = "dump_signal"  # flight-recorder dump requested by another rank
+DUMP_SIGNAL = "dump_signal"  # flight-recorder dump signal: detail "this rank" (its own watchdog timed
+# out) or "another rank" / "rank N" (a peer timed out and told it through the store: NOT its own timeout)
 HEARTBEAT = "heartbeat"  # heartbeat monitor abort
 COMM_ERROR = "comm_error"  # other NCCL/gloo errors (NCCL WARN, DistBackendError)
+TIMEOUT_REPORTED = "timeout_reported"  # another rank's log says THIS rank timed out ("…from rank N")
+WATCHDOG_ABORT = "watchdog_abort"  # NCCL's watchdog taking this process down (explains its SIGABRT)
 # mismatch
 SIZE_MISMATCH = "size_mismatch"  # gloo enforce: received size != expected
 OP_MISMATCH = "op_mismatch"  # c10d TORCH_DISTRIBUTED_DEBUG=DETAIL fingerprint mismatch
@@ -33,12 +36,20 @@ TRACEBACK = "traceback"  # a finished Python traceback: innermost collective op 
 DUMP_WRITTEN = "dump_written"  # a flight-recorder dump went to a file
 RANK_SEEN = "rank_seen"  # only says the rank exists (per-rank file, prefix)
 SLURM = "slurm"  # srun/slurmstepd task exits and cancellations
+FINISHED = "finished"  # the rank reached its normal end (last training-loop line, at-exit warning)
+
+PEER_SIGNALLED = ("another rank", "rank ")  # DUMP_SIGNAL details that name a peer, not this rank
 
 FIRST_NOTICED = "first failure torchrun noticed"  # detail of the one-line EXIT event
 
 PRIMARY = frozenset({CUDA_ERROR, CUDA_OOM, HW_FAULT, HOST_OOM, PY_ERROR})
 WAITING = frozenset({GLOO_TIMEOUT, PEER_LOST, NCCL_TIMEOUT, DUMP_SIGNAL, HEARTBEAT, COMM_ERROR})
 MISMATCH = frozenset({SIZE_MISMATCH, OP_MISMATCH})
+# the rank itself waited on a peer and gave up (a DUMP_SIGNAL counts only when it is its own, see
+# diagnose/reasoning.py); TIMEOUT_REPORTED is the same fact told by another rank
+WAITED = frozenset({GLOO_TIMEOUT, PEER_LOST, NCCL_TIMEOUT, HEARTBEAT, COMM_ERROR, TIMEOUT_REPORTED})
+# NCCL's watchdog at work on the rank: a SIGABRT that follows is its abort, not the rank's own crash
+WATCHDOG = frozenset({NCCL_TIMEOUT, NCCL_STATUS, DUMP_SIGNAL, HEARTBEAT, TIMEOUT_REPORTED, WATCHDOG_ABORT})
 
 
 @dataclass(frozen=True, slots=True)

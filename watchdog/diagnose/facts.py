@@ -26,6 +26,9 @@ class RankFacts:
     nccl_timeout: ev.Event | None = None  # last watchdog timeout
     status: ev.Event | None = None  # last PG status (enqueued/completed)
     slurm: ev.Event | None = None
+    finished: ev.Event | None = None  # last "reached its normal end" line, or a report entry with exit 0
+    own_dump: bool = False  # a DUMP_SIGNAL from its own watchdog ("from this local rank"): it timed out
+    told: ev.Event | None = None  # first DUMP_SIGNAL naming a peer: another rank timed out and told it
     agent_terminated: bool = False  # torchrun sent it a closing signal: its death is downstream
 
     def has(self, families: frozenset[str]) -> bool:
@@ -38,7 +41,25 @@ class RankFacts:
         self.counts[e.family] += 1
         if e.family not in self.first:
             self.first[e.family] = e
+        self._fold(e)
+
+    def merge(self, other: RankFacts) -> None:
+        """Fold another source's facts about the same rank in, as if its events had come after ours."""
+        self.counts.update(other.counts)
+        for fam, e in other.first.items():
+            self.first.setdefault(fam, e)
+        self.own_dump = self.own_dump or other.own_dump
+        if other.told is not None:
+            self._fold(other.told)
+        for last in (other.exit, other.slurm, other.finished, other.status, other.nccl_timeout, other.traceback):
+            if last is not None:
+                self._fold(last)
+        self.agent_terminated = self.agent_terminated or other.agent_terminated
+
+    def _fold(self, e: ev.Event) -> None:
         if e.family == ev.EXIT:
+            if e.exitcode == 0:
+                self.finished = e
             # a failure-report entry beats torchrun's one-line "failed (exitcode…)"; keep the root flag
             root = e.root_cause or (self.exit is not None and self.exit.root_cause)
             if self.exit is None or self.exit.detail == ev.FIRST_NOTICED:
@@ -49,10 +70,20 @@ class RankFacts:
             self.traceback = e
         elif e.family == ev.NCCL_TIMEOUT:
             self.nccl_timeout = e
-        elif e.family in (ev.NCCL_STATUS, ev.DUMP_SIGNAL) and e.enqueued is not None:
-            self.status = e
+        elif e.family in (ev.NCCL_STATUS, ev.DUMP_SIGNAL):
+            if e.enqueued is not None:
+                self.status = e
+            if e.family == ev.DUMP_SIGNAL:
+                if e.detail.startswith(ev.PEER_SIGNALLED):
+                    # the first one, or a later one that names the rank ("rank 2" over "another rank")
+                    if self.told is None or (self.told.detail == "another rank" and e.detail != "another rank"):
+                        self.told = e
+                else:
+                    self.own_dump = True
         elif e.family == ev.SLURM:
             self.slurm = self.slurm or e
+        elif e.family == ev.FINISHED:
+            self.finished = e
 
 
 @dataclass
@@ -115,6 +146,36 @@ class Collector:
             self._pending.append(e)
         else:
             self._unattributed(e)
+
+    def merge(self, other: Collector) -> None:
+        """Take in another (unfinished) collector's events, as if its sources had been read after ours:
+        sources are parsed one collector each, then the ones of one job are merged (diagnose/jobs.py)."""
+        E, theirs = self.evidence, other.evidence
+        for r, f in theirs.ranks.items():
+            E.facts(r).merge(f)
+        for p in theirs.dump_paths:
+            if len(E.dump_paths) < 32 and p not in E.dump_paths:
+                E.dump_paths.append(p)
+        for name in theirs.files:
+            self.note_file(name)
+        E.slurm_cancel = E.slurm_cancel or theirs.slurm_cancel
+        E.bytes += theirs.bytes
+        E.lines += theirs.lines
+        for e in theirs.unattributed:
+            self._unattributed(e)
+        for e in other._pending:
+            if len(self._pending) < MAX_PENDING:
+                self._pending.append(e)
+            else:
+                self._unattributed(e)
+        for k, g in other._local_to_global.items():
+            self._local_to_global.setdefault(k, g)
+        for lr, gs in other._local_any.items():
+            if len(self._local_any) < 100_000:
+                self._local_any.setdefault(lr, set()).update(gs)
+        for pid, r in other._pid_to_rank.items():
+            self._pid_to_rank.setdefault(pid, r)
+        self._agent_pids.update(other._agent_pids)
 
     def note_file(self, name: str) -> None:
         if len(self.evidence.files) < MAX_SEEN_FILES:

@@ -18,6 +18,7 @@ from . import patterns as pt
 MAX_TEXT = 300  # characters of a line kept as evidence
 MAX_FRAMES = 64  # innermost frames kept per open traceback
 MAX_OPEN_TRACEBACKS = 4096
+MAX_SEEN = 4096  # ranks / hosts remembered per source for grouping sources into jobs (diagnose/jobs.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +54,17 @@ class SourceParser:
     def __init__(self, file: str, path_rank: PathRank | None = None) -> None:
         self.file = file
         self.path_rank = path_rank or PathRank()
-        self._tracebacks: dict[tuple[int | None, int | None], _Traceback] = {}
+        self._tracebacks: dict[tuple[int | None, int | None, int | None], _Traceback] = {}
         self._section: str | None = None  # "failures" | "root" inside an elastic failure report
         self._entry: _ReportEntry | None = None
+        # what this source says about the job it belongs to (diagnose/jobs.py groups sources by it):
+        # global ranks that printed here (by prefix or path), hosts named, and the time span it covers
+        self.ranks: set[int] = set()
+        self.hosts: set[str] = set()
+        self.t_min: float | None = None
+        self.t_max: float | None = None
+        if self.path_rank.rank is not None:
+            self.ranks.add(self.path_rank.rank)
 
     # -- public --------------------------------------------------------------------------------
     def feed(self, lineno: int, line: str) -> list[ev.Event]:
@@ -79,16 +88,22 @@ class SourceParser:
         prefix, body = pt.split_prefix(raw)
         rank = prefix.rank if prefix.rank is not None else self.path_rank.rank
         local = prefix.local_rank if prefix.local_rank is not None else self.path_rank.local_rank
-        ts: float | None = None
+        if prefix.rank is not None and len(self.ranks) < MAX_SEEN:
+            self.ranks.add(prefix.rank)
+        ts: float | None = prefix.ts
         g = pt.GLOG.match(body)
         if g:
-            ts = pt.glog_time(g)
+            ts = pt.glog_time(g)  # the message's own header beats a wrapper's stamp
             body = body[g.end() :]
+        self._saw_time(ts)
         text = raw.strip()[:MAX_TEXT]
         base: dict[str, Any] = {"file": self.file, "line": lineno, "text": text, "ts": ts}
+        who: dict[str, Any] = {"rank": rank, "local_rank": local, "pid": prefix.pid, "host": prefix.host}
 
         def mk(family: str, **kw: Any) -> ev.Event:
-            args = {**base, "rank": rank, "local_rank": local, **kw}
+            args = {**base, **who, **kw}
+            if args["host"] and len(self.hosts) < MAX_SEEN:
+                self.hosts.add(args["host"])
             return ev.Event(family, **args)
 
         out: list[ev.Event] = []
@@ -96,8 +111,8 @@ class SourceParser:
         if self._report_line(stripped, base, out):
             return out
 
-        # Python traceback assembly (per rank, since ranks interleave)
-        key = (rank, local)
+        # Python traceback assembly (per rank, since ranks interleave; per pid when only a pid says who)
+        key = (rank, local, prefix.pid if rank is None and local is None else None)
         if pt.TB_START in stripped:
             if len(self._tracebacks) >= MAX_OPEN_TRACEBACKS:
                 self._tracebacks.clear()
@@ -118,6 +133,14 @@ class SourceParser:
                 out.extend(self._finish_traceback(tb, em, out, mk))
         return out
 
+    def _saw_time(self, ts: float | None) -> None:
+        if ts is None:
+            return
+        if self.t_min is None or ts < self.t_min:
+            self.t_min = ts
+        if self.t_max is None or ts > self.t_max:
+            self.t_max = ts
+
     def _report_line(self, s: str, base: dict[str, Any], out: list[ev.Event]) -> bool:
         """torch elastic's failure report: entries of time/host/rank/exitcode/…/traceback fields."""
         if s.startswith(pt.REPORT_FAILURES):
@@ -131,14 +154,19 @@ class SourceParser:
         m = pt.REPORT_TIME.match(s)
         if m:
             self._entry = _ReportEntry(root=self._section == "root", ts=pt.report_time(m))
+            self._saw_time(self._entry.ts)
             return True
         e = self._entry
         if e is None:
             return False
         if m := pt.REPORT_HOST.match(s):
             e.host = m.group(1)
+            if len(self.hosts) < MAX_SEEN:
+                self.hosts.add(e.host)
         elif m := pt.REPORT_RANK.match(s):
             e.rank, e.local_rank = int(m.group(1)), int(m.group(2))
+            if 0 <= e.rank <= pt.MAX_RANK and len(self.ranks) < MAX_SEEN:
+                self.ranks.add(e.rank)  # the launcher's report speaks for its ranks
         elif m := pt.REPORT_EXIT.match(s):
             e.exitcode, e.pid = int(m.group(1)), int(m.group(2))
             e.signal = m.group(3) or pt.signal_name(e.exitcode)
@@ -187,19 +215,44 @@ class SourceParser:
                 out.append(mk(ev.NCCL_STATUS, seq=seq, enqueued=enq, completed=done, **self._pg_rank(s, rank)))
                 return out
             if m := pt.NCCL_DUMP_SIGNAL.search(s):
+                # the status is the printing rank's own; "from rank N" says N timed out, not this rank
                 who = m.group(1)
+                pg = self._pg_rank(s, rank)
                 out.append(
                     mk(
                         ev.DUMP_SIGNAL,
                         enqueued=int(m.group(2)),
                         completed=int(m.group(3)),
                         detail="this rank" if who is None else f"rank {who}",
+                        **pg,
+                    )
+                )
+                if who is not None:
+                    out.extend(self._reported(int(who), pg.get("rank", rank), mk))
+                return out
+            if m := pt.NCCL_DUMP_SIGNAL_OLD.search(s):
+                own = m.group(1).startswith("dump signal")
+                out.append(
+                    mk(
+                        ev.DUMP_SIGNAL,
+                        enqueued=int(m.group(2)),
+                        completed=int(m.group(3)),
+                        detail="this rank" if own else "another rank",
                         **self._pg_rank(s, rank),
                     )
                 )
                 return out
         if pt.NCCL_OBSERVED_DUMP in s:
+            # another rank timed out and set the store key: this rank was told, it did not time out
             out.append(mk(ev.DUMP_SIGNAL, detail="another rank", **self._pg_rank(s, rank)))
+            return out
+        if pt.NCCL_BROADCAST_DUMP in s:
+            out.append(mk(ev.DUMP_SIGNAL, detail="this rank", **self._pg_rank(s, rank)))
+            return out
+        if "another rank" in s and (m := pt.NCCL_TOLD_BY.search(s)):
+            pg = self._pg_rank(s, rank)
+            out.append(mk(ev.DUMP_SIGNAL, detail=f"rank {m.group(1)}", **pg))
+            out.extend(self._reported(int(m.group(1)), pg.get("rank", rank), mk))
             return out
         if ("eartbeat" in s or "got stuck" in s) and pt.NCCL_HEARTBEAT.search(s):
             out.append(mk(ev.HEARTBEAT, **self._pg_rank(s, rank)))
@@ -286,7 +339,21 @@ class SourceParser:
             return out
         if pt.NCCL_ERROR.search(s):
             out.append(mk(ev.COMM_ERROR, detail=s[:120]))
+            return out
+        if ("rocess" in s or "NCCL" in s) and pt.WATCHDOG_ABORT.search(s):
+            out.append(mk(ev.WATCHDOG_ABORT, **self._pg_rank(s, rank)))
+            return out
+        if any(k in s for k in pt.FINISHED_WORDS) and pt.FINISHED.search(s):
+            out.append(mk(ev.FINISHED, detail=s[:120]))
         return out
+
+    @staticmethod
+    def _reported(timed_out: int, teller: int | None, mk: Any) -> list[ev.Event]:
+        """Rank ``timed_out`` detected a collective timeout, per another rank's line: evidence about it."""
+        if timed_out < 0 or timed_out > pt.MAX_RANK or timed_out == teller:
+            return []
+        by = f"per rank {teller}" if teller is not None else "per another rank's log"
+        return [mk(ev.TIMEOUT_REPORTED, rank=timed_out, local_rank=None, pid=None, host=None, detail=by)]
 
     @staticmethod
     def _pg_rank(s: str, known: int | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import re
 import signal as _signal
 from dataclasses import dataclass
 
-from ..core.failures import COMMUNICATION
+from ..core.failures import COMMUNICATION, WATCHDOG_ABORT
 
 # --- cheap prefilter ----------------------------------------------------------------------------
 # A line can only matter if it contains one of these literals, so only such lines reach Python.
@@ -29,7 +29,11 @@ from ..core.failures import COMMUNICATION
 PREFILTER = re.compile(
     rb'Error|Exception|NCCL(?! INFO)|Traceback|File "|NVRM: Xid|Killed process|Failures:|Root Cause'
 )
-PREFILTER_EXTRA: tuple[bytes, ...] = (b": error", b"exitcode", b"closing signal", b"enforce fail")
+PREFILTER_EXTRA: tuple[bytes, ...] = (
+    b": error", b"exitcode", b"closing signal", b"enforce fail",
+    # a rank that finished (FINISHED below): "Training finished/complete", "Finished training", "… done"
+    b"inished", b"omplete", b"raining done", b"one training",
+)
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
 
@@ -49,6 +53,24 @@ _SLURM_LABEL = re.compile(r"\s{0,6}(\d{1,7}): ")
 _RAY_PREFIX = re.compile(r"\([^()]{0,80}pid=\d+[^()]{0,40}\)\s+")
 # "[rankN]:" glued after a progress bar ("…loss=5.46][rank0]:[E709 …")
 _RANK_ANYWHERE = re.compile(r"\[rank(\d{1,7})\]:")
+# Open MPI / Horovod --tag-output: "[1,3]<stderr>:" (job id, rank) and the older "[3]<stdout>:"
+_MPI_TAG = re.compile(r"\[(?:\d{1,7},)?(\d{1,7})\]<(?:stdout|stderr|stddiag)>:[ ]?")
+# a wrapper that tags each line with the worker's pid: "[80749] " or "[80749]: " (3+ digits, so the
+# failure report's "[1]:" entry numbers and other small indices are not taken for pids)
+_PID_BRACKET = re.compile(r"\[(\d{3,8})\]:?[ ]")
+# "[host:pid:n] " (host, pid, thread or local index): the host and pid are kept, the last number is not a rank
+_HOST_PID = re.compile(r"\[([A-Za-z][\w.\-]{0,63}):(\d{1,8}):\d{1,8}\]:?[ ]?")
+# wall-clock prefixes a wrapper or Python logging adds: "2024-01-01 12:00:00,123 - INFO - ",
+# "2024-01-01 12:00:00,123 - trainer - ERROR - ", "[2024-01-01 12:00:00] [INFO] ", "2024-01-01T12:00:00.5Z "
+_LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)"
+_TS_PREFIX = re.compile(
+    r"(\[)?(\d{4})-(\d\d)-(\d\d)[ T_](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?(?:Z|[+-]\d\d:?\d\d)?(?(1)\])"
+    r"(?:[ \t]*(?:[-|][ \t]*)?(?:[\w.\-]{1,64}[ \t]*[-|][ \t]*)?\[?" + _LEVEL + r"\]?(?:[ \t]*[-|:](?=[ \t]))?)?"
+    r"[ \t]*:?[ \t]*"
+)
+# Python logging's default format: "ERROR:root:", "INFO:torch.distributed.elastic.agent.server.api:"
+_PYLOG_PREFIX = re.compile(_LEVEL + r":[\w.\-]{1,80}:")
+MAX_PREFIXES = 8  # prefixes stripped from one line (timestamp, pid, [defaultN]:, [rankN]:, …)
 
 MAX_RANK = 10_000_000
 
@@ -57,14 +79,30 @@ MAX_RANK = 10_000_000
 class Prefix:
     rank: int | None = None
     local_rank: int | None = None
+    pid: int | None = None  # from "[80749] " or "[host:pid:n]"
+    host: str | None = None
+    ts: float | None = None  # a wall-clock prefix, on ``glog_time``'s scale
 
 
 # the common torchrun shapes in one match: "[default3]:[rank3]:", "[default3]:", "[rank3]:"
 _TORCHRUN_PREFIX = re.compile(r"\[(?:default(\d{1,7})\]:(?:\[rank(\d{1,7})\]:)?|rank(\d{1,7})\]:) ?")
 
 
+def stamp_time(m: re.Match[str]) -> float:
+    """A "YYYY-MM-DD HH:MM:SS[.frac]" match (groups 2-8 of ``_TS_PREFIX``) on ``glog_time``'s scale."""
+    month, day, hh, mm, ss = (int(m.group(i)) for i in range(3, 8))
+    frac = float("0." + m.group(8)) if m.group(8) else 0.0
+    return ((month * 31 + day) * 24 + hh) * 3600 + mm * 60 + ss + frac
+
+
 def split_prefix(line: str) -> tuple[Prefix, str]:
-    """Strip launcher/logging prefixes; return the ranks they name and the message body."""
+    """Strip launcher/logging prefixes; return what they say (ranks, pid, host, time) and the body.
+
+    A line may carry several, in any order a wrapper stacks them: "2024-01-01 12:00:00,123 - INFO -
+    [default3]:[rank3]: …", "[1,3]<stderr>:[rank3]: …", "[80749] [rank0]: …", "5: [rank5]: …". Each
+    is recognised at the current position and stripped; the first text that is not a known prefix is
+    the body (a glog header like "[E1130 10:12:45 …]" stays: the parser reads its time).
+    """
     f = _TORCHRUN_PREFIX.match(line)
     if f and not line.startswith("[", f.end()):
         lr, r1, r2 = f.groups()
@@ -72,27 +110,41 @@ def split_prefix(line: str) -> tuple[Prefix, str]:
         return Prefix(int(r) if r else None, int(lr) if lr else None), line[f.end() :]
     rank: int | None = None
     local: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    ts: float | None = None
     pos = 0
-    m = _RAY_PREFIX.match(line) if line[:1] == "(" else None
-    if m:
-        pos = m.end()
-    elif line[:1].isdigit() or line[:1] == " ":
-        s = _SLURM_LABEL.match(line)
-        if s:
-            rank = int(s.group(1))
-            pos = s.end()
-    for _ in range(3):
-        b = _BRACKET_PREFIX.match(line, pos)
-        if not b:
+    for _ in range(MAX_PREFIXES):
+        c = line[pos : pos + 1]
+        m: re.Match[str] | None = None
+        if c == "[":
+            if m := _BRACKET_PREFIX.match(line, pos):
+                if m.group(1) == "rank":
+                    rank = int(m.group(2))
+                else:
+                    local = int(m.group(2))
+            elif m := _MPI_TAG.match(line, pos):
+                rank = int(m.group(1))
+            elif m := _TS_PREFIX.match(line, pos):
+                ts = stamp_time(m) if ts is None else ts
+            elif m := _PID_BRACKET.match(line, pos):
+                pid = int(m.group(1)) if pid is None else pid
+            elif m := _HOST_PID.match(line, pos):
+                host, pid = m.group(1), int(m.group(2))
+        elif c == "(":
+            m = _RAY_PREFIX.match(line, pos)
+        elif c.isdigit() or c == " ":
+            if c.isdigit() and (m := _TS_PREFIX.match(line, pos)):
+                ts = stamp_time(m) if ts is None else ts
+            elif rank is None and local is None and (m := _SLURM_LABEL.match(line, pos)):
+                rank = int(m.group(1))
+        elif c in "DIWEFC":
+            m = _PYLOG_PREFIX.match(line, pos)
+        if m is None or m.end() == pos:
             break
-        role, num = b.group(1), int(b.group(2))
-        if role == "rank":
-            rank = num
-        else:
-            local = num
-        pos = b.end()
-    if rank is None and local is None and pos == 0 and "[rank" in line:
-        g = _RANK_ANYWHERE.search(line, 0, 400)
+        pos = m.end()
+    if rank is None and local is None and "[rank" in line:
+        g = _RANK_ANYWHERE.search(line, pos, pos + 400)
         if g:
             rank = int(g.group(1))
             pos = g.end()
@@ -100,7 +152,7 @@ def split_prefix(line: str) -> tuple[Prefix, str]:
         rank = None
     if local is not None and local > MAX_RANK:
         local = None
-    return Prefix(rank, local), line[pos:]
+    return Prefix(rank, local, pid, host, ts), line[pos:]
 
 
 # --- glog / torch logging header -----------------------------------------------------------------
@@ -144,10 +196,21 @@ NCCL_DUMP_SIGNAL = re.compile(
     r"Received a dump signal due to a collective timeout from\s+(?:this local rank|rank (-?\d+))"
     r".*?Last enqueued NCCL work: (-?\d+), last completed NCCL work: (-?\d+)"
 )
+# torch 2.2-2.3 wording of the same two cases ("this local rank" / another rank)
+NCCL_DUMP_SIGNAL_OLD = re.compile(
+    r"Received a (dump signal from this local rank|global timeout from another rank) and will start to dump"
+    r".*?Last enqueued NCCL work: (-?\d+), last completed NCCL work: (-?\d+)"
+)
+# torch 2.2-2.3 exit message on a rank that was told: "…watchdog detected a collective timeout from another
+# rank 3 and notified the current rank."
+NCCL_TOLD_BY = re.compile(r"detected a collective timeout from another rank (\d+)")
+# heartbeat monitor on a rank that did NOT time out itself: another rank's watchdog set the store key
 NCCL_OBSERVED_DUMP = "Observed flight recorder dump signal from another rank"
+# watchdog on the rank whose own work failed, telling the others (torch >= 2.5)
+NCCL_BROADCAST_DUMP = "Broadcasting flight-recorder dump signal to other processes"
 NCCL_HEARTBEAT = re.compile(r"Heartbeat monitor timed out|watchdog got stuck for \d+ seconds")
 NCCL_DUMP_TO = re.compile(r"dumping nccl trace to (\S+)")
-NCCL_ABORT_NOTE = "Some NCCL operations have failed or timed out"
+NCCL_ABORT_NOTE = WATCHDOG_ABORT  # the watchdog taking its process down (core/failures.py)
 NCCL_REMOTE = re.compile(r"ncclRemoteError|remote process exiting prematurely|NCCL communicator was aborted")
 NCCL_ERROR = re.compile(r"NCCL error|DistBackendError|ncclSystemError|ncclInternalError|ncclUnhandled")
 # c10d ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL): "Detected mismatch between collectives on
@@ -173,6 +236,16 @@ PEER_LOST = re.compile(
 GLOO_SIZE = re.compile(
     r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)|Received data size doesn't match expected size"
 )
+# a rank that reached its normal end: its training loop's last words, or torch's at-exit warning about a
+# process group never destroyed (printed by the ProcessGroupNCCL destructor as the interpreter exits;
+# torch 2.4 and 2.6+ wordings). Only believed for a rank with no error of its own (diagnose/reasoning.py).
+FINISHED = re.compile(
+    r"(?i:\b(?:training|fine-?tuning|pre-?training|train(?:ing)? loop)\s+(?:has\s+|is\s+)?"
+    r"(?:finished|completed?|done)\b|\b(?:finished|completed|done)\s+(?:training|fine-?tuning)\b)"
+    r"|process group has NOT been destroyed before we destruct ProcessGroupNCCL"
+    r"|destroy_process_group\(\) was not called before program exit"
+)
+FINISHED_WORDS = ("inished", "omplete", "one", "destroy")  # cheap test before FINISHED
 TERMINATE = re.compile(r"terminate called (?:after throwing an instance of '([^']*)'|without an active exception)")
 
 # --- CUDA (c10/cuda/CUDAException.cpp, CUDACachingAllocator.cpp) ------------------------------------

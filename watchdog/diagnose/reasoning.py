@@ -4,6 +4,9 @@ what logs can show):
 1. A rank that failed by itself (CUDA error or OOM, ECC/Xid, host OOM kill, a non-communication Python
    exception, or a death by signal that torchrun did not send and that no peer error explains) is the
    initiator, earliest first. The others' timeouts and "connection closed by peer" are downstream.
+   A SIGABRT is NCCL's watchdog aborting its process after a timeout (``core.failures.abort_role``):
+   a consequence when the rank's own lines show the watchdog, or when it aborted together with peers
+   whose watchdog fired; only an abort with neither is a candidate.
    torchrun's "Root Cause (first observed failure)" is only the first exit it *noticed*; it often
    names a rank that was merely waiting, so it is never taken on its own word when better evidence
    exists.
@@ -11,10 +14,20 @@ what logs can show):
    fingerprints) or tracebacks stuck in different collectives: every rank outside the strictly largest
    group is named (``core.ranks.outside_majority``, the rule the live verdict and the FR use). A gloo size
    enforcement names only the rank that *noticed*; the sender stays unknown unless 1 decides.
-3. Behind: the rank(s) whose last enqueued collective is lower than the others'.
-4. Outside: ranks that printed no waiting message while a majority waited (timed out or lost their
-   peer) never entered the collective.
-5. Everyone waiting in the same collective: communication hang, no initiator from logs alone.
+3. A lone collective: ranks that timed out in a collective while the majority was in none (finished
+   the run, or — told by the store — had completed every NCCL work it enqueued) entered a collective
+   nobody else issued (an extra / rank-conditional collective, one more batch). If those others are
+   known to have reached that collective's number, the lone ranks arrived late instead (behind, low
+   confidence). The other way round — a minority finished while the majority timed out — the minority
+   left early (uneven data, an early return).
+4. Behind: the rank(s) whose last enqueued collective is lower than the others'.
+5. Outside: ranks that did not wait themselves (printed no timeout or lost peer; only being *told* by the
+   store that a peer timed out does not count) while a majority waited never entered the collective.
+6. Everyone waiting in the same collective: communication hang, no initiator from logs alone.
+
+"Waited" is own evidence: a timeout, a lost peer, a DUMP_SIGNAL "from this local rank", or another
+rank's "dump signal … from rank N" about N. "Observed flight recorder dump signal from another rank" and
+"… from rank N" say the *printing* rank was told, not that it timed out.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
 from ..core.ranks import behind as ranks_behind
 from ..core.ranks import first_by_time, fmt_ranks, majority, outside_majority
@@ -79,19 +93,71 @@ def quote(e: ev.Event) -> str:
     return f"{e.file}:{e.line}: {e.text}"
 
 
+def _waited(f: RankFacts) -> bool:
+    """It waited on a peer itself and gave up: its own timeout, lost peer, mismatch (or a peer says so)."""
+    return f.has(ev.WAITED) or f.has(ev.MISMATCH) or f.own_dump
+
+
+def _signalled(f: RankFacts) -> bool:
+    """Only told by the store that a peer timed out (it did not time out itself)."""
+    return f.told is not None and not _waited(f)
+
+
+def _in_collective(f: RankFacts) -> bool:
+    """Its NCCL status shows work enqueued and not completed."""
+    s = f.status
+    return s is not None and s.enqueued is not None and s.completed is not None and s.enqueued > s.completed
+
+
+def _idle(f: RankFacts) -> bool:
+    """Told a peer timed out, with every NCCL work it enqueued completed: it was in no collective."""
+    s = f.status
+    return _signalled(f) and s is not None and s.enqueued is not None and s.enqueued == s.completed
+
+
 def _is_waiting(f: RankFacts) -> bool:
-    return f.has(ev.WAITING) or f.has(ev.MISMATCH)
+    return _waited(f) or _signalled(f)
 
 
-def _unexplained_death(f: RankFacts, p: Policy) -> bool:
-    """Died by a fatal signal nobody sent, with no peer trouble of its own to explain it."""
+def _finished(f: RankFacts) -> bool:
+    """Reached its normal end and nothing of its own went wrong."""
+    if f.finished is None or f.has(ev.PRIMARY) or _is_waiting(f):
+        return False
+    return f.exit is None or f.exit.exitcode == 0 or f.exit.signal == "SIGTERM"
+
+
+def _last_seq(f: RankFacts) -> int | None:
+    """The highest collective number the rank is known to have entered."""
+    vals = [v for v in (f.status.enqueued if f.status else None, f.nccl_timeout.seq if f.nccl_timeout else None)
+            if v is not None]
+    return max(vals) if vals else None
+
+
+def _aborted_with_timed_out_peers(E: Evidence, f: RankFacts, p: Policy) -> bool:
+    """Another rank whose NCCL watchdog fired aborted too, at the same time (when both times are known)."""
+    me = f.exit.ts if f.exit is not None else None
+    for o in E.ranks.values():
+        if o is f or o.exit is None or o.exit.signal != "SIGABRT" or not o.has(ev.WATCHDOG):
+            continue
+        if me is None or o.exit.ts is None or abs(o.exit.ts - me) <= p.tie_s:
+            return True
+    return False
+
+
+def _unexplained_death(f: RankFacts, p: Policy, E: Evidence | None = None) -> bool:
+    """Died by a fatal signal nobody sent, with no peer trouble of its own to explain it. A SIGABRT is
+    judged by ``core.failures.abort_role``: NCCL's watchdog aborts after a timeout."""
     if f.exit is None or f.exit.signal not in p.fatal_signals or f.agent_terminated:
         return False
+    if f.exit.signal == "SIGABRT":
+        own = f.has(ev.WATCHDOG) or _is_waiting(f) or f.has(ev.MISMATCH)
+        peers = E is not None and _aborted_with_timed_out_peers(E, f, p)
+        return abort_role(own, peers) == INITIATING
     return not _is_waiting(f)
 
 
-def _is_primary(f: RankFacts, p: Policy) -> bool:
-    return f.has(ev.PRIMARY) or _unexplained_death(f, p)
+def _is_primary(f: RankFacts, p: Policy, E: Evidence | None = None) -> bool:
+    return f.has(ev.PRIMARY) or _unexplained_death(f, p, E)
 
 
 def _primary_events(f: RankFacts, p: Policy) -> list[ev.Event]:
@@ -113,8 +179,10 @@ def _activity(f: RankFacts) -> str:
         (ev.NCCL_TIMEOUT, "NCCL watchdog timeout"),
         (ev.GLOO_TIMEOUT, "gloo timeout"),
         (ev.PEER_LOST, "lost its peer"),
+        (ev.TIMEOUT_REPORTED, "timed out"),
         (ev.DUMP_SIGNAL, "told to dump by another rank"),
         (ev.HEARTBEAT, "heartbeat monitor abort"),
+        (ev.WATCHDOG_ABORT, "taken down by its NCCL watchdog"),
         (ev.SIZE_MISMATCH, "received a wrong-sized message"),
         (ev.OP_MISMATCH, "collective fingerprint mismatch"),
         (ev.COMM_ERROR, "communication error"),
@@ -123,14 +191,20 @@ def _activity(f: RankFacts) -> str:
         (ev.HW_FAULT, "GPU hardware fault"),
         (ev.HOST_OOM, "killed by the OOM killer"),
         (ev.PY_ERROR, "Python exception"),
+        (ev.FINISHED, "finished"),
     ):
         e = f.first.get(fam)
         if e is None:
             continue
         extra = ""
-        if fam == ev.NCCL_TIMEOUT and e.seq is not None:
+        if fam == ev.DUMP_SIGNAL:
+            if f.told is None:
+                what = "its own watchdog signalled a flight-recorder dump"
+            else:
+                what = f"told that {f.told.detail} timed out (not its own timeout)"
+        elif fam == ev.NCCL_TIMEOUT and e.seq is not None:
             extra = f" in {e.op} #{e.seq}"
-        elif e.detail and fam != ev.DUMP_SIGNAL:
+        elif e.detail and fam != ev.FINISHED:
             extra = f" ({e.detail[:80]})"
         parts.append(what + extra)
     if f.status is not None and f.status.enqueued is not None:
@@ -153,6 +227,8 @@ def _rank_doc(f: RankFacts) -> dict[str, Any]:
         state = "failed"
     elif _is_waiting(f):
         state = "waiting"
+    elif _finished(f):
+        state = "exited"
     if e is not None and e.signal:
         state = "killed" if e.signal in ("SIGKILL", "SIGTERM") else "crashed"
     elif e is not None and e.exitcode is not None:
@@ -184,6 +260,7 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     d = (
         _rule_primary(E, known, p)
         or _rule_mismatch(E, known)
+        or _rule_lone_collective(E, known)
         or _rule_behind(E, known)
         or _rule_outside(E, known, p)
         or _rule_same_collective(E, known)
@@ -232,7 +309,7 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
 
 
 def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
-    prim = [r for r in known if _is_primary(E.ranks[r], p)]
+    prim = [r for r in known if _is_primary(E.ranks[r], p, E)]
     if not prim:
         return None
     waiting = [r for r in known if _is_waiting(E.ranks[r]) and r not in prim]
@@ -440,6 +517,85 @@ def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
     return None
 
 
+def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
+    """Ranks in a collective against ranks in none (finished, or idle when the store told them)."""
+    facts = E.ranks
+    fin = [r for r in known if _finished(facts[r])]
+    idle = [r for r in known if _idle(facts[r])]
+    inside = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
+    out = sorted(set(fin) | set(idle))
+    if not inside or not out:
+        return None
+    odd = outside_majority({"in a collective": inside, "in none": out})
+    if odd is None:
+        return None
+    silent = [r for r in known if r not in inside and r not in out]
+    seqs = [v for r in inside if (v := _last_seq(facts[r])) is not None]
+    n = max(seqs) if seqs else None
+    others = [v for r in out if (v := _last_seq(facts[r])) is not None]
+    reached = max(others) if others else None
+    left = []
+    if fin:
+        left.append(f"{fmt_ranks(fin)} had finished")
+    if idle:
+        done = max((facts[r].status.completed or 0) for r in idle)  # type: ignore[union-attr]
+        left.append(
+            f"{fmt_ranks(idle)} had no NCCL work pending (all completed up to #{done}) when told of the timeout"
+        )
+    silent_note = f"; {fmt_ranks(silent)} left no message" if silent else ""
+    if list(odd) == inside:
+        who = fmt_ranks(inside)
+        coll = f"collective #{n}" if n is not None else "a collective"
+        if n is not None and reached is not None and n <= reached:
+            # the others got past this number and left without waiting for it: it arrived late
+            return Diagnosis(
+                kind="hang",
+                initiating_ranks=inside,
+                confidence="low",
+                phase="collective",
+                reason=(
+                    f"{who} timed out in {coll}, which the others had already issued (they reached "
+                    f"#{reached}) before they stopped: {who} arrived late — behind — and "
+                    + "; ".join(left) + silent_note
+                ),
+                next_action=(
+                    f"find what delayed {who} before {coll} (a stack during the hang, data loading, rank-specific "
+                    "work); end the run with a barrier or destroy_process_group() so no rank leaves before the "
+                    "others' last collective completes"
+                ),
+                would_decide="flight-recorder dumps from every rank (the ops each one issued last)",
+            )
+        return Diagnosis(
+            kind="collective_mismatch",
+            initiating_ranks=inside,
+            confidence="low" if silent else "medium",
+            phase="collective",
+            reason=f"{who} entered {coll} that no other rank issued; " + "; ".join(left) + silent_note,
+            next_action=(
+                f"find the collective {who} issues after the others' last one: a rank-conditional collective "
+                "(if rank == …: all_reduce), one more batch on that rank (uneven shards: DistributedSampler "
+                "drop_last or the Join context manager), or a final metric/barrier only it reaches; "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL or flight-recorder dumps show its op and call site"
+            ),
+        )
+    if not fin or set(odd) - set(fin):
+        return None  # an idle minority (told, no work pending) is for the behind / outside rules
+    coll = f" in collective #{n}" if n is not None else ""
+    return Diagnosis(
+        kind="dead_rank",
+        initiating_ranks=list(odd),
+        confidence="medium",
+        reason=(
+            f"{fmt_ranks(odd)} left early — exited normally while its peers were still mid-step (uneven data, "
+            f"an early return): {fmt_ranks(inside)} then timed out waiting{coll}" + silent_note
+        ),
+        next_action=(
+            f"find why {fmt_ranks(odd)} ran out of work first: uneven shards (DistributedSampler drop_last, "
+            "the Join context manager), an early return or a rank-dependent break in its loop"
+        ),
+    )
+
+
 def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
     facts = E.ranks
     enq = {r: facts[r].status.enqueued for r in known if facts[r].status is not None}  # type: ignore[union-attr]
@@ -453,6 +609,11 @@ def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
     elif len({s for s in seqs.values() if s is not None}) > 1:
         key = {r: s for r, s in seqs.items() if s is not None}
         how = "collective sequence number at the timeout"
+    else:
+        # one rank's timeout number against another's status (torch without the PG status line)
+        last = {r: v for r in known if (v := _last_seq(facts[r])) is not None}
+        if len(set(last.values())) > 1:
+            key, how = last, "last collective entered"
     if not key:
         return None
     low = min(key.values())
@@ -490,10 +651,17 @@ def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
 
 def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     facts = E.ranks
-    waiting = [r for r in known if _is_waiting(facts[r])]
+    waiting = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
     outside = [r for r in known if r not in waiting]
     if not waiting or not outside:
         return None
+    told = [r for r in outside if _signalled(facts[r])]
+    told_note = (
+        f" ({fmt_ranks(told)} only received another rank's flight-recorder dump signal: told of the timeout, "
+        "not timed out)"
+        if told
+        else ""
+    )
     peer_only = all(
         facts[r].counts[ev.PEER_LOST] and not facts[r].counts[ev.GLOO_TIMEOUT] and not facts[r].counts[ev.NCCL_TIMEOUT]
         for r in waiting
@@ -505,8 +673,8 @@ def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
             confidence="low",
             decided=False,
             reason=(
-                f"{fmt_ranks(waiting)} timed out or lost a peer, but {fmt_ranks(outside)} left no message: "
-                "any of them could be the one that never arrived"
+                f"{fmt_ranks(waiting)} timed out or lost a peer, but {fmt_ranks(outside)} printed no timeout "
+                "of its own: any of them could be the one that never arrived" + told_note
             ),
             next_action="collect each rank's own stderr (torchrun --log-dir … --tee 3) before deciding",
             would_decide=(
@@ -526,7 +694,7 @@ def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
         confidence="medium",
         reason=(
             f"{fmt_ranks(waiting)} {what}; {fmt_ranks(outside)} printed no such error: it never entered "
-            "the collective the others waited in"
+            "the collective the others waited in" + told_note
         ),
         next_action=(
             f"find what {fmt_ranks(outside)} was doing: "
@@ -542,7 +710,7 @@ def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
 
 def _rule_same_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
     facts = E.ranks
-    waiting = [r for r in known if _is_waiting(facts[r])]
+    waiting = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
     if not waiting or len(waiting) != len(known):
         return None
     sites = {facts[r].traceback.detail for r in waiting if facts[r].traceback is not None}  # type: ignore[union-attr]

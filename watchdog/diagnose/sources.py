@@ -28,8 +28,22 @@ MAX_BLOCK_LINES = 1_000_000  # lines of one failure report read whole (8 per fai
 _LOGDIR_PATH = re.compile(r"attempt_\d+[/\\](\d{1,7})[/\\](?:stdout|stderr|error)\.(?:log|json)$")
 # a file named for its rank: rank-3.log, rank_3.out, train.rank3.txt
 _RANK_NAME = re.compile(r"(?:^|[^a-z])rank[-_.]?(\d{1,7})(?:\D|$)", re.IGNORECASE)
-# which ranks print at all: distinct line prefixes in the first chunk of each source
-_DISCOVER = re.compile(rb"^(?:\[[A-Za-z_]{1,32}\d{1,7}\]:(?:\[rank\d{1,7}\]:)?|\[rank\d{1,7}\]:)", re.M)
+# which ranks print at all: distinct line prefixes in the first chunk of each source (torchrun's, and
+# Open MPI's --tag-output "[1,3]<stdout>:")
+_DISCOVER = re.compile(
+    rb"^(?:\[[A-Za-z_]{1,32}\d{1,7}\]:(?:\[rank\d{1,7}\]:)?|\[rank\d{1,7}\]:"
+    rb"|\[\d{1,7},\d{1,7}\]<std(?:out|err)>:)",
+    re.M,
+)
+# not logs: skipped when a directory is expanded (a file named on the command line is always read) —
+# scripts and docs next to the logs would be read as log text, checkpoints and archives cost gigabytes
+NOT_LOGS = frozenset((
+    ".py", ".pyc", ".sh", ".bash", ".md", ".rst", ".ipynb", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".c", ".cc",
+    ".cpp", ".h", ".hpp", ".cu", ".so", ".o", ".whl", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".zip", ".7z",
+    ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".pt", ".pth", ".ckpt", ".safetensors", ".bin", ".npy", ".npz",
+    ".pkl", ".parquet", ".arrow", ".h5",
+))
+HEAD = 1 << 20  # bytes of each source searched for rank prefixes and job keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +72,8 @@ def rank_from_path(path: str) -> PathRank:
 
 
 def expand(args: list[str]) -> list[Source]:
-    """Files as given, directories recursively in sorted order, ``-`` as stdin. Missing → UserError."""
+    """Files as given, directories recursively in sorted order (without ``NOT_LOGS``), ``-`` as stdin.
+    Missing → UserError."""
     out: list[Source] = []
     for arg in args:
         if arg == "-":
@@ -68,6 +83,8 @@ def expand(args: list[str]) -> list[Source]:
             for root, dirs, files in os.walk(arg):
                 dirs.sort()
                 for name in sorted(files):
+                    if os.path.splitext(name)[1].lower() in NOT_LOGS:
+                        continue
                     full = os.path.join(root, name)
                     if os.path.isfile(full):
                         out.append(Source(full, full, rank_from_path(full)))
@@ -140,11 +157,13 @@ def scan(
     max_line: int = MAX_LINE,
     prefixes: set[bytes] | None = None,
     extra: tuple[bytes, ...] = PREFILTER_EXTRA,
+    head: list[bytes] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """Yield (1-based line number, line bytes) for lines the prefilter accepts, in order.
 
     Lines of torch elastic's failure report are yielded whole (block from "Failures:" to "===="),
-    since its field lines carry no keyword of their own.
+    since its field lines carry no keyword of their own. ``prefixes`` collects the rank prefixes at
+    line starts of the first chunk, ``head`` receives that chunk's first ``HEAD`` bytes (job keys).
     """
     base = 0  # newlines before the start of the current buffer
     carry = b""
@@ -168,7 +187,9 @@ def scan(
         if len(carry) > max_line:
             carry = carry[:max_line]
         if first and prefixes is not None:
-            prefixes.update(discover_prefixes(body[: 1 << 20]))
+            prefixes.update(discover_prefixes(body[:HEAD]))
+        if first and head is not None:
+            head.append(body[:HEAD])
         first = False
         starts = _candidates(body, prefilter, extra)
         if in_block:
