@@ -286,3 +286,18 @@ def test_a_rank_still_in_a_collective_after_the_others_finished_is_the_odd_one()
     views[3] = rv(3, state="crashed", step=40, phase="collective", coll_seq=121, coll_done=120, coll_op="all_reduce",
                   exit_age_s=0.5, exit_cause=PEER_LOST)
     assert verdict(views)["initiating_ranks"] == [3]
+
+
+def test_a_rank_aborted_inside_a_mismatched_collective_is_not_its_cause():
+    # rank 0 skipped an all_reduce the others call: its next collective meets theirs with another size and
+    # gloo aborts the receiver (rank 3, SIGABRT, no exit mark); the survivors' flight recorders show it
+    from rankwatch.watchdog.core.fr_analysis import Mismatch
+    from rankwatch.watchdog.core.verdict import FrHints
+
+    views = [rv(r, phase="collective", coll_seq=7, coll_done=6) for r in (0, 1, 2)]
+    views.append(rv(3, state="dead", phase="collective", exit_age_s=0.3, exit_order=0))
+    mm = Mismatch(pg="0", seq=12, kind="size", variants={"in [[10]]": (1, 2), "in [[1290]]": (0,)}, odd_ranks=(0,))
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
+               fr_hints=FrHints(ranks=(0, 1, 2), mismatches=(mm,))).to_json()
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [0], "flight_recorder")
+    assert any("gloo aborts a rank that receives a mismatched collective" in e for e in v["evidence"])

@@ -29,7 +29,7 @@ from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
 from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
-from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
+from .snapshot import CRASHED, DEAD, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
 
 DEFAULT_VERDICT_POLICY = VerdictPolicy()
 
@@ -720,6 +720,7 @@ def decide(
     for name, f in found.items():
         if f is not None:
             f.rule = name
+    _abort_on_mismatch(found, present)
     # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
     ladder = [r for r in EVIDENCE_LADDER if found[r.name] is not None]
     singling = [
@@ -771,6 +772,23 @@ def decide(
         evidence=fold_rank_lines(evidence),
         extra=extra,
     )
+
+
+def _abort_on_mismatch(found: dict[str, _Finding | None], present: Sequence[RankView]) -> None:
+    """A rank killed without any mark inside a collective, while the flight recorder shows a mismatch at one
+    seq: the death is gloo aborting the *receiver* of a mismatched collective (size or op), not its cause —
+    the mismatch decides, and names the rank that sent it."""
+    exits, fr = found.get("exits"), found.get("flight_recorder")
+    if exits is None or fr is None or fr.kind != "collective_mismatch" or not fr.initiators:
+        return
+    dead = [v for v in present if v.rank in set(exits.initiators)]
+    if not dead or any(v.state != DEAD or v.phase not in ("collective", "backward") for v in dead):
+        return
+    fr.evidence.append(
+        f"{fmt_ranks(v.rank for v in dead)} died without an exit mark inside a collective: gloo aborts a rank "
+        f"that receives a mismatched collective — a consequence of the mismatch ({exits.reason})"
+    )
+    found["exits"] = None
 
 
 def _fr_role(fr: _Finding | None, finding: _Finding) -> str:

@@ -742,8 +742,10 @@ def _rule_same_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
 
 def _rule_report_only(E: Evidence, known: list[int]) -> Diagnosis | None:
     exits = [r for r in known if E.ranks[r].exit is not None]
-    root = [r for r in exits if E.ranks[r].exit.root_cause]  # type: ignore[union-attr]
+    # a rank that ended by SIGTERM was stopped (by torchrun, a scheduler or a watchdog's --on-stall kill),
+    # even when torchrun's report calls it the first observed failure: it names nobody
     failed = [r for r in exits if E.ranks[r].exit.signal != "SIGTERM"]  # type: ignore[union-attr]
+    root = [r for r in failed if E.ranks[r].exit.root_cause]  # type: ignore[union-attr]
     cands = root or failed
     if not cands:
         return None
