@@ -8,7 +8,9 @@ Slow scenarios: balanced, input-straggler (sleep in the dataset), compute-stragg
 the optimizer step), backward-straggler (extra matmuls in a gradient hook). Faults, at ``--fault-step``
 on ``--fault-rank``: input-hang (the dataset blocks forever), compute-hang (infinite loop in forward),
 dead-rank (SIGKILL itself), stopped-rank (SIGSTOP itself), collective-mismatch (calls a different
-collective than the others).
+collective than the others). More faults from ``fault_injection.py`` (shared with ``transformer_demo.py``):
+backward-hang, optimizer-hang, between-phases-hang, exception, extra-collective, extra-barrier,
+skipped-collective, uneven-data, gil-hold, lock-deadlock, checkpoint-hang (see that module's table).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import datetime
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -26,6 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
+
+try:
+    import fault_injection
+except ImportError:  # imported from elsewhere: the module lives beside this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fault_injection
 
 SCENARIOS = (
     "balanced",
@@ -37,6 +46,7 @@ SCENARIOS = (
     "dead-rank",
     "stopped-rank",
     "collective-mismatch",
+    *fault_injection.NEW_IN_THIS_MODULE,
 )
 
 try:  # declared phases when rankwatch is installed; the demo runs without it too
@@ -56,6 +66,9 @@ class SyntheticData(Dataset):
         self.gen = torch.Generator().manual_seed(rank)
 
     def __len__(self) -> int:
+        a = self.args
+        if a.scenario == "uneven-data" and self.rank == a.fault_rank:
+            return a.fault_step * a.batch_size  # this rank's data runs out at --fault-step
         return 1 << 30
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +76,17 @@ class SyntheticData(Dataset):
 
 
 class SlowCollate:
-    def __init__(self, args: argparse.Namespace, rank: int, step_ref: list[int]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        rank: int,
+        step_ref: list[int],
+        injector: fault_injection.Injector | None = None,
+    ) -> None:
         self.args = args
         self.rank = rank
         self.step_ref = step_ref
+        self.injector = injector
 
     def __call__(self, batch):  # type: ignore[no-untyped-def]
         a = self.args
@@ -74,7 +94,10 @@ class SlowCollate:
         if self.rank == a.straggler_rank and a.scenario == "input-straggler":
             time.sleep(a.input_sleep_ms / 1000.0)
         if self.rank == a.fault_rank and a.scenario == "input-hang" and step >= a.fault_step:
+            fault_injection.mark(a.scenario, self.rank, step)
             threading.Event().wait()  # a dataloader that never returns
+        if self.injector is not None:
+            self.injector.in_data(step)
         return torch.utils.data.default_collate(batch)
 
 
@@ -112,7 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-step-sleep-s", type=float, default=0.0, help="slow first step on every rank")
     p.add_argument("--checkpoint-every", type=int, default=0, help="declared 'checkpoint' phase every N steps")
     p.add_argument("--checkpoint-s", type=float, default=0.0, help="how long each checkpoint takes")
-    p.add_argument("--checkpoint-budget-s", type=float, default=60.0)
+    p.add_argument(
+        "--checkpoint-budget-s",
+        type=float,
+        default=60.0,
+        help="budget of the declared 'checkpoint' phase (--checkpoint-every, and checkpoint-hang's checkpoint)",
+    )
     p.add_argument("--step-sleep-ms", type=float, default=0.0, help="idle time per step (logging etc.)")
     p.add_argument("--pg-timeout-s", type=float, default=600.0, help="process group timeout")
     p.add_argument("--log-every", type=int, default=0)
@@ -138,11 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     step_ref = [0]
+    # the faults this file had before fault_injection.py keep their own code below
+    inj = fault_injection.Injector.from_args(args, rank, scenarios=fault_injection.NEW_IN_THIS_MODULE)
+    inj.attach(model, opt)
     loader = DataLoader(
         SyntheticData(args, rank),
         batch_size=args.batch_size,
         num_workers=0,
-        collate_fn=SlowCollate(args, rank, step_ref),
+        collate_fn=SlowCollate(args, rank, step_ref, inj),
     )
     straggler = rank == args.straggler_rank
     if args.scenario == "backward-straggler" and straggler:
@@ -154,18 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     faulty = rank == args.fault_rank
     batches = iter(loader)
     loss_sum = torch.zeros(1, device=device)
+    ran_out = False
     for step in range(args.steps):
         step_ref[0] = step
         if step == 0 and args.first_step_sleep_s > 0:
             time.sleep(args.first_step_sleep_s)
         if faulty and step == args.fault_step:
+            if args.scenario in ("dead-rank", "stopped-rank", "compute-hang"):
+                fault_injection.mark(args.scenario, rank, step)
             if args.scenario == "dead-rank":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif args.scenario == "stopped-rank":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif args.scenario == "compute-hang":
                 model.hang = True
-        x, y = next(batches)
+        inj.at_step_start(step)
+        try:
+            x, y = next(batches)
+        except StopIteration:  # uneven-data: this rank's loader ran out
+            inj.data_exhausted(step)
+            ran_out = True
+            break
         x, y = x.to(device), y.to(device)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
@@ -174,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         # a metrics all-reduce from Python, as many loops do for logging
         loss_sum.copy_(loss.detach())
         if args.scenario == "collective-mismatch" and faulty and step >= args.fault_step:
+            if step == args.fault_step:
+                fault_injection.mark(args.scenario, rank, step)
             gathered = [torch.zeros_like(loss_sum) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, loss_sum)
         else:
-            dist.all_reduce(loss_sum)
+            inj.metrics_all_reduce(step, loss_sum)  # a plain all_reduce unless a collective fault says otherwise
+        inj.after_step(step)
         if args.checkpoint_every and step % args.checkpoint_every == args.checkpoint_every - 1:
             with declared_phase("checkpoint", args.checkpoint_budget_s):
                 time.sleep(args.checkpoint_s)
@@ -185,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep_ms / 1000.0)
         if args.log_every and rank == 0 and step % args.log_every == 0:
             print(f"step {step} loss {loss_sum.item() / dist.get_world_size():.4f}", flush=True)
+    if ran_out:  # leaves early and exits normally, as a loop over a shorter dataset does
+        dist.destroy_process_group()
+        return 0
     dist.barrier()
     dist.destroy_process_group()
     return 0

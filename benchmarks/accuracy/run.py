@@ -1,0 +1,778 @@
+"""Localisation accuracy: how often rankwatch names the right rank, kind and phase.
+
+Every run is a real job: ``rankwatch run --stall-timeout 3 --on-stall kill`` around torchrun (gloo on
+loopback, world size 4), one fault injected at ``--fault-step`` on one rank by ``examples/fault_injection.py``
+(shared by ``examples/ddp_demo.py`` and ``examples/transformer_demo.py``). Live: the first incident's
+``verdict.json`` (on two-node runs the leader's); offline: ``rankwatch diagnose --json`` over the run's
+console log (torchrun's and the ranks' output, rankwatch's own lines removed). The expected answer of
+each fault is in ``FAULTS`` below, with the reason; nothing there is tuned to what rankwatch says today.
+
+    python benchmarks/accuracy/run.py --quick --models ddp     # 17 runs, ~4 min (each fault once, rank 0 or 3)
+    python benchmarks/accuracy/run.py --models ddp --faults input-hang dead-rank --positions first other-node \\
+        --repeats 3 --hogs 0 3
+
+Matrix: fault × rank position (``first`` 0, ``middle`` 1, ``last`` 3, ``other-node`` 2 on the second of two
+simulated nodes — two ``rankwatch run`` agents, one TCPStore, same ``--run-name``) × model × hogs (0 or 3
+``python -c "while True: pass"`` beside the job) × repeats. Writes ``results/<stamp>.json`` and
+``results/<stamp>.md`` and prints the markdown to stdout. Runs one job at a time; every process it starts
+(agents, torchrun, ranks, DataLoader workers, hogs) is killed by process group and by tracked pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from _util import REPO, free_port, kill_tree, rankwatch_cmd  # noqa: E402
+
+MODELS = {
+    "ddp": str(REPO / "examples" / "ddp_demo.py"),
+    "transformer": str(REPO / "examples" / "transformer_demo.py"),
+}
+WORLD = 4
+# position → (nodes, faulting global rank); on two nodes ranks 0, 1 are node 0 (the leader), 2, 3 node 1
+POSITIONS = {"first": (1, 0), "middle": (1, 1), "last": (1, WORLD - 1), "other-node": (2, 2)}
+STALL_TIMEOUT = "3"
+FAULT_STEP = 5
+
+
+@dataclass(frozen=True)
+class Expect:
+    """The right answer for one fault, whatever rankwatch says today."""
+
+    scenario: str  # the example's --scenario
+    kinds: tuple[str, ...]  # verdict kinds that are right (several: the fault is both)
+    phase: str | None  # the initiator's right phase; None: no phase is meaningful, not scored
+    why: str  # why this is the right answer
+    offline: bool  # does the console log hold the evidence that names the rank?
+    offline_why: str
+    straggler: bool = False  # no incident is right; the run summary must name the rank
+
+
+# One table: fault → expected kind / rank (always the faulting rank) / phase, with the reason.
+FAULTS: dict[str, Expect] = {
+    "input-hang": Expect(
+        "input-hang",
+        ("hang",),
+        "dataloader",
+        "its dataset blocks forever; the others go on to DDP's gradient all-reduce in backward and wait for it",
+        False,
+        "the hung rank prints nothing; --on-stall kill ends every rank with the same SIGTERM",
+    ),
+    "compute-hang": Expect(
+        "compute-hang",
+        ("hang",),
+        "forward",
+        "an infinite loop in forward: its own work never ends while the others wait in backward's all-reduce",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "backward-hang": Expect(
+        "backward-hang",
+        ("hang",),
+        "backward",
+        "a gradient hook spins: it is in backward computing, the others are in backward *waiting* (grad_sync)",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "optimizer-hang": Expect(
+        "optimizer-hang",
+        ("hang",),
+        "optimizer",
+        "an optimizer step pre-hook spins; the others finish their step and wait in the metrics all-reduce",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "between-phases-hang": Expect(
+        "between-phases-hang",
+        ("hang",),
+        "idle",
+        "blocks after its optimizer step and metrics all-reduce, before asking for the next batch: outside "
+        "every phase (rankwatch calls that 'idle'); the others wait for it in the next step's backward",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "dead-rank": Expect(
+        "dead-rank",
+        ("dead_rank",),
+        None,
+        "SIGKILL at the top of the step; the others then lose their peer (consequences)",
+        True,
+        "torchrun's failure report: that rank ended by SIGKILL torchrun did not send; the others lost a peer",
+    ),
+    "exception": Expect(
+        "exception",
+        ("dead_rank",),
+        "forward",
+        "its own RuntimeError in forward is an initiating end (crash mark); the others' 'connection closed' "
+        "errors are consequences",
+        True,
+        "its traceback ('injected fault') precedes the others' lost-peer errors",
+    ),
+    "stopped-rank": Expect(
+        "stopped-rank",
+        ("stopped_rank",),
+        None,
+        "SIGSTOP: alive, silent, holding everyone back",
+        False,
+        "a stopped process writes nothing",
+    ),
+    "extra-collective": Expect(
+        "extra-collective",
+        ("collective_mismatch",),
+        "collective",
+        "only it calls one more all_reduce: it is one collective ahead, inside a collective nobody else "
+        "entered, while the others are in the next step's DDP all-reduce",
+        False,
+        "gloo aborts whichever rank receives a message larger than its buffer — the culprit or a peer "
+        "('Received data size doesn't match'): the log shows that there is a mismatch, not who is out of step",
+    ),
+    "extra-barrier": Expect(
+        "extra-barrier",
+        ("collective_mismatch",),
+        "collective",
+        "only it calls dist.barrier(): it waits in a barrier that the others never enter",
+        False,
+        "as extra-collective",
+    ),
+    "skipped-collective": Expect(
+        "skipped-collective",
+        ("collective_mismatch",),
+        None,
+        "it skipped the metrics all_reduce the others are in: one Python collective behind but a step ahead "
+        "(already in the next backward's DDP all-reduce); the others wait for an all_reduce it will never "
+        "call. The culprit is the one whose collective sequence differs, not the majority. No phase: where it "
+        "waits (next step's backward) says nothing about the fault",
+        False,
+        "as extra-collective",
+    ),
+    "collective-mismatch": Expect(
+        "collective-mismatch",
+        ("collective_mismatch",),
+        "collective",
+        "it calls all_gather where the others call all_reduce (same collective number, different op)",
+        False,
+        "as extra-collective",
+    ),
+    "uneven-data": Expect(
+        "uneven-data",
+        ("dead_rank", "hang"),
+        None,
+        "its loader runs out: it leaves the loop after fewer steps and exits normally (exit code 0) while the "
+        "others still train and then wait for, or lose, it. It initiated the stall although it ended cleanly",
+        True,
+        "every other rank fails with a lost-peer error and torchrun lists them; only this rank exits 0",
+    ),
+    "gil-hold": Expect(
+        "gil-hold",
+        ("hang",),
+        "dataloader",
+        "a C call that holds the GIL (ctypes.PyDLL sleep) while producing its batch: no Python thread of that "
+        "process runs (in the transformer it is the DataLoader worker; the rank waits for it)",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "lock-deadlock": Expect(
+        "lock-deadlock",
+        ("hang",),
+        "forward",
+        "a threading.Lock acquired twice by the same thread in forward: blocked, no CPU",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "checkpoint-hang": Expect(
+        "checkpoint-hang",
+        ("hang",),
+        "checkpoint",
+        "inside phase('checkpoint', budget_s=1) it opens a FIFO nobody reads: the declared budget expires; "
+        "the others wait in the next step's all-reduce",
+        False,
+        "nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "slow-rank": Expect(
+        "compute-straggler",
+        ("COMPUTE STRAGGLER",),
+        "optimizer",
+        "extra matmuls in its optimizer step every step: slow, not stuck — no incident is right; the end-of-run "
+        "summary must name it (straggler_ranks == [r], its own extra work is in the optimizer)",
+        False,
+        "the job ends normally; there is nothing to diagnose",
+        straggler=True,
+    ),
+}
+QUICK_POSITIONS = ("first", "last")
+
+
+# -- one run --------------------------------------------------------------------------------------------
+def job_args(model: str, fault: str, rank: int) -> list[str]:
+    e = FAULTS[fault]
+    args = [MODELS[model], "--scenario", e.scenario, "--pg-timeout-s", "60"]
+    if e.straggler:
+        return [*args, "--straggler-rank", str(rank), "--fault-rank", str(rank), "--steps", "60"]
+    return [
+        *args,
+        "--fault-rank",
+        str(rank),
+        "--fault-step",
+        str(FAULT_STEP),
+        "--steps",
+        "400",
+        "--checkpoint-budget-s",
+        "1",
+    ]
+
+
+def torchrun_args(nodes: int, node_rank: int, run_id: str, rdzv_port: int, master_port: int) -> list[str]:
+    if nodes == 1:
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", run_id]
+    else:
+        rdzv = [
+            f"--nnodes={nodes}",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+        ]
+    return ["--nproc-per-node", str(WORLD // nodes), "--monitor-interval", "0.2", *rdzv]
+
+
+class Family:
+    """Every process started for a run, tracked by (pid, create_time) while it lives, so that children
+    re-parented away (DataLoader workers of a killed rank) are still killed at the end."""
+
+    def __init__(self) -> None:
+        self.roots: list[subprocess.Popen[bytes]] = []
+        self.seen: dict[int, float] = {}
+
+    def start(self, cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+        self.roots.append(proc)
+        self.scan()
+        return proc
+
+    def scan(self) -> None:
+        for root in self.roots:
+            try:
+                p = psutil.Process(root.pid)
+                for q in [p, *p.children(recursive=True)]:
+                    self.seen.setdefault(q.pid, q.create_time())
+            except psutil.Error:
+                pass
+
+    def kill_all(self) -> None:
+        self.scan()
+        for root in self.roots:
+            kill_tree(root)
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created:
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+            except psutil.Error:
+                pass
+        for root in self.roots:
+            try:
+                root.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def rankwatch_lines(line: str) -> bool:
+    """rankwatch's own log lines (--json-logs: structlog JSON objects) — not part of the job's console."""
+    s = line.strip()
+    if not (s.startswith("{") and s.endswith("}")):
+        return False
+    try:
+        doc = json.loads(s)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "event" in doc and "level" in doc
+
+
+def read_verdicts(out: Path) -> list[dict[str, Any]]:
+    inc = out / "incidents"
+    found = []
+    if inc.is_dir():
+        for d in sorted(inc.iterdir()):
+            f = d / "verdict.json"
+            if d.name.startswith(".") or not f.is_file():
+                continue
+            try:
+                v = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            v["_mtime"] = f.stat().st_mtime
+            found.append(v)
+    return found
+
+
+def slim_verdict(v: dict[str, Any], node: int) -> dict[str, Any]:
+    return {
+        "node": node,
+        "incident_id": v.get("incident_id"),
+        "kind": v.get("kind"),
+        "initiating_ranks": v.get("initiating_ranks"),
+        "phase": v.get("phase"),
+        "confidence": v.get("confidence"),
+        "reason": v.get("reason"),
+        "detected_after_s": v.get("detected_after_s"),
+        "correlation": v.get("correlation"),
+        "trigger": v.get("trigger"),
+        "evidence": (v.get("evidence") or [])[:12],
+        "rank_states": {
+            r: {k: s.get(k) for k in ("state", "step", "phase", "in_phase_s", "collective")}
+            for r, s in (v.get("ranks") or {}).items()
+        },
+        "mtime": v.get("_mtime"),
+    }
+
+
+def run_one(
+    index: int, model: str, fault: str, position: str, hogs: int, repeat: int, work: Path, keep: bool
+) -> dict[str, Any]:
+    nodes, rank = POSITIONS[position]
+    e = FAULTS[fault]
+    # Short names: AF_UNIX socket paths (108 bytes) live under these dirs — the hook's dump responder in
+    # the shm job dir, multiprocessing's resource sharer (DataLoader workers passing tensors) under TMPDIR.
+    run_id = f"acc{os.getpid() % 100000}-{index}"
+    d = Path(tempfile.mkdtemp(prefix=f"{index:03d}-", dir=work))
+    tmp = Path(tempfile.mkdtemp(prefix="rwt-"))  # the ranks' TMPDIR (checkpoint-hang's FIFO, torchrun's files)
+    fault_log = d / "faults.jsonl"
+    env = dict(
+        os.environ,
+        RW_FAULT_LOG=str(fault_log),
+        TMPDIR=str(tmp),
+        RES_OPTIONS="timeout:1 attempts:1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("RANKWATCH_JOB_ID", None)
+    rdzv_port, master_port, store_port = free_port(), free_port(), free_port()
+    common = ["--stall-timeout", STALL_TIMEOUT, "--on-stall", "kill", "--json-logs"]
+    if nodes > 1:
+        secret = d / "store.secret"
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, base64.b64encode(os.urandom(32)) + b"\n")
+        os.close(fd)
+        common += ["--run-name", run_id, "--store", f"127.0.0.1:{store_port}", "--store-secret-file", str(secret)]
+    fam = Family()
+    record: dict[str, Any] = {
+        "model": model,
+        "fault": fault,
+        "position": position,
+        "rank": rank,
+        "nodes": nodes,
+        "hogs": hogs,
+        "repeat": repeat,
+        "notes": [],
+    }
+    timeout = 240 + 120 * (hogs > 0) + 60 * (nodes > 1)
+    t0 = time.time()
+    agents = []
+    files = contextlib.ExitStack()
+    try:
+        for _ in range(hogs):
+            fam.start([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for k in range(nodes):
+            out, shm = d / f"out{k}", d / f"shm{k}"
+            shm.mkdir(mode=0o700)
+            cmd = rankwatch_cmd(
+                "run",
+                "--out",
+                str(out),
+                "--shm-dir",
+                str(shm),
+                *common,
+                "--",
+                *torchrun_args(nodes, k, run_id, rdzv_port, master_port),
+                *job_args(model, fault, rank),
+            )
+            so = files.enter_context(open(d / f"stdout{k}.txt", "wb"))  # noqa: SIM115
+            se = files.enter_context(open(d / f"stderr{k}.txt", "wb"))  # noqa: SIM115
+            agents.append((fam.start(cmd, stdout=so, stderr=se, env=env, cwd=str(d)), out, so, se))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(a[0].poll() is None for a in agents):
+            fam.scan()
+            time.sleep(0.5)
+        record["timed_out"] = any(a[0].poll() is None for a in agents)
+    finally:
+        fam.kill_all()
+        files.close()
+    record["wall_s"] = round(time.time() - t0, 2)
+    record["rc"] = [a[0].returncode for a in agents]
+    if record["timed_out"]:
+        record["notes"].append(f"run timed out after {timeout}s (killed)")
+
+    # -- what rankwatch said ---------------------------------------------------------------------------
+    per_node = [read_verdicts(a[1]) for a in agents]
+    record["incidents"] = [slim_verdict(v, k) for k, vs in enumerate(per_node) for v in vs]
+    scored = per_node[0][0] if per_node[0] else next((vs[0] for vs in per_node if vs), None)
+    record["verdict"] = slim_verdict(scored, 0 if per_node[0] else 1) if scored else None
+    if nodes > 1 and all(per_node):
+        keys = ("kind", "initiating_ranks", "phase")
+        if any(per_node[k][0].get(x) != per_node[0][0].get(x) for k in range(nodes) for x in keys):
+            record["notes"].append(
+                "nodes' verdicts differ: "
+                + "; ".join(
+                    f"node {k}: {per_node[k][0].get('kind')} {per_node[k][0].get('initiating_ranks')}"
+                    for k in range(nodes)
+                )
+            )
+    if len(per_node[0]) > 1:
+        record["notes"].append(f"{len(per_node[0])} incidents on the leader; the first is scored")
+    summary = None
+    try:
+        s = json.loads((agents[0][1] / "summary.json").read_text())
+        summary = {k: s.get(k) for k in ("diagnosis", "straggler_ranks", "phase", "why", "steps", "incidents")}
+    except (OSError, ValueError, IndexError):
+        pass
+    record["summary"] = summary
+    marks = []
+    if fault_log.exists():
+        for line in fault_log.read_text().splitlines():
+            try:
+                marks.append(json.loads(line))
+            except ValueError:
+                pass
+    fault_t = min((m["t"] for m in marks if m.get("rank") == rank), default=None)
+    record["fault_fired"] = fault_t is not None or e.straggler
+    if fault_t is None and not e.straggler:
+        record["notes"].append("the fault never fired (no mark in RW_FAULT_LOG)")
+    record["fault_to_verdict_s"] = round(scored["_mtime"] - fault_t, 2) if scored and fault_t else None
+
+    # -- offline: rankwatch diagnose over the console log(s) -------------------------------------------
+    logs = []
+    for k in range(nodes):
+        raw = (d / f"stderr{k}.txt").read_text(errors="replace").splitlines(keepends=True)
+        job_lines = (d / f"stdout{k}.txt").read_text(errors="replace")
+        console = d / f"console{k}.log"
+        # ranks write nothing to stdout here; rankwatch's incident/summary text goes there, so the job's
+        # console is its stderr without rankwatch's JSON log lines
+        console.write_text("".join(line for line in raw if not rankwatch_lines(line)))
+        logs.append(str(console))
+        record.setdefault("stdout_tail", []).append(job_lines[-1500:])
+    record["console_bytes"] = sum(os.path.getsize(p) for p in logs)
+    try:
+        p = subprocess.run(rankwatch_cmd("diagnose", "--json", *logs), capture_output=True, text=True, timeout=120)
+        doc = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
+        record["offline"] = {
+            "rc": p.returncode,
+            "kind": doc.get("kind"),
+            "initiating_ranks": doc.get("initiating_ranks"),
+            "confidence": doc.get("confidence"),
+            "reason": doc.get("reason"),
+            "error": None if doc else (p.stderr or p.stdout)[-500:],
+        }
+    except (subprocess.TimeoutExpired, ValueError) as exc:
+        record["offline"] = {"rc": None, "error": repr(exc)[:300]}
+    if record["verdict"] is None and not e.straggler:
+        record["stderr_tail"] = [(d / f"stderr{k}.txt").read_text(errors="replace")[-3000:] for k in range(nodes)]
+    record["score"] = score(record, e)
+    if keep:
+        record["dir"] = str(d)
+    else:
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def score(r: dict[str, Any], e: Expect) -> dict[str, Any]:
+    """right rank / kind / phase (None: not scored) / offline rank (None: n/a) and what was named."""
+    v, rank = r["verdict"], r["rank"]
+    off = r.get("offline") or {}
+    off_named = off.get("initiating_ranks") or []
+    s: dict[str, Any] = {"offline_named": off_named, "offline": (off_named == [rank]) if e.offline else None}
+    if e.straggler:
+        summ = r.get("summary") or {}
+        named = (v.get("initiating_ranks") or []) if v else (summ.get("straggler_ranks") or [])
+        s.update(
+            named=named,
+            rank=v is None and summ.get("straggler_ranks") == [rank],
+            kind=v is None and summ.get("diagnosis") in e.kinds,
+            phase=v is None and summ.get("phase") == e.phase,
+        )
+        return s
+    named = (v.get("initiating_ranks") or []) if v else []
+    s.update(
+        named=named,
+        rank=named == [rank],
+        kind=bool(v) and v.get("kind") in e.kinds,
+        phase=None if e.phase is None else bool(v) and v.get("phase") == e.phase,
+    )
+    return s
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def frac(xs: list[bool | None]) -> str:
+    ys = [x for x in xs if x is not None]
+    return f"{sum(ys)}/{len(ys)}" if ys else "—"
+
+
+def med(xs: list[float | None]) -> str:
+    ys = [x for x in xs if x is not None]
+    return f"{statistics.median(ys):.2f}" if ys else "—"
+
+
+def pr(runs: list[dict[str, Any]], offline: bool) -> tuple[str, str]:
+    if offline:
+        naming = [r for r in runs if r["score"]["offline_named"]]
+        exact = [r for r in naming if r["score"]["offline_named"] == [r["rank"]]]
+        applicable = [r for r in runs if r["score"]["offline"] is not None]
+        right = [r for r in applicable if r["score"]["offline"]]
+    else:
+        naming = [r for r in runs if r["score"]["named"]]
+        exact = [r for r in naming if r["score"]["named"] == [r["rank"]]]
+        applicable, right = runs, [r for r in runs if r["score"]["rank"]]
+
+    def pct(a: int, b: int) -> str:
+        return f"{100 * a / b:.0f}% ({a}/{b})" if b else "—"
+
+    return pct(len(exact), len(naming)), pct(len(right), len(applicable))
+
+
+def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    # a run whose fault never fired (the harness or the job failed before the fault step) measures nothing
+    runs = [r for r in all_runs if r["fault_fired"]]
+    invalid = [r for r in all_runs if not r["fault_fired"]]
+    out = [
+        f"### Localisation accuracy — {meta['date']}",
+        "",
+        f"`{meta['command']}` — {len(runs)} runs"
+        + (f" (+{len(invalid)} invalid, listed at the end)" if invalid else "")
+        + f", {meta['wall_min']:.1f} min; models {', '.join(meta['models'])}; "
+        f"positions {', '.join(meta['positions'])}; hogs {meta['hogs']}; repeats {meta['repeats']}; "
+        f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
+        f"{meta['machine']}",
+        "",
+    ]
+    for model in meta["models"]:
+        mr = [r for r in runs if r["model"] == model]
+        if not mr:
+            continue
+        out += [
+            f"**{model}**",
+            "",
+            "| fault | runs | right rank | right kind | right phase | median detected_after_s "
+            "| median fault→verdict s | offline rank |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for fault in FAULTS:
+            fr = [r for r in mr if r["fault"] == fault]
+            if not fr:
+                continue
+            sc = [r["score"] for r in fr]
+            offline = frac([s["offline"] for s in sc]) if FAULTS[fault].offline else "n/a"
+            det = [r["verdict"]["detected_after_s"] for r in fr if r["verdict"]]
+            ftv = [r["fault_to_verdict_s"] for r in fr]
+            out.append(
+                f"| {fault} | {len(fr)} | {frac([s['rank'] for s in sc])} | {frac([s['kind'] for s in sc])} | "
+                f"{frac([s['phase'] for s in sc])} | {med(det)} | {med(ftv)} | {offline} |"
+            )
+        p, rc = pr(mr, offline=False)
+        po, rco = pr(mr, offline=True)
+        out += [
+            "",
+            f"Live: precision {p}, recall {rc}. Offline (`rankwatch diagnose` on the console log): "
+            f"precision {po}, recall {rco} (recall over the faults whose log holds the evidence).",
+            "",
+        ]
+    if len({r["position"] for r in runs}) > 1 or len({r["hogs"] for r in runs}) > 1:
+        out += ["| slice | runs | right rank | right kind |", "|---|---|---|---|"]
+        for key in ("position", "hogs", "model"):
+            for val in sorted({r[key] for r in runs}, key=str):
+                sr = [r for r in runs if r[key] == val]
+                out.append(
+                    f"| {key} = {val} | {len(sr)} | {frac([r['score']['rank'] for r in sr])} | "
+                    f"{frac([r['score']['kind'] for r in sr])} |"
+                )
+        out.append("")
+    out += ["**Misses (live)**", ""]
+    n = 0
+    for r in runs:
+        s, e = r["score"], FAULTS[r["fault"]]
+        wrong = [k for k in ("rank", "kind", "phase") if s[k] is False]
+        if not wrong:
+            continue
+        n += 1
+        v = r["verdict"]
+        if e.straggler:
+            summ = r.get("summary") or {}
+            said = (
+                f"incident {v['kind']} {v['initiating_ranks']} phase {v['phase']}: {v['reason']}"
+                if v
+                else f"summary {summ.get('diagnosis')} {summ.get('straggler_ranks')} phase {summ.get('phase')}: "
+                f"{summ.get('why')}"
+            )
+        elif v:
+            said = f"{v['kind']} {v['initiating_ranks']} phase {v['phase']} ({v['confidence']}): {v['reason']}"
+        else:
+            said = "no incident (" + ("; ".join(r["notes"]) or f"job ended, rc {r['rc']}") + ")"
+        exp = f"{'/'.join(e.kinds)} [{r['rank']}]" + (f" {e.phase}" if e.phase else "")
+        out.append(
+            f"- {r['model']} {r['fault']} {r['position']} (rank {r['rank']}) hogs {r['hogs']} #{r['repeat']} — "
+            f"wrong {', '.join(wrong)}; expected {exp}; said {said}"
+        )
+    if not n:
+        out.append("- none")
+    out += ["", "**Misses (offline, where the log holds the evidence)**", ""]
+    n = 0
+    for r in runs:
+        s = r["score"]
+        if s["offline"] is False:
+            n += 1
+            o = r.get("offline") or {}
+            out.append(
+                f"- {r['model']} {r['fault']} {r['position']} (rank {r['rank']}) hogs {r['hogs']} #{r['repeat']} — "
+                f"diagnose named {o.get('initiating_ranks')} ({o.get('kind')}, exit {o.get('rc')}): {o.get('reason')}"
+            )
+    if not n:
+        out.append("- none")
+    wrong_na = [
+        r
+        for r in runs
+        if r["score"]["offline"] is None and r["score"]["offline_named"] and r["score"]["offline_named"] != [r["rank"]]
+    ]
+    if wrong_na:
+        out += ["", "Offline namings where the log cannot know (counted against offline precision):", ""]
+        for r in wrong_na:
+            o = r["offline"]
+            out.append(
+                f"- {r['model']} {r['fault']} {r['position']} (rank {r['rank']}) — named {o.get('initiating_ranks')} "
+                f"({o.get('kind')}): {o.get('reason')}"
+            )
+    if invalid:
+        out += ["", "Invalid runs (the fault never fired; not scored):", ""]
+        for r in invalid:
+            out.append(
+                f"- {r['model']} {r['fault']} {r['position']} hogs {r['hogs']} #{r['repeat']}: {'; '.join(r['notes'])}"
+            )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repeat, no hogs, single node, each fault once per model "
+        "at the first or the last rank alternately (with --positions: every fault at each of those)",
+    )
+    p.add_argument("--faults", nargs="+", choices=list(FAULTS), default=list(FAULTS))
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument(
+        "--positions", nargs="+", choices=list(POSITIONS), default=None, help="default: all four (--quick: first last)"
+    )
+    p.add_argument("--repeats", type=int, default=None, help="default 2 (--quick: 1)")
+    p.add_argument(
+        "--hogs", nargs="+", type=int, default=None, help="CPU hogs beside the job, e.g. 0 3 (default; --quick: 0)"
+    )
+    p.add_argument("--out", default=str(HERE / "results"), help="where the JSON and markdown go")
+    p.add_argument("--label", default=None, help="file name stem (default: a timestamp)")
+    p.add_argument("--keep", action="store_true", help="keep each run's dir (logs, bundles) under --work")
+    p.add_argument("--work", default=None, help="scratch dir for runs (default: a temp dir, removed unless --keep)")
+    p.add_argument("--machine", default=None, help="machine note for the report (default: cores, load, versions)")
+    a = p.parse_args(argv)
+    # interruptible even when started in the background (where SIGINT is ignored): every run's processes
+    # are killed by run_one's finally, then the runs so far are reported
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    positions = a.positions or (list(QUICK_POSITIONS) if a.quick else list(POSITIONS))
+    repeats = a.repeats or (1 if a.quick else 2)
+    hogs = a.hogs if a.hogs is not None else ([0] if a.quick else [0, 3])
+    if a.quick and a.positions is None:
+        positions = [x for x in positions if POSITIONS[x][0] == 1]
+    os.makedirs(a.out, exist_ok=True)
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="rwacc-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if len(str(work.resolve())) > 48:
+        print(f"warning: --work {work} is long; AF_UNIX socket paths under it may exceed 108 bytes", file=sys.stderr)
+    stamp = a.label or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if a.quick and a.positions is None:
+        # every fault once per model, at the first and the last rank alternately (flipped for the next model)
+        matrix = [
+            (m, f, positions[(i + j) % len(positions)], h, rep)
+            for j, m in enumerate(a.models)
+            for h in hogs
+            for rep in range(repeats)
+            for i, f in enumerate(a.faults)
+        ]
+    else:
+        matrix = [
+            (m, f, pos, h, rep)
+            for m in a.models
+            for h in hogs
+            for rep in range(repeats)
+            for pos in positions
+            for f in a.faults
+        ]
+    print(f"{len(matrix)} runs → {a.out}/{stamp}.json", file=sys.stderr)
+    runs: list[dict[str, Any]] = []
+    t0 = time.time()
+    json_path = Path(a.out) / f"{stamp}.json"
+    machine = a.machine or (
+        f"{os.cpu_count()} CPU cores (shared), load average {os.getloadavg()[0]:.1f} at start, "
+        f"torch {importlib.metadata.version('torch')}, Python {sys.version.split()[0]}."
+    )
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python benchmarks/accuracy/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "models": a.models,
+        "positions": positions,
+        "hogs": hogs,
+        "repeats": repeats,
+        "machine": machine,
+        "expectations": {k: asdict(v) for k, v in FAULTS.items()},
+    }
+    try:
+        for i, (m, f, pos, h, rep) in enumerate(matrix, 1):
+            r = run_one(i, m, f, pos, h, rep, work, a.keep)
+            runs.append(r)
+            s = r["score"]
+            v = r["verdict"]
+            said = (
+                f"{v['kind']} {v['initiating_ranks']} {v['phase']}"
+                if v
+                else (
+                    f"summary {(r['summary'] or {}).get('straggler_ranks')}" if FAULTS[f].straggler else "no incident"
+                )
+            )
+            print(
+                f"[{i}/{len(matrix)}] {m} {f} {pos} h{h} #{rep}: rank={s['rank']} kind={s['kind']} phase={s['phase']} "
+                f"offline={s['offline']} ({said}; {r['wall_s']}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            meta["wall_min"] = (time.time() - t0) / 60
+            json_path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    except KeyboardInterrupt:
+        print("interrupted: reporting the runs so far", file=sys.stderr)
+    meta["wall_min"] = (time.time() - t0) / 60
+    json_path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    text = report(runs, meta)
+    (Path(a.out) / f"{stamp}.md").write_text(text)
+    print(text)
+    if not a.work and not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
