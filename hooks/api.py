@@ -144,8 +144,10 @@ def _tracked(tracker: Tracker, slot: int, budget_s: float) -> Iterator[None]:
     tracker.enter(slot, budget_s)
     try:
         yield
-    finally:
-        tracker.exit(slot)
+    except BaseException:
+        tracker.exit(slot, failing=True)
+        raise
+    tracker.exit(slot)
 
 
 def phase(name: str, budget_s: float = 0.0) -> contextlib.AbstractContextManager[None]:

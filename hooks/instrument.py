@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +78,8 @@ class OutermostForward:
         self.depth -= 1
         if self.depth <= 0:
             self.depth = 0
-            self.tracker.exit(FORWARD)
+            # always_call: torch also calls this while an exception leaves forward (inside its except block)
+            self.tracker.exit(FORWARD, failing=sys.exc_info()[0] is not None)
 
     def install(self) -> None:
         self.global_handles = [
@@ -111,9 +113,12 @@ def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         tracker.enter(slot)
         try:
-            return fn(*args, **kwargs)
-        finally:
-            tracker.exit(slot)
+            out = fn(*args, **kwargs)
+        except BaseException:
+            tracker.exit(slot, failing=True)
+            raise
+        tracker.exit(slot)
+        return out
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -143,9 +148,12 @@ def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming |
         split = timing.begin(args[0] if args else kwargs.get("tensors"))
         tracker.enter(BACKWARD)
         try:
-            return fn(*args, **kwargs)
-        finally:
-            tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot)
+            out = fn(*args, **kwargs)
+        except BaseException:
+            tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot, failing=True)
+            raise
+        tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot)
+        return out
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper

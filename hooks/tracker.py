@@ -50,6 +50,9 @@ class Tracker:
         self.thread_id = threading.get_ident()
         self.enabled = True
         self._gpu: Any = None  # cuda_timing.EventPool on CUDA ranks
+        # an exception left a phase: the record keeps naming that phase until the next enter(), so a rank
+        # that dies of it is reported in the phase it failed in, not "idle" after the unwinding
+        self._frozen = False
 
     def attach_gpu_timing(self, pool: Any) -> None:
         """Time forward/backward/optimizer on the GPU too (pooled CUDA events, harvested without blocking)."""
@@ -95,6 +98,7 @@ class Tracker:
             return
         try:
             now = _now()
+            self._frozen = False
             stack = self._stack
             cur = stack[-1][0] if stack else IDLE_SLOT
             self._acc[cur] += now - self._last
@@ -117,10 +121,11 @@ class Tracker:
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.begin(slot)
 
-    def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE) -> None:
+    def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
         """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
         attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
-        for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged."""
+        for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged.
+        ``failing``: an exception is leaving the phase (the record keeps naming it, see ``_frozen``)."""
         if not self.enabled or slot < 0 or threading.get_ident() != self.thread_id:
             return
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
@@ -144,7 +149,11 @@ class Tracker:
             _, _, budget = stack.pop()
             rec = self._rec
             rec.seq += 1
-            if stack:
+            if failing:
+                self._frozen = True
+            if self._frozen:
+                pass  # the phase an exception left stays on record until the next phase begins
+            elif stack:
                 parent, parent_start, _ = stack[-1]
                 rec.phase = parent
                 rec.phase_start_ns = parent_start

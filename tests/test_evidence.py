@@ -308,3 +308,13 @@ def test_ras_watch_disabled_or_unreachable():
 @pytest.mark.parametrize("addr", ["localhost:28028", "127.0.0.1:5"])
 def test_ras_watch_address_is_configurable(addr):
     assert RasWatch(addr).addr == addr and RasWatch().addr == "localhost:28028"
+
+
+def test_of_the_ranks_behind_in_the_flight_recorder_the_one_with_nothing_in_flight_started_it():
+    # DDP broadcasts buffers at every forward: rank 3 stopped before its forward; rank 1 is still inside
+    # the broadcast (#18, relayed through rank 3) while ranks 0 and 2 went on to #19
+    views = [rv(r, waiting=True) for r in (0, 1, 2)] + [rv(3, phase="dataloader", waiting=False)]
+    fr = FrHints(ranks=(0, 1, 2, 3), behind=(FrBehind("0", 1, 18, 19, "all_reduce", waiting=True),
+                                            FrBehind("0", 3, 17, 19, "all_reduce")))
+    v = verdict(views, fr_hints=fr)
+    assert (v["initiating_ranks"], v["decided_by"]) == ([3], "flight_recorder")

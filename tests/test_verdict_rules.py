@@ -301,3 +301,21 @@ def test_a_rank_aborted_inside_a_mismatched_collective_is_not_its_cause():
                fr_hints=FrHints(ranks=(0, 1, 2), mismatches=(mm,))).to_json()
     assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [0], "flight_recorder")
     assert any("gloo aborts a rank that receives a mismatched collective" in e for e in v["evidence"])
+
+
+def test_without_a_flight_recorder_odd_collective_counts_explain_an_abort_inside_a_collective():
+    # every rank died before capture (gloo's abort chain); rank 0 had skipped the metrics all_reduce
+    views = [
+        rv(3, state="dead", phase="collective", coll_seq=6, coll_done=5, exit_age_s=0.40),
+        rv(1, state="dead", phase="collective", coll_seq=6, coll_done=5, exit_age_s=0.33),
+        rv(0, state="dead", phase="backward", coll_seq=5, coll_done=5, exit_age_s=0.32),
+        rv(2, state="crashed", phase="idle", coll_seq=6, coll_done=6, exit_age_s=0.31, exit_cause=PEER_LOST),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [0]), v["reason"]
+    # an ordinary kill inside a collective, counts agreeing, stays a dead rank
+    same = [dataclasses.replace(x, coll_seq=6) for x in views]
+    assert verdict(same)["kind"] == "dead_rank"
+    # a rank that is merely behind, still computing, is not blamed for a peer's death inside a collective
+    lagging = [*views[:2], dataclasses.replace(views[2], phase="forward"), views[3]]
+    assert verdict(lagging)["kind"] == "dead_rank"

@@ -686,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default=str(HERE / "results"), help="where the JSON and markdown go")
     p.add_argument("--label", default=None, help="file name stem (default: a timestamp)")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the runs already in --out/--label's JSON and do only the rest"
+    )
     p.add_argument("--keep", action="store_true", help="keep each run's dir (logs, bundles) under --work")
     p.add_argument("--work", default=None, help="scratch dir for runs (default: a temp dir, removed unless --keep)")
     p.add_argument("--machine", default=None, help="machine note for the report (default: cores, load, versions)")
@@ -727,6 +730,21 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     t0 = time.time()
     json_path = Path(a.out) / f"{stamp}.json"
+    earlier_min = 0.0
+    if a.resume and json_path.exists():
+        old = json.loads(json_path.read_text())
+        runs = old["runs"]
+        earlier_min = old["meta"].get("wall_min", 0.0)
+        done = {(r["model"], r["fault"], r["position"], r["hogs"], r["repeat"]) for r in runs}
+        matrix = [x for x in matrix if x not in done]
+        print(f"resuming: {len(runs)} runs done, {len(matrix)} to go", file=sys.stderr)
+
+    def save() -> None:
+        meta["wall_min"] = earlier_min + (time.time() - t0) / 60
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+        tmp.replace(json_path)
+
     machine = a.machine or (
         f"{os.cpu_count()} CPU cores (shared), load average {os.getloadavg()[0]:.1f} at start, "
         f"torch {importlib.metadata.version('torch')}, Python {sys.version.split()[0]}."
@@ -760,12 +778,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            meta["wall_min"] = (time.time() - t0) / 60
-            json_path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+            save()
     except KeyboardInterrupt:
         print("interrupted: reporting the runs so far", file=sys.stderr)
-    meta["wall_min"] = (time.time() - t0) / 60
-    json_path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    save()
     text = report(runs, meta)
     (Path(a.out) / f"{stamp}.md").write_text(text)
     print(text)

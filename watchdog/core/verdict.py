@@ -57,6 +57,9 @@ class FrBehind:
     seq: int  # highest collective seq this rank entered (-1: none)
     top_seq: int  # highest seq any member entered
     top_op: str | None  # op of that collective, as the furthest rank recorded it
+    # its newest collective is still in flight although another member got past it: it waits for a peer
+    # (data relayed through a ring or tree), it is not the one that never arrived
+    waiting: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class FrHints:
         return {
             "ranks": list(self.ranks),
             "behind": [
-                {"pg": b.pg, "rank": b.rank, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op}
+                {"pg": b.pg, "rank": b.rank, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op,
+                 "waiting": b.waiting}
                 for b in self.behind
             ],
             "missing": [
@@ -574,6 +578,10 @@ def _rule_fr(hints: FrHints, live: Sequence[RankView]) -> _Finding | None:
     if not behind:
         # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
         return _fr_mismatch_finding(mismatches[0], covered, live) if mismatches else None
+    relaying = {b.rank for b in hints.behind if b.waiting}
+    arrived_never = [r for r in behind if r not in relaying]
+    if arrived_never and len(arrived_never) < len(behind):
+        behind = arrived_never  # of the ranks behind, the ones with nothing in flight started it
     detail = _fr_behind_text(hints, behind)
     chosen_views = [v for v in live if v.rank in set(behind)]
     lead = chosen_views[0]
@@ -721,6 +729,7 @@ def decide(
         if f is not None:
             f.rule = name
     _abort_on_mismatch(found, present)
+    _abort_with_odd_counts(found, present)
     # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
     ladder = [r for r in EVIDENCE_LADDER if found[r.name] is not None]
     singling = [
@@ -789,6 +798,36 @@ def _abort_on_mismatch(found: dict[str, _Finding | None], present: Sequence[Rank
         f"that receives a mismatched collective — a consequence of the mismatch ({exits.reason})"
     )
     found["exits"] = None
+
+
+def _abort_with_odd_counts(found: dict[str, _Finding | None], present: Sequence[RankView]) -> None:
+    """No flight recorder to ask (every rank died before capture), but the first death is a rank killed
+    without any mark inside a collective while the ranks' Python-level collective counts disagree: gloo
+    aborted the receiver of a mismatched collective. The rank whose count is the odd one out sent it."""
+    exits = found.get("exits")
+    if exits is None or found.get("flight_recorder") is not None:
+        return
+    dead = [v for v in present if v.rank in set(exits.initiators)]
+    if not dead or any(v.state != DEAD or v.phase != "collective" for v in dead):
+        return
+    by_seq: dict[int, list[int]] = defaultdict(list)
+    for v in present:
+        by_seq[v.coll_seq].append(v.rank)
+    odd = outside_majority(by_seq)
+    # the odd ranks were communicating too: counts that differ while a rank still computes are just lag
+    if odd is None or any(v.phase not in ("collective", "backward") for v in present if v.rank in set(odd)):
+        return
+    counts = "; ".join(f"{fmt_ranks(rs)} at collective #{seq}" for seq, rs in sorted(by_seq.items()))
+    found["exits"] = _Finding(
+        "collective_mismatch",
+        list(odd),
+        "medium",
+        f"{fmt_ranks(odd)} issued a different number of collectives than the others ({counts}); "
+        f"{fmt_ranks(v.rank for v in dead)} then died without an exit mark inside a collective — gloo aborts "
+        "the rank that receives a mismatched collective",
+        [*exits.evidence, f"python-level collective counts: {counts}"],
+        rule="exits",
+    )
 
 
 def _fr_role(fr: _Finding | None, finding: _Finding) -> str:

@@ -78,7 +78,10 @@ def fr_hints(analysis: FrAnalysis) -> FrHints:
             continue
         top = max(p.entered for p in g.progress.values())
         top_op = next((p.entered_op for p in g.progress.values() if p.entered == top and p.entered_op), None)
-        behind.extend(FrBehind(g.name, r, g.progress[r].entered, top, top_op) for r in g.behind)
+        for r in g.behind:
+            p = g.progress[r]
+            waiting = p.entered in p.in_flight and any(q.entered > p.entered for q in g.progress.values())
+            behind.append(FrBehind(g.name, r, p.entered, top, top_op, waiting=waiting))
     return FrHints(
         ranks=tuple(r for r in analysis.ranks if r not in analysis.empty_ranks),
         behind=tuple(behind),
