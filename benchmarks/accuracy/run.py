@@ -346,6 +346,24 @@ def slim_verdict(v: dict[str, Any], node: int) -> dict[str, Any]:
     }
 
 
+def code_version() -> str:
+    """The commit the runs measure, with "+dirty" when watchdog/ or hooks/ have uncommitted edits
+    (other engineers edit them while the suite runs: every run records what it ran)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "watchdog", "hooks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def run_one(
     index: int, model: str, fault: str, position: str, hogs: int, repeat: int, work: Path, keep: bool
 ) -> dict[str, Any]:
@@ -383,6 +401,8 @@ def run_one(
         "hogs": hogs,
         "repeat": repeat,
         "notes": [],
+        "code": code_version(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     timeout = 240 + 120 * (hogs > 0) + 60 * (nodes > 1)
     t0 = time.time()
@@ -561,6 +581,13 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"positions {', '.join(meta['positions'])}; hogs {meta['hogs']}; repeats {meta['repeats']}; "
         f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
         f"{meta['machine']}",
+        "",
+        "Code measured (commit of the run's start; +dirty: uncommitted edits in watchdog/ or hooks/): "
+        + ", ".join(
+            f"{c} ({sum(str(r.get('code')) == c for r in runs)} runs)"
+            for c in sorted({str(r.get("code")) for r in runs})
+        )
+        + ".",
         "",
     ]
     for model in meta["models"]:
