@@ -347,11 +347,15 @@ def slim_verdict(v: dict[str, Any], node: int) -> dict[str, Any]:
 
 
 def code_version() -> str:
-    """The commit the runs measure, with "+dirty" when watchdog/ or hooks/ have uncommitted edits
-    (other engineers edit them while the suite runs: every run records what it ran)."""
+    """The last commit that changed what a run measures (watchdog/, hooks/, examples/), with "+dirty" when
+    watchdog/ or hooks/ have uncommitted edits (other engineers edit them while the suite runs: every run
+    records what it ran)."""
     try:
         head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "watchdog", "hooks", "examples"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(REPO), "status", "--porcelain", "--", "watchdog", "hooks"],
@@ -582,7 +586,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
         f"{meta['machine']}",
         "",
-        "Code measured (commit of the run's start; +dirty: uncommitted edits in watchdog/ or hooks/): "
+        "Code measured (last commit to watchdog/, hooks/, examples/ at the run's start; +dirty: uncommitted "
+        "edits in watchdog/ or hooks/): "
         + ", ".join(
             f"{c} ({sum(str(r.get('code')) == c for r in runs)} runs)"
             for c in sorted({str(r.get("code")) for r in runs})
