@@ -4,8 +4,11 @@ Runs on CPU/gloo (CUDA/NCCL when present). Launch under torchrun, optionally thr
 
     torchrun --nproc-per-node 4 -m rankwatch.hooks examples/ddp_demo.py --scenario input-hang --fault-rank 2
 
-Slow scenarios: balanced, input-straggler (sleep in the dataset), compute-straggler (extra matmuls in
-the optimizer step), backward-straggler (extra matmuls in a gradient hook). Faults, at ``--fault-step``
+Slow scenarios: balanced, input-straggler (sleep in collate on ``--straggler-rank``; with
+``--input-every N`` only on every Nth batch: periodic slow storage), input-bound (the same sleep in
+collate on every rank: the pipeline, not a rank, is the bottleneck; use ``--num-workers``),
+compute-straggler (extra matmuls in the optimizer step), backward-straggler (extra matmuls in a
+gradient hook). Faults, at ``--fault-step``
 on ``--fault-rank``: input-hang (the dataset blocks forever), compute-hang (infinite loop in forward),
 dead-rank (SIGKILL itself), stopped-rank (SIGSTOP itself), collective-mismatch (calls a different
 collective than the others). More faults from ``fault_injection.py`` (shared with ``transformer_demo.py``):
@@ -18,11 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ except ImportError:  # imported from elsewhere: the module lives beside this fil
 SCENARIOS = (
     "balanced",
     "input-straggler",
+    "input-bound",
     "compute-straggler",
     "backward-straggler",
     "input-hang",
@@ -87,12 +93,19 @@ class SlowCollate:
         self.rank = rank
         self.step_ref = step_ref
         self.injector = injector
+        self.calls = 0  # batches this process collated (per worker with --num-workers)
 
     def __call__(self, batch):  # type: ignore[no-untyped-def]
         a = self.args
         step = self.step_ref[0]
-        if self.rank == a.straggler_rank and a.scenario == "input-straggler":
+        self.calls += 1
+        slow_batch = self.calls % a.input_every == 0
+        if slow_batch and (
+            a.scenario == "input-bound" or (self.rank == a.straggler_rank and a.scenario == "input-straggler")
+        ):
             time.sleep(a.input_sleep_ms / 1000.0)
+        elif slow_batch and self.rank == a.straggler_rank and a.straggle_ms:
+            time.sleep(a.straggle_ms / 1000.0)  # a slow loader before a fault (any scenario)
         if self.rank == a.fault_rank and a.scenario == "input-hang" and step >= a.fault_step:
             fault_injection.mark(a.scenario, self.rank, step)
             threading.Event().wait()  # a dataloader that never returns
@@ -131,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=None, help="rank that faults (default: --straggler-rank)")
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--input-sleep-ms", type=float, default=30.0)
+    p.add_argument("--input-every", type=int, default=1, help="input scenarios: sleep on every Nth batch only")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--straggle-ms", type=float, default=0.0,
+                   help="any scenario: --straggler-rank's collate sleeps this long too (a straggler that then faults)")
     p.add_argument("--compute-extra-matmuls", type=int, default=40)
     p.add_argument("--first-step-sleep-s", type=float, default=0.0, help="slow first step on every rank")
     p.add_argument("--checkpoint-every", type=int, default=0, help="declared 'checkpoint' phase every N steps")
@@ -144,9 +161,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep-ms", type=float, default=0.0, help="idle time per step (logging etc.)")
     p.add_argument("--pg-timeout-s", type=float, default=600.0, help="process group timeout")
     p.add_argument("--log-every", type=int, default=0)
+    p.add_argument("--traceml", action="store_true",
+                   help="also trace each step with TraceML (traceml-ai), for benchmarks/bench_traceml.py")
     args = p.parse_args(argv)
     if args.fault_rank is None:
         args.fault_rank = args.straggler_rank
+    if args.input_every < 1 or args.num_workers < 0:
+        p.error("--input-every must be >= 1 and --num-workers >= 0")
     return args
 
 
@@ -158,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s)
     )
     rank = dist.get_rank()
+    if args.traceml:  # before any DataLoader iterator exists, as TraceML's own demo does
+        import traceml_ai
+
+        traceml_ai.init(mode="auto")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -172,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(
         SyntheticData(args, rank),
         batch_size=args.batch_size,
-        num_workers=0,
+        num_workers=args.num_workers,
         collate_fn=SlowCollate(args, rank, step_ref, inj),
     )
     straggler = rank == args.straggler_rank
@@ -185,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     faulty = rank == args.fault_rank
     batches = iter(loader)
     loss_sum = torch.zeros(1, device=device)
+    traced: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+    if args.traceml:  # the side-by-side comparison: TraceML's step context, its loader wait outside it
+        traced = functools.partial(traceml_ai.trace_step, model)
     ran_out = False
     for step in range(args.steps):
         step_ref[0] = step
@@ -206,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
             inj.data_exhausted(step)
             ran_out = True
             break
-        x, y = x.to(device), y.to(device)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with traced():
+            x, y = x.to(device), y.to(device)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
         # a metrics all-reduce from Python, as many loops do for logging
         loss_sum.copy_(loss.detach())
         if args.scenario == "collective-mismatch" and faulty and step >= args.fault_step:

@@ -2,7 +2,8 @@
 
 Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
 (DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives,
-``DistributedDataParallel`` construction for the backward/grad_sync split of ``ddp_timing.py``).
+``DistributedDataParallel`` construction for the backward/grad_sync split of ``ddp_timing.py``; batch
+production in ``input_timing.py``).
 Wrappers call the original first-class function and never alter arguments or results.
 """
 
@@ -178,6 +179,14 @@ def install(tracker: Tracker) -> None:
     # DataLoader: every iterator class inherits __next__ from the base iterator.
     base_iter = dl._BaseDataLoaderIter
     base_iter.__next__ = _wrap_phase(base_iter.__next__, tracker, DATALOADER)  # type: ignore[method-assign]
+    # the input pipeline's own time per batch, in the workers or on this thread (input_timing.py)
+    if os.environ.get("RANKWATCH_INPUT_TIMING", "1") != "0":
+        try:
+            from . import input_timing
+
+            input_timing.install(tracker, dl)
+        except Exception as exc:
+            warnings.warn(f"rankwatch: input pipeline timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
 
     # Forward: only the outermost module call counts (a DDP wrapper, or the bare model).
     forward = OutermostForward(tracker, module_mod)

@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 
 MAGIC = b"RNKWTCH1"
 CRASH_LEN = 240
-VERSION = 2  # 2: crash_info (why the script ended with an exception)
+# 2: crash_info (why the script ended with an exception); 3: input pipeline timing (per-step batch
+# production time and the DataLoader workers' slots). Any other version is rejected, never misread.
+VERSION = 3
 MAX_PHASES = 16  # slot table; canonical phases take the first six
 RING_STEPS = 512  # steps kept; at 5 ms steps a 1 Hz poll needs ~200
+INPUT_SLOTS = 32  # DataLoader workers timed at once per rank (more share slots modulo this)
 NAME_LEN = 24
 HOST_LEN = 64
 JOB_LEN = 64
@@ -50,6 +53,11 @@ class StepEntry(ctypes.Structure):
         ("start_ns", ctypes.c_uint64),
         ("end_ns", ctypes.c_uint64),
         ("phase_ns", ctypes.c_uint64 * MAX_PHASES),
+        # batches the input pipeline finished during this step, their production time (fetch + collate,
+        # summed over producers) and the producers: DataLoader workers, 0 = the training thread itself
+        ("input_ns", ctypes.c_uint64),
+        ("input_batches", ctypes.c_uint64),
+        ("input_workers", ctypes.c_uint64),
     )
 
 
@@ -94,6 +102,9 @@ class RecordLayout(ctypes.Structure):
         ("crash_info", ctypes.c_char * CRASH_LEN),
         # GPU time per phase slot (ms, cumulative) from CUDA events; only on ranks that use CUDA
         ("gpu_phase_ms", ctypes.c_double * MAX_PHASES),
+        # per DataLoader worker slot: [production ns, batches], cumulative; each slot is written only by
+        # its worker process (hooks/input_timing.py), read by the training thread at step end
+        ("input_slots", ctypes.c_uint64 * (2 * INPUT_SLOTS)),
         # ring of completed steps: entry i holds step s where s % RING_STEPS == i
         ("steps_done", ctypes.c_uint64),
         ("ring", StepEntry * RING_STEPS),
@@ -119,6 +130,11 @@ class StepTiming:
     start_ns: int
     end_ns: int
     phases_ms: dict[str, float]
+    # input pipeline during this step: production time of the batches finished (ms, summed over
+    # producers), how many, and by how many DataLoader workers (0: the training thread)
+    input_ms: float = 0.0
+    input_batches: int = 0
+    input_workers: int = 0
 
     @property
     def duration_ms(self) -> float:
@@ -179,9 +195,14 @@ def _decode_str(raw: bytes) -> str:
 
 def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSnapshot:
     """Decode a record copy; ``since_step`` limits the ring to steps after it (the daemon's cursor)."""
+    if len(buf) >= 8 and buf[:8] != MAGIC:
+        raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
+    if len(buf) >= 12 and (version := int.from_bytes(buf[8:12], "little")) != VERSION:
+        # another release's layout (the ring entries of version 2 were shorter): rejected, never misread
+        raise RecordFormatError(
+            f"{path}: record version {version}, expected {VERSION} (written by another rankwatch release)"
+        )
     if len(buf) < RECORD_SIZE:
-        if len(buf) >= 8 and buf[:8] != MAGIC:
-            raise RecordFormatError(f"{path}: not a rankwatch record (bad magic)")
         raise RecordFormatError(f"{path}: truncated record ({len(buf)} of {RECORD_SIZE} bytes)")
     rec = RecordLayout.from_buffer_copy(buf[:RECORD_SIZE])
     if rec.magic != MAGIC:
@@ -208,12 +229,16 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
             if words[base] != s:  # slot not yet written for this step (cannot happen under the seqlock)
                 continue
             ns = words[base + 3 : base + 3 + n]
+            inp = base + 3 + MAX_PHASES
             steps.append(
                 StepTiming(
                     step=s,
                     start_ns=words[base + 1],
                     end_ns=words[base + 2],
                     phases_ms={names[i]: v / 1e6 for i, v in enumerate(ns) if v},
+                    input_ms=words[inp] / 1e6,
+                    input_batches=min(words[inp + 1], 1 << 32),
+                    input_workers=min(words[inp + 2], 1 << 16),
                 )
             )
     op = _decode_str(rec.coll_op)
@@ -263,7 +288,8 @@ class RecordReader:
         self.path = path
         self._retries = retries
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO planted as a record must not block the (root) daemon's poll loop in open()
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise RecordFormatError(f"{path}: is a symlink, refusing to read it") from exc

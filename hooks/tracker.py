@@ -21,6 +21,7 @@ from .record import (
     FLAG_EXPLICIT_STEPS,
     FLAG_GPU_TIMING,
     IDLE_SLOT,
+    INPUT_SLOTS,
     MAX_PHASES,
     NAME_LEN,
     NO_PHASE,
@@ -53,6 +54,14 @@ class Tracker:
         # an exception left a phase: the record keeps naming that phase until the next enter(), so a rank
         # that dies of it is reported in the phase it failed in, not "idle" after the unwinding
         self._frozen = False
+        # input pipeline: batches produced on this thread (num_workers=0), the worker slots in use (the
+        # workers write their own slots) and the totals at the last step end
+        self._input_ns = 0
+        self._input_batches = 0
+        self.input_slots_used = 0
+        self.input_slot_next = 0
+        self.input_workers = 0
+        self._input_seen = (0, 0)
 
     def attach_gpu_timing(self, pool: Any) -> None:
         """Time forward/backward/optimizer on the GPU too (pooled CUDA events, harvested without blocking)."""
@@ -205,6 +214,29 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
+    # -- input pipeline ---------------------------------------------------------------------------
+    def input_produced(self, ns: int) -> None:
+        """A batch produced on the training thread (a DataLoader without workers) took ``ns``."""
+        if self.enabled and threading.get_ident() == self.thread_id:
+            self._input_ns += ns
+            self._input_batches += 1
+            self.input_workers = 0
+
+    def input_worker_slots(self, workers: int) -> int:
+        """First of ``workers`` consecutive slots (modulo ``INPUT_SLOTS``) for a new set of DataLoader workers."""
+        base = self.input_slot_next
+        self.input_slot_next = (base + workers) % INPUT_SLOTS
+        self.input_slots_used = min(INPUT_SLOTS, max(self.input_slots_used, base + workers))
+        self.input_workers = workers
+        return base
+
+    def _input_totals(self) -> tuple[int, int]:
+        n = 2 * self.input_slots_used
+        if not n:
+            return self._input_ns, self._input_batches
+        slots = self._rec.input_slots[:n]  # one copy; a worker may be mid-update of its own pair (harmless)
+        return self._input_ns + sum(slots[0::2]), self._input_batches + sum(slots[1::2])
+
     # -- steps ------------------------------------------------------------------------------------
     def step(self, explicit: bool = False) -> None:
         """Close the current step. Once the script calls step() itself, automatic boundaries stop."""
@@ -229,6 +261,11 @@ class Tracker:
             entry.start_ns = self._step_start
             entry.end_ns = now
             entry.phase_ns[:] = acc
+            busy, batches = self._input_totals()
+            entry.input_ns = max(0, busy - self._input_seen[0])
+            entry.input_batches = max(0, batches - self._input_seen[1])
+            entry.input_workers = self.input_workers
+            self._input_seen = (busy, batches)
             if self._gpu is not None:
                 for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
                     rec.gpu_phase_ms[gslot] += gpu_ms

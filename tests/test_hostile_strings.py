@@ -102,7 +102,7 @@ def hostile_verdict() -> dict:
     return {
         "schema": "rankwatch.verdict/1", "job_id": HOSTILE, "incident_id": "inc-1", "kind": "hang",
         "initiating_ranks": [1], "phase": HOSTILE, "confidence": "high" + ESCAPES, "reason": HOSTILE,
-        "detected_after_s": HOSTILE,
+        "detected_after_s": 3.5,  # a string here is refused before rendering (test_cli_errors)
         "ranks": {
             "0": {"node": HOSTILE, "pid": HOSTILE, "state": HOSTILE, "step": 3, "phase": "collective",
                   "in_phase_s": 1.0, "collective": {"seq": HOSTILE, "op": HOSTILE}, "gpu_util": None,
@@ -118,7 +118,7 @@ def hostile_verdict() -> dict:
 def hostile_summary() -> dict:
     return {
         "schema": "rankwatch.summary/1", "job_id": HOSTILE, "diagnosis": "INPUT STRAGGLER" + ESCAPES,
-        "straggler_ranks": [1], "phase": HOSTILE, "steps": HOSTILE, "why": HOSTILE,
+        "straggler_ranks": [1], "phase": HOSTILE, "steps": 5, "why": HOSTILE,
         "step_time_ms": {"median": 10.0, "worst": 12.0, "worst_rank": HOSTILE},
         "phases": {HOSTILE: {"median_ms": 4.0, "worst_ms": 9.0, "worst_rank": 1, "skew_ms": 5.0},
                    "forward": {"median_ms": HOSTILE, "worst_ms": 3.0, "worst_rank": HOSTILE}},
@@ -148,6 +148,15 @@ def test_report_text_of_hostile_verdict_and_summary_is_inert_and_bounded(hostile
         assert "rankwatch" in out.stdout
         assert_inert(out.stdout + out.stderr)
         assert len(out.stdout) < 80_000  # ~15 hostile fields, each bounded
+
+
+def test_hostile_string_in_a_typed_field_is_refused_inertly(tmp_path):
+    path = tmp_path / "verdict.json"
+    path.write_text(json.dumps({**hostile_verdict(), "detected_after_s": HOSTILE}))
+    out = subprocess.run(rankwatch_cmd("report", str(path)), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "'detected_after_s' must be a number" in out.stderr
+    assert_inert(out.stderr)
 
 
 def test_report_json_escapes_every_control_character(hostile_run):

@@ -15,7 +15,8 @@ from rankwatch.watchdog.core.snapshot import RUNNING, RankView
 from rankwatch.watchdog.core.straggler import diagnose_stragglers
 from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.errors import UserError
-from rankwatch.watchdog.report.html import nice_ticks, render_html, write_html
+from rankwatch.watchdog.report.html import EXTRA_COLOURS, PHASE_COLOURS, nice_ticks, render_html, write_html
+from rankwatch.watchdog.report.text import summary_text
 
 EVIL = "<script>alert('x')</script>"
 MS = 1_000_000
@@ -38,11 +39,11 @@ def rings(n_ranks: int = 4, steps: int = 40, slow: int = 3) -> dict[int, list[St
     return out
 
 
-def summary_doc(incidents: list[str]) -> dict:
+def summary_doc(incidents: list[str], verdicts: tuple = ()) -> dict:
     per_rank = rings()
     diag = diagnose_stragglers(per_rank)
     assert diag.label == "COMPUTE STRAGGLER" and diag.straggler_ranks == [3]
-    return json.loads(json.dumps(diag.summary_doc("job-html", incidents, per_rank)))
+    return json.loads(json.dumps(diag.summary_doc("job-html", incidents, per_rank, verdicts)))
 
 
 def verdict_doc(incident_id: str = "20260101T000000Z-001-stall") -> dict:
@@ -71,8 +72,8 @@ def assert_self_contained(page: str) -> None:
     assert "default-src 'none'" in page
 
 
-def polylines(page: str) -> list[str]:
-    return re.findall(r'<polyline class="rank" data-rank="(\d+)" points="([^"]+)"', page)
+def polylines(page: str, series: str = "own") -> list[str]:
+    return re.findall(rf'<polyline class="rank" data-series="{series}" data-rank="(\d+)" points="([^"]+)"', page)
 
 
 def test_summary_and_verdict_page(tmp_path):
@@ -93,8 +94,19 @@ def test_summary_and_verdict_page(tmp_path):
     assert sorted(r for r, _ in lines) == ["0", "1", "2", "3"]
     for _, points in lines:
         assert len(points.split()) == 39  # step 0 left out
-    straggler_line = re.search(r'<polyline class="rank" data-rank="3"[^>]*>', page).group(0)
+    straggler_line = re.search(r'<polyline class="rank" data-series="own" data-rank="3"[^>]*>', page).group(0)
     assert 'stroke="#d62728"' in straggler_line
+    # own work and waiting are drawn apart: the straggler is high in the first, its peers in the second
+    def mean_y(series: str, rank: str) -> float:  # SVG y grows downward: a smaller y is a higher value
+        (points,) = [p for r, p in polylines(page, series) if r == rank]
+        return sum(float(xy.split(",")[1]) for xy in points.split()) / len(points.split())
+
+    assert mean_y("own", "3") < min(mean_y("own", r) for r in "012")
+    assert mean_y("wait", "3") > max(mean_y("wait", r) for r in "012")
+    assert len(polylines(page, "wait")) == 4
+    # the phases that wait (and idle) have colours of their own
+    colours = [PHASE_COLOURS[p] for p in ("collective", "grad_sync", "idle")]
+    assert len(set(colours)) == 3 and not set(colours) & set(EXTRA_COLOURS)
     # incidents list links to the verdict section
     assert f'<a href="#incident-0">{verdict["incident_id"]}</a>' in page
     # verdict: headline, reason escaped, evidence, per-rank table with the initiator highlighted
@@ -104,6 +116,17 @@ def test_summary_and_verdict_page(tmp_path):
     assert "train.py:12 in &lt;module&gt;" in page
     assert re.search(r'<tr class="hl"><td>1 ◀</td><td class="l">node-a</td>', page)
     assert "all_reduce #5" in page
+
+
+def test_a_run_that_hung_leads_with_the_incident():
+    verdict = verdict_doc()
+    page = render_html([summary_doc([verdict["incident_id"]], (verdict,)), verdict], base_dir="/nonexistent")
+    summary = page.split('<section class="doc summary"', 1)[1].split("</section>", 1)[0]
+    first = re.findall(r'<p class="headline (\w+)">(.*?)</p>', summary)
+    assert first[0][0] == "bad" and first[0][1].startswith("HANG — initiating rank 1")
+    assert first[1] == ("bad", "before the incident: COMPUTE STRAGGLER — rank 3 in <code>forward</code>")
+    text = summary_text(summary_doc([verdict["incident_id"]], (verdict,)))
+    assert text.startswith("rankwatch: HANG — initiating rank 1") and "before the incident, diagnosis:" in text
 
 
 def test_cli_renders_run_dir_with_bundle(tmp_path):
@@ -154,7 +177,7 @@ def test_partial_and_hostile_documents_still_render(tmp_path):
     page = render_html([summary, verdict], base_dir=str(tmp_path))
     assert EVIL not in page
     assert_self_contained(page)
-    assert len(polylines(page)) == 1
+    assert len(polylines(page, "step")) == 1  # an older summary: step time only
     with pytest.raises(UserError, match="cannot write HTML report"):
         write_html(str(tmp_path / "nope" / "r.html"), [summary], base_dir=str(tmp_path))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -12,10 +13,14 @@ import urllib.request
 
 import pytest
 import rankwatch.hooks.tracker as tracker_mod
+import structlog
 from conftest import new_tracker
 from prometheus_client.parser import text_string_to_metric_families
 from rankwatch.hooks.record import RecordWriter
 from rankwatch.watchdog.core.detect import Trigger
+from rankwatch.watchdog.core.policy import StallPolicy
+from rankwatch.watchdog.core.straggler import diagnose_stragglers
+from rankwatch.watchdog.core.straggler_live import LiveStragglerPolicy, update_live
 from rankwatch.watchdog.errors import UserError
 from rankwatch.watchdog.observe.process import ProcessTable
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig, OpenIncident
@@ -37,14 +42,10 @@ class FakeClock:
         return self.now
 
 
-def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
-    os.makedirs(os.path.join(shm, JOB), mode=0o700, exist_ok=True)
-    t = new_tracker(os.path.join(shm, JOB, f"rank-{rank}.hb"), rank=rank, local_rank=rank, world_size=3,
-                    local_world_size=3, job_id=JOB, start_ns=clock.now)
-    writer = t._writer
+def run_steps(t, rank: int, clock: FakeClock, n: int) -> None:
     loader = SLOW_LOADER if rank == SLOW_RANK else OWN["dataloader"]
     wait = SLOW_LOADER - loader
-    for _ in range(STEPS):
+    for _ in range(n):
         for slot, ms in ((0, loader), (1, OWN["forward"]), (2, OWN["backward"]), (3, OWN["optimizer"])):
             t.enter(slot)
             clock.now += ms * MS
@@ -53,6 +54,14 @@ def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
         clock.now += wait * MS
         t.collective_exit()
         t.step()
+
+
+def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
+    os.makedirs(os.path.join(shm, JOB), mode=0o700, exist_ok=True)
+    t = new_tracker(os.path.join(shm, JOB, f"rank-{rank}.hb"), rank=rank, local_rank=rank, world_size=3,
+                    local_world_size=3, job_id=JOB, start_ns=clock.now)
+    writer = t._writer
+    run_steps(t, rank, clock, STEPS)
     if rank == 0:
         t.enter(1)  # rank 0 is inside forward right now
     return writer
@@ -99,7 +108,7 @@ def value(samples, name: str, **labels: str) -> float:
 
 
 def phase_s(samples, rank: str, phase: str) -> float:
-    return value(samples, "rankwatch_phase_duration_seconds", job_id=JOB, rank=rank, phase=phase)
+    return value(samples, "rankwatch_phase_duration_median_seconds", job_id=JOB, rank=rank, phase=phase)
 
 
 def test_metrics_reflect_daemon_state(daemon_setup):
@@ -114,10 +123,18 @@ def test_metrics_reflect_daemon_state(daemon_setup):
         assert value(m, "rankwatch_rank_up", job_id=JOB, rank=r) == 1
         assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="running") == 1
         assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="dead") == 0
-        assert value(m, "rankwatch_rank_info", job_id=JOB, rank=r, node="nodeA", pid=str(os.getpid())) == 1
+        assert value(m, "rankwatch_rank_info", job_id=JOB, rank=r, node="nodeA") == 1  # no pid: restarts keep it
+        assert value(m, "rankwatch_rank_pid", job_id=JOB, rank=r) == os.getpid()
         assert value(m, "rankwatch_rank_collectives_completed_total", job_id=JOB, rank=r) == STEPS
         # every step is 75 ms of wall time on every rank: the slow loader's peers wait in the all-reduce
-        assert value(m, "rankwatch_step_duration_seconds", job_id=JOB, rank=r) == pytest.approx(0.075)
+        assert value(m, "rankwatch_last_step_duration_seconds", job_id=JOB, rank=r) == pytest.approx(0.075)
+        # every step read, as a histogram: all STEPS steps are 75 ms, in the (0.05, 0.1] bucket
+        assert value(m, "rankwatch_step_duration_seconds_count", job_id=JOB, rank=r) == STEPS
+        assert value(m, "rankwatch_step_duration_seconds_bucket", job_id=JOB, rank=r, le="0.05") == 0
+        assert value(m, "rankwatch_step_duration_seconds_bucket", job_id=JOB, rank=r, le="0.1") == STEPS
+        assert value(m, "rankwatch_step_duration_seconds_sum", job_id=JOB, rank=r) == pytest.approx(0.075 * STEPS)
+        assert value(m, "rankwatch_phase_duration_seconds_bucket", job_id=JOB, rank=r, phase="forward",
+                     le="0.01") == STEPS
         assert value(m, "rankwatch_step_duration_median_seconds", job_id=JOB, rank=r) == pytest.approx(0.075)
         assert phase_s(m, r, "forward") == pytest.approx(0.010)
         assert phase_s(m, r, "backward") == pytest.approx(0.020)
@@ -126,7 +143,7 @@ def test_metrics_reflect_daemon_state(daemon_setup):
     assert loader == pytest.approx({"0": 0.005, "1": 0.005, "2": 0.040})
     assert phase_s(m, "0", "collective") == pytest.approx(0.035)
     # rank 2 never waits, so no collective sample exists for it
-    assert (("job_id", JOB), ("phase", "collective"), ("rank", "2")) not in m["rankwatch_phase_duration_seconds"]
+    assert (("job_id", JOB), ("phase", "collective"), ("rank", "2")) not in m["rankwatch_phase_duration_median_seconds"]
     assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="0", phase="forward") == 1
     assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="0", phase="dataloader") == 0
     assert value(m, "rankwatch_rank_phase", job_id=JOB, rank="1", phase="forward") == 0
@@ -160,6 +177,11 @@ def test_metrics_reflect_daemon_state(daemon_setup):
 def test_every_declared_metric_is_exposed(daemon_setup):
     daemon, server = daemon_setup
     entry = daemon.jobs[JOB]
+    # a straggler named by two consecutive live diagnoses is a live straggler
+    diag = diagnose_stragglers({r: list(h) for r, h in entry.watch.history.items()})
+    policy = LiveStragglerPolicy()
+    for _ in range(policy.confirm):
+        entry.live_stragglers, _ = update_live(entry.live_stragglers, diag, policy)
     entry.incident = OpenIncident("inc-1", Trigger("stall", (2,), "x", 30.0, 31.0), None,
                                   {"initiating_ranks": [2], "kind": "hang", "phase": None})
     m = scrape(server)
@@ -211,3 +233,55 @@ def test_port_in_use_is_a_user_error_and_close_frees_the_port(tmp_path):
             serve_metrics(daemon, "no-such-host.invalid", 0)
     finally:
         daemon.close()
+
+
+def test_a_straggler_that_persists_is_logged_exported_and_named_in_the_incident(tmp_path, monkeypatch):
+    shm, out = str(tmp_path / "shm"), str(tmp_path / "out")
+    os.makedirs(os.path.join(shm, JOB), mode=0o700)
+    step_ns = (sum(OWN.values()) - OWN["dataloader"] + SLOW_LOADER) * MS
+    clock = FakeClock(time.monotonic_ns() - 2 * STEPS * step_ns - 100 * MS)
+    start = clock.now
+    monkeypatch.setattr(tracker_mod, "_now", clock)
+    trackers = [new_tracker(os.path.join(shm, JOB, f"rank-{r}.hb"), rank=r, local_rank=r, world_size=3,
+                            local_world_size=3, job_id=JOB, start_ns=start) for r in range(3)]
+
+    def advance(n: int) -> None:
+        t0 = clock.now
+        for r, t in enumerate(trackers):
+            clock.now = t0
+            run_steps(t, r, clock, n)
+
+    live = LiveStragglerPolicy(every_s=0.0)
+    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out, live=live), procs=ProcessTable(protected={1}))
+    server = serve_metrics(daemon, "127.0.0.1", 0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            advance(STEPS)
+            daemon.poll_once()  # named once: not yet reported
+            assert not [e for e in logs if e["event"] == "straggler_detected"]
+            assert "rankwatch_live_straggler" not in scrape(server)
+            advance(10)
+            daemon.poll_once()  # named again on new steps: reported
+        (event,) = [e for e in logs if e["event"] == "straggler_detected"]
+        assert (event["rank"], event["label"], event["phase"]) == (SLOW_RANK, "INPUT STRAGGLER", "dataloader")
+        assert event["log_level"] == "warning" and event["since_step"] >= 1
+        m = scrape(server)
+        labels = dict(job_id=JOB, rank=str(SLOW_RANK), phase="dataloader", label="INPUT STRAGGLER")
+        assert value(m, "rankwatch_live_straggler", **labels) == 1
+        assert time.time() - 60 < value(m, "rankwatch_live_straggler_since_timestamp_seconds", **labels) <= time.time()
+        # then the job stops making progress: the incident's evidence names the rank that straggled before
+        clock.now = time.monotonic_ns() - 10 * 1_000_000_000  # it entered its loader 10 s ago
+        trackers[SLOW_RANK].enter(0)
+        entry = daemon.jobs[JOB]
+        daemon.config = dataclasses.replace(daemon.config, stall=StallPolicy(timeout_s=3.0))
+        daemon.poll_once()
+        assert entry.incident is not None
+        assert daemon.drain(60)
+        evidence = entry.verdicts[0]["evidence"]
+        assert any(e.startswith("before the stall, rank 2: INPUT STRAGGLER in dataloader — since step")
+                   for e in evidence), evidence
+    finally:
+        server.close()
+        daemon.close()
+        for t in trackers:
+            t._writer.close()

@@ -230,3 +230,19 @@ def test_published_verdict_is_slim_for_very_large_jobs():
     slim = slim_verdict(full)
     assert list(slim["ranks"]) == ["1234"] and slim["ranks_slimmed"]
     assert len(json.dumps(slim)) < 100_000 < len(json.dumps(full))
+
+
+def test_shared_histories_keep_the_input_pipeline_and_reject_malformed_entries():
+    from rankwatch.watchdog.cluster.correlate import parse_history
+    from rankwatch.watchdog.cluster.store import ValueRejected
+
+    def doc(steps):
+        return json.dumps({"schema": "rankwatch.history/1", "node_rank": 1, "ranks": {"4": steps}}).encode()
+
+    (t,) = parse_history(doc([[7, 0, 5_000_000, {"dataloader": 2.5}, [61.0, 1, 2]]]))[4]
+    assert (t.step, t.input_ms, t.input_batches, t.input_workers) == (7, 61.0, 1, 2)
+    (old,) = parse_history(doc([[7, 0, 5_000_000, {"dataloader": 2.5}]]))[4]  # a node without input timing
+    assert (old.input_ms, old.input_batches) == (0.0, 0)
+    for bad in ([1.0, 1], "x", [1.0, -1, 2], [1.0, 1, 1 << 20], [float("inf"), 1, 1]):
+        with pytest.raises(ValueRejected):
+            parse_history(doc([[7, 0, 5, {}, bad]]))

@@ -16,7 +16,15 @@ import textwrap
 import time
 
 import pytest
-from conftest import new_tracker, run_demo_job, skip_if_gloo_teardown_abort
+from conftest import (
+    DEMO,
+    bundle_dirs,
+    new_tracker,
+    rankwatch_cmd,
+    run_demo_job,
+    skip_if_gloo_teardown_abort,
+    torchrun_args,
+)
 from rankwatch.hooks.record import CANONICAL_PHASES, StepTiming, read_record
 from rankwatch.hooks.tracker import Tracker
 from rankwatch.watchdog.core.straggler import StragglerPolicy, diagnose_stragglers
@@ -143,6 +151,97 @@ def test_policy_thresholds_are_documented_and_frozen():
     strict = StragglerPolicy(abs_floor_ms=1.0, rel_threshold=0.05)
     d = diagnose_stragglers(job(2, 30, lambda r, s, p, g: p.update(forward=p["forward"] + 2 * r)), strict)
     assert d.straggler_ranks == [1]
+
+
+def test_a_rank_slow_every_fourth_step_is_named_with_its_period():
+    # the issue's case: rank 1's loader stalls ~320 ms on every 4th batch; medians would call this BALANCED
+    def tweak(r, s, p, rng):
+        p["forward"] *= rng.uniform(0.8, 1.2)
+        if rng.random() < 0.1:
+            p["dataloader"] += rng.uniform(15.0, 40.0)  # a busy host's hiccups, on every rank
+        if r == 1 and s % 4 == 3:
+            p["dataloader"] += 320.0
+
+    d = diagnose_stragglers(job(4, 200, tweak))
+    assert (d.label, d.straggler_ranks, d.phase) == ("INPUT STRAGGLER", [1], "dataloader"), d.why
+    assert d.pattern["kind"] == "periodic" and d.pattern["period"] == 4, d.pattern
+    assert "every 4 steps" in d.why
+    # the time lost is the excess summed over the window: ~50 slow steps × 320 ms
+    assert 0.8 * 50 * 320 < d.time_lost_ms < 1.2 * 50 * 320
+
+
+def test_a_rank_slow_from_some_step_on_and_in_bursts():
+    def since(r, s, p, rng):
+        if r == 2 and s >= 60:
+            p["optimizer"] += 20.0
+
+    d = diagnose_stragglers(job(4, 100, since))
+    assert (d.label, d.straggler_ranks) == ("COMPUTE STRAGGLER", [2]), d.why
+    assert d.pattern["kind"] == "since" and d.pattern["since_step"] == 60 and "since step 60" in d.why
+
+    def bursts(r, s, p, rng):
+        if r == 0 and s % 40 in (10, 11, 12, 13, 14):
+            p["forward"] += 60.0
+
+    d = diagnose_stragglers(job(2, 160, bursts))
+    assert (d.label, d.straggler_ranks) == ("COMPUTE STRAGGLER", [0]), d.why
+    assert d.pattern["kind"] == "bursts" and "bursts" in d.why
+
+
+def test_two_slow_steps_are_still_not_a_straggler():
+    def tweak(r, s, p, rng):
+        if r == 1 and s in (9, 27):
+            p["forward"] += 400.0
+
+    d = diagnose_stragglers(job(2, 40, tweak))
+    assert "STRAGGLER" not in d.label, d.why
+
+
+def pipeline_job(n_ranks, n_steps, batch_ms, workers=2, waits=None):
+    """Ranks whose DataLoader workers each need ``batch_ms[r]`` per batch; the training thread's
+    ``dataloader`` wait is ``waits(r, s)`` (any split between dataloader and grad_sync the ranks fall into)."""
+    per_rank = job(n_ranks, n_steps)
+    for r, steps in per_rank.items():
+        for t in steps:
+            wait = waits(r, t.step) if waits else 0.0
+            t.phases_ms["dataloader"] = wait
+            t.phases_ms["grad_sync"] = max(0.0, 30.0 - wait)
+            t.end_ns = t.start_ns + int(sum(t.phases_ms.values()) * 1e6)
+            lumps = 2 if t.step % 2 else 0  # workers finish batches in lumps
+            t.input_ms, t.input_batches, t.input_workers = batch_ms[r] * lumps, lumps, workers
+    return per_rank
+
+
+def test_every_rank_input_bound_is_not_an_input_straggler():
+    # the issue's case: collate 60 ms in 2 workers on every rank, compute ~8 ms; one rank settles into
+    # waiting in dataloader, the other in grad_sync
+    d = diagnose_stragglers(pipeline_job(2, 60, {0: 60.0, 1: 60.0}, waits=lambda r, s: 18.0 if r == 1 else 1.4))
+    assert d.label == "INPUT-BOUND" and d.straggler_ranks == [], d.why
+    assert "every rank's input pipeline needs ~30" in d.why and "60.0 ms in each of 2 DataLoader workers" in d.why
+    assert d.ranks["1"]["input_pipeline"]["batch_ms"] == pytest.approx(60.0)
+
+
+def test_only_a_slower_pipeline_is_an_input_straggler():
+    d = diagnose_stragglers(pipeline_job(4, 60, {0: 20.0, 1: 20.0, 2: 80.0, 3: 20.0}))
+    assert (d.label, d.straggler_ranks, d.phase) == ("INPUT STRAGGLER", [2], "dataloader"), d.why
+    assert d.input_pipeline and "rank 2's input pipeline needs 40" in d.why and "80.0 ms in each of 2" in d.why
+    assert d.pattern["kind"] == "steady", d.pattern  # lumps of two batches are not "every 2 steps"
+
+
+def test_summary_counts_every_step_and_separates_own_work_from_waiting():
+    def tweak(r, s, p, rng):
+        if r == 1:
+            p["forward"] += 10.0
+
+    per_rank = {r: steps[-2500:] for r, steps in job(2, 4800, tweak).items()}  # the daemon's history cap
+    d = diagnose_stragglers(per_rank)
+    doc = d.summary_doc("j", [], per_rank)
+    assert doc["steps_total"] == 4800 and doc["ranks"]["0"]["steps"] == 4800
+    assert doc["steps"] == StragglerPolicy().window_steps
+    _step, total, own, wait = doc["timeline"]["1"][-1]
+    assert own + wait == pytest.approx(total, abs=0.01)
+    assert doc["ranks"]["1"]["own_ms"] > doc["ranks"]["0"]["own_ms"] + 9
+    assert doc["ranks"]["0"]["wait_ms"] > doc["ranks"]["1"]["wait_ms"] + 9
 
 
 # -- the tracker split -------------------------------------------------------------------------------------
@@ -274,6 +373,77 @@ def test_ddp_timing_keeps_gradients_and_user_comm_hooks(procs, tmp_path, env_val
     assert "rankwatch" not in result.stderr  # no warning: nothing was disabled
 
 
+# -- input pipeline timing in one process ------------------------------------------------------------------
+INPUT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    import rankwatch.hooks as rw
+    from rankwatch.hooks import api
+    from rankwatch.hooks.record import read_record
+    from torch.utils.data import DataLoader, Dataset
+
+    class Items(Dataset):
+        def __len__(self):
+            return 1 << 20
+
+        def __getitem__(self, i):
+            return torch.zeros(4)
+
+    def slow_collate(batch):
+        time.sleep(0.02)
+        return torch.utils.data.default_collate(batch)
+
+    def user_init(worker_id):
+        open(os.path.join(os.environ["MARKS"], f"init-{worker_id}"), "w").close()
+
+    def main():
+        assert rw.instrument()
+        workers, ctx = int(sys.argv[1]), sys.argv[2]
+        kw = dict(num_workers=workers, worker_init_fn=user_init, multiprocessing_context=ctx) if workers else {}
+        loader = DataLoader(Items(), batch_size=4, collate_fn=slow_collate, **kw)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = iter(loader)
+        for _ in range(16):
+            model(next(batches)).sum().backward()
+            opt.step()
+        snap = read_record(api.current()._writer.path)
+        steps = [t for t in snap.recent_steps if t.step > 0]
+        print("RESULT" + json.dumps({
+            "batches": sum(t.input_batches for t in steps),
+            "input_ms": sum(t.input_ms for t in steps),
+            "workers": sorted({t.input_workers for t in steps}),
+            "init_restored": loader.worker_init_fn is (user_init if workers else None),
+            "disabled": not api.current().enabled,
+        }))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize(("workers", "ctx"), [(0, "-"), (2, "fork"), (2, "spawn")])
+def test_batch_production_is_timed_in_workers_and_on_the_training_thread(procs, tmp_path, workers, ctx):
+    script = tmp_path / "input_check.py"
+    script.write_text(INPUT_SCRIPT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(tmp_path / "shm"), RANKWATCH_JOB_ID="inputcheck",
+               MARKS=str(marks), OMP_NUM_THREADS="1")
+    result = procs.run([sys.executable, str(script), str(workers), ctx], timeout=180, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.split("RESULT", 1)[1])
+    assert out["batches"] >= 10 and not out["disabled"]
+    # each batch sleeps 20 ms in collate: what the pipeline reports per batch cannot be less
+    assert out["input_ms"] / out["batches"] >= 20.0
+    assert out["workers"] == [workers]
+    assert out["init_restored"]
+    if workers:  # the script's own worker_init_fn still ran in every worker
+        assert sorted(p.name for p in marks.iterdir()) == ["init-0", "init-1"]
+
+
 # -- real jobs ---------------------------------------------------------------------------------------------
 JOBS = [
     # scenario, ranks, straggler rank, label, phase
@@ -321,3 +491,56 @@ def test_balanced_job_splits_backward_and_keeps_step_totals(procs, tmp_path):
             # time is moved, never duplicated or lost: exclusive phases still add up to the step
             assert sum(t.phases_ms.values()) == pytest.approx(t.duration_ms, abs=1e-3)
             assert t.phases_ms.get("backward", 0.0) > 0
+
+
+# the issue's two cases, as real jobs: a loader slow every 4th batch on one rank, and every rank input-bound
+ISSUE_CASES = [
+    ("periodic-input-straggler",
+     ("--scenario", "input-straggler", "--straggler-rank", "1", "--input-every", "4", "--input-sleep-ms", "120"),
+     ("INPUT STRAGGLER", [1], "dataloader")),
+    ("input-bound",
+     ("--scenario", "input-bound", "--num-workers", "2", "--input-sleep-ms", "60", "--compute-extra-matmuls", "0"),
+     ("INPUT-BOUND", [], "dataloader")),
+]
+
+
+@pytest.mark.parametrize(("name", "demo_args", "want"), ISSUE_CASES, ids=[c[0] for c in ISSUE_CASES])
+def test_real_job_time_lost_and_input_bound(procs, tmp_path, name, demo_args, want):
+    steps = 60
+    result, out, shm = run_demo_job(procs, tmp_path, name, 2, *demo_args, "--steps", str(steps))
+    skip_if_gloo_teardown_abort(result, shm / name, steps)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["diagnosis"], summary["straggler_ranks"], summary["phase"]) == want, summary["why"]
+    assert summary["steps_total"] == steps
+    if name == "periodic-input-straggler":
+        assert summary["pattern"]["kind"] == "periodic" and summary["pattern"]["period"] == 4, summary["pattern"]
+        assert "every 4 steps" in summary["why"]
+    else:
+        # measured in the workers: each batch sleeps 60 ms in collate, two workers per rank
+        for r in ("0", "1"):
+            pipe = summary["ranks"][r]["input_pipeline"]
+            assert pipe["workers"] == 2 and pipe["batch_ms"] >= 60.0, pipe
+
+
+def test_live_straggler_is_logged_and_named_when_it_hangs(procs, tmp_path):
+    # rank 1's loader is 40 ms slower on every batch for ~200 steps, then it hangs in its loader
+    job_id = "live-strag"
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    demo = ("--scenario", "input-hang", "--fault-rank", "1", "--straggler-rank", "1", "--straggle-ms", "40",
+            "--fault-step", "200", "--steps", "400")
+    cmd = rankwatch_cmd("run", "--out", str(out), "--shm-dir", str(shm), "--json-logs", "--stall-timeout", "4",
+                        "--on-stall", "kill", "--", *torchrun_args(2, job_id, DEMO, *demo))
+    result = procs.run(cmd, timeout=300, text=True)
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    detected = [e for e in events if e.get("event") == "straggler_detected"]
+    assert detected, result.stderr[-3000:]
+    assert (detected[0]["rank"], detected[0]["label"], detected[0]["phase"]) == (1, "INPUT STRAGGLER", "dataloader")
+    (bundle,) = bundle_dirs(out / "incidents")
+    verdict = json.loads((bundle / "verdict.json").read_text())
+    assert verdict["initiating_ranks"] == [1], verdict
+    assert any(e.startswith("before the stall, rank 1: INPUT STRAGGLER in dataloader") for e in verdict["evidence"]), (
+        verdict["evidence"])
+    # the run's summary leads with the hang, not with a diagnosis of the steps before it
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("rankwatch: HANG — initiating rank 1"), text

@@ -72,6 +72,9 @@ def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, ran
     assert set(verdict["ranks"]) == {"0", "1", "2", "3"}
     # printed as it happened
     assert f"initiating rank {rank}" in result.stdout
+    # torchrun failed and printed its own "Root Cause": the final output says what that is
+    assert "torchrun's 'Root Cause (first observed failure)' above" in result.stdout
+    assert f"rankwatch: rank {rank} initiated the failure" in result.stdout
     # stacks of every rank are in the bundle; a rank still alive at capture has real frames
     for r in range(4):
         stack = json.loads((found[0] / "stacks" / f"rank-{r}.json").read_text())

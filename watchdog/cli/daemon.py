@@ -16,7 +16,7 @@ from ..core.policy import ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
-from .options import add_watch_options, count_or_all, policies_from_args, seconds_or_never
+from .options import add_watch_options, alerter_from_args, count_or_all, policies_from_args, port, seconds_or_never
 from .parser import Parser
 
 if TYPE_CHECKING:
@@ -28,15 +28,19 @@ log = structlog.get_logger("rankwatch.daemon")
 
 def build_parser() -> Parser:
     p = Parser(prog="rankwatch daemon", description="Watch every job under the shm dir on this node.")
-    p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
+    p.add_argument(
+        "--shm-dir",
+        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
+        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
+    )
     p.add_argument(
         "--out",
         default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
         help="incident bundles go to OUT/<job-id>/incidents/ (default: %(default)s)",
     )
-    p.add_argument("--store-port", type=int, default=None, help="host the TCPStore on this port (leader node)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
+    p.add_argument(
+        "--store-port", type=port, default=None, metavar="PORT", help="host the TCPStore on this port (leader node)"
+    )
     p.add_argument("--once", action="store_true", help="poll once and exit (for checks)")
     p.add_argument(
         "--retain-finished",
@@ -101,6 +105,7 @@ def main(argv: list[str]) -> int:
     logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
     stall, capture = policies_from_args(args)
     secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
+    alerts = alerter_from_args(args)
     try:
         os.makedirs(args.out, mode=0o700, exist_ok=True)
     except OSError as exc:
@@ -119,7 +124,7 @@ def main(argv: list[str]) -> int:
     factory = None
     if args.store_port is not None or args.store is not None:
         factory = correlator_factory(args.store, args.store_port, secret)
-    daemon = Daemon(config, correlator_factory=factory)
+    daemon = Daemon(config, correlator_factory=factory, alerts=alerts)
     daemon.clean_leftovers()
     notifier = Notifier()
     extras: list[Any] = []

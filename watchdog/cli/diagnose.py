@@ -18,7 +18,7 @@ Exit code 0 when the logs decide an initiator (for every job), 1 when they canno
 input."""
 
 
-def _parser() -> Parser:
+def build_parser() -> Parser:
     p = Parser(prog="rankwatch diagnose", description=DESCRIPTION)
     p.add_argument("logs", nargs="+", metavar="LOG", help="log file, directory (recursive) or - for stdin")
     p.add_argument(
@@ -41,7 +41,7 @@ def _doc(job: Job, result: JobsResult, several: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     result = diagnose_jobs(args.logs)
     several = len(result.jobs) > 1
     if args.json:

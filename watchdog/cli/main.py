@@ -20,7 +20,17 @@ commands:
   report    render an incident bundle or a run summary
   diagnose  name the initiating rank from logs a job already wrote
 
-'rankwatch COMMAND --help' describes each command."""
+'rankwatch COMMAND --help' describes each command; 'rankwatch --version' prints the version."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rankwatch")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _load(name: str) -> Callable[[list[str]], int]:
@@ -36,6 +46,9 @@ COMMANDS = ("run", "daemon", "status", "report", "diagnose")
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["--version"], ["-V"]):
+        sys.stdout.write(f"rankwatch {version()}\n")
+        return 0
     if not args or args[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE + "\n")
         return 0 if args else 2

@@ -8,6 +8,7 @@ import os
 
 from ..core.policy import CapturePolicy, StallPolicy
 from ..errors import UserError
+from ..serve.alerts import Alerter, check_command, check_url
 
 
 def stall_timeout(text: str) -> float | None:
@@ -50,6 +51,13 @@ def count_or_all(text: str) -> int | None:
         return None
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive count or 'all', got {text!r}")
+    return int(text)
+
+
+def port(text: str) -> int:
+    """A TCP port to listen on or connect to: 1–65535 (0 would pick a random one nobody can find)."""
+    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
     return int(text)
 
 
@@ -103,14 +111,53 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         "(default: $RANKWATCH_STORE_SECRET_FILE; without one the store is unauthenticated and other nodes' "
         "claims never kill here)",
     )
-    p.add_argument("--pyspy-timeout", type=positive_float, default=CapturePolicy.pyspy_timeout_s, metavar="SECONDS")
+    p.add_argument(
+        "--pyspy-timeout",
+        type=positive_float,
+        default=CapturePolicy.pyspy_timeout_s,
+        metavar="SECONDS",
+        help="how long py-spy may take per rank at an incident (default: %(default)s)",
+    )
     p.add_argument(
         "--include-locals", action="store_true", help="capture local variables in stacks (off: they may hold secrets)"
     )
     p.add_argument(
         "--json-logs", action="store_true", default=None, help="JSON log lines (default: when stderr is not a terminal)"
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics and /healthz on this port (default: off)",
+    )
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
+    p.add_argument(
+        "--notify",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="POST each incident's verdict (JSON, with a one-line 'text' for Slack-style webhooks) to this "
+        "http(s) URL; repeatable",
+    )
+    p.add_argument(
+        "--on-incident",
+        default=None,
+        metavar="CMD",
+        help="run this executable (no shell; words split like a shell would) with the incident bundle's path "
+        "as its last argument",
+    )
+
+
+def alerter_from_args(args: argparse.Namespace) -> Alerter | None:
+    """The alert sender the options ask for (None: none); bad URLs and commands are a UserError here,
+    before anything starts."""
+    urls = [check_url(u) for u in args.notify]
+    command = check_command(args.on_incident) if args.on_incident is not None else None
+    return Alerter(urls, command) if urls or command else None
 
 
 def policies_from_args(args: argparse.Namespace) -> tuple[StallPolicy, CapturePolicy]:

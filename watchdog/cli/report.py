@@ -7,7 +7,9 @@ import os
 import sys
 from typing import Any
 
+from ..core.documents import document_problems
 from ..core.schema import SUMMARY_SCHEMA, VERDICT_SCHEMA
+from ..core.text import PROSE, clean
 from ..errors import UserError
 from ..report.text import summary_text, verdict_text
 from .parser import Parser
@@ -35,6 +37,10 @@ def _load(path: str) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if not isinstance(doc, dict) or doc.get("schema") not in (VERDICT_SCHEMA, SUMMARY_SCHEMA):
         raise UserError(f"{path} is not a rankwatch verdict or summary")
+    problems = document_problems(doc)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"{path} is not a valid {doc['schema']} document: {clean(problems[0], PROSE)}{more}")
     return doc
 
 

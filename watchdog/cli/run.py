@@ -18,13 +18,14 @@ from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs
 from ..cluster.auth import load_secret
+from ..core.ranks import fmt_ranks
 from ..core.straggler import diagnose_stragglers
 from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
-from ..report.text import headline, summary_text, verdict_text
+from ..report.text import headline, int_ranks, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
-from .options import add_watch_options, policies_from_args
+from .options import add_watch_options, alerter_from_args, policies_from_args
 from .parser import Parser
 from .torchrun_args import TorchrunCommand, inject_hooks
 
@@ -40,12 +41,29 @@ def build_parser() -> Parser:
     )
     p.add_argument("--out", default="rankwatch-out", help="output dir for summary and incidents (default: %(default)s)")
     p.add_argument("--run-name", default=None, help="job id (default: torchrun's --rdzv-id, else generated)")
-    p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
+    p.add_argument(
+        "--shm-dir",
+        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
+        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no log lines on stderr, only incidents and the summary")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
     add_watch_options(p)
     return p
+
+
+def check_script(cmd: TorchrunCommand, cwd: str | None = None) -> None:
+    """The training script (or ``-m`` module) must exist before torchrun starts: otherwise every rank dies
+    at once, which reads like a job failure (a DEAD RANK incident), not like a typo."""
+    cwd = cwd or os.getcwd()
+    if cmd.module:
+        from importlib.machinery import PathFinder
+
+        top = cmd.script.split(".")[0]
+        if top in sys.builtin_module_names or PathFinder.find_spec(top, [cwd, *sys.path]) is not None:
+            return
+        raise UserError(f"no module named {top!r} for torchrun's -m (looked in {cwd} and sys.path)")
+    if not os.path.isfile(os.path.join(cwd, cmd.script)):
+        raise UserError(f"training script {cmd.script!r} not found (in {cwd})")
 
 
 def main(argv: list[str]) -> int:
@@ -54,12 +72,21 @@ def main(argv: list[str]) -> int:
         own, torchrun_args = argv[:cut], argv[cut + 1 :]
     else:
         own, torchrun_args = argv, []
-    args = build_parser().parse_args(own)
+    parser = build_parser()
+    _, unknown = parser.parse_known_args(own)
+    if unknown and not torchrun_args:
+        raise UserError(
+            f"unknown option {unknown[0]!r}: torchrun's arguments go after '--' "
+            f"(rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...)"
+        )
+    args = parser.parse_args(own)
     if not torchrun_args:
         raise UserError("missing torchrun arguments: rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...")
-    logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
     secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
+    alerts = alerter_from_args(args)
     cmd = inject_hooks(torchrun_args)
+    check_script(cmd)
+    logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
     job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or _default_job_id(cmd))
     out = os.path.abspath(args.out)
     try:
@@ -97,7 +124,9 @@ def main(argv: list[str]) -> int:
 
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
         correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes), secret=secret)
-    daemon = Daemon(config, on_incident=on_incident, correlators={job_id: correlator} if correlator else None)
+    daemon = Daemon(
+        config, on_incident=on_incident, correlators={job_id: correlator} if correlator else None, alerts=alerts
+    )
     daemon.clean_leftovers()
     metrics = None
     if args.metrics_port is not None:
@@ -152,7 +181,7 @@ def main(argv: list[str]) -> int:
     if metrics is not None:
         metrics.close()
     daemon.close()  # finishes incidents in flight and retries bundles the disk refused
-    _write_summary(daemon, job_id, out, history)
+    _write_summary(daemon, job_id, out, history, torchrun_code=code)
     return code
 
 
@@ -213,11 +242,30 @@ def _wait(proc: subprocess.Popen[bytes], on_interrupt: Callable[[], None]) -> in
                 proc.kill()
 
 
-def _write_summary(daemon: Daemon, job_id: str, out: str, history: dict[int, list[StepTiming]]) -> None:
+def torchrun_root_cause_note(verdicts: list[dict[str, Any]], torchrun_code: int) -> str:
+    """When torchrun failed it prints its own "Root Cause (first observed failure)": the failed rank with
+    the earliest exit it observed, in whole seconds, ties in rank order — usually a rank that failed
+    *because of* the initiator (a lost peer, a collective timeout), and never a rank that hung and was
+    stopped. Said next to rankwatch's answer, so the two are not read as a contradiction."""
+    decided = [v for v in verdicts if int_ranks(v.get("initiating_ranks"))]
+    if torchrun_code == 0 or not decided:
+        return ""
+    v = decided[0]
+    return (
+        "note: torchrun's 'Root Cause (first observed failure)' above is the first failed rank torchrun saw "
+        "exit (exit times in whole seconds, ties in rank order), often one that failed because of the "
+        f"initiator; rankwatch: {fmt_ranks(int_ranks(v.get('initiating_ranks')))} initiated the failure — "
+        f"{clean(v.get('reason'), PROSE)}\n"
+    )
+
+
+def _write_summary(
+    daemon: Daemon, job_id: str, out: str, history: dict[int, list[StepTiming]], *, torchrun_code: int = 0
+) -> None:
     entry = daemon.jobs.get(job_id)
     incidents = entry.incidents if entry else []
     diag = diagnose_stragglers(history)
-    doc = diag.summary_doc(job_id, incidents, history)
+    doc = diag.summary_doc(job_id, incidents, history, entry.verdicts if entry else ())
     doc["details"] = diag.details
     text = summary_text(doc)
     summary_path: str | None = os.path.join(out, "summary.json")
@@ -236,5 +284,7 @@ def _write_summary(daemon: Daemon, job_id: str, out: str, history: dict[int, lis
         for v in (entry.verdicts if entry else [])
     )
     where = f"summary: {summary_path}\n" if summary_path else "summary: NOT WRITTEN (see the log)\n"
-    sys.stdout.write("\n" + text + where + recap)
+    # the summary text starts with the incidents' headlines; the recap adds where each bundle is
+    note = torchrun_root_cause_note(entry.verdicts if entry else [], torchrun_code)
+    sys.stdout.write("\n" + text + where + recap + note)
     sys.stdout.flush()

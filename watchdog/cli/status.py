@@ -1,4 +1,10 @@
-"""``rankwatch status``: a live per-rank table of the jobs on this node, with the current diagnosis."""
+"""``rankwatch status``: the jobs on this node — open incidents and stalled ranks first, then the per-rank
+table and the current straggler diagnosis; ``--watch`` keeps it on screen, refreshed in place.
+
+The ranks' records say what each rank does; only the job's watchdog knows whether an incident is open,
+so status also reads the state file the watchdog publishes (``serve.state``), and says how old it is:
+a stale file means the watchdog is gone, and its last word is shown as such.
+"""
 
 from __future__ import annotations
 
@@ -8,109 +14,224 @@ import sys
 import time
 from typing import Any
 
+from rankwatch.hooks.files import read_in
 from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from .. import logs
-from ..core.policy import ObservePolicy
+from ..core.detect import stalled_ranks
+from ..core.documents import document_problems
+from ..core.policy import ObservePolicy, ServePolicy, StallPolicy
 from ..core.ranks import fmt_ranks
+from ..core.schema import headline_of
+from ..core.snapshot import RankView
 from ..core.straggler import diagnose_stragglers
+from ..core.straggler_live import LiveStraggler, straggler_line
 from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
+from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE
+from .options import positive_float
 from .parser import Parser
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="rankwatch status", description="Per-rank table of the jobs running on this node.")
-    p.add_argument("--shm-dir", default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR))
+    p = Parser(prog="rankwatch status", description="The jobs on this node: open incidents, stalled ranks, a "
+               "per-rank table and the straggler diagnosis.")
+    p.add_argument(
+        "--shm-dir",
+        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
+        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
+    )
+    p.add_argument(
+        "--daemon-out",
+        default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
+        help="the daemon's --out, where it also keeps each job's state (default: $RANKWATCH_OUT or %(default)s)",
+    )
     p.add_argument("--job", default=None, help="only this job id")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="include finished jobs")
+    p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument(
+        "--interval", type=positive_float, default=1.0, metavar="SECONDS", help="--watch refresh (default: 1)"
+    )
     return p
 
 
-def collect(shm_dir: str, job: str | None, include_finished: bool) -> list[dict[str, Any]]:
+def read_state(shm_dir: str, daemon_out: str, job: str, now: float) -> dict[str, Any] | None:
+    """The freshest well-formed state file of ``job`` (beside its records, or under the daemon's --out),
+    with its age; None when no watchdog published one that this user can read."""
+    best: dict[str, Any] | None = None
+    for directory, name in ((os.path.join(shm_dir, job), STATE_FILE), (os.path.join(daemon_out, job), OUT_STATE_FILE)):
+        try:
+            raw = read_in(directory, name, MAX_STATE_BYTES)
+            doc = json.loads(raw) if len(raw) <= MAX_STATE_BYTES else None
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or document_problems(doc) or doc.get("job_id") != job:
+            continue  # hand-made or torn: status shows what the records say instead
+        doc["age_s"] = round(max(0.0, now - float(doc["updated_unix"])), 1)
+        if best is None or doc["age_s"] < best["age_s"]:
+            best = doc
+    return best
+
+
+def _incident(ref: object) -> dict[str, Any] | None:
+    if not isinstance(ref, dict):
+        return None
+    phase, conf = ref.get("phase"), ref.get("confidence")
+    return {
+        "incident_id": clean(ref.get("incident_id"), NAME),
+        "kind": clean(ref.get("kind"), NAME),
+        "initiating_ranks": [r for r in ref.get("initiating_ranks") or [] if isinstance(r, int)],
+        "phase": clean(phase, NAME) if isinstance(phase, str) else None,
+        "confidence": clean(conf, NAME) if isinstance(conf, str) else None,
+        "decided": ref.get("decided", True) is True,
+        "reason": clean(ref.get("reason") or "", PROSE),
+        "bundle": clean(ref["bundle"], PROSE) if isinstance(ref.get("bundle"), str) else None,
+    }
+
+
+def job_status(
+    watch: JobWatch, views: list[RankView], state: dict[str, Any] | None, stale_after_s: float
+) -> dict[str, Any]:
+    rows = []
+    for v in views:
+        ring = list(watch.history.get(v.rank, []))
+        rows.append(
+            {
+                "rank": v.rank,
+                "pid": v.pid,
+                "node": clean(v.node, NAME),
+                "state": v.state,
+                "step": v.step,
+                "phase": clean(v.phase or "idle", NAME),
+                "in_phase_s": round(v.in_phase_s, 3),
+                "since_progress_s": round(v.since_progress_s, 3),
+                "last_step_ms": round(ring[-1].duration_ms, 3) if ring else None,
+                "collective": clean(f"{v.coll_op}#{v.coll_seq}", NAME) if v.coll_seq else None,
+                "gpu_phase_ms": watch.ranks[v.rank].last.gpu_phase_ms or None,
+            }
+        )
+    timeout = state.get("stall_timeout_s") if state else None
+    policy = StallPolicy(timeout_s=timeout) if isinstance(timeout, int | float) and timeout > 0 else StallPolicy()
+    # the records' own view, by the rule detection uses (with the watchdog's timeout when it published one)
+    stalled = stalled_ranks(views, policy, watch.longest_step_s)
+    diag = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
+    stragglers = [s for s in (LiveStraggler.from_doc(d) for d in (state or {}).get("stragglers") or []) if s]
+    return {
+        "job_id": clean(watch.job_id, NAME),
+        "watchdog": (
+            {
+                "state": "stale" if state["age_s"] > stale_after_s else "fresh",
+                "age_s": state["age_s"],
+                "pid": state["watchdog_pid"],
+                "mode": clean(state.get("mode"), NAME),
+                "on_stall": clean(state.get("on_stall"), NAME),
+            }
+            if state
+            else {"state": "none"}
+        ),
+        "open_incident": _incident(state.get("open_incident")) if state else None,
+        "incidents": [i for i in (_incident(x) for x in (state or {}).get("incidents") or []) if i],
+        "stalled_ranks": stalled,
+        "stall_timeout_s": round(policy.timeout_for(watch.longest_step_s), 3),
+        "stragglers": [s.doc() | {"line": straggler_line(s)} for s in stragglers],
+        "ranks": rows,
+        "diagnosis": diag.label,
+        "straggler_ranks": diag.straggler_ranks,
+        "phase": clean(diag.phase, NAME) if diag.phase else None,
+        "why": clean(diag.why, PROSE),
+    }
+
+
+def collect(shm_dir: str, job: str | None, include_finished: bool, daemon_out: str = "") -> list[dict[str, Any]]:
     try:
         names = sorted(os.listdir(shm_dir)) if job is None else [job]
     except OSError as exc:
         raise UserError(f"cannot read shm dir {shm_dir}: {exc.strerror}") from exc
     procs = ProcessTable()
+    stale_after = ServePolicy.state_stale_after_s
     jobs = []
     try:
         for name in names:
             path = os.path.join(shm_dir, name)
             # anyone may create a job dir in the shared shm dir: never follow a symlink out of it
-            if not os.path.isdir(path) or os.path.islink(path):
+            if name.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
                 if job is not None:
                     raise UserError(f"no job {name!r} under {shm_dir}")
                 continue
             watch = JobWatch(shm_dir, name, procs, ObservePolicy(track_descendants=False))
-            watch.refresh()
-            views = watch.poll()
-            if not views or (not include_finished and watch.all_gone(views)):
+            try:
+                watch.refresh()
+                views = watch.poll()
+                if not views or (not include_finished and watch.all_gone(views)):
+                    continue
+                jobs.append(job_status(watch, views, read_state(shm_dir, daemon_out, name, time.time()), stale_after))
+            finally:
                 watch.close()
-                continue
-            rows = []
-            for v in views:
-                ring = list(watch.history.get(v.rank, []))
-                rows.append(
-                    {
-                        "rank": v.rank,
-                        "pid": v.pid,
-                        "node": clean(v.node, NAME),
-                        "state": v.state,
-                        "step": v.step,
-                        "phase": clean(v.phase or "idle", NAME),
-                        "in_phase_s": round(v.in_phase_s, 3),
-                        "since_progress_s": round(v.since_progress_s, 3),
-                        "last_step_ms": round(ring[-1].duration_ms, 3) if ring else None,
-                        "collective": clean(f"{v.coll_op}#{v.coll_seq}", NAME) if v.coll_seq else None,
-                        "gpu_phase_ms": watch.ranks[v.rank].last.gpu_phase_ms or None,
-                    }
-                )
-            diag = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
-            jobs.append(
-                {
-                    "job_id": clean(name, NAME),
-                    "ranks": rows,
-                    "diagnosis": diag.label,
-                    "straggler_ranks": diag.straggler_ranks,
-                    "phase": clean(diag.phase, NAME) if diag.phase else None,
-                    "why": clean(diag.why, PROSE),
-                }
-            )
-            watch.close()
     finally:
         procs.close()
     return jobs
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    logs.configure(json_output=False, level="error")
-    jobs = collect(args.shm_dir, args.job, args.all)
-    if args.json:
-        sys.stdout.write(json.dumps({"time_unix": time.time(), "jobs": jobs}, indent=2) + "\n")
-        return 0
-    if not jobs:
-        sys.stdout.write(f"no running jobs under {args.shm_dir}\n")
-        return 0
-    from rich.console import Console
+# -- rendering ------------------------------------------------------------------------------------------
+
+
+def render(jobs: list[dict[str, Any]], shm_dir: str) -> Any:
+    """A rich renderable of every job; every string is cleaned (collect) and passed as Text, never as
+    markup: a phase or job named "[link=…]" is shown as written."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    console = Console()
+    if not jobs:
+        return Text(f"no running jobs under {shm_dir}")
+    parts: list[Any] = []
     for job in jobs:
-        # every string shown is cleaned (collect) and passed as Text, never as markup: a phase or job
-        # named "[link=…]" is shown as written
-        table = Table(title=Text(f"job {clean(job['job_id'], NAME)}"), title_justify="left")
+        inc = job["open_incident"]
+        initiating = set(inc["initiating_ranks"]) if inc else set()
+        stalled = set(job["stalled_ranks"])
+        title = Text(f"job {job['job_id']}", style="bold")
+        wd = job["watchdog"]
+        if wd["state"] == "none":
+            title.append("  · no watchdog state (is `rankwatch run` or the daemon watching it?)", style="yellow")
+        elif wd["state"] == "stale":
+            title.append(f"  · watchdog silent for {wd['age_s']:.0f}s (pid {wd['pid']}): its last word below",
+                         style="yellow")
+        else:
+            title.append(f"  · watched by {wd['mode']} (pid {wd['pid']}, on stall: {wd['on_stall']})", style="dim")
+        parts.append(title)
+        if inc:
+            what = headline_of(inc["kind"]) if inc["decided"] else f"incident open ({inc['kind']}), deciding"
+            who = fmt_ranks(inc["initiating_ranks"]) if inc["initiating_ranks"] else "no single rank"
+            line = Text(f"OPEN INCIDENT {inc['incident_id']}: {what} — initiating {who}", style="bold red")
+            if inc["phase"]:
+                line.append(f" in phase '{inc['phase']}'", style="bold red")
+            if inc["confidence"]:
+                line.append(f" (confidence {inc['confidence']})", style="red")
+            parts.append(line)
+            if inc["reason"]:
+                parts.append(Text(f"  why: {inc['reason']}", style="red"))
+            if inc["bundle"]:
+                parts.append(Text(f"  bundle: {inc['bundle']}"))
+        if stalled:
+            parts.append(
+                Text(
+                    f"STALLED: {fmt_ranks(sorted(stalled))} — no progress for longer than "
+                    f"{job['stall_timeout_s']:.0f}s",
+                    style="bold red",
+                )
+            )
+        table = Table(title_justify="left")
+        table.add_column("", justify="left")  # ◀ marks the incident's initiating ranks
         for col, justify in (
             ("rank", "right"),
             ("pid", "right"),
             ("step", "right"),
             ("phase", "left"),
             ("in phase", "right"),
+            ("no progress", "right"),
             ("last step", "right"),
             ("state", "left"),
         ):
@@ -118,22 +239,68 @@ def main(argv: list[str]) -> int:
         for r in job["ranks"]:
             phase = r["phase"] if r["phase"] != "collective" or not r["collective"] else r["collective"]
             last = f"{r['last_step_ms']:.1f} ms" if r["last_step_ms"] is not None else "-"
-            style = "red" if r["state"] not in ("running", "exited") else None
+            state = "STALLED" if r["rank"] in stalled and r["state"] == "running" else r["state"]
+            style = None
+            if r["rank"] in initiating or r["rank"] in stalled:
+                style = "bold red"
+            elif r["state"] not in ("running", "exited"):
+                style = "red"
+            elif inc:
+                style = "yellow"  # waiting on the incident's ranks, not steady state
             table.add_row(
+                "◀" if r["rank"] in initiating else "",
                 str(r["rank"]),
                 str(r["pid"]),
                 str(r["step"]),
-                Text(clean(phase, NAME)),
+                Text(phase),
                 f"{r['in_phase_s']:.1f}s",
+                f"{r['since_progress_s']:.1f}s",
                 last,
-                Text(clean(r["state"], NAME)),
+                Text(state),
                 style=style,
             )
-        console.print(table)
+        parts.append(table)
+        for s in job["stragglers"]:
+            parts.append(Text(f"live: {s['line']}", style="yellow"))
         who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
-        line = Text("diagnosis: ")
-        line.append(clean(job["diagnosis"], NAME), style="bold")
-        line.append(who + (f" in {clean(job['phase'], NAME)}" if job["phase"] else ""))
-        console.print(line)
-        console.print(Text(f"why: {clean(job['why'], PROSE)}"))
-    return 0
+        line = Text("diagnosis: " if not inc else "steps so far: ")
+        line.append(job["diagnosis"], style="bold")
+        line.append(who + (f" in {job['phase']}" if job["phase"] else ""))
+        parts.append(line)
+        parts.append(Text(f"why: {job['why']}"))
+        for i in job["incidents"][-3:]:
+            if not inc or i["incident_id"] != inc["incident_id"]:
+                who = fmt_ranks(i["initiating_ranks"]) if i["initiating_ranks"] else "no single rank"
+                earlier = f"earlier incident {i['incident_id']}: {headline_of(i['kind'])} — {who}"
+                parts.append(Text(earlier, style="dim"))
+        parts.append(Text(""))
+    return Group(*parts)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.watch and args.json:
+        raise UserError("--watch refreshes a table on a terminal; for JSON, poll 'rankwatch status --json'")
+    logs.configure(json_output=False, level="error")
+
+    def snapshot() -> list[dict[str, Any]]:
+        return collect(args.shm_dir, args.job, args.all, args.daemon_out)
+
+    if args.json:
+        sys.stdout.write(json.dumps({"time_unix": time.time(), "jobs": snapshot()}, indent=2) + "\n")
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if not args.watch:
+        console.print(render(snapshot(), args.shm_dir))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(render(snapshot(), args.shm_dir), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(snapshot(), args.shm_dir), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -73,6 +73,8 @@ class TorchrunCommand:
     master_addr: str | None
     master_port: int | None
     nproc_per_node: str
+    script: str = ""  # the training script, or the module with ``module``
+    module: bool = False
 
 
 # -- torchrun's option grammar (torch 2.13 torch/distributed/run.py get_args_parser) ---------------------
@@ -375,4 +377,6 @@ def inject_hooks(torchrun_args: list[str], environ: Mapping[str, str] | None = N
         master_addr=v["master_addr"],
         master_port=int(port) if port is not None else None,
         nproc_per_node=str(v["nproc_per_node"]),
+        script=str(v["training_script"]),
+        module=bool(v["module"]) and not v["run_path"],
     )

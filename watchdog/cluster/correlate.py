@@ -302,7 +302,10 @@ class Correlator:
             "schema": HISTORY_SCHEMA,
             "node_rank": self.node_rank,
             "ranks": {
-                str(rank): [[t.step, t.start_ns, t.end_ns, t.phases_ms] for t in steps[-keep:]]
+                str(rank): [
+                    [t.step, t.start_ns, t.end_ns, t.phases_ms, [t.input_ms, t.input_batches, t.input_workers]]
+                    for t in steps[-keep:]
+                ]
                 for rank, steps in list(history.items())[:MAX_RANKS_PER_NODE]
             },
         }
@@ -536,13 +539,26 @@ def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:
             raise ValueRejected("history: rank entry malformed")
         timings = []
         for item in steps:
-            if not isinstance(item, list) or len(item) != 4 or not isinstance(item[3], dict):
+            if not isinstance(item, list) or len(item) not in (4, 5) or not isinstance(item[3], dict):
                 raise ValueRejected("history: step entry malformed")
+            inp = item[4] if len(item) == 5 else [0.0, 0, 0]
+            if not isinstance(inp, list) or len(inp) != 3:
+                raise ValueRejected("history: input entry malformed")
             step = v_int(item[0], "step", lo=0) or 0
             start = v_int(item[1], "start_ns", lo=0) or 0
             end = v_int(item[2], "end_ns", lo=0) or 0
             phases = {(v_str(k, "phase") or ""): (v_float(v, "phase_ms") or 0.0) for k, v in list(item[3].items())[:32]}
-            timings.append(StepTiming(step=step, start_ns=start, end_ns=end, phases_ms=phases))
+            timings.append(
+                StepTiming(
+                    step=step,
+                    start_ns=start,
+                    end_ns=end,
+                    phases_ms=phases,
+                    input_ms=v_float(inp[0], "input_ms") or 0.0,
+                    input_batches=v_int(inp[1], "input_batches", lo=0, hi=1 << 32) or 0,
+                    input_workers=v_int(inp[2], "input_workers", lo=0, hi=1 << 16) or 0,
+                )
+            )
         out[int(key)] = timings
     return out
 

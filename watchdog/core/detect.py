@@ -28,6 +28,13 @@ def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float) -> f
     return base
 
 
+def stalled_ranks(views: Sequence[RankView], policy: StallPolicy, longest_step_s: float) -> list[int]:
+    """Live ranks past their stall allowance right now: what ``status`` highlights, by the rule detection uses."""
+    return sorted(
+        v.rank for v in views if v.state == RUNNING and v.since_progress_s > allowance_s(v, policy, longest_step_s)
+    )
+
+
 def excused(view: RankView) -> bool:
     """A rank inside a declared phase and within its budget: the others may legitimately wait for it."""
     return view.state == RUNNING and view.budget_s > 0 and view.budget_elapsed_s < view.budget_s

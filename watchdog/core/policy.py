@@ -87,6 +87,37 @@ class ServePolicy:
     keep_incidents: int | None = 200
     # at start, dump dirs older than this are leftovers of a daemon that was killed mid-capture
     stale_dump_age_s: float = 60.0
+    # /healthz answers 503 once no poll has completed for this long, or for this many poll intervals if
+    # that is longer: systemd's WatchdogSec=30s patience, so a Kubernetes liveness probe restarts a wedged
+    # daemon when systemd would; a poll is bounded work (incidents run off the loop), so 10 intervals
+    # without one is a wedged loop, not a slow poll
+    health_max_poll_age_s: float = 30.0
+    health_max_poll_intervals: int = 10
+    # the state file `rankwatch status` reads is rewritten at once when what it says changes, else this
+    # often, so its age tells status that the watchdog is alive (~1 KB to tmpfs per job: free)
+    state_refresh_s: float = 2.0
+    # status calls a state file older than this stale (its watchdog is gone or wedged): several refreshes
+    # missed, and longer than one slow poll of a node with many jobs
+    state_stale_after_s: float = 15.0
+    # incidents listed in the state file (the newest; the bundles hold the rest)
+    state_incidents: int = 20
+
+
+@dataclass(frozen=True)
+class AlertPolicy:
+    """How an incident reaches people: webhooks (--notify) and a command (--on-incident)."""
+
+    # one POST waits this long: a webhook endpoint that hangs must not hold the alert queue for long
+    notify_timeout_s: float = 5.0
+    # tries per webhook, backing off 1 s, 2 s, 4 s: rides out a restart of the receiver or a 5xx burst,
+    # gives up within ~30 s so the next incident's alert is not stuck behind it
+    notify_attempts: int = 4
+    notify_backoff_s: float = 1.0
+    # an --on-incident command is killed after this long (it runs off the watchdog loop, one at a time)
+    command_timeout_s: float = 60.0
+    # alerts waiting to be sent; beyond this the oldest is dropped (logged): an incident storm must not grow
+    # memory without bound while a webhook is down
+    max_queued: int = 64
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,27 @@ longest is the *fastest* one. ``COMMUNICATION STRAGGLER`` is therefore only give
 measures the collective itself (flight recorder, NCCL RAS), not from step rings; from rings a job can
 be ``COMMUNICATION-BOUND``.
 
-Each rank is compared with the median of the *other* ranks (leave-one-out), so two-rank jobs work and
-one straggler cannot drag the baseline toward itself. Medians over the window ignore a single slow
-step. An excess must clear both ``StragglerPolicy.abs_floor_ms`` and ``rel_threshold`` × median step.
+**Time lost, not medians.** On every step each rank's own work in a phase is compared with the median of
+the *other* ranks on the same step (leave-one-out, so two-rank jobs work and one straggler cannot drag
+the baseline toward itself; the same step, so a slow step every rank shares is nobody's). A rank's
+excess is the trimmed mean of those per-step excesses: the time it costs the job per step on average.
+Trimming the few largest steps makes it robust to a single outlier, while a rank that is slow only every
+4th step still loses a quarter of its extra time on average — which a median would hide. An excess must
+clear ``abs_floor_ms`` and ``rel_threshold`` × the mean step, and come from at least ``min_slow_steps``
+steps. ``why`` says how the time was lost: on every step, every N steps, in bursts, or since step K.
+
+**The input pipeline, measured.** The hook times producing each batch (fetch + collate) where it
+happens: in the DataLoader's worker processes, or on the training thread when ``num_workers=0``. With
+workers, time in ``dataloader`` on the training thread is a *wait* for the pipeline (which rank waits
+for input and which waits in ``grad_sync`` is an accident of phase), so when every rank has pipeline
+timings the input comparison uses the pipeline's own time per step (batch time ÷ producers) instead.
+Every rank's pipeline as slow as the others and slower than half the step is ``INPUT-BOUND``; only a
+rank whose pipeline is slower than its peers' is an ``INPUT STRAGGLER``.
 
 Labels by the straggler's phase: ``INPUT STRAGGLER`` (``dataloader``), ``COMPUTE STRAGGLER``
 (``forward``, ``backward`` with DDP timing, ``optimizer``, declared phases). A backward straggler
-keeps the ``COMPUTE`` label (the ``phase`` field says ``backward``): what the user must look at is the
-rank's own compute in that phase, whatever its cause (a slow gradient hook, a slower device). Without
-straggler: ``<family>-BOUND`` when one family dominates the step, else ``BALANCED``.
+keeps the ``COMPUTE`` label (the ``phase`` field says ``backward``). Without straggler:
+``<family>-BOUND`` when one family dominates the step, else ``BALANCED``.
 
 DDP-timing caveats (see ``rankwatch.hooks.ddp_timing``): on CUDA the graph-done time is CPU-side, so
 GPU work still queued lands in ``grad_sync`` on every rank; backward passes that are not split (plain
@@ -32,7 +44,10 @@ to treating ``backward`` as waiting.
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,22 +62,32 @@ from .schema import SUMMARY_SCHEMA
 SYNC_PHASES = frozenset({"collective", "grad_sync"})
 INPUT_PHASES = frozenset({"dataloader"})
 COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer"})
+INPUT_PHASE = "dataloader"
 
 
 @dataclass(frozen=True)
 class StragglerPolicy:
-    # fewer common steps than this and no label is given: medians of a handful of steps mislead
+    # fewer common steps than this and no label is given: a handful of steps misleads
     min_steps: int = 5
     # the most recent steps compared (old steps describe a job that may have changed)
     window_steps: int = 200
     # an excess below this is timer and scheduler noise on a busy host (seen up to ~2 ms with 4 ranks
     # sharing 2 cores)
     abs_floor_ms: float = 3.0
-    # an excess must also be this share of the median step to matter to the user
+    # an excess must also be this share of the mean step to matter to the user
     rel_threshold: float = 0.15
+    # share of the steps trimmed from each end before averaging excesses (at least one step each end):
+    # one 500 ms hiccup in 40 steps is gone, a rank slow every 4th step keeps ~23 of its 25% of steps
+    trim_share: float = 0.02
+    # a straggler is slow on at least this many steps: one GC pause or page-cache miss is not a straggler
+    min_slow_steps: int = 3
+    # slow on at least this share of the steps: "on every step" rather than a pattern
+    steady_share: float = 0.8
+    # at least this share of the gaps between slow steps equal: "every N steps"
+    periodic_share: float = 0.7
     # other ranks with an excess in the same phase of at least this share of the worst are named too
     co_straggler_share: float = 0.5
-    # a phase family taking this share of the step makes the job "<family>-BOUND"
+    # a phase family (or the input pipeline) taking this share of the step makes the job "<family>-BOUND"
     bound_share: float = 0.5
 
 
@@ -77,10 +102,23 @@ class Diagnosis:
     phases: dict[str, dict[str, float]]
     ranks: dict[str, dict[str, Any]]
     details: list[str] = field(default_factory=list)
+    # how the straggler lost its time: kind (steady, periodic, bursts, since, scattered), period,
+    # since_step, slow_steps, slow_step_ms; empty without straggler
+    pattern: dict[str, Any] = field(default_factory=dict)
+    # the straggler's excess summed over the compared steps (ms): what the job lost to it
+    time_lost_ms: float = 0.0
+    # the straggler's per-step excess is measured on the input pipeline, not on the dataloader wait
+    input_pipeline: bool = False
 
     def summary_doc(
-        self, job_id: str, incidents: Sequence[str], per_rank: Mapping[int, Sequence[StepTiming]] | None = None
+        self,
+        job_id: str,
+        incidents: Sequence[str],
+        per_rank: Mapping[int, Sequence[StepTiming]] | None = None,
+        verdicts: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
+        """The summary document; ``verdicts`` (the run's incidents) come first in what people read: a run
+        that hung is a hang, whatever its steps looked like before."""
         doc: dict[str, Any] = {
             "schema": SUMMARY_SCHEMA,
             "job_id": job_id,
@@ -93,18 +131,52 @@ class Diagnosis:
             "ranks": self.ranks,
             "incidents": list(incidents),
             "why": self.why,
+            "pattern": self.pattern,
+            "time_lost_ms": round(self.time_lost_ms, 3),
+            # each incident's verdict without its per-rank table and evidence (those are in the bundle)
+            "incident_verdicts": [
+                {k: v.get(k) for k in ("job_id", "incident_id", "kind", "initiating_ranks", "phase", "confidence",
+                                       "reason", "detected_after_s") if k in v}
+                for v in verdicts
+            ],
         }
         if per_rank is not None:
+            doc["steps_total"] = max((steps_completed(s) for s in per_rank.values()), default=0)
             doc["timeline"] = timeline(per_rank)
         return doc
 
 
+def steps_completed(steps: Sequence[StepTiming]) -> int:
+    """Steps a rank completed: the hook numbers steps from 0, so the last one's number + 1 — exact however
+    much of the ring a history kept."""
+    return max((t.step for t in steps), default=-1) + 1 if steps else 0
+
+
+def sync_set(phase_names: set[str]) -> frozenset[str]:
+    """The phases that are waits for peers (``backward`` too when DDP timing did not split it)."""
+    return SYNC_PHASES if "grad_sync" in phase_names else SYNC_PHASES | {"backward"}
+
+
+def own_and_wait_ms(t: StepTiming, sync: frozenset[str]) -> tuple[float, float]:
+    wait = sum(v for p, v in t.phases_ms.items() if p in sync)
+    return sum(t.phases_ms.values()) - wait, wait
+
+
 def timeline(per_rank: Mapping[int, Sequence[StepTiming]], max_points: int = 500) -> dict[str, list[list[float]]]:
-    """Step time per rank as [step, ms] pairs, evenly thinned to at most ``max_points`` per rank."""
+    """Per rank, [step, step ms, own work ms, wait ms] points, evenly thinned to at most ``max_points``.
+
+    In synchronous training every rank's step lasts as long; what differs is how much of it was the
+    rank's own work and how much waiting for peers."""
+    names = {p for steps in per_rank.values() for t in steps for p in t.phases_ms}
+    sync = sync_set(names)
     out = {}
     for rank, steps in sorted(per_rank.items()):
         stride = max(1, -(-len(steps) // max_points))
-        out[str(rank)] = [[t.step, round(t.duration_ms, 3)] for t in list(steps)[::stride]]
+        points = []
+        for t in list(steps)[::stride]:
+            own, wait = own_and_wait_ms(t, sync)
+            points.append([t.step, round(t.duration_ms, 3), round(own, 3), round(wait, 3)])
+        out[str(rank)] = points
     return out
 
 
@@ -112,19 +184,45 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
+def _mean(xs: Sequence[float]) -> float:
+    return math.fsum(xs) / len(xs) if xs else 0.0
+
+
+def trimmed_mean(xs: Sequence[float], share: float) -> float:
+    """Mean without the ``k`` largest and ``k`` smallest values, k = max(1, share × n) (none below 5 values)."""
+    n = len(xs)
+    if n < 5:
+        return _mean(xs)
+    k = max(1, int(share * n))
+    return _mean(sorted(xs)[k : n - k])
+
+
+def leave_one_out_medians(values: Sequence[float]) -> list[float]:
+    """For each value, the median of the *others* (one sort, O(1) per rank: large jobs stay cheap)."""
+    n = len(values)
+    if n < 2:
+        return [0.0] * n
+    order = sorted(range(n), key=values.__getitem__)
+    s = [values[i] for i in order]
+    m = n - 1
+    out = [0.0] * n
+    for pos, i in enumerate(order):
+        lo, hi = (m - 1) // 2, m // 2
+        a = s[lo] if lo < pos else s[lo + 1]
+        b = s[hi] if hi < pos else s[hi + 1]
+        out[i] = (a + b) / 2
+    return out
+
+
 def _align(per_rank: Mapping[int, Sequence[StepTiming]], window: int) -> tuple[list[int], dict[int, list[StepTiming]]]:
-    """The most recent steps every rank completed, so ranks are compared on the same steps."""
+    """The most recent steps every rank completed, in step order, so ranks are compared on the same steps."""
     if not per_rank:
         return [], {}
-    common = set.intersection(*(set(t.step for t in steps) for steps in per_rank.values()))
+    by_step = {r: {t.step: t for t in steps} for r, steps in per_rank.items()}
+    common = set.intersection(*(set(d) for d in by_step.values()))
     # step 0 carries start-up costs (imports, warm-up) that say nothing about stragglers
     chosen = sorted(s for s in common if s > 0)[-window:] or sorted(common)[-window:]
-    keep = set(chosen)
-    return chosen, {r: [t for t in steps if t.step in keep] for r, steps in per_rank.items()}
-
-
-def _sync_set(phase_names: set[str]) -> frozenset[str]:
-    return SYNC_PHASES if "grad_sync" in phase_names else SYNC_PHASES | {"backward"}
+    return chosen, {r: [d[s] for s in chosen] for r, d in by_step.items()}
 
 
 def _family(phase: str | None) -> str:
@@ -135,6 +233,68 @@ def _family(phase: str | None) -> str:
     return "COMPUTE"
 
 
+def pipeline_ms(t: StepTiming) -> float:
+    """The input pipeline's time in this step per producer: batch production time ÷ workers (1 when the
+    training thread produces its own batches)."""
+    return t.input_ms / max(1, t.input_workers)
+
+
+def describe_pattern(
+    steps: Sequence[int], excess: Sequence[float], slow_ms: float, policy: StragglerPolicy
+) -> dict[str, Any]:
+    """How a rank's excess is spread over the steps: ``steady``, ``periodic`` (every N steps), ``since``
+    (from step K on), ``bursts`` or ``scattered``, with the slow steps and their mean excess."""
+    above = [e for e in excess if e >= slow_ms]
+    # a step is slow at half the typical slow step's excess or more: a busy host's 5–10 ms hiccups on
+    # other steps then do not break up a pattern of 300 ms stalls
+    cut = max(slow_ms, 0.5 * _median(above)) if above else slow_ms
+    slow = [i for i, e in enumerate(excess) if e >= cut]
+    n = len(excess)
+    out: dict[str, Any] = {
+        "slow_steps": len(slow),
+        "of_steps": n,
+        "slow_step_ms": round(_mean([excess[i] for i in slow]), 3),
+        "first_slow_step": steps[slow[0]] if slow else None,
+    }
+    if not slow:
+        out["kind"] = "scattered"
+        return out
+    if len(slow) >= policy.steady_share * n:
+        out["kind"] = "steady"
+        return out
+    first = slow[0]
+    tail = n - first
+    if first >= 0.1 * n and len(slow) >= policy.steady_share * tail:
+        out.update(kind="since", since_step=steps[first])
+        return out
+    gaps = [steps[b] - steps[a] for a, b in itertools.pairwise(slow)]
+    if gaps:
+        period, count = Counter(gaps).most_common(1)[0]
+        if period >= 2 and count >= policy.periodic_share * len(gaps):
+            out.update(kind="periodic", period=period)
+            return out
+        runs = 1 + sum(1 for g in gaps if g > 1)
+        if runs >= 2 and len(slow) / runs >= 2:
+            out.update(kind="bursts", bursts=runs, burst_steps=round(len(slow) / runs, 1))
+            return out
+    out["kind"] = "scattered"
+    return out
+
+
+def pattern_text(p: Mapping[str, Any]) -> str:
+    kind = p.get("kind")
+    each = f"+{p.get('slow_step_ms', 0):.0f} ms"
+    if kind == "steady":
+        return f"on every step ({p.get('slow_steps')} of {p.get('of_steps')})"
+    if kind == "periodic":
+        return f"{each} every {p.get('period')} steps ({p.get('slow_steps')} of {p.get('of_steps')} steps)"
+    if kind == "since":
+        return f"since step {p.get('since_step')} ({each} on {p.get('slow_steps')} of {p.get('of_steps')} steps)"
+    if kind == "bursts":
+        return f"in {p.get('bursts')} bursts of ~{p.get('burst_steps')} steps ({each} each step)"
+    return f"{each} on {p.get('slow_steps')} of {p.get('of_steps')} steps"
+
+
 def diagnose_stragglers(
     per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None
 ) -> Diagnosis:
@@ -142,86 +302,169 @@ def diagnose_stragglers(
     steps, aligned = _align(per_rank, policy.window_steps)
     ranks = sorted(aligned)
     phase_names = sorted({p for ts in aligned.values() for t in ts for p in t.phases_ms})
-    med: dict[int, dict[str, float]] = {
-        r: {p: _median([t.phases_ms.get(p, 0.0) for t in aligned[r]]) for p in phase_names} for r in ranks
-    }
-    step_med = {r: _median([t.duration_ms for t in aligned[r]]) for r in ranks}
+    series = {r: {p: [t.phases_ms.get(p, 0.0) for t in aligned[r]] for p in phase_names} for r in ranks}
+    mean = {r: {p: _mean(series[r][p]) for p in phase_names} for r in ranks}
+    med = {r: {p: _median(series[r][p]) for p in phase_names} for r in ranks}
+    step_mean = {r: _mean([t.duration_ms for t in aligned[r]]) for r in ranks}
     step_worst = {r: max((t.duration_ms for t in aligned[r]), default=0.0) for r in ranks}
     worst_rank = max(ranks, key=lambda r: step_worst[r], default=-1)
+    sync = sync_set(set(phase_names))
+    # the input pipeline, where every rank measured it (torch DataLoader batches seen in the window)
+    has_pipeline = bool(ranks) and all(sum(t.input_batches for t in aligned[r]) > 0 for r in ranks)
+    pipe: dict[int, list[float]] = {r: [pipeline_ms(t) for t in aligned[r]] for r in ranks} if has_pipeline else {}
+    pipe_doc: dict[int, dict[str, float]] = {}
+    for r in pipe:
+        batches = sum(t.input_batches for t in aligned[r])
+        workers = max((t.input_workers for t in aligned[r]), default=0)
+        pipe_doc[r] = {
+            "batch_ms": round(sum(t.input_ms for t in aligned[r]) / batches, 3),
+            "workers": workers,
+            "per_step_ms": round(_mean(pipe[r]), 3),
+        }
+
     phases_doc = {}
     for p in phase_names:
-        worst_r = max(ranks, key=lambda r: max(t.phases_ms.get(p, 0.0) for t in aligned[r]))
+        worst_r = max(ranks, key=lambda r: max(series[r][p]))
         phases_doc[p] = {
+            "mean_ms": round(_median([mean[r][p] for r in ranks]), 3),
             "median_ms": round(_median([med[r][p] for r in ranks]), 3),
-            "worst_ms": round(max(t.phases_ms.get(p, 0.0) for t in aligned[worst_r]), 3),
+            "worst_ms": round(max(series[worst_r][p]), 3),
             "worst_rank": worst_r,
-            "skew_ms": round(max(med[r][p] for r in ranks) - min(med[r][p] for r in ranks), 3),
+            "skew_ms": round(max(mean[r][p] for r in ranks) - min(mean[r][p] for r in ranks), 3),
         }
-    ranks_doc = {
-        str(r): {
-            "steps": len(per_rank[r]),
-            "step_time_ms": round(step_med[r], 3),
-            "phases": {p: round(med[r][p], 3) for p in phase_names},
+    ranks_doc: dict[str, dict[str, Any]] = {}
+    for r in ranks:
+        wait = sum(mean[r][p] for p in phase_names if p in sync)
+        ranks_doc[str(r)] = {
+            "steps": steps_completed(per_rank[r]),
+            "step_time_ms": round(step_mean[r], 3),
+            "own_ms": round(sum(mean[r].values()) - wait, 3),
+            "wait_ms": round(wait, 3),
+            "phases": {p: round(mean[r][p], 3) for p in phase_names},
+            **({"input_pipeline": pipe_doc[r]} if r in pipe_doc else {}),
         }
-        for r in ranks
-    }
-    overall = _median(list(step_med.values()))
+    overall = _median(list(step_mean.values()))
     step_doc = {
-        "median": round(overall, 3),
+        "mean": round(overall, 3),
+        "median": round(_median([_median([t.duration_ms for t in aligned[r]]) for r in ranks]), 3),
         "worst": round(step_worst.get(worst_rank, 0.0), 3),
         "worst_rank": worst_rank,
     }
 
-    def result(label: str, who: list[int], phase: str | None, why: str, details: list[str] | None = None) -> Diagnosis:
-        return Diagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, details or [])
+    def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> Diagnosis:
+        return Diagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
 
     if len(steps) < policy.min_steps or not ranks:
         return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")
 
     threshold = max(policy.abs_floor_ms, policy.rel_threshold * overall)
-    sync = _sync_set(set(phase_names))
-    own = [p for p in phase_names if p not in sync]
+    own = [p for p in phase_names if p not in sync and not (has_pipeline and p == INPUT_PHASE)]
+    compared: dict[str, dict[int, list[float]]] = {p: {r: series[r][p] for r in ranks} for p in own}
+    if has_pipeline:
+        compared[INPUT_PHASE] = pipe
+    per_step_excess: dict[tuple[int, str], list[float]] = {}
+    if len(ranks) > 1:
+        for p, by_rank in compared.items():
+            cols = [by_rank[r] for r in ranks]
+            rows: list[list[float]] = [[] for _ in ranks]
+            for i in range(len(steps)):
+                at_step = [c[i] for c in cols]
+                for j, base in enumerate(leave_one_out_medians(at_step)):
+                    rows[j].append(at_step[j] - base)
+            for j, r in enumerate(ranks):
+                per_step_excess[(r, p)] = rows[j]
 
     def excess(r: int, p: str) -> float:
-        others = [med[q][p] for q in ranks if q != r]
-        return med[r][p] - _median(others) if others else 0.0
+        return trimmed_mean(per_step_excess[(r, p)], policy.trim_share)
 
-    if len(ranks) > 1:
-        candidates = sorted(((excess(r, p), r, p) for r in ranks for p in own), reverse=True)
+    def slow_count(r: int, p: str) -> int:
+        return sum(1 for e in per_step_excess[(r, p)] if e >= threshold)
+
+    candidates = sorted(
+        ((excess(r, p), r, p) for (r, p) in per_step_excess if slow_count(r, p) >= policy.min_slow_steps),
+        reverse=True,
+    )
+    if candidates and candidates[0][0] >= threshold:
         best, rank, phase = candidates[0]
-        if best >= threshold:
-            who = sorted(
-                q for e, q, p in candidates if p == phase and e >= max(threshold, policy.co_straggler_share * best)
+        co_floor = max(threshold, policy.co_straggler_share * best)
+        who = sorted(q for e, q, p in candidates if p == phase and e >= co_floor)
+        on_pipe = has_pipeline and phase == INPUT_PHASE
+        values = compared[phase]
+        others = [q for q in ranks if q not in who]
+        base = _median([_mean(values[q]) for q in others])
+        spread = per_step_excess[(rank, phase)]
+        if on_pipe and pipe_doc[rank]["workers"] > 1:
+            # workers finish batches in lumps (0, 1 or 2 per step): the pattern is read over as many steps
+            # as there are workers, or alternating steps would look like "every 2 steps"
+            w = int(pipe_doc[rank]["workers"])
+            spread = [_mean(spread[max(0, i - w + 1) : i + 1]) for i in range(len(spread))]
+        pattern = describe_pattern(steps, spread, threshold, policy)
+        lost = math.fsum(per_step_excess[(rank, phase)])
+        if on_pipe:
+            what = (
+                f"{fmt_ranks(who)}'s input pipeline need{'s' if len(who) == 1 else ''} "
+                f"{pipe_doc[rank]['per_step_ms']:.1f} ms/step ({_batch_text(pipe_doc[rank])}) "
+                f"vs {base:.1f} ms on the other ranks"
             )
-            base = _median([med[q][phase] for q in ranks if q not in who])
-            label = f"{_family(phase)} STRAGGLER"
-            why = (
-                f"{fmt_ranks(who)} "
-                f"spend{'s' if len(who) == 1 else ''} "
-                f"{med[rank][phase]:.1f} ms/step in {phase} vs {base:.1f} ms on the other ranks "
-                f"(+{best:.1f} ms, {100 * best / overall:.0f}% of the {overall:.1f} ms median step); "
-                "the other ranks wait for it"
+        else:
+            what = (
+                f"{fmt_ranks(who)} spend{'s' if len(who) == 1 else ''} {_mean(values[rank]):.1f} ms/step in "
+                f"{phase} vs {base:.1f} ms on the other ranks"
             )
-            details = [
-                f"rank {r}: {phase} {med[r][phase]:.1f} ms, wait {sum(med[r][s] for s in sync if s in med[r]):.1f} ms"
-                for r in ranks
-            ]
-            return result(label, who, phase, why, details)
+        why = (
+            f"{what}: +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean step), "
+            f"{pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks wait for it"
+        )
+        details = [
+            f"rank {r}: {phase}{' pipeline' if on_pipe else ''} {_mean(values[r]):.1f} ms/step "
+            f"(excess {excess(r, phase):+.1f}), wait {sum(mean[r][s] for s in sync if s in mean[r]):.1f} ms"
+            for r in ranks
+        ]
+        return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
+                      time_lost_ms=lost, input_pipeline=on_pipe)
+
+    no_straggler = f"no straggler (largest per-rank excess below {threshold:.1f} ms/step)"
+    if has_pipeline and overall > 0:
+        need = _median([pipe_doc[r]["per_step_ms"] for r in ranks])
+        if need / overall >= policy.bound_share:
+            compute = _median([sum(mean[r][p] for p in phase_names if p not in sync and p != INPUT_PHASE)
+                               for r in ranks])
+            typical = {"batch_ms": _median([pipe_doc[r]["batch_ms"] for r in ranks]),
+                       "workers": max(pipe_doc[r]["workers"] for r in ranks)}
+            return result(
+                "INPUT-BOUND",
+                [],
+                INPUT_PHASE,
+                f"{no_straggler}; every rank's input pipeline needs ~{need:.1f} ms per step "
+                f"({_batch_text(typical)}), {100 * need / overall:.0f}% of the "
+                f"{overall:.1f} ms mean step, while own compute takes {compute:.1f} ms: more DataLoader workers "
+                "or a cheaper dataset/collate on every rank",
+                input_pipeline=True,
+            )
     shares = {}
     for fam, members in (("INPUT", INPUT_PHASES), ("COMPUTE", COMPUTE_PHASES - sync), ("COMMUNICATION", sync)):
-        shares[fam] = sum(_median([med[r][p] for r in ranks]) for p in phase_names if p in members)
+        shares[fam] = sum(_median([mean[r][p] for r in ranks]) for p in phase_names if p in members)
+    if has_pipeline:
+        shares.pop("INPUT")  # the dataloader wait is a wait for a pipeline that was not the bottleneck
     fam, value = max(shares.items(), key=lambda kv: kv[1])
     if overall > 0 and value / overall >= policy.bound_share:
         top_phase = max(
             (p for p in phase_names if _family(p) == fam or (fam == "COMMUNICATION" and p in sync)),
-            key=lambda p: _median([med[r][p] for r in ranks]),
+            key=lambda p: _median([mean[r][p] for r in ranks]),
             default=None,
         )
         return result(
             f"{fam}-BOUND",
             [],
             top_phase,
-            f"no straggler (largest per-rank excess below {threshold:.1f} ms); {fam.lower()} takes "
-            f"{100 * value / overall:.0f}% of the {overall:.1f} ms median step on every rank",
+            f"{no_straggler}; {fam.lower()} takes {100 * value / overall:.0f}% of the {overall:.1f} ms mean step "
+            "on every rank",
         )
-    return result("BALANCED", [], None, f"no straggler and no dominant phase ({overall:.1f} ms median step)")
+    return result("BALANCED", [], None, f"no straggler and no dominant phase ({overall:.1f} ms mean step)")
+
+
+def _batch_text(pipe: Mapping[str, float]) -> str:
+    n = int(pipe["workers"])
+    if n <= 0:
+        return f"{pipe['batch_ms']:.1f} ms per batch, made on the training thread: no DataLoader workers"
+    return f"a batch takes {pipe['batch_ms']:.1f} ms in each of {n} DataLoader worker{'s' if n != 1 else ''}"

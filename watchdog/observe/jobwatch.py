@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot, StepTiming
 
+from ..core.histogram import RankHistograms
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
 from .process import NO_PROCESS, Identity, ProcessTable, Unverified
@@ -50,7 +51,11 @@ _JOB_KEYS: dict[str, type | tuple[type, ...]] = {
 def read_job_info(path: str) -> dict[str, object]:
     """The known, well-typed keys of a job.json; {} for a missing, oversized, malformed or hostile file."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO planted as job.json must not block the poll loop in open(); only a regular file is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
             raw = f.read(MAX_JOB_JSON + 1)
         if len(raw) > MAX_JOB_JSON:
             return {}
@@ -129,6 +134,8 @@ class JobWatch:
         self.node = socket.gethostname()
         self.ranks: dict[int, RankState] = {}
         self.history: dict[int, deque[StepTiming]] = {}
+        # every step read, as duration histograms (metrics); kept across a rank's restarts
+        self.step_stats: dict[int, RankHistograms] = {}
         self.longest_step_s = 0.0
         self._procs = procs
         self.policy = policy or ObservePolicy()
@@ -294,6 +301,7 @@ class JobWatch:
             steps = snap.recent_steps
             if steps:
                 self.history[rank].extend(steps)
+                self.step_stats.setdefault(rank, RankHistograms()).add(steps)
                 # step 0 carries start-up costs; it must not inflate the learned timeout
                 longest_ns = max((t.end_ns - t.start_ns for t in steps if t.step > 0), default=0)
                 self.longest_step_s = max(self.longest_step_s, longest_ns / 1e9)

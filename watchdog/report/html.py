@@ -27,17 +27,18 @@ from ..errors import UserError
 from .text import NEXT_STEPS
 
 # Canonical phases keep one colour in every report, so readers learn them; input warm, compute cool,
-# waiting grey (the eye should skip it: waiting is the victim, not the cause).
+# the two kinds of waiting for peers muted but told apart (purple: a collective the script called, pink:
+# DDP's gradient all-reduce), time outside any phase pale grey. No two phases share a colour.
 PHASE_COLOURS = {
     "dataloader": "#f28e2b",
     "forward": "#4e79a7",
     "backward": "#76b7b2",
     "optimizer": "#59a14f",
-    "collective": "#bab0ac",
-    "grad_sync": "#d7d2cf",
-    "idle": "#ece9e6",
+    "collective": "#b07aa1",
+    "grad_sync": "#ff9da7",
+    "idle": "#d9d9d9",
 }
-EXTRA_COLOURS = ("#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#8cd17d", "#86bcb6", "#f1ce63", "#a0cbe8")
+EXTRA_COLOURS = ("#edc948", "#9c755f", "#8cd17d", "#86bcb6", "#f1ce63", "#a0cbe8", "#e6a157", "#6f9bd1")
 # the order phases are listed and stacked in charts (not core.snapshot.STEP_PHASE_ORDER, the rule order)
 DISPLAY_PHASE_ORDER = ("dataloader", "forward", "backward", "optimizer", "grad_sync", "collective", "idle")
 STRAGGLER = "#d62728"
@@ -148,7 +149,8 @@ def _legend(items: Sequence[tuple[str, str]]) -> str:
 
 # -- summary --------------------------------------------------------------------------------------------
 def phase_bars_svg(ranks: Mapping[str, Any], stragglers: set[int], colours: Mapping[str, str]) -> str:
-    """Stacked horizontal bars: each rank's median ms per phase, straggler ranks highlighted."""
+    """Stacked horizontal bars: each rank's mean ms per step in each phase (they add up to its mean step),
+    straggler ranks highlighted."""
     keys = sorted(ranks, key=_int_key)
     if not keys:
         return '<p class="meta">no per-rank data</p>'
@@ -157,19 +159,19 @@ def phase_bars_svg(ranks: Mapping[str, Any], stragglers: set[int], colours: Mapp
     ticks = nice_ticks(max(totals.values(), default=0.0))
     top = ticks[-1] or 1.0
     row = 22 if len(keys) <= 32 else 12 if len(keys) <= 128 else 6
-    left, right, head, foot = 78, 20, 8, 30
+    left, right, head, foot = 96, 20, 8, 30  # room for "rank 1234 ◀"
     width = 860
     plot_w = width - left - right
     height = head + row * len(keys) + foot
     parts = [f'<svg viewBox="0 0 {width} {height}" width="{width}" '
-             f'height="{height}" role="img" aria-label="median milliseconds per phase, per rank">']
+             f'height="{height}" role="img" aria-label="mean milliseconds per step in each phase, per rank">']
     for t in ticks:
         x = left + plot_w * t / top
         parts.append(f'<line x1="{x:.1f}" y1="{head}" x2="{x:.1f}" y2="{head + row * len(keys)}" stroke="#e3e3e3"/>')
         parts.append(f'<text x="{x:.1f}" y="{head + row * len(keys) + 14}" text-anchor="middle">'
                      f"{_tick_label(t)}</text>")
     parts.append(f'<text x="{left + plot_w / 2:.0f}" y="{height - 3}" text-anchor="middle">'
-                 "median ms per step, by phase</text>")
+                 "mean ms per step, by phase</text>")
     for i, k in enumerate(keys):
         y = head + i * row
         is_straggler = _int_key(k)[0] in stragglers
@@ -197,14 +199,21 @@ def phase_bars_svg(ranks: Mapping[str, Any], stragglers: set[int], colours: Mapp
     return "".join(parts)
 
 
-def timeline_svg(timeline: Mapping[str, Any], stragglers: set[int]) -> str:
-    """Step time per rank over the run: one polyline per rank, stragglers drawn last in red."""
+# the values of a timeline point [step, step ms, own work ms, wait ms], by name
+TIMELINE_SERIES = {"step": 1, "own": 2, "wait": 3}
+
+
+def timeline_svg(timeline: Mapping[str, Any], stragglers: set[int], series_name: str = "step",
+                 y_label: str = "step time (ms)") -> str:
+    """One value per step and rank over the run (``series_name``: the step time, the rank's own work, or
+    its wait for peers): one polyline per rank, stragglers drawn last in red."""
+    col = TIMELINE_SERIES[series_name]
     series: dict[str, list[tuple[float, float]]] = {}
     for key in sorted(timeline, key=_int_key):
         pts = []
         for item in timeline[key] if isinstance(timeline[key], list) else []:
-            if isinstance(item, list | tuple) and len(item) == 2:
-                s, ms = _num(item[0]), _num(item[1])
+            if isinstance(item, list | tuple) and len(item) > col and len(item) <= 8:
+                s, ms = _num(item[0]), _num(item[col])
                 if s is not None and ms is not None:
                     pts.append((s, ms))
         # step 0 carries start-up costs (imports, warm-up, compile) that would flatten every later step
@@ -228,7 +237,7 @@ def timeline_svg(timeline: Mapping[str, Any], stragglers: set[int]) -> str:
         return f"{left + pw * (s - s_lo) / x_span:.1f},{head + ph * (1 - ms / y_top):.1f}"
 
     parts = [f'<svg viewBox="0 0 {width} {height}" width="{width}" '
-             f'height="{height}" role="img" aria-label="step time per rank">']
+             f'height="{height}" role="img" aria-label="{esc(y_label)} per rank">']
     for t in ticks_y:
         y = head + ph * (1 - t / y_top)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e3e3e3"/>')
@@ -238,7 +247,7 @@ def timeline_svg(timeline: Mapping[str, Any], stragglers: set[int]) -> str:
         parts.append(f'<text x="{x:.1f}" y="{head + ph + 16}" text-anchor="middle">{_tick_label(t)}</text>')
     parts.append(f'<text x="{left + pw / 2:.0f}" y="{height - 3}" text-anchor="middle">step</text>')
     parts.append(f'<text x="12" y="{head + ph / 2:.0f}" transform="rotate(-90 12 {head + ph / 2:.0f})" '
-                 'text-anchor="middle">step time (ms)</text>')
+                 f'text-anchor="middle">{esc(y_label)}</text>')
     keys = list(series)
     index = {k: i for i, k in enumerate(keys)}
     many = len(keys) > LEGEND_RANKS
@@ -250,7 +259,8 @@ def timeline_svg(timeline: Mapping[str, Any], stragglers: set[int]) -> str:
         width_px, opacity = (2.4, 1.0) if is_straggler else (1.2, 0.55 if many else 0.85)
         points = " ".join(xy(s, ms) for s, ms in pts) if len(pts) > 1 else (xy(*pts[0]) + " " + xy(*pts[0]))
         parts.append(
-            f'<polyline class="rank" data-rank="{esc(k)}" points="{points}" fill="none" stroke="{colour}" '
+            f'<polyline class="rank" data-series="{series_name}" data-rank="{esc(k)}" points="{points}" '
+            f'fill="none" stroke="{colour}" '
             f'stroke-width="{width_px}" stroke-opacity="{opacity}" stroke-linejoin="round">'
             f"<title>rank {esc(k)}</title></polyline>"
         )
@@ -287,18 +297,35 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
         set(phases_doc) | {p for r in ranks.values() if isinstance(r, dict) for p in (r.get("phases") or {})}
     )
     colours = phase_colours(names)
-    bad = bool(who) or "STRAGGLER" in label
+    verdicts = [v for v in doc.get("incident_verdicts") or [] if isinstance(v, dict)]
+    # a run with an incident is that incident first; the straggler diagnosis describes the steps before it
+    bad = bool(who) or "STRAGGLER" in label or bool(verdicts) or bool(doc.get("incidents"))
     headline = esc(label)
     if who:
         headline += f" — {esc(fmt_ranks(who))}"
     if phase:
         headline += f" in <code>{esc(phase)}</code>"
+    total = doc.get("steps_total")
     out = [
         f'<section class="doc summary" id="{esc(anchor)}">',
         f"<h2>Run summary · job {esc(doc.get('job_id'))}</h2>",
-        f'<p class="headline {"bad" if bad else "ok"}">{headline}</p>',
-        f'<p class="meta">{esc(doc.get("steps"))} common steps · {len(ranks)} ranks · median step '
-        f'{_fmt(st.get("median"))} ms · worst {_fmt(st.get("worst"))} ms (rank {esc(st.get("worst_rank"))})</p>',
+    ]
+    for v in verdicts[:8]:
+        v_ranks = _ranks(v.get("initiating_ranks") or [])
+        v_who = fmt_ranks(v_ranks) if v_ranks else "no single rank"
+        v_head = f"{esc(headline_of(str(v.get('kind'))))} — initiating {esc(v_who)}"
+        if v.get("phase"):
+            v_head += f" in phase <code>{esc(v.get('phase'))}</code>"
+        link = incident_anchors.get(str(v.get("incident_id")))
+        out.append(f'<p class="headline bad">{v_head}'
+                   + (f' · <a href="#{esc(link)}">incident</a>' if link else "") + "</p>")
+    out += [
+        f'<p class="headline {"bad" if bad else "ok"}">'
+        + ("before the incident: " if verdicts else "") + f"{headline}</p>",
+        '<p class="meta">' + (f"{esc(total)} steps · " if total is not None else "")
+        + f'the last {esc(doc.get("steps"))} common steps compared · {len(ranks)} ranks · mean step '
+        f'{_fmt(st.get("mean", st.get("median")))} ms · worst {_fmt(st.get("worst"))} ms '
+        f'(rank {esc(st.get("worst_rank"))})</p>',
     ]
     if doc.get("why"):
         out.append(f'<div class="why"><b>why:</b> {esc(doc["why"])}</div>')
@@ -308,20 +335,22 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     out.append(_legend([(p, colours[p]) for p in names]))
 
     out.append("<h3>Phases</h3>")
-    out.append('<table><tr><th class="l">phase</th><th class="l">kind</th><th>median ms</th><th>worst ms</th>'
-               "<th>worst rank</th><th>skew ms</th></tr>")
-    for p in sorted(phases_doc, key=lambda q: -(_num(phases_doc[q].get("median_ms")) or 0.0)):
+    out.append('<table><tr><th class="l">phase</th><th class="l">kind</th><th>mean ms</th><th>median ms</th>'
+               "<th>worst ms</th><th>worst rank</th><th>skew ms</th></tr>")
+    for p in sorted(phases_doc, key=lambda q: -(_num(_dict(phases_doc, q).get("mean_ms")) or 0.0)):
         s = phases_doc[p] if isinstance(phases_doc[p], dict) else {}
         cls = ' class="hl"' if p == phase else ""
         out.append(
             f'<tr{cls}><td class="l"><i class="sw" style="background:{colours.get(p, "#ccc")}"></i>{esc(p)}</td>'
-            f'<td class="l">{esc(_family(p))}</td><td>{_fmt(s.get("median_ms"))}</td><td>{_fmt(s.get("worst_ms"))}</td>'
+            f'<td class="l">{esc(_family(p))}</td><td>{_fmt(s.get("mean_ms"))}</td><td>{_fmt(s.get("median_ms"))}</td>'
+            f'<td>{_fmt(s.get("worst_ms"))}</td>'
             f'<td>{esc(s.get("worst_rank", "–"))}</td><td>{_fmt(s.get("skew_ms"))}</td></tr>'
         )
-    out.append(f'<tr><td class="l"><b>step</b></td><td></td><td>{_fmt(st.get("median"))}</td>'
+    out.append(f'<tr><td class="l"><b>step</b></td><td></td><td>{_fmt(st.get("mean"))}</td>'
+               f'<td>{_fmt(st.get("median"))}</td>'
                f'<td>{_fmt(st.get("worst"))}</td><td>{esc(st.get("worst_rank", "–"))}</td><td></td></tr></table>')
 
-    out.append("<details><summary>Per-rank medians (ms)</summary><table><tr><th>rank</th><th>steps</th>"
+    out.append("<details><summary>Per-rank means per step (ms)</summary><table><tr><th>rank</th><th>steps</th>"
                "<th>step</th>" + "".join(f"<th>{esc(p)}</th>" for p in names) + "</tr>")
     for k in sorted(ranks, key=_int_key):
         r = ranks[k] if isinstance(ranks[k], dict) else {}
@@ -331,10 +360,22 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
                    f"<td>{_fmt(r.get('step_time_ms'))}</td>{cells}</tr>")
     out.append("</table></details>")
 
-    out.append("<h3>Step time per rank</h3>")
     timeline = doc.get("timeline")
-    out.append(timeline_svg(timeline, stragglers) if isinstance(timeline, dict)
-               else '<p class="meta">no per-step timeline in this summary</p>')
+    if not isinstance(timeline, dict):
+        out.append('<h3>Step time per rank</h3><p class="meta">no per-step timeline in this summary</p>')
+    elif any(isinstance(v, list) and v and isinstance(v[0], list) and len(v[0]) >= 4 for v in timeline.values()):
+        # in synchronous training every rank's step lasts as long: what tells ranks apart is how much of
+        # it was their own work and how much waiting for the others
+        out.append("<h3>Own work per step, by rank</h3>")
+        out.append('<p class="meta">everything but waiting for peers (collective, grad_sync): '
+                   "a straggler's line is the high one</p>")
+        out.append(timeline_svg(timeline, stragglers, "own", "own work (ms)"))
+        out.append("<h3>Waiting for peers per step, by rank</h3>")
+        out.append('<p class="meta">collective and grad_sync: the ranks that wait for a straggler are high here</p>')
+        out.append(timeline_svg(timeline, stragglers, "wait", "waiting (ms)"))
+    else:  # a summary from before own/wait were recorded
+        out.append("<h3>Step time per rank</h3>")
+        out.append(timeline_svg(timeline, stragglers))
     if any(isinstance(v, list) and v and isinstance(v[0], list) and v[0][:1] == [0]
            for v in (timeline or {}).values()):
         out.append('<p class="meta">step 0 (start-up) is left out of the timeline.</p>')

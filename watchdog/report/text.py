@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.ranks import fmt_ranks
@@ -23,8 +23,10 @@ NEXT_STEPS = {
 }
 
 
-def int_ranks(values: Iterable[object]) -> list[int]:
-    """The integer ranks of a list read from a document (anything else is dropped)."""
+def int_ranks(values: object) -> list[int]:
+    """The integer ranks of a list read from a document (anything else is dropped; not a list: none)."""
+    if not isinstance(values, list | tuple):
+        return []
     return [int(r) for r in values if isinstance(r, int) and not isinstance(r, bool)]
 
 
@@ -45,8 +47,16 @@ def verdict_text(v: Mapping[str, Any]) -> str:
     ranks = int_ranks(v.get("initiating_ranks") or [])
     lines = [
         f"rankwatch: {headline(v)}",
-        f"job {clean(v.get('job_id'), NAME)} · incident {clean(v.get('incident_id'), NAME)} · "
-        f"detected {clean(v.get('detected_after_s'), NAME)}s after onset",
+        " · ".join(
+            part
+            for key, part in (
+                ("job_id", f"job {clean(v.get('job_id'), NAME)}"),
+                ("incident_id", f"incident {clean(v.get('incident_id'), NAME)}"),
+                ("detected_after_s", f"detected {clean(v.get('detected_after_s'), NAME)}s after onset"),
+            )
+            if v.get(key) is not None
+        )
+        or "from logs (offline)",
         "",
         f"why: {clean(v.get('reason'), PROSE)}",
     ]
@@ -96,33 +106,44 @@ def _ms(value: object) -> float:
 
 
 def summary_text(doc: Mapping[str, Any]) -> str:
-    """The end-of-run table: phase, median, worst, worst rank, skew; then the diagnosis and why.
+    """The end-of-run text: the run's incidents first (a hang outranks any straggler diagnosis), then the
+    phase table (mean and median per step, worst, worst rank, skew), the diagnosis and why.
 
     Phase names and every other string are cleaned and bounded (``core.text``), as in ``verdict_text``."""
     st = _dict(doc.get("step_time_ms"))
     phases = _dict(doc.get("phases"))
     ranks_doc = doc.get("ranks")
-    lines = [
-        f"rankwatch summary — job {clean(doc.get('job_id'), NAME)}, {clean(doc.get('steps'), 24)} common steps, "
+    total = doc.get("steps_total")
+    verdicts = [v for v in doc.get("incident_verdicts") or [] if isinstance(v, dict)]
+    lines = [f"rankwatch: {headline(v)}\n    why: {clean(v.get('reason'), PROSE)}" for v in verdicts[:8]]
+    if len(verdicts) > 8:
+        lines.append(f"… and {len(verdicts) - 8} more incident(s)")
+    if lines:
+        lines.append("")
+    lines += [
+        f"rankwatch summary — job {clean(doc.get('job_id'), NAME)}, "
+        + (f"{clean(total, 24)} steps, " if total is not None else "")
+        + f"the last {clean(doc.get('steps'), 24)} common steps compared, "
         f"{len(ranks_doc) if isinstance(ranks_doc, dict) else 0} ranks",
         "",
-        f"{'phase':<14} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
+        f"{'phase':<14} {'mean ms':>9} {'median ms':>10} {'worst ms':>10} {'worst rank':>11} {'skew ms':>9}",
     ]
     rows = [(p, s) for p, s in phases.items() if isinstance(s, dict)]
-    for p, s in sorted(rows, key=lambda kv: -_ms(kv[1].get("median_ms"))):
+    for p, s in sorted(rows, key=lambda kv: -_ms(kv[1].get("mean_ms", kv[1].get("median_ms")))):
         lines.append(
-            f"{clean(p, NAME):<14} {_ms(s.get('median_ms')):>10.1f} {_ms(s.get('worst_ms')):>10.1f} "
-            f"{clean(s.get('worst_rank', -1), 24):>11} {_ms(s.get('skew_ms')):>9.1f}"
+            f"{clean(p, NAME):<14} {_ms(s.get('mean_ms')):>9.1f} {_ms(s.get('median_ms')):>10.1f} "
+            f"{_ms(s.get('worst_ms')):>10.1f} {clean(s.get('worst_rank', -1), 24):>11} {_ms(s.get('skew_ms')):>9.1f}"
         )
     lines.append(
-        f"{'step':<14} {_ms(st.get('median')):>10.1f} {_ms(st.get('worst')):>10.1f} "
+        f"{'step':<14} {_ms(st.get('mean')):>9.1f} {_ms(st.get('median')):>10.1f} {_ms(st.get('worst')):>10.1f} "
         f"{clean(st.get('worst_rank', -1), 24):>11}"
     )
     label = doc.get("diagnosis")
     who = int_ranks(doc.get("straggler_ranks") or [])
     lines += [
         "",
-        f"diagnosis: {clean(label, NAME)}"
+        ("before the incident, " if verdicts else "")
+        + f"diagnosis: {clean(label, NAME)}"
         + (f" — {fmt_ranks(who)}" if who else "")
         + (f" in {clean(doc.get('phase'), NAME)}" if doc.get("phase") else ""),
         f"why: {clean(doc.get('why', ''), PROSE)}",

@@ -8,6 +8,7 @@ The loop survives any single failing probe or job.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -18,9 +19,11 @@ from typing import Any
 import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
-from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered
+from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered, stalled_ranks
 from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
+from ..core.straggler import StragglerPolicy, diagnose_stragglers
+from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras import RasWatch
@@ -28,7 +31,9 @@ from ..observe.jobwatch import JobWatch, remove_stale_dumps
 from ..observe.process import ProcessTable
 from ..report import bundle
 from .act import Killer
+from .alerts import Alerter
 from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentRequest, IncidentResult
+from .state import StatePublisher, incident_ref, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -43,6 +48,7 @@ class DaemonConfig:
     kill: KillPolicy = field(default_factory=KillPolicy)
     serve: ServePolicy = field(default_factory=ServePolicy)
     observe: ObservePolicy = field(default_factory=ObservePolicy)
+    live: LiveStragglerPolicy = field(default_factory=LiveStragglerPolicy)
     on_stall: str = "report"  # "report" | "kill"
     job_filter: str | None = None  # watch only this job (rankwatch run)
     incidents_dir: str | None = None  # override <out>/<job>/incidents (rankwatch run: <out>/incidents)
@@ -68,6 +74,10 @@ class JobEntry:
     files_removed: bool = False
     bundles: dict[str, str] = field(default_factory=dict)  # incident id -> bundle path, once written
     last_views: list[RankView] = field(default_factory=list)  # replaced, never mutated: read by other threads
+    # live stragglers by (rank, phase): replaced wholesale each diagnosis (read by metrics and status)
+    live_stragglers: dict[tuple[int, str], LiveStraggler] = field(default_factory=dict)
+    live_at: float = 0.0  # monotonic time of the last live diagnosis
+    live_key: tuple[tuple[int, int], ...] = ()  # (rank, last step) it saw: no new step, no new diagnosis
 
 
 def remote_trigger(
@@ -105,6 +115,7 @@ class Daemon:
         capture: CaptureFn = capture_all,
         correlators: Mapping[str, Correlator] | None = None,
         correlator_factory: Callable[[JobWatch], Correlator | None] | None = None,
+        alerts: Alerter | None = None,
     ) -> None:
         self.config = config
         self.jobs: dict[str, JobEntry] = {}
@@ -113,6 +124,7 @@ class Daemon:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # entry.incident / incidents / verdicts: loop vs pipeline workers
         self.polls = 0
+        self.last_poll_ns: int | None = None  # monotonic end of the last completed poll (/healthz)
         # outside evidence: NVML opened once (a no-op without a driver); NCCL RAS asked only at incidents
         self.gpu = gpu or GpuWatch()
         self.ras = ras or RasWatch()
@@ -133,8 +145,12 @@ class Daemon:
             killer=killer,
             capture=capture,
             on_incident=on_incident,
+            alerts=alerts,
         )
+        self.alerts = alerts
         self.pipeline.on_late_bundle = self._late_bundle
+        # what `rankwatch status` reads: beside the records, and (daemon) under --out
+        self.state = StatePublisher(config.serve.state_refresh_s, None if config.job_filter else config.out_dir)
 
     # -- discovery --------------------------------------------------------------------------------
     def discover(self) -> None:
@@ -175,6 +191,7 @@ class Daemon:
                 self._poll_job(job_id, entry)
             except Exception:  # one bad job never stops the daemon
                 log.exception("job_poll_failed", job=job_id)
+        self.last_poll_ns = time.monotonic_ns()
 
     def _maybe_revive(self, job_id: str, entry: JobEntry) -> None:
         """A retired job id that gets fresh records is a new run (torchrun restart, reused run name)."""
@@ -189,6 +206,7 @@ class Daemon:
             entry.last_views = []
             entry.incident = None
             entry.gone_since = None
+            entry.live_stragglers, entry.live_key = {}, ()
             watch.longest_step_s = 0.0
             log.info("job_restarted", job=job_id, ranks=len(watch.ranks))
 
@@ -220,6 +238,7 @@ class Daemon:
             entry.gone_since = entry.gone_since or time.monotonic()
         else:
             entry.gone_since = None
+        self._live_stragglers(job_id, entry)
         correlator = self._correlator(job_id, watch)
         if correlator is not None:
             correlator.publish_snapshot(watch.node, views)
@@ -249,10 +268,77 @@ class Daemon:
         elif not incident.pending and recovered(views, self.config.stall, watch.longest_step_s):
             log.info("incident_closed", job=job_id, incident=incident.incident_id)
             entry.incident = None
-        if entry.gone_since is not None and time.monotonic() - entry.gone_since > self.config.serve.retire_after_s:
+        retire = entry.gone_since is not None and time.monotonic() - entry.gone_since > self.config.serve.retire_after_s
+        self.publish_state(job_id, entry, force=retire)
+        if retire:
             watch.retired = True
             entry.retired_at = time.monotonic()
             log.info("job_retired", job=job_id, incidents=len(entry.incidents))
+
+    def publish_state(self, job_id: str, entry: JobEntry, *, force: bool = False) -> None:
+        """The job's state file for ``rankwatch status`` (never fatal: status falls back to the records)."""
+        watch, stall = entry.watch, self.config.stall
+        with self._lock:
+            incident, verdicts, bundles = entry.incident, list(entry.verdicts), dict(entry.bundles)
+        open_doc = None
+        if incident is not None:
+            if incident.verdict:
+                open_doc = incident_ref(incident.verdict, bundle=incident.bundle_path)
+            else:  # handed to the pipeline, not decided yet: what the trigger said
+                open_doc = {
+                    "incident_id": incident.incident_id,
+                    "kind": incident.trigger.kind,
+                    "initiating_ranks": list(incident.trigger.ranks),
+                    "phase": None,
+                    "confidence": None,
+                    "reason": incident.trigger.reason,
+                    "bundle": None,
+                }
+            open_doc["decided"] = bool(incident.verdict)
+        keep = self.config.serve.state_incidents
+        doc = state_doc(
+            job_id=job_id,
+            mode="run" if self.config.job_filter else "daemon",
+            on_stall=self.config.on_stall,
+            stall_timeout_s=stall.timeout_for(watch.longest_step_s),
+            stalled=stalled_ranks(entry.last_views, stall, watch.longest_step_s),
+            open_incident=open_doc,
+            incidents=[
+                incident_ref(v, bundle=bundles.get(str(v.get("incident_id")))) for v in verdicts[-keep:]
+            ],
+            stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
+        )
+        try:
+            self.state.publish(job_id, watch.job_dir, doc, force=force)
+        except Exception:  # a state file is a convenience: it never costs a poll
+            log.exception("state_publish_failed", job=job_id)
+
+    def _live_stragglers(self, job_id: str, entry: JobEntry) -> None:
+        """Diagnose the job's recent steps every ``live.every_s``; log stragglers that start or end."""
+        policy = self.config.live
+        now = time.monotonic()
+        if now - entry.live_at < policy.every_s:
+            return
+        entry.live_at = now
+        history = {r: h for r, h in entry.watch.history.items() if h}
+        key = tuple(sorted((r, h[-1].step) for r, h in history.items()))
+        if len(history) < 2 or key == entry.live_key:
+            return  # one rank has no peers; no step since the last look says nothing new
+        entry.live_key = key
+        keep = 2 * policy.window_steps  # ranks a few steps apart still share a full window
+        per_rank = {r: list(itertools.islice(h, max(0, len(h) - keep), None)) for r, h in history.items()}
+        diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=policy.window_steps))
+        if diag.steps < policy.min_steps:
+            return
+        state, events = update_live(entry.live_stragglers, diag, policy)
+        entry.live_stragglers = state
+        for kind, s in events:
+            fields: dict[str, Any] = dict(job=job_id, rank=s.rank, label=s.label, phase=s.phase,
+                                          since_step=s.since_step, why=s.why)
+            if kind == "started":
+                log.warning("straggler_detected", **fields)
+            else:
+                log.info("straggler_ended", **fields)
 
     def _maybe_remove_files(self, job_id: str, entry: JobEntry) -> None:
         keep = self.config.serve.retain_finished_s
@@ -300,6 +386,7 @@ class Daemon:
             identities=tuple(watch.identities()),
             # this node's own detection, or a claim authenticated by the store secret: may be acted upon
             trusted=shared is None or (correlator is not None and correlator.authenticated),
+            notes=tuple(incident_notes(entry.live_stragglers)),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
 
@@ -382,6 +469,8 @@ class Daemon:
 
     def close(self) -> None:
         self.pipeline.close()
+        if self.alerts is not None:
+            self.alerts.close(self.config.serve.drain_timeout_s)  # what the incidents queued is sent
         for correlator in self.correlators.values():
             correlator.close()
         for entry in self.jobs.values():

@@ -37,6 +37,7 @@ from ..observe.process import Identity
 from ..report import bundle
 from ..report.text import verdict_text
 from .act import Killer
+from .alerts import Alerter
 
 log = structlog.get_logger("rankwatch.incident")
 
@@ -67,6 +68,8 @@ class IncidentRequest:
     identities: tuple[Identity, ...] = ()  # the job's verified ranks: all that --on-stall kill may signal
     # False: opened on another node's claim that no store secret authenticates; never acted upon
     trusted: bool = True
+    # what the loop saw before the stall (live stragglers), added to the evidence as it stands
+    notes: tuple[str, ...] = ()
 
 
 @dataclass
@@ -134,6 +137,7 @@ class IncidentPipeline:
         killer: Killer | None,
         capture: CaptureFn = capture_all,
         on_incident: IncidentCallback | None = None,
+        alerts: Alerter | None = None,
     ) -> None:
         self.capture_policy = capture_policy
         self.serve_policy = serve_policy
@@ -142,6 +146,9 @@ class IncidentPipeline:
         self.killer = killer
         self.capture_fn = capture
         self.on_incident = on_incident
+        self.alerts = alerts
+        # incidents whose --on-incident command waits for the bundle (written on a later try)
+        self._command_waits: dict[str, dict[str, Any]] = {}
         self._pool = ThreadPoolExecutor(max_workers=serve_policy.incident_workers, thread_name_prefix="rankwatch-inc")
         self._futures: set[Future[IncidentResult]] = set()
         # bundles that could not be written yet (disk full, read-only): retried until they are
@@ -194,8 +201,8 @@ class IncidentPipeline:
         shared, incident_id = self.open(req)
         req = dataclasses.replace(req, incident_id=incident_id, shared=shared)
         ev = self.evidence(req, self.capture(req))
-        verdict = self.decide(req, ev)
-        path = self.publish(req, verdict, ev)
+        verdict, decided_here = self.decide(req, ev)
+        path = self.publish(req, verdict, ev, notify=decided_here)
         self.act(req)
         return IncidentResult(incident_id, verdict, path, ev.views)
 
@@ -244,14 +251,15 @@ class IncidentPipeline:
         ]
         views = enrich(merged, captures, self.capture_policy)
         fr = fr_evidence(captures)
-        outside = [*fr.lines, *self.gpu.device_notes()]
+        outside = [*fr.lines, *req.notes, *self.gpu.device_notes()]
         if ras_first is not None:
             time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
             outside += self.ras.evidence(ras_first, self.ras.query())
         return Evidence(views, captures, fr, outside)
 
-    def decide(self, req: IncidentRequest, ev: Evidence) -> dict[str, Any]:
-        """The verdict over this node's evidence, or over every node's through the leader."""
+    def decide(self, req: IncidentRequest, ev: Evidence) -> tuple[dict[str, Any], bool]:
+        """The verdict over this node's evidence, or over every node's through the leader; and whether this
+        node decided it (the webhooks hear of a multi-node incident once, from the node that decided)."""
 
         def decide_over(all_views: Sequence[RankView], notes: Sequence[str], correlation: str | None) -> dict[str, Any]:
             verdict = decide(
@@ -265,23 +273,31 @@ class IncidentPipeline:
             return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
 
         if req.correlator is None or req.shared is None:
-            return decide_over(ev.views, [], None)
+            return decide_over(ev.views, [], None), True
         verdict, how, decided_here = req.correlator.resolve(
             req.shared, ev.views, req.node, req.world_size, decide_over, stall_timeout_s=req.trigger.timeout_s
         )
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
         if decided_here:
-            return verdict
+            return verdict, True
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
             verdict, trigger=req.trigger, correlation=str(verdict.get("correlation") or how), local_views=ev.views
-        )
+        ), False
 
-    def publish(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> str | None:
-        """Bundle (or a place in the retry queue), log line with the whole verdict's gist, callback."""
+    def publish(
+        self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence, *, notify: bool = True
+    ) -> str | None:
+        """Bundle (or a place in the retry queue), log line with the whole verdict's gist, callback, alerts
+        (the webhooks now; the command once the bundle exists, on this node: it holds this node's stacks)."""
         path = self._write_bundle(req, verdict, ev)
         if path is None:
             self._keep_unwritten(req, verdict, ev)
+        if self.alerts is not None:
+            if path is None:
+                with self._unwritten_lock:
+                    self._command_waits[req.incident_id] = verdict
+            self.alerts.submit(verdict, path, notify=notify, command=path is not None)
         log.warning(
             "verdict",
             job=req.job_id,
@@ -350,6 +366,10 @@ class IncidentPipeline:
                 if path is None:
                     still.append((req, verdict, ev))
                     continue
+                with self._unwritten_lock:
+                    waiting_verdict = self._command_waits.pop(req.incident_id, None)
+                if self.alerts is not None and waiting_verdict is not None:
+                    self.alerts.submit(waiting_verdict, path, notify=False, command=True)
                 if self.on_late_bundle is not None:
                     try:
                         self.on_late_bundle(req.job_id, req.incident_id, path)

@@ -1,11 +1,13 @@
 """Prometheus metrics for the daemon: a collector that reads the daemon's state at scrape time.
 
-Nothing is updated on the poll path: every scrape builds fresh metric families from ``daemon.jobs``, so
-a daemon without a scraper pays nothing and the values are never older than the last poll. The poll
-loop runs in another thread; everything read here is either replaced wholesale by it (views, the
-incident) or copied in one C-level call (dicts, step deques), so a scrape never sees a half-updated
-structure. Scrape cost is bounded: at most ``WINDOW_STEPS`` steps per rank are read, and a job's
-straggler diagnosis is recomputed only when one of its ranks completed a step since the last scrape.
+Every scrape builds fresh metric families from ``daemon.jobs``, so the values are never older than the
+last poll; the only thing the poll path keeps for metrics is the step and phase histograms
+(``JobWatch.step_stats``, a few bucket increments per step read), since a histogram must count every
+step and a scrape only sees the recent ones. The poll loop runs in another thread; everything read here
+is either replaced wholesale by it (views, the incident, live stragglers) or copied in one C-level call
+(dicts, step deques, bucket counts), so a scrape never sees a half-updated structure. Scrape cost is
+bounded: at most ``WINDOW_STEPS`` steps per rank are read, and a job's straggler diagnosis is recomputed
+only when one of its ranks completed a step since the last scrape.
 
 Names follow Prometheus conventions: base units (seconds), ``_total`` on counters, and labels
 ``job_id``/``rank``/``phase``. Label values are bounded: ranks and declared phases (at most 16 per
@@ -14,16 +16,18 @@ rank record), states from a fixed set.
 
 from __future__ import annotations
 
+import json
 import socket
 import statistics
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
@@ -32,6 +36,7 @@ from rankwatch.hooks.record import StepTiming
 
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
 from ..core.straggler import Diagnosis, StragglerPolicy, diagnose_stragglers
+from ..core.straggler_live import reported
 from ..errors import UserError
 from .daemon import Daemon, JobEntry
 
@@ -68,6 +73,7 @@ def _window(steps: list[StepTiming]) -> list[StepTiming]:
 
 
 _Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
+_Histograms = dict[str, HistogramMetricFamily]
 
 
 # key, kind, metric name (counters without "_total": the client adds it), labels, help
@@ -91,8 +97,14 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
     ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label"),
      "1 for each rank the current straggler diagnosis names"),
-    ("info", "gauge", "rankwatch_rank_info", (*_R, "node", "pid"),
-     "Identity of a rank's process"),
+    ("live", "gauge", "rankwatch_live_straggler", (*_R, "phase", "label"),
+     "1 for each rank the live diagnosis has named on consecutive looks at the recent steps"),
+    ("live_since", "gauge", "rankwatch_live_straggler_since_timestamp_seconds", (*_R, "phase", "label"),
+     "Unix time a live straggler was first seen"),
+    ("info", "gauge", "rankwatch_rank_info", (*_R, "node"),
+     "Identity of a rank (no pid label: a restarted rank keeps its series)"),
+    ("pid", "gauge", "rankwatch_rank_pid", _R,
+     "Process id of the rank's process"),
     ("up", "gauge", "rankwatch_rank_up", _R,
      "1 while the rank's process exists (running or stopped)"),
     ("state", "gauge", "rankwatch_rank_state", (*_R, "state"),
@@ -109,14 +121,23 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "Collectives the rank has entered"),
     ("coll_done", "counter", "rankwatch_rank_collectives_completed", _R,
      "Collectives the rank has completed"),
-    ("last", "gauge", "rankwatch_step_duration_seconds", _R,
+    ("last", "gauge", "rankwatch_last_step_duration_seconds", _R,
      "Duration of the rank's last completed step"),
     ("med", "gauge", "rankwatch_step_duration_median_seconds", _R,
      f"Median step duration over the rank's last {WINDOW_STEPS} steps"),
-    ("phase_med", "gauge", "rankwatch_phase_duration_seconds", (*_R, "phase"),
+    ("phase_med", "gauge", "rankwatch_phase_duration_median_seconds", (*_R, "phase"),
      f"Median time per step in each phase over the rank's last {WINDOW_STEPS} steps"),
 )
-METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC)
+# histograms, cumulative over every step the daemon read (core.histogram)
+_HIST_SPEC: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("step_hist", "rankwatch_step_duration_seconds", _R,
+     "Duration of every step the daemon read"),
+    ("phase_hist", "rankwatch_phase_duration_seconds", (*_R, "phase"),
+     "Time per step in each phase, over every step that spent time in it"),
+)
+METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC) + tuple(
+    name + "_count" for _, name, _, _ in _HIST_SPEC
+)
 
 
 def _families() -> _Families:
@@ -157,6 +178,8 @@ class DaemonCollector(Collector):
 
     def _collect(self) -> Iterator[Metric]:
         m = _families()
+        hists: _Histograms = {key: HistogramMetricFamily(name, doc, labels=list(labels))
+                              for key, name, labels, doc in _HIST_SPEC}
         m["polls"].add_metric([], float(self.daemon.polls))
         n_jobs = 0
         for job_id, entry in list(self.daemon.jobs.items()):
@@ -164,15 +187,16 @@ class DaemonCollector(Collector):
                 continue
             n_jobs += 1
             try:
-                self._job(job_id, entry, m)
+                self._job(job_id, entry, m, hists)
             except Exception:  # one unreadable job never fails the scrape
                 self._errors += 1
                 log.exception("metrics_job_failed", job=job_id)
         m["jobs"].add_metric([], n_jobs)
         m["errors"].add_metric([], float(self._errors))
         yield from m.values()
+        yield from hists.values()
 
-    def _job(self, job_id: str, entry: JobEntry, m: _Families) -> None:
+    def _job(self, job_id: str, entry: JobEntry, m: _Families, hists: _Histograms) -> None:
         watch = entry.watch
         open_incident = entry.incident
         m["stalled"].add_metric([job_id], 1.0 if open_incident is not None else 0.0)
@@ -187,7 +211,8 @@ class DaemonCollector(Collector):
         rank_states = dict(list(watch.ranks.items()))
         for view in entry.last_views:
             labels = [job_id, str(view.rank)]
-            m["info"].add_metric([*labels, view.node, str(view.pid)], 1.0)
+            m["info"].add_metric([*labels, view.node], 1.0)
+            m["pid"].add_metric(labels, float(view.pid))
             m["up"].add_metric(labels, 1.0 if view.alive else 0.0)
             for s in RANK_STATES:
                 m["state"].add_metric([*labels, s], 1.0 if view.state == s else 0.0)
@@ -202,6 +227,18 @@ class DaemonCollector(Collector):
             m["steps"].add_metric(labels, float(view.step))
             m["coll_entered"].add_metric(labels, float(view.coll_seq))
             m["coll_done"].add_metric(labels, float(view.coll_done))
+
+        for rank, rank_hists in list(watch.step_stats.items()):
+            labels = [job_id, str(rank)]
+            buckets, total = rank_hists.step.cumulative()
+            hists["step_hist"].add_metric(labels, buckets, total)
+            for p, h in sorted(list(rank_hists.phases.items())):
+                buckets, total = h.cumulative()
+                hists["phase_hist"].add_metric([*labels, p], buckets, total)
+        for live in reported(entry.live_stragglers):
+            labels = [job_id, str(live.rank), live.phase, live.label]
+            m["live"].add_metric(labels, 1.0)
+            m["live_since"].add_metric(labels, live.since_unix)
 
         per_rank: dict[int, list[StepTiming]] = {}
         for rank, ring in list(watch.history.items()):
@@ -223,12 +260,40 @@ class DaemonCollector(Collector):
                 m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label], 1.0)
 
 
+def health(daemon: Daemon, now_ns: int | None = None) -> tuple[bool, dict[str, Any]]:
+    """Whether the poll loop made progress recently (``/healthz``, a Kubernetes liveness probe): a daemon
+    whose loop is wedged still answers HTTP from this thread, so "the port answers" proves nothing."""
+    policy = daemon.config.serve
+    limit_s = max(policy.health_max_poll_age_s, policy.health_max_poll_intervals * daemon.config.poll_interval_s)
+    last = daemon.last_poll_ns
+    now_ns = time.monotonic_ns() if now_ns is None else now_ns
+    age_s = None if last is None else round((now_ns - last) / 1e9, 3)
+    ok = age_s is not None and age_s <= limit_s
+    status = "ok" if ok else "starting" if last is None else "stale"
+    return ok, {"status": status, "polls": daemon.polls, "last_poll_age_s": age_s,
+                "limit_s": limit_s}
+
+
 class _Handler(BaseHTTPRequestHandler):
     registry: CollectorRegistry  # set on the per-server subclass
+    daemon: Daemon  # set on the per-server subclass
+
+    def _healthz(self) -> None:
+        ok, doc = health(self.daemon)
+        body = (json.dumps(doc) + "\n").encode()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
-            self.send_error(404, "try /metrics")
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self._healthz()
+            return
+        if path not in ("/", "/metrics"):
+            self.send_error(404, "try /metrics or /healthz")
             return
         try:
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
@@ -274,7 +339,8 @@ class MetricsServer:
 
 
 def serve_metrics(daemon: Daemon, addr: str, port: int) -> MetricsServer:
-    """Serve ``daemon``'s metrics on http://addr:port/metrics from a background thread.
+    """Serve ``daemon``'s metrics on http://addr:port/metrics, and ``/healthz`` (200 while the poll loop
+    makes progress, else 503), from a background thread.
 
     The registry is private (not prometheus_client's global one) so that two daemons in one process, or
     a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
@@ -286,7 +352,7 @@ def serve_metrics(daemon: Daemon, addr: str, port: int) -> MetricsServer:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     except (socket.gaierror, UnicodeError) as exc:
         raise UserError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
-    handler = type("MetricsHandler", (_Handler,), {"registry": registry})
+    handler = type("MetricsHandler", (_Handler,), {"registry": registry, "daemon": daemon})
     server_cls = type("MetricsServerSocket", (_Server,), {"address_family": family})
     try:
         server = server_cls((addr, port), handler)

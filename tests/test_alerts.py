@@ -1,0 +1,155 @@
+"""Alerts: the verdict POSTed to webhooks once per incident (retried, off the watchdog's loop) and the
+--on-incident command run on the bundle — with a real job, a real local HTTP receiver and real processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import bundle_dirs, run_demo_job, wait_for
+from rankwatch.watchdog.core.policy import AlertPolicy
+from rankwatch.watchdog.serve.alerts import Alerter
+
+
+class Receiver:
+    """A webhook endpoint on loopback that answers the first ``fail_first`` requests with ``fail_status``."""
+
+    def __init__(self, fail_first: int = 0, fail_status: int = 503, redirect: bool = False) -> None:
+        self.requests: list[tuple[str, dict, bytes]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests.append((self.path, dict(self.headers), body))
+                if redirect:
+                    self.send_response(307)
+                    self.send_header("Location", "http://127.0.0.1:1/elsewhere")
+                elif len(receiver.requests) <= fail_first:
+                    self.send_response(fail_status)
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/secret-token"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver(fail_first=1)
+    yield r
+    r.close()
+
+
+def hook_script(tmp_path: Path) -> tuple[Path, Path]:
+    log = tmp_path / "hook.log"
+    script = tmp_path / "on-incident.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for a; do last="$a"; done\n'
+        'printf "%s|%s|%s|%s|%s\\n" "$1" "$last" "$RANKWATCH_INCIDENT_ID" "$RANKWATCH_INITIATING_RANKS" "$#" '
+        f">> {log}\n"
+    )
+    script.chmod(0o700)
+    return script, log
+
+
+def test_incident_is_posted_once_and_the_command_gets_the_bundle(procs, tmp_path, receiver):
+    script, log = hook_script(tmp_path)
+    result, out, _ = run_demo_job(
+        procs, tmp_path, "alerts", 2, "--scenario", "input-hang", "--fault-rank", "1", "--fault-step", "4",
+        "--steps", "400",
+        options=("--stall-timeout", "3", "--on-stall", "kill", "--notify", receiver.url,
+                 "--on-incident", f"{script} --from-rankwatch"),
+    )
+    found = bundle_dirs(out / "incidents")
+    assert len(found) == 1, (result.stdout, result.stderr[-2000:])
+    verdict = json.loads((found[0] / "verdict.json").read_text())
+    # the receiver answered 503 once: the alert was retried, and delivered exactly once
+    assert len(receiver.requests) == 2, receiver.requests
+    path, headers, body = receiver.requests[-1]
+    assert path == "/hooks/secret-token" and headers["Content-Type"] == "application/json"
+    posted = json.loads(body)
+    assert posted["schema"] == "rankwatch.verdict/1"
+    assert posted["incident_id"] == verdict["incident_id"] and posted["initiating_ranks"] == [1]
+    assert "HANG" in posted["text"] and "rank 1" in posted["text"] and "\n" not in posted["text"]
+    assert posted["bundle"] == str(found[0])
+    # the command ran once, without a shell, with its own words first and the bundle path last
+    lines = log.read_text().splitlines()
+    assert lines == [f"--from-rankwatch|{found[0]}|{verdict['incident_id']}|1|2"], lines
+    # the URL's secret path is never logged
+    assert "secret-token" not in result.stderr
+
+
+def test_failing_webhooks_and_commands_never_block_the_caller(tmp_path):
+    """A receiver that accepts and never answers, one that refuses with 4xx (not retried) and one that
+    redirects (not followed); a command that hangs with a child: all bounded, all logged, none fatal."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    refusing, redirecting = Receiver(fail_first=99, fail_status=400), Receiver(redirect=True)
+    pidfile = tmp_path / "child.pid"
+    hang = tmp_path / "hang.sh"
+    hang.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    hang.chmod(0o700)
+    policy = AlertPolicy(notify_timeout_s=0.5, notify_attempts=2, notify_backoff_s=0.1, command_timeout_s=1.0)
+    urls = [f"http://127.0.0.1:{silent.getsockname()[1]}/x", refusing.url, redirecting.url]
+    alerts = Alerter(urls, [str(hang)], policy)
+    try:
+        verdict = {"schema": "rankwatch.verdict/1", "incident_id": "i-1", "kind": "hang", "initiating_ranks": [0],
+                   "confidence": "high", "reason": "r", "job_id": "j"}
+        alerts.submit(verdict, str(tmp_path))
+        assert refusing.requests == []  # submit only queued it
+        alerts.close(timeout_s=60)
+        assert len(refusing.requests) == 1  # a 400 is not retried
+        assert len(redirecting.requests) == 2  # a redirect is a failure (retried), never followed
+        child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 10))
+        # the timed-out command's whole process group was killed, its child included
+        assert wait_for(lambda: not _alive(child), 10), "the command's child survived its timeout"
+    finally:
+        silent.close()
+        refusing.close()
+        redirecting.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_alert_queue_is_bounded():
+    gate, entered = threading.Event(), threading.Event()
+    sent: list[str] = []
+
+    def post(url: str, body: bytes, timeout_s: float) -> int:
+        entered.set()
+        gate.wait(30)  # a webhook that takes its time
+        sent.append(json.loads(body)["incident_id"])
+        return 200
+
+    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=3), post=post)
+    alerts.submit({"incident_id": "i-0", "kind": "hang", "initiating_ranks": []}, None)
+    assert entered.wait(30)
+    for i in range(1, 10):
+        alerts.submit({"incident_id": f"i-{i}", "kind": "hang", "initiating_ranks": []}, None)
+    gate.set()
+    alerts.close(timeout_s=30)
+    # the first was in flight; of the rest only the newest 3 were kept
+    assert sent[0] == "i-0" and sent[-3:] == ["i-7", "i-8", "i-9"] and len(sent) == 4, sent

@@ -1,0 +1,149 @@
+"""Stragglers during the run: which diagnoses persist long enough to be reported, and when they end.
+
+The daemon diagnoses each job's recent steps every ``LiveStragglerPolicy.every_s`` (``core.straggler``
+over the last ``window_steps``); this module turns that series of diagnoses into events. A rank and phase
+named by ``confirm`` consecutive diagnoses is a live straggler ("started", with the step and time it was
+first named); one that ``confirm`` consecutive diagnoses no longer name has ended. One diagnosis alone
+never reports or clears anything, so a burst seen once does not page anyone and a straggler does not
+flap. Pure: the daemon logs the events, exports the metric and puts them into an incident's evidence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .ranks import fmt_ranks
+from .straggler import Diagnosis
+from .text import NAME, PROSE, clean
+
+
+@dataclass(frozen=True)
+class LiveStragglerPolicy:
+    # how often a job's recent steps are diagnosed: one diagnosis of 8 ranks × 100 steps costs a few ms of
+    # the poll loop; every 2 s reports a straggler within ~5 s of it being visible in the window
+    every_s: float = 2.0
+    # steps diagnosed live: enough for ``StragglerPolicy.min_slow_steps`` and a pattern of every 4–10 steps,
+    # few enough that a straggler that starts mid-run shows within ~100 steps
+    window_steps: int = 100
+    # below this many common steps a live diagnosis says nothing (start-up, or a job too slow to judge yet)
+    min_steps: int = 20
+    # consecutive diagnoses that must agree before a straggler is reported, or reported as ended
+    confirm: int = 2
+
+
+@dataclass(frozen=True)
+class LiveStraggler:
+    rank: int
+    label: str
+    phase: str
+    since_step: int  # the first slow step the first naming diagnosis saw
+    since_unix: float  # wall time of that diagnosis
+    why: str
+    seen: int = 1  # consecutive diagnoses that named it
+    missed: int = 0  # consecutive diagnoses that did not, since it was last named
+    reported: bool = False
+
+    def doc(self) -> dict[str, Any]:
+        """The JSON form (status, state file)."""
+        return {
+            "rank": self.rank,
+            "label": self.label,
+            "phase": self.phase,
+            "since_step": self.since_step,
+            "since_unix": round(self.since_unix, 3),
+            "why": self.why,
+        }
+
+
+    @classmethod
+    def from_doc(cls, doc: object) -> LiveStraggler | None:
+        """Back from ``doc()`` as read from a file (the daemon's state file): None unless well-typed; strings
+        are cleaned and bounded here, so what ``straggler_line`` builds is safe to print."""
+        if not isinstance(doc, dict):
+            return None
+        rank, step, since = doc.get("rank"), doc.get("since_step"), doc.get("since_unix")
+        strings = [doc.get(k) for k in ("label", "phase", "why")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, step)):
+            return None
+        if not isinstance(since, int | float) or isinstance(since, bool) or not 0 <= since < 1e11:
+            return None
+        if not all(isinstance(v, str) for v in strings):
+            return None
+        label, phase, why = (clean(v, n) for v, n in zip(strings, (NAME, NAME, PROSE), strict=True))
+        return cls(int(rank), label, phase, int(step), float(since), why, reported=True)  # type: ignore[arg-type]
+
+
+Key = tuple[int, str]
+Event = tuple[str, LiveStraggler]  # ("started" | "ended", straggler)
+
+
+def update_live(
+    prev: Mapping[Key, LiveStraggler],
+    diag: Diagnosis,
+    policy: LiveStragglerPolicy,
+    now_unix: float | None = None,
+) -> tuple[dict[Key, LiveStraggler], list[Event]]:
+    """The next live state after one diagnosis, and the events it caused."""
+    now = time.time() if now_unix is None else now_unix
+    named: dict[Key, LiveStraggler] = {}
+    if "STRAGGLER" in diag.label and diag.phase:
+        since = diag.pattern.get("since_step", diag.pattern.get("first_slow_step"))
+        for r in diag.straggler_ranks:
+            named[(r, diag.phase)] = LiveStraggler(
+                r, diag.label, diag.phase, int(since) if isinstance(since, int) else -1, now, diag.why
+            )
+    out: dict[Key, LiveStraggler] = {}
+    events: list[Event] = []
+    for key, s in prev.items():
+        if key in named:
+            fresh = named.pop(key)
+            s = replace(s, seen=s.seen + 1, missed=0, why=fresh.why, label=fresh.label)
+            if not s.reported and s.seen >= policy.confirm:
+                s = replace(s, reported=True)
+                events.append(("started", s))
+            out[key] = s
+            continue
+        s = replace(s, missed=s.missed + 1, seen=0 if not s.reported else s.seen)
+        if s.missed >= policy.confirm:
+            if s.reported:
+                events.append(("ended", s))
+            continue  # forgotten
+        out[key] = s
+    for key, s in named.items():
+        if policy.confirm <= 1:
+            s = replace(s, reported=True)
+            events.append(("started", s))
+        out[key] = s
+    return out, events
+
+
+def reported(state: Mapping[Key, LiveStraggler]) -> list[LiveStraggler]:
+    """The live stragglers worth showing: confirmed, by rank."""
+    return sorted((s for s in state.values() if s.reported), key=lambda s: (s.rank, s.phase))
+
+
+def straggler_line(s: LiveStraggler, now_unix: float | None = None) -> str:
+    """One line for ``rankwatch status`` and an incident's evidence (values are the diagnosis's own)."""
+    now = time.time() if now_unix is None else now_unix
+    ago = max(0.0, now - s.since_unix)
+    when = time.strftime("%H:%M:%SZ", time.gmtime(s.since_unix))
+    since = f"since step {s.since_step}, " if s.since_step >= 0 else ""
+    return f"{fmt_ranks([s.rank])}: {s.label} in {s.phase} — {since}first seen {when} ({ago:.0f} s ago): {s.why}"
+
+
+def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float | None = None) -> list[str]:
+    """Evidence lines for an incident: the ranks that were live stragglers when the job stalled."""
+    return [f"before the stall, {straggler_line(s, now_unix)}" for s in reported(state)]
+
+
+__all__ = [
+    "LiveStraggler",
+    "LiveStragglerPolicy",
+    "incident_notes",
+    "reported",
+    "straggler_line",
+    "update_live",
+]

@@ -1,0 +1,112 @@
+"""What a job's watchdog publishes for ``rankwatch status``: open incident, stalled ranks, recent incidents.
+
+``status`` is a separate process (often another user, or root on call): it reads the ranks' records
+itself, but only the watchdog knows whether an incident is open and what its verdict said. The watchdog
+writes ``watchdog.json`` (``rankwatch.state/1``) beside the job's records — owner-only, replaced
+atomically, handed to the job dir's owner when a root daemon writes it — and, for a daemon, a copy under
+its own ``--out`` (``<out>/<job>/state.json``), which a root daemon without ``CAP_DAC_OVERRIDE`` can
+always write. It is rewritten when its content changes, else every ``ServePolicy.state_refresh_s``, so
+its age tells ``status`` whether the watchdog is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from rankwatch.hooks.files import atomic_write_in
+
+from ..core.schema import STATE_SCHEMA
+from ..core.text import NAME, PROSE, clean
+
+log = structlog.get_logger("rankwatch.state")
+
+STATE_FILE = "watchdog.json"  # in the job's shm dir
+OUT_STATE_FILE = "state.json"  # in <daemon out>/<job>/
+MAX_STATE_BYTES = 256 * 1024
+
+
+def incident_ref(verdict: Mapping[str, Any], *, bundle: str | None = None) -> dict[str, Any]:
+    """The gist of a decided incident, as status shows it."""
+    ranks = verdict.get("initiating_ranks")
+    return {
+        "incident_id": clean(verdict.get("incident_id"), NAME),
+        "kind": clean(verdict.get("kind"), NAME),
+        "initiating_ranks": [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else [],
+        "phase": clean(verdict["phase"], NAME) if isinstance(verdict.get("phase"), str) else None,
+        "confidence": clean(verdict.get("confidence"), NAME),
+        "reason": clean(verdict.get("reason"), PROSE),
+        "bundle": bundle,
+    }
+
+
+def state_doc(
+    *,
+    job_id: str,
+    mode: str,
+    on_stall: str,
+    stall_timeout_s: float,
+    stalled: Sequence[int],
+    open_incident: dict[str, Any] | None,
+    incidents: Sequence[dict[str, Any]],
+    stragglers: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """The state document, without the time it is written (so two polls' documents compare equal)."""
+    return {
+        "schema": STATE_SCHEMA,
+        "job_id": job_id,
+        "watchdog_pid": os.getpid(),
+        "watchdog_host": clean(socket.gethostname(), NAME),
+        "mode": mode,
+        "on_stall": on_stall,
+        "stall_timeout_s": round(stall_timeout_s, 3),
+        "stalled_ranks": list(stalled),
+        "open_incident": open_incident,
+        "incidents": list(incidents),
+        "stragglers": list(stragglers),
+    }
+
+
+class StatePublisher:
+    """Writes each job's state when it changed or is due; a write that fails is logged once per job and
+    retried at the next refresh (status then falls back to what the records show)."""
+
+    def __init__(self, refresh_s: float, out_dir: str | None) -> None:
+        self.refresh_s = refresh_s
+        self.out_dir = out_dir  # daemon: also <out>/<job>/state.json
+        self._last: dict[str, tuple[dict[str, Any], float]] = {}
+        self._failed: set[tuple[str, str]] = set()
+
+    def publish(self, job_id: str, job_dir: str, doc: dict[str, Any], *, force: bool = False) -> None:
+        now = time.monotonic()
+        last = self._last.get(job_id)
+        if not force and last is not None and last[0] == doc and now - last[1] < self.refresh_s:
+            return
+        self._last[job_id] = (doc, now)
+        data = json.dumps({**doc, "updated_unix": round(time.time(), 3)}, indent=1).encode()
+        self._write(job_id, job_dir, STATE_FILE, data, owner_of=job_dir)
+        if self.out_dir is not None:
+            job_out = os.path.join(self.out_dir, job_id)
+            try:
+                os.makedirs(job_out, mode=0o700, exist_ok=True)
+            except OSError:
+                pass
+            self._write(job_id, job_out, OUT_STATE_FILE, data, owner_of=None)
+
+    def forget(self, job_id: str) -> None:
+        self._last.pop(job_id, None)
+
+    def _write(self, job_id: str, directory: str, name: str, data: bytes, owner_of: str | None) -> None:
+        try:
+            uid = os.stat(owner_of, follow_symlinks=False).st_uid if owner_of else None
+            atomic_write_in(directory, name, data, uid=uid)
+            self._failed.discard((job_id, directory))
+        except OSError as exc:
+            if (job_id, directory) not in self._failed:
+                self._failed.add((job_id, directory))
+                log.info("state_unwritable", job=job_id, dir=directory, error=exc.strerror or str(exc))
