@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from .. import logs
 from ..cluster.auth import load_secret
@@ -16,7 +15,15 @@ from ..core.policy import ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
-from .options import add_watch_options, alerter_from_args, count_or_all, policies_from_args, port, seconds_or_never
+from .options import (
+    add_shm_dir,
+    add_watch_options,
+    alerter_from_args,
+    count_or_all,
+    policies_from_args,
+    port,
+    seconds_or_never,
+)
 from .parser import Parser
 
 if TYPE_CHECKING:
@@ -28,11 +35,7 @@ log = structlog.get_logger("rankwatch.daemon")
 
 def build_parser() -> Parser:
     p = Parser(prog="rankwatch daemon", description="Watch every job under the shm dir on this node.")
-    p.add_argument(
-        "--shm-dir",
-        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
-        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
-    )
+    add_shm_dir(p)
     p.add_argument(
         "--out",
         default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),

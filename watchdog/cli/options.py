@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 
+from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
+
 from ..core.policy import CapturePolicy, StallPolicy
 from ..errors import UserError
 from ..serve.alerts import Alerter, check_command, check_url
@@ -66,6 +68,14 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+def add_shm_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shm-dir",
+        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
+        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
+    )
 
 
 def add_watch_options(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR, sanitize_job_id
+from rankwatch.hooks.jobinfo import sanitize_job_id
 from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
 from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
 from ..report.text import headline, int_ranks, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
-from .options import add_watch_options, alerter_from_args, policies_from_args
+from .options import add_shm_dir, add_watch_options, alerter_from_args, policies_from_args
 from .parser import Parser
 from .torchrun_args import TorchrunCommand, inject_hooks
 
@@ -41,11 +41,7 @@ def build_parser() -> Parser:
     )
     p.add_argument("--out", default="rankwatch-out", help="output dir for summary and incidents (default: %(default)s)")
     p.add_argument("--run-name", default=None, help="job id (default: torchrun's --rdzv-id, else generated)")
-    p.add_argument(
-        "--shm-dir",
-        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
-        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
-    )
+    add_shm_dir(p)
     p.add_argument("--quiet", action="store_true", help="no log lines on stderr, only incidents and the summary")
     add_watch_options(p)
     return p

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 from rankwatch.hooks.files import read_in
-from rankwatch.hooks.jobinfo import DEFAULT_SHM_DIR
 
 from .. import logs
 from ..core.detect import stalled_ranks
@@ -31,18 +30,14 @@ from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
 from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE
-from .options import positive_float
+from .options import add_shm_dir, positive_float
 from .parser import Parser
 
 
 def build_parser() -> Parser:
     p = Parser(prog="rankwatch status", description="The jobs on this node: open incidents, stalled ranks, a "
                "per-rank table and the straggler diagnosis.")
-    p.add_argument(
-        "--shm-dir",
-        default=os.environ.get("RANKWATCH_SHM_DIR", DEFAULT_SHM_DIR),
-        help="where the ranks' records live (default: $RANKWATCH_SHM_DIR or %(default)s)",
-    )
+    add_shm_dir(p)
     p.add_argument(
         "--daemon-out",
         default=os.environ.get("RANKWATCH_OUT", "/var/lib/rankwatch"),
