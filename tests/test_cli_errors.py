@@ -138,5 +138,8 @@ def test_torchrun_root_cause_note():
     note = torchrun_root_cause_note([VERDICT], torchrun_code=1)
     assert "torchrun's 'Root Cause (first observed failure)'" in note and "rankwatch: rank 2 initiated" in note
     assert "rank 2 is stuck" in note
+    assert "often one that failed because of the initiator" in note
+    killed = torchrun_root_cause_note([VERDICT], torchrun_code=1, killed=True)
+    assert "--on-stall kill sent SIGTERM" in killed and "rankwatch: rank 2 initiated" in killed
     assert torchrun_root_cause_note([VERDICT], torchrun_code=0) == ""  # torchrun printed no Root Cause
     assert torchrun_root_cause_note([{**VERDICT, "initiating_ranks": []}], torchrun_code=1) == ""

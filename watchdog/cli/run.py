@@ -238,7 +238,7 @@ def _wait(proc: subprocess.Popen[bytes], on_interrupt: Callable[[], None]) -> in
                 proc.kill()
 
 
-def torchrun_root_cause_note(verdicts: list[dict[str, Any]], torchrun_code: int) -> str:
+def torchrun_root_cause_note(verdicts: list[dict[str, Any]], torchrun_code: int, *, killed: bool = False) -> str:
     """When torchrun failed it prints its own "Root Cause (first observed failure)": the failed rank with
     the earliest exit it observed, in whole seconds, ties in rank order — usually a rank that failed
     *because of* the initiator (a lost peer, a collective timeout), and never a rank that hung and was
@@ -247,11 +247,16 @@ def torchrun_root_cause_note(verdicts: list[dict[str, Any]], torchrun_code: int)
     if torchrun_code == 0 or not decided:
         return ""
     v = decided[0]
+    which = (
+        "and here rankwatch's --on-stall kill sent SIGTERM to the ranks still running, which torchrun counts "
+        "as failures"
+        if killed
+        else "often one that failed because of the initiator"
+    )
     return (
         "note: torchrun's 'Root Cause (first observed failure)' above is the first failed rank torchrun saw "
-        "exit (exit times in whole seconds, ties in rank order), often one that failed because of the "
-        f"initiator; rankwatch: {fmt_ranks(int_ranks(v.get('initiating_ranks')))} initiated the failure — "
-        f"{clean(v.get('reason'), PROSE)}\n"
+        f"exit (exit times in whole seconds, ties in rank order), {which}; rankwatch: "
+        f"{fmt_ranks(int_ranks(v.get('initiating_ranks')))} initiated the failure — {clean(v.get('reason'), PROSE)}\n"
     )
 
 
@@ -281,6 +286,6 @@ def _write_summary(
     )
     where = f"summary: {summary_path}\n" if summary_path else "summary: NOT WRITTEN (see the log)\n"
     # the summary text starts with the incidents' headlines; the recap adds where each bundle is
-    note = torchrun_root_cause_note(entry.verdicts if entry else [], torchrun_code)
+    note = torchrun_root_cause_note(entry.verdicts if entry else [], torchrun_code, killed=daemon.killed(job_id))
     sys.stdout.write("\n" + text + where + recap + note)
     sys.stdout.flush()

@@ -27,6 +27,7 @@ class Killer:
     def __init__(self, procs: ProcessTable, policy: KillPolicy) -> None:
         self.procs = procs
         self.policy = policy
+        self.killed_jobs: set[str] = set()  # jobs whose ranks this killer signalled (the run's last words)
 
     def kill_job(self, job_id: str, ranks: Sequence[Identity]) -> threading.Thread:
         """SIGTERM + SIGCONT to every live verified rank now; SIGKILL to what is left after ``term_grace_s``."""
@@ -34,6 +35,8 @@ class Killer:
         procs.track_descendants(ranks)  # a last scan while the ranks are alive and still their children's parent
         family = {r: procs.descendants(r) for r in ranks}
         termed = [r for r in ranks if procs.send_signal(r, signal.SIGTERM)]
+        if termed:
+            self.killed_jobs.add(job_id)
         for r in termed:
             procs.send_signal(r, signal.SIGCONT)
         log.warning(

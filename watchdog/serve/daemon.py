@@ -446,6 +446,11 @@ class Daemon:
             if n:
                 log.info("stale_dumps_removed", job=job, files=n)
 
+    def killed(self, job_id: str) -> bool:
+        """Whether ``--on-stall kill`` signalled this job's ranks."""
+        killer = self.pipeline.killer
+        return killer is not None and job_id in killer.killed_jobs
+
     def quiesce(self) -> None:
         """Open no new incident from now on (incidents in flight finish): the job is stopped on purpose."""
         self._quiet = True
