@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
 import textwrap
 import time
@@ -24,6 +25,7 @@ from conftest import (
     run_demo_job,
     skip_if_gloo_teardown_abort,
     torchrun_args,
+    wait_for,
 )
 from rankwatch.hooks.record import CANONICAL_PHASES, StepTiming, read_record
 from rankwatch.hooks.tracker import Tracker
@@ -523,7 +525,7 @@ def test_real_job_time_lost_and_input_bound(procs, tmp_path, name, demo_args, wa
             assert pipe["workers"] == 2 and pipe["batch_ms"] >= 60.0, pipe
 
 
-def test_live_straggler_is_logged_and_named_when_it_hangs(procs, tmp_path):
+def test_live_straggler_is_logged_shown_in_status_and_named_when_it_hangs(procs, tmp_path):
     # rank 1's loader is 40 ms slower on every batch for ~200 steps, then it hangs in its loader
     job_id = "live-strag"
     out, shm = tmp_path / "out", tmp_path / "shm"
@@ -531,10 +533,26 @@ def test_live_straggler_is_logged_and_named_when_it_hangs(procs, tmp_path):
             "--fault-step", "200", "--steps", "400")
     cmd = rankwatch_cmd("run", "--out", str(out), "--shm-dir", str(shm), "--json-logs", "--stall-timeout", "4",
                         "--on-stall", "kill", "--", *torchrun_args(2, job_id, DEMO, *demo))
-    result = procs.run(cmd, timeout=300, text=True)
-    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    # the logs go to files: nobody reads a pipe while `rankwatch status` is polled beside the run
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        run = procs.start(cmd, stdout=so, stderr=se)
+
+        def live_in_status():
+            done = subprocess.run(rankwatch_cmd("status", "--shm-dir", str(shm), "--json"), capture_output=True,
+                                  text=True, timeout=60)
+            jobs = json.loads(done.stdout)["jobs"] if done.returncode == 0 else []
+            return next((j["stragglers"] for j in jobs if j["stragglers"]), None) or (run.poll() is not None)
+
+        seen = wait_for(live_in_status, 240, interval=1.0)
+        run.wait(timeout=300)
+    stderr = (tmp_path / "stderr").read_text()
+    # `rankwatch status` showed it while the job ran, with the step it started at
+    assert isinstance(seen, list), "status never showed the live straggler"
+    assert (seen[0]["rank"], seen[0]["label"], seen[0]["phase"]) == (1, "INPUT STRAGGLER", "dataloader"), seen
+    assert seen[0]["since_step"] >= 0 and "rank 1" in seen[0]["line"]
+    events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     detected = [e for e in events if e.get("event") == "straggler_detected"]
-    assert detected, result.stderr[-3000:]
+    assert detected, stderr[-3000:]
     assert (detected[0]["rank"], detected[0]["label"], detected[0]["phase"]) == (1, "INPUT STRAGGLER", "dataloader")
     (bundle,) = bundle_dirs(out / "incidents")
     verdict = json.loads((bundle / "verdict.json").read_text())
