@@ -156,3 +156,40 @@ def test_a_peer_that_is_not_the_rank_is_refused(job_dir):
         assert responder.allowed(0) and responder.allowed(os.geteuid()) and not responder.allowed(54321)
     finally:
         responder.close()
+
+
+# -- a rank whose GIL is held by a C call --------------------------------------------------------------
+HOLDER = """
+import ctypes, sys, time
+from rankwatch.hooks.responder import DumpResponder
+r = DumpResponder(sys.argv[1], 0)
+r.start()
+print("ready", flush=True)
+if sys.argv[2] == "gil":
+    ctypes.PyDLL(None).sleep(60)  # PyDLL keeps the GIL through the call: no other thread runs
+else:
+    while True:  # a Python loop holds the GIL too, but yields it every switch interval
+        pass
+"""
+
+
+@pytest.mark.skipif(capture.pyspy_available() is None, reason="py-spy not installed")
+@pytest.mark.parametrize("mode", ["gil", "loop"])
+def test_a_gil_held_in_a_c_call_does_not_hold_up_the_capture(job_dir, procs, mode):
+    proc = procs.start([sys.executable, "-c", HOLDER, str(job_dir), mode], text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)  # let the child reach the C call / the loop
+    # a responder timeout far longer than the test may take: waiting it out would show
+    policy = capture.CapturePolicy(responder_timeout_s=120.0)
+    t0 = time.monotonic()
+    cap = capture._capture_one(0, proc.pid, False, str(job_dir), "tok", policy)
+    took = time.monotonic() - t0
+    assert cap.pyspy_threads, cap.pyspy_error
+    if mode == "gil":
+        # py-spy's stack stands; the responder, which cannot run, is not waited for
+        assert cap.responder_stacks is None and "holds the GIL in a C call" in str(cap.responder_error)
+        assert took < 60
+    else:
+        # the normal case keeps the responder's answer
+        assert cap.responder_error is None and cap.responder_stacks["pid"] == proc.pid
+        assert "GIL" not in " ".join(cap.notes)

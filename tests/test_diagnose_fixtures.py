@@ -22,6 +22,10 @@ EXPECTED: dict[str, tuple[list[int], str]] = {
     "logdir_dead_rank_r1/fx4_e9xs5ipa/attempt_0": ([1], "dead_rank"),  # per-rank files alone
     "logdir_input_hang_r3": ([3], "hang"),
     "logdir_input_hang_r3/fx5_5pi475zf/attempt_0": ([3], "hang"),
+    # real console logs without --tee (torchrun's stderr; README "Real consoles")
+    "console/uneven_data_r1.log": ([1], "dead_rank"),  # absent from the failure report: it had exited 0
+    "console/uneven_data_sigtermed.log": ([], "hang"),  # the early leaver was SIGTERMed like the rest
+    "console/skipped_collective_gloo_abort.log": ([], "collective_mismatch"),  # gloo aborts the receiver
     # templated NCCL / CUDA / Slurm / kernel formats
     "templated/nccl_behind_r2.log": ([2], "hang"),
     "templated/nccl_optype_mismatch_r1.log": ([1], "collective_mismatch"),

@@ -352,3 +352,51 @@ def test_grouping_is_a_partition(infos: list[SourceInfo]) -> None:
     placed = [i for job in g.jobs for i in job] + g.ungrouped
     assert sorted(placed) == list(range(len(infos)))
     assert all(job for job in g.jobs) and (g.jobs or not infos)
+
+
+# -- accuracy suite: a worker missing from torchrun's failure report had exited 0 ---------------------------
+def report(rank: int, code: int, sig: str | None, line: int) -> ev.Event:
+    """One failure-report entry (host, rank = local rank on one node)."""
+    return ev.Event(ev.EXIT, "c.log", line, "t", rank=rank, local_rank=rank, host="n1", pid=100 + rank,
+                    exitcode=code, signal=sig, detail="Signal 15" if sig else "To enable traceback")
+
+
+def test_a_rank_missing_from_the_report_between_victims_left_early() -> None:
+    # ranks 0 and 2 lost their peer and exited 1; rank 1 printed nothing and torchrun does not list it
+    events = [E(ev.PEER_LOST, r, detail="peer") for r in (0, 2)] + [report(0, 1, None, 40), report(2, 1, None, 50)]
+    d = diagnose_evidence(collect(events))
+    assert (d.initiating_ranks, d.kind) == ([1], "dead_rank") and "left early" in d.reason
+    assert any("rank 1 is not in this failure report" in q for q in d.evidence)
+
+
+def test_a_missing_rank_is_exited_when_the_report_lists_the_ranks_torchrun_terminated() -> None:
+    # torch elastic listed every rank it SIGTERMed: the one it does not list was gone already; one peer
+    # lost it, the other waited silently (a tie between waiting and silent is not the evidence)
+    events = [E(ev.PEER_LOST, 0, detail="peer")]
+    events += [report(0, 1, None, 40), report(2, -15, "SIGTERM", 50), report(3, -15, "SIGTERM", 60)]
+    d = diagnose_evidence(collect(events))
+    assert (d.initiating_ranks, d.kind) == ([1], "dead_rank")
+
+
+def test_a_missing_rank_proves_nothing_when_it_may_still_have_been_running() -> None:
+    # ranks 0 and 2 timed out (not a lost peer) and no SIGTERM entry shows torchrun lists the workers it
+    # stops: rank 1 may have been hung and then stopped (older torch lists neither) — not "left early"
+    events = [E(ev.GLOO_TIMEOUT, r, detail="x") for r in (0, 2)] + [report(0, 1, None, 40), report(2, 1, None, 50)]
+    d = diagnose_evidence(collect(events))
+    assert "left early" not in d.reason and 1 not in collect(events).ranks
+    # nor is a rank above the highest listed one seen (the report does not give nproc)
+    events = [E(ev.PEER_LOST, r, detail="peer") for r in (0, 1)] + [report(0, 1, None, 40), report(1, 1, None, 50)]
+    assert 2 not in collect(events).ranks
+
+
+def test_a_sigabrt_next_to_an_unclaimed_gloo_enforce_is_the_mismatch_not_a_crash() -> None:
+    # gloo's size enforcement: std::terminate prints it with no rank prefix; the receiver dies by SIGABRT
+    enforce = ev.Event(ev.SIZE_MISMATCH, "c.log", 5, "t", detail="received 131716 bytes, expected 4")
+    events = [enforce, E(ev.EXIT, 3, exitcode=-6, signal="SIGABRT", ts=100.0)]
+    events += [E(ev.PEER_LOST, r, detail="peer") for r in (1, 2)] + [E(ev.EXIT, 0, exitcode=-15, signal="SIGTERM")]
+    d = diagnose_evidence(collect(events))
+    assert (d.initiating_ranks, d.kind, d.decided) == ([], "collective_mismatch", False)
+    assert "rank 3 received a message of the wrong size" in d.reason
+    # without the enforce line the same SIGABRT is still that rank's own crash
+    d = diagnose_evidence(collect(events[1:]))
+    assert (d.initiating_ranks, d.kind) == ([3], "dead_rank")

@@ -319,3 +319,22 @@ def test_without_a_flight_recorder_odd_collective_counts_explain_an_abort_inside
     # a rank that is merely behind, still computing, is not blamed for a peer's death inside a collective
     lagging = [*views[:2], dataclasses.replace(views[2], phase="forward"), views[3]]
     assert verdict(lagging)["kind"] == "dead_rank"
+
+
+def test_odd_collective_counts_explain_an_abort_when_the_flight_recorder_names_nobody():
+    # rank 1 skipped the metrics all_reduce; gloo aborted the receiver (rank 0, no mark) and rank 3 crashed
+    # on the lost peer: only ranks 1 and 2 dumped, and their sizes at seq 17 differ 1 against 1 — a tie
+    from rankwatch.watchdog.core.fr_analysis import Mismatch
+    from rankwatch.watchdog.core.verdict import FrHints
+
+    views = [
+        rv(0, state="dead", phase="collective", coll_seq=6, coll_done=5, exit_age_s=0.09, exit_order=0),
+        rv(1, phase="backward", coll_seq=5, coll_done=5),
+        rv(2, phase="collective", coll_seq=6, coll_done=5),
+        rv(3, state="crashed", phase="idle", coll_seq=6, coll_done=6, exit_age_s=0.09, exit_cause=PEER_LOST),
+    ]
+    tie = Mismatch(pg="0", seq=17, kind="size", variants={"in [[263425]]": (1,), "in [[1]]": (2,)}, odd_ranks=())
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
+               fr_hints=FrHints(ranks=(1, 2), mismatches=(tie,))).to_json()
+    assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [1]), v["reason"]
+    assert any("the flight recorder agrees there is a mismatch" in e for e in v["evidence"])

@@ -27,6 +27,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -66,6 +67,9 @@ class Expect:
     offline: bool  # does the console log hold the evidence that names the rank?
     offline_why: str
     straggler: bool = False  # no incident is right; the run summary must name the rank
+    # offline holds only when torchrun's failure report leaves the rank out (it had exited 0 before the
+    # others failed); a rank still shutting down when torchrun's SIGTERM came is listed like the rest
+    offline_if_unreported: bool = False
 
 
 # One table: fault → expected kind / rank (always the faulting rank) / phase, with the reason.
@@ -180,7 +184,11 @@ FAULTS: dict[str, Expect] = {
         "its loader runs out: it leaves the loop after fewer steps and exits normally (exit code 0) while the "
         "others still train and then wait for, or lose, it. It initiated the stall although it ended cleanly",
         True,
-        "every other rank fails with a lost-peer error and torchrun lists them; only this rank exits 0",
+        "where it exited 0 before the others failed: torchrun's failure report lists every rank that ended "
+        "non-zero (those it terminated included) and leaves it out, while the others lose their peer. When it "
+        "was still shutting down at torchrun's SIGTERM it is listed like the rest and the log cannot tell it "
+        "from a silent waiting rank: n/a",
+        offline_if_unreported=True,
     ),
     "gil-hold": Expect(
         "gil-hold",
@@ -407,6 +415,7 @@ def run_one(
         "notes": [],
         "code": code_version(),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load1": round(os.getloadavg()[0], 2),  # the machine's 1-min load average as the run starts
     }
     timeout = 240 + 120 * (hogs > 0) + 60 * (nodes > 1)
     t0 = time.time()
@@ -494,6 +503,8 @@ def run_one(
         logs.append(str(console))
         record.setdefault("stdout_tail", []).append(job_lines[-1500:])
     record["console_bytes"] = sum(os.path.getsize(p) for p in logs)
+    entry = re.compile(rf"^\s*rank\s*:\s*{rank}\s*\(local_rank", re.M)
+    record["culprit_in_report"] = any(entry.search(Path(p).read_text(errors="replace")) for p in logs)
     try:
         p = subprocess.run(rankwatch_cmd("diagnose", "--json", *logs), capture_output=True, text=True, timeout=120)
         doc = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
@@ -523,7 +534,8 @@ def score(r: dict[str, Any], e: Expect) -> dict[str, Any]:
     v, rank = r["verdict"], r["rank"]
     off = r.get("offline") or {}
     off_named = off.get("initiating_ranks") or []
-    s: dict[str, Any] = {"offline_named": off_named, "offline": (off_named == [rank]) if e.offline else None}
+    applies = e.offline and not (e.offline_if_unreported and r.get("culprit_in_report", True))
+    s: dict[str, Any] = {"offline_named": off_named, "offline": (off_named == [rank]) if applies else None}
     if e.straggler:
         summ = r.get("summary") or {}
         named = (v.get("initiating_ranks") or []) if v else (summ.get("straggler_ranks") or [])
@@ -584,7 +596,13 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + f", {meta['wall_min']:.1f} min; models {', '.join(meta['models'])}; "
         f"positions {', '.join(meta['positions'])}; hogs {meta['hogs']}; repeats {meta['repeats']}; "
         f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
-        f"{meta['machine']}",
+        f"{meta['machine']}"
+        + (
+            f" Load average (1 min) at each run's start: median {statistics.median(loads):.1f}, "
+            f"{min(loads):.1f}–{max(loads):.1f}."
+            if (loads := [r["load1"] for r in all_runs if r.get("load1") is not None])
+            else ""
+        ),
         "",
         "Code measured (last commit to watchdog/, hooks/, examples/ at the run's start; +dirty: uncommitted "
         "edits in watchdog/ or hooks/): "

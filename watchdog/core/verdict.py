@@ -801,11 +801,12 @@ def _abort_on_mismatch(found: dict[str, _Finding | None], present: Sequence[Rank
 
 
 def _abort_with_odd_counts(found: dict[str, _Finding | None], present: Sequence[RankView]) -> None:
-    """No flight recorder to ask (every rank died before capture), but the first death is a rank killed
-    without any mark inside a collective while the ranks' Python-level collective counts disagree: gloo
-    aborted the receiver of a mismatched collective. The rank whose count is the odd one out sent it."""
-    exits = found.get("exits")
-    if exits is None or found.get("flight_recorder") is not None:
+    """No flight recorder that names anyone (every rank died before capture, or too few dumped for a
+    majority: the receiver died and its peer crashed), but the first death is a rank killed without any
+    mark inside a collective while the ranks' Python-level collective counts disagree: gloo aborted the
+    receiver of a mismatched collective. The rank whose count is the odd one out sent it."""
+    exits, fr = found.get("exits"), found.get("flight_recorder")
+    if exits is None or (fr is not None and fr.initiators):
         return
     dead = [v for v in present if v.rank in set(exits.initiators)]
     if not dead or any(v.state != DEAD or v.phase != "collective" for v in dead):
@@ -825,7 +826,12 @@ def _abort_with_odd_counts(found: dict[str, _Finding | None], present: Sequence[
         f"{fmt_ranks(odd)} issued a different number of collectives than the others ({counts}); "
         f"{fmt_ranks(v.rank for v in dead)} then died without an exit mark inside a collective — gloo aborts "
         "the rank that receives a mismatched collective",
-        [*exits.evidence, f"python-level collective counts: {counts}"],
+        [
+            *exits.evidence,
+            f"python-level collective counts: {counts}",
+            *([f"the flight recorder agrees there is a mismatch but names nobody: {fr.reason}"]
+              if fr is not None and fr.kind == "collective_mismatch" else []),
+        ],
         rule="exits",
     )
 

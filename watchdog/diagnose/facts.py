@@ -14,6 +14,7 @@ from . import events as ev
 
 MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
 MAX_SEEN_FILES = 10_000
+MAX_REPORTS = 1024  # failure reports (file, host) whose entries are kept to find absent workers
 
 
 @dataclass
@@ -117,6 +118,8 @@ class Collector:
         self._pid_to_rank: dict[int, int] = {}
         self._agent_pids: set[int] = set()
         self._unattributed_count: Counter[str] = Counter()
+        # torch elastic failure-report entries per (file, host): one agent's report, by local rank
+        self._reported: dict[tuple[str, str | None], dict[int, ev.Event]] = {}
 
     def add(self, e: ev.Event) -> None:
         E = self.evidence
@@ -139,6 +142,10 @@ class Collector:
             self._local_any.setdefault(e.local_rank, set()).add(e.rank)
         if e.family == ev.EXIT and e.rank is not None and e.pid is not None:
             self._pid_to_rank[e.pid] = e.rank
+        if e.family == ev.EXIT and e.rank is not None and e.local_rank is not None and e.detail != ev.FIRST_NOTICED:
+            report = self._reported.setdefault((e.file, e.host), {}) if len(self._reported) < MAX_REPORTS else {}
+            if len(report) < MAX_PENDING:
+                report[e.local_rank] = e
         if e.rank is not None:
             E.facts(e.rank).add(e)
             return
@@ -176,6 +183,9 @@ class Collector:
         for pid, r in other._pid_to_rank.items():
             self._pid_to_rank.setdefault(pid, r)
         self._agent_pids.update(other._agent_pids)
+        for key, report in other._reported.items():
+            if key in self._reported or len(self._reported) < MAX_REPORTS:
+                self._reported.setdefault(key, {}).update(report)
 
     def note_file(self, name: str) -> None:
         if len(self.evidence.files) < MAX_SEEN_FILES:
@@ -218,7 +228,51 @@ class Collector:
             r = self._pid_to_rank.get(pid)
             if r is not None:
                 E.facts(r).agent_terminated = True
+        for e in self._absent_workers(E):
+            if e.rank is not None and (e.rank not in E.ranks or E.ranks[e.rank].exit is None):
+                E.facts(e.rank).add(e)
         return E
+
+    def _absent_workers(self, E: Evidence) -> list[ev.Event]:
+        """Workers missing from their agent's failure report: they had exited 0. Its local ranks are
+        0 … nproc-1 with global rank = local rank + the node's offset, so a local rank below the highest
+        listed one is a worker that did not end non-zero. That it had *exited 0*, and was not merely still
+        running, holds when either
+        * the report lists ranks ended by SIGTERM: that torch elastic records the workers it terminated
+          after the first failure (torch ≥ 2.x bookkeeping), so a worker still running would be listed; or
+        * every listed rank lost its connection to a peer: a peer went away while they all still ran,
+          and the missing worker is the only one that is not one of the victims.
+        A rank that exits 0 while its peers still need it is uneven data or an early return. A rank missing
+        above the highest listed one cannot be seen: the report does not give nproc."""
+        out: list[ev.Event] = []
+        for report in self._reported.values():
+            offsets = {e.rank - lr for lr, e in report.items() if e.rank is not None}
+            terminated = any(e.signal == "SIGTERM" for e in report.values())
+            victims = all(
+                e.rank in E.ranks and E.ranks[e.rank].counts[ev.PEER_LOST] and not E.ranks[e.rank].has(ev.PRIMARY)
+                for e in report.values()
+            )
+            if len(offsets) != 1 or not (terminated or victims):
+                continue
+            (offset,) = offsets
+            anchor = min(report.values(), key=lambda e: e.line)
+            for lr in range(max(report)):
+                if lr not in report and offset + lr >= 0:
+                    out.append(
+                        replace(
+                            anchor,
+                            text=f"(rank {offset + lr} is not in this failure report: it had exited 0)",
+                            rank=offset + lr,
+                            local_rank=lr,
+                            pid=None,
+                            ts=None,
+                            exitcode=0,
+                            signal=None,
+                            root_cause=False,
+                            detail="not in torchrun's failure report: it had exited 0",
+                        )
+                    )
+        return out
 
 
 def collect(events: list[ev.Event]) -> Evidence:

@@ -6,7 +6,9 @@ what logs can show):
    initiator, earliest first. The others' timeouts and "connection closed by peer" are downstream.
    A SIGABRT is NCCL's watchdog aborting its process after a timeout (``core.failures.abort_role``):
    a consequence when the rank's own lines show the watchdog, or when it aborted together with peers
-   whose watchdog fired; only an abort with neither is a candidate.
+   whose watchdog fired; only an abort with neither is a candidate. A SIGABRT next to a gloo size
+   enforcement that no rank prefix claims (``std::terminate`` prints it unprefixed) is gloo's abort of
+   the receiving rank: a mismatch (rule 2), not a crash.
    torchrun's "Root Cause (first observed failure)" is only the first exit it *noticed*; it often
    names a rank that was merely waiting, so it is never taken on its own word when better evidence
    exists.
@@ -19,7 +21,8 @@ what logs can show):
    nobody else issued (an extra / rank-conditional collective, one more batch). If those others are
    known to have reached that collective's number, the lone ranks arrived late instead (behind, low
    confidence). The other way round — a minority finished while the majority timed out — the minority
-   left early (uneven data, an early return).
+   left early (uneven data, an early return). A rank missing from its agent's failure report had
+   exited 0 (``facts.Collector._absent_workers``); it left early when every other rank ended badly.
 4. Behind: the rank(s) whose last enqueued collective is lower than the others'.
 5. Outside: ranks that did not wait themselves (printed no timeout or lost peer; only being *told* by the
    store that a peer timed out does not count) while a majority waited never entered the collective.
@@ -126,6 +129,10 @@ def _finished(f: RankFacts) -> bool:
     return f.exit is None or f.exit.exitcode == 0 or f.exit.signal == "SIGTERM"
 
 
+def _ended_nonzero(f: RankFacts) -> bool:
+    return f.exit is not None and (f.exit.signal is not None or (f.exit.exitcode or 0) != 0)
+
+
 def _last_seq(f: RankFacts) -> int | None:
     """The highest collective number the rank is known to have entered."""
     vals = [v for v in (f.status.enqueued if f.status else None, f.nccl_timeout.seq if f.nccl_timeout else None)
@@ -144,13 +151,33 @@ def _aborted_with_timed_out_peers(E: Evidence, f: RankFacts, p: Policy) -> bool:
     return False
 
 
+def _unowned_size_mismatch(E: Evidence) -> ev.Event | None:
+    """A gloo size enforcement that no rank prefix claims. Gloo raises it in its own thread as a C++
+    ``EnforceNotMet`` that nothing catches: ``std::terminate`` prints it without torchrun's or torch's
+    ``[rankN]:`` prefix and the process dies by SIGABRT, so it belongs to a rank that died by SIGABRT."""
+    return next((e for e in E.unattributed if e.family == ev.SIZE_MISMATCH), None)
+
+
+def _enforce_aborted(E: Evidence | None, f: RankFacts) -> bool:
+    """Died by SIGABRT while the log holds an unclaimed gloo size enforcement: gloo's abort of a
+    mismatched collective on the receiving rank, a consequence of the mismatch, not its own crash."""
+    return (
+        E is not None
+        and f.exit is not None
+        and f.exit.signal == "SIGABRT"
+        and not f.has(ev.PRIMARY)
+        and _unowned_size_mismatch(E) is not None
+    )
+
+
 def _unexplained_death(f: RankFacts, p: Policy, E: Evidence | None = None) -> bool:
     """Died by a fatal signal nobody sent, with no peer trouble of its own to explain it. A SIGABRT is
-    judged by ``core.failures.abort_role``: NCCL's watchdog aborts after a timeout."""
+    judged by ``core.failures.abort_role``: NCCL's watchdog aborts after a timeout, gloo after a size
+    enforcement."""
     if f.exit is None or f.exit.signal not in p.fatal_signals or f.agent_terminated:
         return False
     if f.exit.signal == "SIGABRT":
-        own = f.has(ev.WATCHDOG) or _is_waiting(f) or f.has(ev.MISMATCH)
+        own = f.has(ev.WATCHDOG) or _is_waiting(f) or f.has(ev.MISMATCH) or _enforce_aborted(E, f)
         peers = E is not None and _aborted_with_timed_out_peers(E, f, p)
         return abort_role(own, peers) == INITIATING
     return not _is_waiting(f)
@@ -491,8 +518,11 @@ def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
                 would_decide="the expected call order (code review) or flight-recorder dumps from each rank",
             )
     det = [r for r in known if facts[r].counts[ev.SIZE_MISMATCH]]
-    if det:
-        e = facts[det[0]].first[ev.SIZE_MISMATCH]
+    unowned = _unowned_size_mismatch(E)
+    if not det and unowned is not None:
+        det = [r for r in known if _enforce_aborted(E, facts[r])]  # the receiver(s) gloo aborted
+    e = facts[det[0]].first.get(ev.SIZE_MISMATCH) or unowned if det else None
+    if e is not None:
         return Diagnosis(
             kind="collective_mismatch",
             initiating_ranks=[],
@@ -527,9 +557,15 @@ def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
     if not inside or not out:
         return None
     odd = outside_majority({"in a collective": inside, "in none": out})
+    silent = [r for r in known if r not in inside and r not in out]
+    if odd is None and fin and not idle:
+        # the others all ended badly (waited / lost a peer, or stopped non-zero while waiting silently):
+        # the few that exited 0 among them left while they still needed them
+        rest = [r for r in known if r not in out]
+        if all(_is_waiting(facts[r]) or _ended_nonzero(facts[r]) for r in rest):
+            odd = outside_majority({"still needed": rest, "in none": out})
     if odd is None:
         return None
-    silent = [r for r in known if r not in inside and r not in out]
     seqs = [v for r in inside if (v := _last_seq(facts[r])) is not None]
     n = max(seqs) if seqs else None
     others = [v for r in out if (v := _last_seq(facts[r])) is not None]
@@ -587,7 +623,7 @@ def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
         confidence="medium",
         reason=(
             f"{fmt_ranks(odd)} left early — exited normally while its peers were still mid-step (uneven data, "
-            f"an early return): {fmt_ranks(inside)} then timed out waiting{coll}" + silent_note
+            f"an early return): {fmt_ranks(inside)} then timed out waiting for it or lost it{coll}" + silent_note
         ),
         next_action=(
             f"find why {fmt_ranks(odd)} ran out of work first: uneven shards (DistributedSampler drop_last, "

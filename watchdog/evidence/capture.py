@@ -112,10 +112,14 @@ class DumpRequest:
     def __init__(self, sock: socket.socket, deadline: float = 0.0) -> None:
         self.sock = sock
         self.deadline = deadline
+        self.received = 0  # bytes of the answer read so far (0: the responder has not started answering)
         self._buf = bytearray()
 
     def extend(self, deadline: float) -> None:
         self.deadline = max(self.deadline, deadline)
+
+    def shorten(self, deadline: float) -> None:
+        self.deadline = min(self.deadline, deadline)
 
     def cancel(self) -> None:
         """Wake a reader blocked on the answer (it then fails with 'did not answer in time')."""
@@ -140,6 +144,7 @@ class DumpRequest:
                 continue
             if not chunk:
                 raise EOFError
+            self.received += len(chunk)
             self._buf += chunk
             return
 
@@ -232,6 +237,17 @@ def collect_dump(req: DumpRequest, deadline: float, cap: RankCapture) -> None:
         cap.notes.append("flight recorder: " + got["fr_err"].decode("utf-8", "replace"))
 
 
+def gil_held_idle(threads: object) -> str | None:
+    """The name of a thread that holds the GIL while not running (py-spy's ``owns_gil`` and not ``active``):
+    it sits in a C call that did not release the GIL, so no other thread of the process — the dump
+    responder included — can run until that call returns. A thread that holds the GIL while *running*
+    (a Python loop) gives it up every switch interval, so the responder still answers there."""
+    for t in _threads(threads):
+        if t.get("owns_gil") is True and t.get("active") is False:
+            return clean(t.get("thread_name") or t.get("os_thread_id"), NAME)
+    return None
+
+
 def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     cap = RankCapture(rank=rank, pid=pid)
     deadline = time.monotonic() + policy.responder_timeout_s
@@ -253,10 +269,19 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
     if reader is not None and not isinstance(asked, str):
         # py-spy pauses the rank while it reads it: the responder gets a little time after that
         asked.extend(time.monotonic() + COLLECT_GRACE_S)
+        holder = gil_held_idle(threads)
+        if holder is not None and asked.received == 0:
+            # the responder cannot run before that C call returns: waiting out its timeout only delays the
+            # verdict, and py-spy already has the stacks
+            asked.shorten(time.monotonic() + COLLECT_GRACE_S)
         reader.join(max(asked.deadline - time.monotonic(), 0.0) + 1.0)
         if reader.is_alive():
             asked.cancel()
             reader.join()
+        if holder is not None and cap.responder_error is not None and cap.responder_stacks is None:
+            cap.responder_error = (
+                f"dump responder did not answer: thread {holder} holds the GIL in a C call, so it cannot run"
+            )
     if cap.pyspy_error:
         log.warning("pyspy_failed", rank=rank, pid=pid, error=cap.pyspy_error)
     return cap
