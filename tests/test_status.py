@@ -39,7 +39,7 @@ def start_ranks(procs, shm: Path, job: str, stall_rank: int, world: int = 2):
 
 def test_status_shows_the_open_incident_and_the_stalled_rank(procs, tmp_path, shm_dir):
     out = tmp_path / "out"
-    start_daemon(procs, shm_dir, out, stall="3", poll="0.3")
+    daemon = start_daemon(procs, shm_dir, out, stall="3", poll="0.3")
     start_ranks(procs, shm_dir, "jobS", stall_rank=1)
 
     def open_incident():
@@ -61,19 +61,21 @@ def test_status_shows_the_open_incident_and_the_stalled_rank(procs, tmp_path, sh
     text = status(shm_dir)
     assert "OPEN INCIDENT" in text.stdout and "HANG" in text.stdout and "initiating rank 1" in text.stdout
     assert "STALLED: rank 1" in text.stdout
-    # the daemon goes away: its last word is shown as such, not as the present
-    doc = json.loads(state.read_text())
-    doc["updated_unix"] -= 600
-    state.write_text(json.dumps(doc))
-    (out / "jobS" / "state.json").unlink()
-    job = status_json(shm_dir)["jobs"][0]
-    assert job["watchdog"]["state"] == "stale" and job["watchdog"]["age_s"] >= 600
-    assert "silent for" in status(shm_dir).stdout
+    # the daemon goes away (killed: nothing rewrites its files from here on)
+    procs.kill(daemon)
     # a root daemon that cannot write into a user's job dir: status reads the copy under its --out
     state.unlink()
-    wait_for(lambda: (out / "jobS" / "state.json").exists(), 10)
+    assert status_json(shm_dir)["jobs"][0]["watchdog"]["state"] == "none"
     job = status_json(shm_dir, daemon_out=out)["jobs"][0]
-    assert job["open_incident"]["initiating_ranks"] == [1]
+    assert job["open_incident"]["initiating_ranks"] == [1] and job["watchdog"]["mode"] == "daemon"
+    # an old state file is the watchdog's last word, shown as such, not as the present
+    copy = out / "jobS" / "state.json"
+    doc = json.loads(copy.read_text())
+    doc["updated_unix"] -= 600
+    copy.write_text(json.dumps(doc))
+    job = status_json(shm_dir, daemon_out=out)["jobs"][0]
+    assert job["watchdog"]["state"] == "stale" and job["watchdog"]["age_s"] >= 600
+    assert "silent for" in status(shm_dir, daemon_out=out).stdout
 
 
 def one_rank(procs, shm: Path, job: str) -> None:
