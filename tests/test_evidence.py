@@ -7,14 +7,18 @@ The NVML stand-in and the RAS replay server are the ones of tests/test_nvml_prob
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 from pathlib import Path
 
 import pytest
+from rankwatch.watchdog.cluster.store import fr_share, node_doc, parse_evidence_doc
+from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.fr_trace import compact_dump, parse_dump
 from rankwatch.watchdog.core.verdict import FrBehind, FrHints, decide
 from rankwatch.watchdog.evidence import flight_recorder as evidence_mod
 from rankwatch.watchdog.evidence.capture import RankCapture
-from rankwatch.watchdog.evidence.flight_recorder import fr_evidence
+from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, fr_hints, with_remote
 from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.evidence.ras import RasWatch
 from test_nccl_ras import RasServer
@@ -318,3 +322,97 @@ def test_of_the_ranks_behind_in_the_flight_recorder_the_one_with_nothing_in_flig
                                             FrBehind("0", 3, 17, 19, "all_reduce")))
     v = verdict(views, fr_hints=fr)
     assert (v["initiating_ranks"], v["decided_by"]) == ([3], "flight_recorder")
+
+
+# -- the recorder across nodes: a broadcast root behind yet waiting (real gloo dumps) ---------------
+
+
+def _broadcast_views():
+    """The live views of the accuracy suite's miss: DDP broadcasts a model's buffers at the start of each
+    forward, so with rank 2 stuck in its input pipeline on node 1, the broadcast's root (rank 0) waits
+    inside forward while ranks 1 and 3 got the data and wait in backward's all-reduce."""
+    return [
+        rv(0, node="n0", phase="forward", waiting=True),
+        rv(1, node="n0", waiting=True),
+        rv(2, node="n1", phase="dataloader", waiting=False),
+        rv(3, node="n1", waiting=True),
+    ]
+
+
+def test_a_waiting_broadcast_root_is_not_named_when_the_recorder_covers_only_its_own_node():
+    caps = captures("broadcast_root")
+    leader_only = fr_evidence({r: caps[r] for r in (0, 1)})
+    assert leader_only.hints is not None and leader_only.hints.behind_ranks == (0,)
+    v = verdict(_broadcast_views(), fr_hints=leader_only.hints)
+    assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "dataloader"), v["reason"]
+    assert v["decided_by"] == "waiting" and v["flight_recorder"]["role"] == "none"
+
+
+def test_the_leader_reads_the_other_nodes_recorder_from_its_evidence_and_decides_on_every_rank():
+    caps = captures("broadcast_root")
+    views = _broadcast_views()
+    leader = fr_evidence({r: caps[r] for r in (0, 1)})
+    follower = fr_evidence({r: caps[r] for r in (2, 3)})
+    share = fr_share(follower.traces, per_pg=64, budget_bytes=2 << 20)
+    raw = json.dumps(node_doc(1, "n1", 0, views[2:], "evidence", flight_recorder=share)).encode()
+    answer = parse_evidence_doc(raw)
+    assert sorted(answer.fr) == [2, 3] and not answer.notes
+    merged = with_remote(leader, answer.fr)
+    # the same hints as if every dump had been local
+    assert merged.hints == fr_evidence(caps).hints
+    assert merged.traces.keys() == {0, 1}  # the bundle keeps this node's own dumps only
+    v = verdict(views, fr_hints=merged.hints)
+    assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("hang", [2], "high"), v["reason"]
+    assert v["decided_by"] == "flight_recorder" and v["flight_recorder"]["ranks"] == [0, 1, 2, 3]
+    assert any(e.startswith("waiting agrees") for e in v["evidence"]), v["evidence"]
+
+
+def test_compacted_traces_keep_the_newest_entries_and_the_counters():
+    trace = fr_evidence(captures("broadcast_root")).traces[1]
+    back = parse_dump(compact_dump(trace, per_pg=2), rank=1)
+    assert [e.collective_seq_id for e in back.entries] == [3, 4]
+    assert back.pg_status == trace.pg_status and back.pg_config == trace.pg_config
+    assert back.entries == trace.entries[-2:]
+    # the analysis over cut traces still says who is behind and who never joined
+    caps = fr_evidence(captures("skip"))
+    cut = {r: parse_dump(compact_dump(t, per_pg=1), rank=r) for r, t in caps.traces.items()}
+    hints = fr_hints(analyze_fr(cut))
+    assert hints.behind_ranks == (2,) and [m.missing for m in hints.missing] == [(2,)]
+
+
+def test_a_nodes_share_shrinks_to_fit_and_is_dropped_when_nothing_fits():
+    real = fr_evidence(captures("broadcast_root")).traces[1]
+    # a long-running rank: 200 collectives in its ring buffer
+    e = real.entries[0]
+    long = dataclasses.replace(real, entries=tuple(
+        dataclasses.replace(e, record_id=i, collective_seq_id=i + 1) for i in range(200)
+    ))
+    traces = {0: long, 1: long}
+
+    def kept(share):
+        return [len(share[k]["entries"]) for k in sorted(share)]
+
+    assert kept(fr_share(traces, per_pg=64, budget_bytes=2 << 20)) == [64, 64]
+    size_of_16 = len(json.dumps(fr_share(traces, per_pg=16, budget_bytes=2 << 20), separators=(",", ":")))
+    assert kept(fr_share(traces, per_pg=64, budget_bytes=size_of_16)) == [16, 16]  # halved twice to fit
+    assert fr_share(traces, per_pg=64, budget_bytes=100) == {}
+
+
+def test_hostile_recorder_entries_in_a_nodes_evidence_are_refused_one_by_one():
+    caps = captures("broadcast_root")
+    traces = fr_evidence(caps).traces
+    share = fr_share({2: traces[2]}, per_pg=64, budget_bytes=2 << 20)
+    share["0"] = share["2"]  # node 1 speaking for the leader's rank 0
+    share["3"] = {"version": "2.10", "entries": {"not": "a list"}}
+    share["x; rm -rf /"] = share["2"]
+    share["1e9"] = "\x80\x04pickle"
+    doc = node_doc(1, "n1", 0, _broadcast_views()[2:], "evidence", flight_recorder=share)
+    answer = parse_evidence_doc(json.dumps(doc).encode())
+    assert sorted(answer.fr) == [2]
+    assert [v.rank for v in answer.views] == [2, 3]
+    text = "\n".join(answer.notes)
+    assert "rank 0, not one of its ranks" in text and "rank 3's flight recorder rejected" in text
+    assert "is not a rank" in text
+    doc["flight_recorder"] = ["not", "an", "object"]
+    answer = parse_evidence_doc(json.dumps(doc).encode())
+    assert answer.fr == {} and [v.rank for v in answer.views] == [2, 3] and answer.notes

@@ -7,7 +7,9 @@ import json
 import time
 
 import pytest
-from conftest import DEMO, free_port, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+from conftest import DEMO, REPO, free_port, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+
+TRANSFORMER = str(REPO / "examples" / "transformer_demo.py")
 
 
 def start_node(
@@ -18,6 +20,7 @@ def start_node(
     store_port: int,
     scenario_args: list[str],
     extra: tuple[str, ...] = (),
+    script: str = DEMO,
 ):
     out, shm = tmp_path / f"out{node_rank}", tmp_path / f"shm{node_rank}"
     cmd = rankwatch_cmd(
@@ -35,7 +38,7 @@ def start_node(
         "--json-logs",
         *extra,
         "--",
-        *torchrun_args(2, "mn", DEMO, *scenario_args, nnodes=2, node_rank=node_rank, master_port=master_port),
+        *torchrun_args(2, "mn", script, *scenario_args, nnodes=2, node_rank=node_rank, master_port=master_port),
     )
     return procs.start(cmd, text=True), out
 
@@ -79,6 +82,36 @@ def test_both_nodes_agree_on_the_initiating_rank(procs, tmp_path, scenario, rank
     # the leader's end-of-run summary covers the ranks of both nodes
     summary0 = json.loads((nodes[0][1] / "summary.json").read_text())
     assert set(summary0["ranks"]) == {"0", "1", "2", "3"}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "kind", "phase"),
+    [("input-hang", "hang", "dataloader"), ("skipped-collective", "collective_mismatch", None)],
+)
+def test_the_leader_weighs_the_other_nodes_flight_recorder(procs, tmp_path, scenario, kind, phase):
+    """A transformer under DDP broadcasts its buffers at the start of every forward: with rank 2 (node 1)
+    stuck, rank 0 — the broadcast's root — waits one collective behind its node's peer, and on its own
+    node's recorder alone looks like the rank that is late. The leader must read node 1's recorder too."""
+    master, store = free_port(), free_port()
+    args = ["--scenario", scenario, "--fault-rank", "2", "--fault-step", "4", "--steps", "400", "--pg-timeout-s", "60"]
+    nodes = [
+        start_node(procs, tmp_path, k, master, store, args, ("--on-stall", "kill"), script=TRANSFORMER)
+        for k in (0, 1)
+    ]
+    for proc, _ in nodes:
+        try:
+            proc.wait(timeout=240)
+        except Exception:
+            pass
+    found = [verdicts(out) for _, out in nodes]
+    assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
+    v0, v1 = found[0][0], found[1][0]
+    assert (v0["kind"], v0["initiating_ranks"]) == (kind, [2]), "\n".join([v0["reason"], *v0["evidence"]])
+    if phase:
+        assert v0["phase"] == phase
+    assert v0["flight_recorder"]["ranks"] == [0, 1, 2, 3] and v0["decided_by"] == "flight_recorder"
+    for key in ("incident_id", "kind", "initiating_ranks", "reason"):
+        assert v0[key] == v1[key], key
 
 
 def test_leader_still_reports_when_the_other_nodes_watchdog_is_killed(procs, tmp_path):
@@ -132,7 +165,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
         [view],
         "n1",
         4,
-        lambda vs, notes, how: decide(
+        lambda vs, notes, how, remote_fr: decide(
             vs, job_id="g", incident_id="inc", detected_after_s=1.0, extra_evidence=notes
         ).to_json(),
     )

@@ -36,7 +36,7 @@ def view(rank: int, *, phase: str = "forward", since: float = 0.2, state: str = 
 
 
 def decide_fn(job: str):
-    def fn(views, notes, how):
+    def fn(views, notes, how, remote_fr):
         doc = decide(views, job_id=job, incident_id="inc", detected_after_s=1.0, extra_evidence=list(notes)).to_json()
         doc["correlation"] = how
         return doc

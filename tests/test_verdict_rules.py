@@ -338,3 +338,20 @@ def test_odd_collective_counts_explain_an_abort_when_the_flight_recorder_names_n
                fr_hints=FrHints(ranks=(1, 2), mismatches=(tie,))).to_json()
     assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [1]), v["reason"]
     assert any("the flight recorder agrees there is a mismatch" in e for e in v["evidence"])
+
+
+def test_a_rank_one_collective_short_that_waits_on_its_peers_skipped_one():
+    # rank 2 skipped the loop's metrics all_reduce (#6) the others wait in, went on to the next forward and
+    # blocks in DDP's buffer broadcast there (a torch.distributed frame on top of its stack): not computing,
+    # so not a hang in forward but a collective only some ranks call — with no flight recorder to say so
+    others = dict(phase="collective", coll_seq=6, coll_done=5, waiting=True)
+    views = [rv(0, **others), rv(1, **others), rv(2, phase="forward", coll_seq=5, coll_done=5, waiting=True),
+             rv(3, **others)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [2]), v["reason"]
+    assert "skipped collective #6 (all_reduce)" in v["reason"]
+    # the same counts while rank 2 computes (its stack is its own code, or unknown): it is just late
+    for waiting in (False, None):
+        late = [*views[:2], dataclasses.replace(views[2], waiting=waiting), views[3]]
+        v = verdict(late)
+        assert (v["kind"], v["initiating_ranks"]) == ("hang", [2]), v["reason"]

@@ -5,7 +5,9 @@ Protocol under ``rankwatch/<job-id>/`` in a TCPStore hosted by the leader (the n
 * ``node/<k>``            each poll, node k's compact snapshot of its ranks (O(nodes) traffic per poll);
 * ``incident/<gen>``      claimed with compare-and-set by the first node to detect incident ``gen``;
 * ``incident/current``    a pointer to the newest claim, the one key every node polls;
-* ``evidence/<gen>/<k>``  node k's captured evidence (rank views with stacks) for that incident;
+* ``evidence/<gen>/<k>``  node k's captured evidence for that incident: rank views with stacks, and its
+                          ranks' newest flight-recorder entries, so the leader compares every rank's
+                          recorder and not only its own node's;
 * ``verdict/<gen>``       the leader's verdict over all nodes' evidence, copied into every bundle.
 
 Only durations, step counts and collective sequence numbers cross nodes, never clock readings. A node
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ import structlog
 from rankwatch.hooks.record import StepTiming
 
 from ..core.detect import progressing_here
+from ..core.fr_trace import RankTrace
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
@@ -41,7 +44,9 @@ from .store import (
     JobStore,
     StoreError,
     ValueRejected,
+    fr_share,
     node_doc,
+    parse_evidence_doc,
     parse_json,
     parse_node_doc,
     v_float,
@@ -51,8 +56,9 @@ from .store import (
 
 log = structlog.get_logger("rankwatch.correlate")
 
-# (views of every node, evidence notes, how the nodes agreed) → the finalized verdict document
-DecideFn = Callable[[Sequence[RankView], Sequence[str], "str | None"], dict[str, Any]]
+# (views of every node, evidence notes, how the nodes agreed, the other nodes' flight-recorder traces by
+# rank) → the finalized verdict document
+DecideFn = Callable[[Sequence[RankView], Sequence[str], "str | None", Mapping[int, RankTrace]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -353,29 +359,34 @@ class Correlator:
         decide: DecideFn,
         *,
         stall_timeout_s: float | None = None,
+        local_fr: Mapping[int, RankTrace] | None = None,
     ) -> tuple[dict[str, Any], str, bool]:
-        """(verdict, how it was reached, decided by this node). Publishes this node's evidence; the leader
-        decides for all. A verdict taken from the leader (decided_here False) is returned as published,
-        for the caller to finalize with this node's own ranks. Without a secret a leader's verdict that
-        names as initiator a local rank progressing within ``stall_timeout_s`` is refused, and this node
-        decides over its own ranks."""
+        """(verdict, how it was reached, decided by this node). Publishes this node's evidence (with its
+        ranks' flight-recorder traces, ``local_fr``); the leader decides for all. A verdict taken from the
+        leader (decided_here False) is returned as published, for the caller to finalize with this node's
+        own ranks. Without a secret a leader's verdict that names as initiator a local rank progressing
+        within ``stall_timeout_s`` is refused, and this node decides over its own ranks."""
         self.handled_gen = max(self.handled_gen, inc.gen)
         store = self.store
         if store is None or inc.gen == 0:
             why = f"local only: store unreachable ({self.error})"
-            return decide(local_views, [why], why), why, True
+            return decide(local_views, [why], why, {}), why, True
+        share = fr_share(local_fr or {}, self.policy.fr_shared_per_pg, self.policy.fr_shared_bytes)
         try:
             store.set_json(
-                f"evidence/{inc.gen}/{self.node_rank}", node_doc(self.node_rank, node, 0, local_views, "evidence")
+                f"evidence/{inc.gen}/{self.node_rank}",
+                node_doc(self.node_rank, node, 0, local_views, "evidence", flight_recorder=share),
             )
         except StoreError as exc:
             self._lost(exc)
             why = f"local only: could not publish evidence ({exc})"
-            return decide(local_views, [why], why), why, True
+            return decide(local_views, [why], why, {}), why, True
         if self.leader:
-            views, notes = self._gather(store, inc, local_views, world_size, self.policy.evidence_timeout_s)
+            views, notes, remote_fr = self._gather(
+                store, inc, local_views, world_size, self.policy.evidence_timeout_s
+            )
             how = f"leader node {self.node_rank} over {self._heard} node(s)"
-            verdict = decide(views, notes, how)
+            verdict = decide(views, notes, how, remote_fr)
             try:
                 store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict, self.policy.slim_verdict_above_ranks))
             except StoreError as exc:
@@ -417,24 +428,27 @@ class Correlator:
                     progressing_here=healthy[:16],
                     stall_timeout_s=stall_timeout_s,
                 )
-                return decide(local_views, [why], why), why, True
+                return decide(local_views, [why], why, {}), why, True
             time.sleep(0.1)
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
             if rejected
             else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
         )
-        views, notes = local_views, [why]
+        views, notes, remote_fr = local_views, [why], {}
         if self.store is not None:
-            views, more = self._gather(self.store, inc, local_views, world_size, 0.0)
+            views, more, remote_fr = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
-        return decide(views, notes, why), why, True
+        return decide(views, notes, why, remote_fr), why, True
 
     def _gather(
         self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float
-    ) -> tuple[list[RankView], list[str]]:
-        """Every node's evidence for this incident, waiting up to ``wait_s`` for all ranks to be covered."""
+    ) -> tuple[list[RankView], list[str], dict[int, RankTrace]]:
+        """Every node's evidence for this incident, waiting up to ``wait_s`` for all ranks to be covered;
+        and the other nodes' flight-recorder traces of their own ranks."""
         by_rank = {v.rank: v for v in local_views}
+        remote_fr: dict[int, RankTrace] = {}
+        fr_notes: list[str] = []
         heard = {self.node_rank}
         expected = self.nnodes or 0
         deadline = time.monotonic() + wait_s
@@ -451,19 +465,23 @@ class Correlator:
                 if raw is None:
                     continue
                 try:
-                    _, _, _, views = parse_node_doc(store.unseal(key, raw))
+                    answer = parse_evidence_doc(store.unseal(key, raw))
                 except ValueRejected as exc:  # not heard: the node's own evidence may still replace it
                     self._reject(key, exc)
                     continue
                 heard.add(k)
-                for v in views:
-                    by_rank.setdefault(v.rank, v)
+                fr_notes.extend(answer.notes[:8])
+                for v in answer.views:
+                    if v.rank not in by_rank:
+                        by_rank[v.rank] = v
+                        if v.rank in answer.fr:
+                            remote_fr[v.rank] = answer.fr[v.rank]
             self._heard = len(heard)
             covered = all(r in by_rank for r in range(world_size)) and len(heard) >= expected
             if covered or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        notes = []
+        notes = [f"flight recorder: {n}" for n in fr_notes[:16]]
         missing = [r for r in range(world_size) if r not in by_rank]
         if missing:
             last = self._last_snapshots(store, world_size, len(local_views))
@@ -488,7 +506,7 @@ class Correlator:
                 f"no evidence from {fmt_ranks(missing)}"
                 + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
             )
-        return [by_rank[r] for r in sorted(by_rank)], notes
+        return [by_rank[r] for r in sorted(by_rank)], notes, remote_fr
 
     def _candidate_nodes(self, world_size: int, local_ranks: int) -> range:
         n = self.nnodes or max(1, -(-world_size // max(1, local_ranks)))

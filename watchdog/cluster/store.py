@@ -14,10 +14,13 @@ import dataclasses
 import datetime
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
 
+from ..core.fr_trace import FlightRecorderFormatError, RankTrace, compact_dump, parse_dump
 from ..core.schema import NODE_SCHEMA
 from ..core.snapshot import RankView
 from . import auth
@@ -114,8 +117,26 @@ def view_from_doc(doc: Any) -> RankView:
     )
 
 
-def node_doc(node_rank: int, node: str, seq: int, views: list[RankView], kind: str = "snapshot") -> dict[str, Any]:
-    return {
+def fr_share(traces: Mapping[int, RankTrace], per_pg: int, budget_bytes: int) -> dict[str, Any]:
+    """This node's flight-recorder traces for its evidence: the newest ``per_pg`` entries of each process
+    group per rank, halved until the whole share fits ``budget_bytes`` (empty when even a few do not)."""
+    while per_pg >= 4:
+        share = {str(r): compact_dump(t, per_pg) for r, t in sorted(traces.items())}
+        if len(json.dumps(share, separators=(",", ":"))) <= budget_bytes:
+            return share
+        per_pg //= 2
+    return {}
+
+
+def node_doc(
+    node_rank: int,
+    node: str,
+    seq: int,
+    views: list[RankView],
+    kind: str = "snapshot",
+    flight_recorder: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    doc = {
         "schema": NODE_SCHEMA,
         "kind": kind,
         "node_rank": node_rank,
@@ -123,10 +144,23 @@ def node_doc(node_rank: int, node: str, seq: int, views: list[RankView], kind: s
         "seq": seq,
         "ranks": [view_to_doc(v) for v in views[:MAX_RANKS_PER_NODE]],
     }
+    if flight_recorder:
+        doc["flight_recorder"] = dict(flight_recorder)
+    return doc
 
 
-def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
-    doc = parse_json(raw, NODE_SCHEMA)
+@dataclass(frozen=True)
+class NodeEvidence:
+    """One node's answer to an incident: its ranks' views and the flight-recorder traces it shared."""
+
+    node_rank: int
+    node: str
+    views: list[RankView]
+    fr: dict[int, RankTrace]
+    notes: tuple[str, ...] = ()
+
+
+def _node_fields(doc: dict[str, Any]) -> tuple[int, str, int, list[RankView]]:
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or len(ranks) > MAX_RANKS_PER_NODE:
         raise ValueRejected(f"ranks: expected a list of at most {MAX_RANKS_PER_NODE} entries")
@@ -137,6 +171,40 @@ def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
         v_int(doc.get("seq"), "seq", lo=0) or 0,
         [view_from_doc(r) for r in ranks],
     )
+
+
+def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
+    return _node_fields(parse_json(raw, NODE_SCHEMA))
+
+
+def parse_evidence_doc(raw: bytes) -> NodeEvidence:
+    """A node's evidence, flight-recorder traces included. A trace is taken only for a rank the node
+    reports among its own (a node cannot speak for another's ranks) and only when it validates as a dump
+    (``core.fr_trace.parse_dump``: bounded, typed, never unpickled); a bad one is a note, not a rejection
+    of the node's views."""
+    doc = parse_json(raw, NODE_SCHEMA)
+    node_rank, node, _, views = _node_fields(doc)
+    own = {v.rank for v in views}
+    fr: dict[int, RankTrace] = {}
+    notes: list[str] = []
+    section = doc.get("flight_recorder", {})
+    if not isinstance(section, dict):
+        section = {}
+        notes.append(f"node {node_rank}: flight_recorder is not an object, ignored")
+    for key, dump in list(section.items())[:MAX_RANKS_PER_NODE]:
+        try:
+            rank = int(key)
+        except ValueError:
+            notes.append(f"node {node_rank}: flight-recorder key {key[:40]!r} is not a rank, ignored")
+            continue
+        if rank not in own:
+            notes.append(f"node {node_rank}: flight recorder for rank {rank}, not one of its ranks, ignored")
+            continue
+        try:
+            fr[rank] = parse_dump(dump, rank)
+        except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
+            notes.append(f"node {node_rank}: rank {rank}'s flight recorder rejected: {str(exc)[:200]}")
+    return NodeEvidence(node_rank, node, views, fr, tuple(notes))
 
 
 def parse_json(raw: bytes, schema: str) -> dict[str, Any]:

@@ -45,9 +45,6 @@ MAX_ENTRIES = 100_000
 """TORCH_FR_BUFFER_SIZE is typically 2000; bound the work a hostile file can cause."""
 
 
-
-
-
 class FlightRecorderFormatError(ValueError):
     """The bytes are not a flight-recorder JSON dump (wrong type, too large, missing or mistyped fields)."""
 
@@ -292,3 +289,61 @@ def parse_dump(doc: Any, rank: int | None = None) -> RankTrace:
         pg_status=pg_status,
         entries=entries,
     )
+
+
+def _entry_doc(e: FrEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "record_id": e.record_id,
+        "pg_id": e.pg_id,
+        "process_group": [e.pg_name, e.pg_desc],
+        "collective_seq_id": e.collective_seq_id,
+        "p2p_seq_id": e.p2p_seq_id,
+        "op_id": e.op_id,
+        "profiling_name": e.profiling_name,
+        "time_created_ns": e.time_created_ns,
+        "input_sizes": [list(s) for s in e.input_sizes],
+        "input_dtypes": list(e.input_dtypes),
+        "output_sizes": [list(s) for s in e.output_sizes],
+        "output_dtypes": list(e.output_dtypes),
+        "state": e.state,
+        "time_discovered_started_ns": e.time_started_ns or 0,
+        "time_discovered_completed_ns": e.time_completed_ns or 0,
+        "retired": e.retired,
+        "is_p2p": e.is_p2p,
+    }
+    if e.timeout_ms is not None:
+        doc["timeout_ms"] = e.timeout_ms
+    if e.duration_ms is not None:
+        doc["duration_ms"] = e.duration_ms
+    return doc
+
+
+def compact_dump(trace: RankTrace, per_pg: int) -> dict[str, Any]:
+    """The trace as a dump ``parse_dump`` reads back, holding only the newest ``per_pg`` entries of each
+    process group and no frames: what crosses nodes so the leader can compare every rank's recorder.
+
+    Dropping older entries is safe for the analysis: a rank is "missing" a collective only when its
+    entered seq is below it, mismatches compare only the ranks that hold an entry, and ``pg_status``
+    (kept whole) carries the counters past any cut — the same as a ring buffer that wrapped.
+    """
+    by_pg: dict[str, list[FrEntry]] = {}
+    for e in trace.entries:
+        by_pg.setdefault(e.pg_name, []).append(e)
+    kept = sorted((e for es in by_pg.values() for e in es[-per_pg:]), key=lambda e: e.record_id) if per_pg > 0 else []
+    return {
+        "version": trace.version,
+        "comm_lib_version": trace.comm_lib_version,
+        "pg_config": {
+            k: {"name": c.name, "desc": c.desc, "ranks": "[" + ", ".join(str(r) for r in c.ranks) + "]"}
+            for k, c in trace.pg_config.items()
+        },
+        "pg_status": {
+            str(pid): {
+                "last_enqueued_collective": str(st.last_enqueued),
+                "last_started_collective": str(st.last_started),
+                "last_completed_collective": str(st.last_completed),
+            }
+            for pid, st in trace.pg_status.items()
+        },
+        "entries": [_entry_doc(e) for e in kept],
+    }

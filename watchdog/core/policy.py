@@ -143,6 +143,14 @@ class CorrelationPolicy:
     # the initiator (auto timeouts are ≥ 4 steps, so half leaves 2 steps of margin), while a healthy rank
     # progresses at every phase — a forged claim cannot make a healthy node write a bundle
     unauthenticated_claim_stall_fraction: float = 0.5
+    # each node's flight-recorder entries shared with the leader for one incident, newest per process
+    # group: a stall is decided within the last step or two (DDP: a handful of bucket all-reduces and a
+    # buffer broadcast per step; FSDP: two collectives per layer), so 64 covers several steps of a
+    # 30-layer FSDP model; halved (then quartered) when a node's share would pass the byte bound
+    fr_shared_per_pg: int = 64
+    # bytes of flight-recorder entries one node adds to its evidence (~400 bytes an entry): well below
+    # the store's 4 MiB value limit beside 8 ranks' views, and quick to send on an incident
+    fr_shared_bytes: int = 2 << 20
 
 
 @dataclass(frozen=True)

@@ -384,6 +384,25 @@ def _rule_behind(live: Sequence[RankView]) -> _Finding | None:
                 "not see, such as DDP's gradient all-reduce) — a collective only some ranks call",
                 [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
             )
+        if (
+            len(behind) < len(live) / 2
+            and all(v.waiting is True and not v.in_collective for v in behind)
+            and all(v.in_collective for v in live if v.rank not in by_seq)
+        ):
+            # the few behind are not computing: their stacks wait on peers in a collective Python counters
+            # do not see (DDP's buffer broadcast in the next forward) — they skipped the one the others are in
+            return _Finding(
+                "collective_mismatch",
+                sorted(v.rank for v in behind),
+                "medium",
+                f"{fmt_ranks(v.rank for v in behind)} issued fewer Python-level collectives than the others "
+                f"(#{behind[0].coll_seq} against #{top_seq}) yet waits on its peers in "
+                f"{', '.join(sorted({v.phase or 'idle' for v in behind}))}: it skipped collective #{top_seq} "
+                f"({ahead[0].coll_op}) that {fmt_ranks(v.rank for v in ahead)} wait in, and is inside one they "
+                "never issue",
+                [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}, "
+                 f"{'waiting' if is_waiting(v) else 'not waiting'}" for v in live],
+            )
         return _Finding(
             "hang",
             sorted(v.rank for v in behind),
@@ -582,6 +601,21 @@ def _rule_fr(hints: FrHints, live: Sequence[RankView]) -> _Finding | None:
     arrived_never = [r for r in behind if r not in relaying]
     if arrived_never and len(arrived_never) < len(behind):
         behind = arrived_never  # of the ranks behind, the ones with nothing in flight started it
+    elif not arrived_never and not covered:
+        # every rank behind is itself blocked in a collective a peer got past (the root of a broadcast the
+        # stuck rank never received): the rank that never arrived is among those the recorder does not cover
+        uncovered = sorted(live_ranks - set(hints.ranks))
+        detail = _fr_behind_text(hints, behind)
+        return _Finding(
+            "hang",
+            [],
+            "low",
+            f"{fmt_ranks(behind)} waits in a collective its peers got past ({detail}); the rank that never "
+            f"arrived is among {fmt_ranks(uncovered)}, which the flight recorder does not cover",
+            [f"flight recorder: {detail}; {fmt_ranks(sorted(relaying & set(behind)))} still in flight (waiting)",
+             f"flight recorder covers only {fmt_ranks(hints.ranks)}"],
+            rule="fr",
+        )
     detail = _fr_behind_text(hints, behind)
     chosen_views = [v for v in live if v.rank in set(behind)]
     lead = chosen_views[0]
@@ -837,7 +871,7 @@ def _abort_with_odd_counts(found: dict[str, _Finding | None], present: Sequence[
 
 
 def _fr_role(fr: _Finding | None, finding: _Finding) -> str:
-    if fr is None:
+    if fr is None or not fr.initiators:
         return "none"
     return "backed" if set(fr.initiators) == set(finding.initiators) else "disagreed"
 

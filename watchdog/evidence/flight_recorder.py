@@ -68,6 +68,7 @@ class FrFindings:
     hints: FrHints | None  # None when no dump could be analysed
     notes: tuple[str, ...] = ()  # dumps skipped and why
     analysis: FrAnalysis | None = field(default=None, compare=False)
+    traces: Mapping[int, RankTrace] = field(default_factory=dict, compare=False)  # this node's, by rank
 
 
 def fr_hints(analysis: FrAnalysis) -> FrHints:
@@ -107,6 +108,23 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
             traces[rank] = load_dump(cap.fr_json, rank=rank)
         except (FlightRecorderFormatError, OSError, ValueError) as exc:
             notes.append(f"rank {rank}: flight-recorder dump skipped: {exc}"[:300])
+    return analyse_traces(traces, notes)
+
+
+def with_remote(local: FrFindings, remote: Mapping[int, RankTrace]) -> FrFindings:
+    """This node's findings redone over its own traces and the other nodes' (multi-node leader): the
+    recorder then covers every rank, not only the ones on the node that decides. A remote trace never
+    replaces a local one."""
+    if not remote:
+        return local
+    return analyse_traces({**remote, **local.traces}, list(local.notes), kept_local=local.traces)
+
+
+def analyse_traces(
+    traces: Mapping[int, RankTrace], notes: list[str], kept_local: Mapping[int, RankTrace] | None = None
+) -> FrFindings:
+    """Compare parsed traces across ranks into evidence lines and verdict hints. Never raises."""
+    local = traces if kept_local is None else kept_local
     if not traces:
         return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes))
     try:
@@ -114,7 +132,9 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
     except Exception as exc:  # analyze is pure, but a dump can hold shapes nobody anticipated
         log.exception("fr_analyze_failed")
         notes.append(f"flight-recorder analysis failed: {type(exc).__name__}: {exc}"[:300])
-        return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes))
+        return FrFindings(
+            lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes), traces=local
+        )
     hints = fr_hints(analysis)
     if not hints.ranks:
         notes.append("every flight-recorder dump is empty (TORCH_FR_BUFFER_SIZE unset, or no collective yet)")
@@ -122,4 +142,6 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
     if len(summary) > MAX_FR_LINES:
         summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) in fr/"]
     lines = tuple(f"flight recorder: {s}" for s in [*summary, *notes])
-    return FrFindings(lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis)
+    return FrFindings(
+        lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis, traces=local
+    )

@@ -24,13 +24,14 @@ import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
+from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from ..core.stacks import signature, stack_top, waiting_on_peers
 from ..core.verdict import decide, rank_entry
 from ..core.verdict_doc import finalize_verdict, trigger_doc
 from ..evidence.capture import RankCapture, capture_all
-from ..evidence.flight_recorder import FrFindings, fr_evidence
+from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras import RasWatch
 from ..observe.process import Identity
@@ -85,7 +86,7 @@ class Evidence:
     views: list[RankView]
     captures: dict[int, RankCapture]
     fr: FrFindings
-    outside: list[str]
+    outside: list[str]  # evidence from outside the ranks' views beside the flight recorder's lines
 
 
 def enrich(views: Sequence[RankView], captures: Mapping[int, RankCapture], policy: CapturePolicy) -> list[RankView]:
@@ -251,7 +252,7 @@ class IncidentPipeline:
         ]
         views = enrich(merged, captures, self.capture_policy)
         fr = fr_evidence(captures)
-        outside = [*fr.lines, *req.notes, *self.gpu.device_notes()]
+        outside = [*req.notes, *self.gpu.device_notes()]
         if ras_first is not None:
             time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
             outside += self.ras.evidence(ras_first, self.ras.query())
@@ -261,21 +262,33 @@ class IncidentPipeline:
         """The verdict over this node's evidence, or over every node's through the leader; and whether this
         node decided it (the webhooks hear of a multi-node incident once, from the node that decided)."""
 
-        def decide_over(all_views: Sequence[RankView], notes: Sequence[str], correlation: str | None) -> dict[str, Any]:
+        def decide_over(
+            all_views: Sequence[RankView],
+            notes: Sequence[str],
+            correlation: str | None,
+            remote_fr: Mapping[int, RankTrace] | None = None,
+        ) -> dict[str, Any]:
+            fr = with_remote(ev.fr, remote_fr or {})
             verdict = decide(
                 all_views,
                 job_id=req.job_id,
                 incident_id=req.incident_id,
                 detected_after_s=req.trigger.detected_after_s,
-                extra_evidence=[*notes, *ev.outside],
-                fr_hints=ev.fr.hints,
+                extra_evidence=[*fr.lines, *notes, *ev.outside],
+                fr_hints=fr.hints,
             ).to_json()
             return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
 
         if req.correlator is None or req.shared is None:
             return decide_over(ev.views, [], None), True
         verdict, how, decided_here = req.correlator.resolve(
-            req.shared, ev.views, req.node, req.world_size, decide_over, stall_timeout_s=req.trigger.timeout_s
+            req.shared,
+            ev.views,
+            req.node,
+            req.world_size,
+            decide_over,
+            stall_timeout_s=req.trigger.timeout_s,
+            local_fr=ev.fr.traces,
         )
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
         if decided_here:
