@@ -109,6 +109,16 @@ def test_hostile_state_files_are_ignored(procs, tmp_path, shm_dir):
     assert job["watchdog"]["state"] == "none" and job["open_incident"] is None
     (job_dir / "watchdog.json").write_text('{"schema": "rankwatch.state/1", "job_id": "evil", ' + " " * (300 << 10))
     assert status_json(shm_dir)["jobs"][0]["watchdog"]["state"] == "none"
+    # well-typed where it is checked, hostile inside: control characters, a numeric confidence and bundle
+    hostile = {**forged, "open_incident": {"incident_id": "x\x1b[2J", "kind": "hang", "initiating_ranks": [1],
+                                           "confidence": 3, "reason": "r\x07\nfake line", "bundle": 7}}
+    (job_dir / "watchdog.json").write_text(json.dumps(hostile))
+    inc = status_json(shm_dir)["jobs"][0]["open_incident"]
+    assert inc["initiating_ranks"] == [1]
+    assert "\x1b" not in inc["incident_id"] and "\x07" not in inc["reason"] and "\n" not in inc["reason"]
+    assert (inc["confidence"], inc["bundle"], inc["decided"]) == (None, None, True)
+    text = status(shm_dir).stdout
+    assert "\x1b[2J" not in text and "\x07" not in text
 
 
 def test_status_watch_refreshes_until_ctrl_c(procs, shm_dir):

@@ -29,7 +29,7 @@ from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
-from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE
+from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, incident_ref
 from .options import add_shm_dir, positive_float
 from .parser import Parser
 
@@ -74,17 +74,7 @@ def read_state(shm_dir: str, daemon_out: str, job: str, now: float) -> dict[str,
 def _incident(ref: object) -> dict[str, Any] | None:
     if not isinstance(ref, dict):
         return None
-    phase, conf = ref.get("phase"), ref.get("confidence")
-    return {
-        "incident_id": clean(ref.get("incident_id"), NAME),
-        "kind": clean(ref.get("kind"), NAME),
-        "initiating_ranks": [r for r in ref.get("initiating_ranks") or [] if isinstance(r, int)],
-        "phase": clean(phase, NAME) if isinstance(phase, str) else None,
-        "confidence": clean(conf, NAME) if isinstance(conf, str) else None,
-        "decided": ref.get("decided", True) is True,
-        "reason": clean(ref.get("reason") or "", PROSE),
-        "bundle": clean(ref["bundle"], PROSE) if isinstance(ref.get("bundle"), str) else None,
-    }
+    return incident_ref(ref, bundle=ref.get("bundle"), decided=ref.get("decided", True) is True)
 
 
 def job_status(

@@ -281,20 +281,15 @@ class Daemon:
         with self._lock:
             incident, verdicts, bundles = entry.incident, list(entry.verdicts), dict(entry.bundles)
         open_doc = None
-        if incident is not None:
-            if incident.verdict:
-                open_doc = incident_ref(incident.verdict, bundle=incident.bundle_path)
-            else:  # handed to the pipeline, not decided yet: what the trigger said
-                open_doc = {
-                    "incident_id": incident.incident_id,
-                    "kind": incident.trigger.kind,
-                    "initiating_ranks": list(incident.trigger.ranks),
-                    "phase": None,
-                    "confidence": None,
-                    "reason": incident.trigger.reason,
-                    "bundle": None,
-                }
-            open_doc["decided"] = bool(incident.verdict)
+        if incident is not None and incident.verdict:
+            open_doc = incident_ref(incident.verdict, bundle=incident.bundle_path)
+        elif incident is not None:  # handed to the pipeline, not decided yet: what the trigger said
+            trigger = incident.trigger
+            open_doc = incident_ref(
+                {"incident_id": incident.incident_id, "kind": trigger.kind,
+                 "initiating_ranks": list(trigger.ranks), "reason": trigger.reason},
+                decided=False,
+            )
         keep = self.config.serve.state_incidents
         doc = state_doc(
             job_id=job_id,

@@ -31,17 +31,20 @@ OUT_STATE_FILE = "state.json"  # in <daemon out>/<job>/
 MAX_STATE_BYTES = 256 * 1024
 
 
-def incident_ref(verdict: Mapping[str, Any], *, bundle: str | None = None) -> dict[str, Any]:
-    """The gist of a decided incident, as status shows it."""
-    ranks = verdict.get("initiating_ranks")
+def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool = True) -> dict[str, Any]:
+    """The gist of an incident as status shows it: from a verdict when the watchdog writes it, from an
+    undecided trigger while the pipeline works, and again when ``status`` reads it back from a state file
+    that anyone able to write the job dir may have replaced (so every field is re-typed and cleaned)."""
+    ranks, phase, conf = doc.get("initiating_ranks"), doc.get("phase"), doc.get("confidence")
     return {
-        "incident_id": clean(verdict.get("incident_id"), NAME),
-        "kind": clean(verdict.get("kind"), NAME),
+        "incident_id": clean(doc.get("incident_id"), NAME),
+        "kind": clean(doc.get("kind"), NAME),
         "initiating_ranks": [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else [],
-        "phase": clean(verdict["phase"], NAME) if isinstance(verdict.get("phase"), str) else None,
-        "confidence": clean(verdict.get("confidence"), NAME),
-        "reason": clean(verdict.get("reason"), PROSE),
-        "bundle": bundle,
+        "phase": clean(phase, NAME) if isinstance(phase, str) else None,
+        "confidence": clean(conf, NAME) if isinstance(conf, str) else None,
+        "decided": decided,
+        "reason": clean(doc.get("reason") or "", PROSE),
+        "bundle": clean(bundle, PROSE) if isinstance(bundle, str) else None,
     }
 
 
