@@ -166,7 +166,17 @@ def _fmt_ref(c: CollectiveRef | None) -> str:
     return "none" if c is None else f"{c.op}#{c.seq} (pg {c.pg})"
 
 
-def _signature(e: FrEntry, kind: str) -> str:
+def _signature(e: FrEntry, kind: str) -> object:
+    """What must agree across ranks at one seq, as a hashable key (cheap: every rank's every entry is
+    keyed; only a mismatch gets words, ``_describe``)."""
+    if kind == "op":
+        return e.op
+    if kind == "dtype":
+        return (e.input_dtypes, e.output_dtypes)
+    return e.input_sizes
+
+
+def _describe(e: FrEntry, kind: str) -> str:
     if kind == "op":
         return e.op
     if kind == "dtype":
@@ -183,11 +193,11 @@ def _compare_at_seq(pg: str, seq: int, by_rank: Mapping[int, FrEntry]) -> list[M
     if len(ops) == 1 and next(iter(ops)) in SIZE_MUST_MATCH:
         kinds.insert(1, "size")
     for kind in kinds:
-        sig: dict[str, list[int]] = {}
+        sig: dict[object, list[int]] = {}
         for r, e in sorted(by_rank.items()):
             sig.setdefault(_signature(e, kind), []).append(r)
         if len(sig) > 1:
-            variants = {k: tuple(v) for k, v in sig.items()}
+            variants = {_describe(by_rank[rs[0]], kind): tuple(rs) for rs in sig.values()}
             out.append(
                 Mismatch(pg=pg, seq=seq, kind=kind, variants=variants, odd_ranks=outside_majority(variants) or ())
             )

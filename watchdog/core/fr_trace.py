@@ -292,6 +292,8 @@ def parse_dump(doc: Any, rank: int | None = None) -> RankTrace:
 
 
 def _entry_doc(e: FrEntry) -> dict[str, Any]:
+    # output sizes are left out: no cross-rank comparison reads them (``fr_analysis`` compares input
+    # sizes and both dtypes), and for coalesced ops they are as long as the input list
     doc: dict[str, Any] = {
         "record_id": e.record_id,
         "pg_id": e.pg_id,
@@ -303,7 +305,7 @@ def _entry_doc(e: FrEntry) -> dict[str, Any]:
         "time_created_ns": e.time_created_ns,
         "input_sizes": [list(s) for s in e.input_sizes],
         "input_dtypes": list(e.input_dtypes),
-        "output_sizes": [list(s) for s in e.output_sizes],
+        "output_sizes": [],
         "output_dtypes": list(e.output_dtypes),
         "state": e.state,
         "time_discovered_started_ns": e.time_started_ns or 0,
@@ -320,7 +322,8 @@ def _entry_doc(e: FrEntry) -> dict[str, Any]:
 
 def compact_dump(trace: RankTrace, per_pg: int) -> dict[str, Any]:
     """The trace as a dump ``parse_dump`` reads back, holding only the newest ``per_pg`` entries of each
-    process group and no frames: what crosses nodes so the leader can compare every rank's recorder.
+    process group, without frames or output sizes: what crosses nodes so the leader can compare every
+    rank's recorder.
 
     Dropping older entries is safe for the analysis: a rank is "missing" a collective only when its
     entered seq is below it, mismatches compare only the ranks that hold an entry, and ``pg_status``

@@ -144,13 +144,14 @@ class CorrelationPolicy:
     # progresses at every phase — a forged claim cannot make a healthy node write a bundle
     unauthenticated_claim_stall_fraction: float = 0.5
     # each node's flight-recorder entries shared with the leader for one incident, newest per process
-    # group: a stall is decided within the last step or two (DDP: a handful of bucket all-reduces and a
-    # buffer broadcast per step; FSDP: two collectives per layer), so 64 covers several steps of a
-    # 30-layer FSDP model; halved (then quartered) when a node's share would pass the byte bound
-    fr_shared_per_pg: int = 64
-    # bytes of flight-recorder entries one node adds to its evidence (~400 bytes an entry): well below
-    # the store's 4 MiB value limit beside 8 ranks' views, and quick to send on an incident
-    fr_shared_bytes: int = 2 << 20
+    # group: ranks' progress comes from pg_status (always whole), so the entries only have to overlap
+    # where the ranks stopped — a mismatch or a missing rank sits at the newest seqs (DDP: a handful of
+    # bucket all-reduces and a buffer broadcast per step); halved while a node's share passes the bound
+    fr_shared_per_pg: int = 16
+    # bytes of flight-recorder entries one node adds to its evidence: ~250 bytes an entry for DDP, a few
+    # KiB for an FSDP coalesced op over 64 tensors; the leader parses every node's share (~15 ms per
+    # 256 KiB on a loaded core), so 512 KiB keeps 64 nodes near a second (benchmarks/bench_fr_share.py)
+    fr_shared_bytes: int = 512 << 10
 
 
 @dataclass(frozen=True)
