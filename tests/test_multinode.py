@@ -50,6 +50,18 @@ def verdicts(out):
     return [json.loads((p / "verdict.json").read_text()) for p in sorted(inc.iterdir()) if not p.name.startswith(".")]
 
 
+def one_verdict_each(nodes, timeout: float) -> tuple[dict, dict]:
+    """Wait for both agents (``--on-stall kill`` ends the job) and return each node's single verdict."""
+    for proc, _ in nodes:
+        try:
+            proc.wait(timeout=timeout)
+        except Exception:
+            pass
+    found = [verdicts(out) for _, out in nodes]
+    assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
+    return found[0][0], found[1][0]
+
+
 @pytest.mark.parametrize(
     ("scenario", "rank", "kind", "phase"),
     [
@@ -63,14 +75,7 @@ def test_both_nodes_agree_on_the_initiating_rank(procs, tmp_path, scenario, rank
     master, store = free_port(), free_port()
     args = ["--scenario", scenario, "--fault-rank", str(rank), "--fault-step", "4", "--steps", "400"]
     nodes = [start_node(procs, tmp_path, k, master, store, args, ("--on-stall", "kill")) for k in (0, 1)]
-    for proc, _ in nodes:
-        try:
-            proc.wait(timeout=180)
-        except Exception:
-            pass
-    found = [verdicts(out) for _, out in nodes]
-    assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
-    v0, v1 = found[0][0], found[1][0]
+    v0, v1 = one_verdict_each(nodes, timeout=180)
     assert v0["initiating_ranks"] == [rank] and v0["kind"] == kind, "\n".join([v0["reason"], *v0["evidence"]])
     if phase:
         assert v0["phase"] == phase
@@ -98,14 +103,7 @@ def test_the_leader_weighs_the_other_nodes_flight_recorder(procs, tmp_path, scen
         start_node(procs, tmp_path, k, master, store, args, ("--on-stall", "kill"), script=TRANSFORMER)
         for k in (0, 1)
     ]
-    for proc, _ in nodes:
-        try:
-            proc.wait(timeout=240)
-        except Exception:
-            pass
-    found = [verdicts(out) for _, out in nodes]
-    assert all(len(v) == 1 for v in found), [p.stderr.read()[-3000:] for p, _ in nodes]
-    v0, v1 = found[0][0], found[1][0]
+    v0, v1 = one_verdict_each(nodes, timeout=240)
     assert (v0["kind"], v0["initiating_ranks"]) == (kind, [2]), "\n".join([v0["reason"], *v0["evidence"]])
     if phase:
         assert v0["phase"] == phase
