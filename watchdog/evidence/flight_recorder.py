@@ -140,7 +140,8 @@ def analyse_traces(
         notes.append("every flight-recorder dump is empty (TORCH_FR_BUFFER_SIZE unset, or no collective yet)")
     summary = analysis.summary_lines()
     if len(summary) > MAX_FR_LINES:
-        summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) in fr/"]
+        where = "in fr/" if kept_local is None else "in fr/ of each node's bundle"
+        summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) {where}"]
     lines = tuple(f"flight recorder: {s}" for s in [*summary, *notes])
     return FrFindings(
         lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis, traces=local
