@@ -138,7 +138,19 @@ def test_status_watch_refreshes_until_ctrl_c(procs, shm_dir):
                     break
         assert seen.count(b"job watched") >= 3, seen[-2000:]  # redrawn, not printed once
         os.kill(pid, signal.SIGINT)
-        _, code = os.waitpid(pid, 0)
+        # keep reading as a terminal does: a redraw blocked on a full pty buffer would never see the signal out
+        code = None
+        deadline = time.monotonic() + 60
+        while code is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:
+                    pass
+            done, status_code = os.waitpid(pid, os.WNOHANG)
+            code = status_code if done else None
+        assert code is not None, "status --watch did not exit on Ctrl-C"
         assert os.waitstatus_to_exitcode(code) == 0
         assert b"Traceback" not in seen
     finally:
