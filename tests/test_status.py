@@ -125,6 +125,9 @@ def test_status_watch_refreshes_until_ctrl_c(procs, shm_dir):
     one_rank(procs, shm_dir, "watched")
     pid, fd = pty.fork()
     if pid == 0:
+        # started as from a background shell (`cmd &` without job control): SIGINT inherited ignored, which
+        # a plain Python program never turns into KeyboardInterrupt — --watch must still stop on Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.execv(sys.executable, rankwatch_cmd("status", "--shm-dir", str(shm_dir), "--watch", "--interval", "0.3"))
     try:
         seen = b""
@@ -150,7 +153,9 @@ def test_status_watch_refreshes_until_ctrl_c(procs, shm_dir):
                     pass
             done, status_code = os.waitpid(pid, os.WNOHANG)
             code = status_code if done else None
-        assert code is not None, "status --watch did not exit on Ctrl-C"
+        if code is None:  # say where it is stuck before the cleanup kills it
+            dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            raise AssertionError(f"status --watch did not exit on Ctrl-C:\n{dump.stdout[-3000:]}{dump.stderr[-500:]}")
         assert os.waitstatus_to_exitcode(code) == 0
         assert b"Traceback" not in seen
     finally:

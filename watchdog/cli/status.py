@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -282,6 +283,10 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.live import Live
 
+    # a terminal tool owns Ctrl-C: started from a shell without job control (``cmd &``, some CI runners) it
+    # inherits SIGINT ignored, or blocked, and would then never stop on it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Live(render(snapshot(), args.shm_dir), console=console, auto_refresh=False, screen=False) as live:
             while True:
