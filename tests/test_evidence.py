@@ -417,3 +417,18 @@ def test_hostile_recorder_entries_in_a_nodes_evidence_are_refused_one_by_one():
     doc["flight_recorder"] = ["not", "an", "object"]
     answer = parse_evidence_doc(json.dumps(doc).encode())
     assert answer.fr == {} and [v.rank for v in answer.views] == [2, 3] and answer.notes
+
+
+def test_nccl_dumps_survive_the_trip_between_nodes():
+    """NCCL entries carry states and discovered times gloo's do not (started/completed, timeouts): the
+    compacted share must keep what the analysis reads, so the leader's hints equal the all-local ones."""
+    for scenario in ("nccl_hang", "nccl_mismatch_dtype"):
+        caps = captures(scenario)
+        ranks = sorted(caps)
+        whole = fr_evidence(caps)
+        local = fr_evidence({r: caps[r] for r in ranks[:1]})
+        share = fr_share({r: whole.traces[r] for r in ranks[1:]}, per_pg=16, budget_bytes=512 << 10)
+        views = [rv(r, node=f"n{int(r != ranks[0])}") for r in ranks[1:]]
+        answer = parse_evidence_doc(json.dumps(node_doc(1, "n1", 0, views, "evidence", flight_recorder=share)).encode())
+        assert sorted(answer.fr) == ranks[1:] and not answer.notes
+        assert with_remote(local, answer.fr).hints == whole.hints, scenario
