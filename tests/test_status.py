@@ -131,28 +131,34 @@ def test_status_watch_refreshes_until_ctrl_c(procs, shm_dir):
         os.execv(sys.executable, rankwatch_cmd("status", "--shm-dir", str(shm_dir), "--watch", "--interval", "0.3"))
     try:
         seen = b""
-        deadline = time.monotonic() + 60
-        while seen.count(b"job watched") < 3 and time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 1.0)
-            if ready:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:
-                    break
-        assert seen.count(b"job watched") >= 3, seen[-2000:]  # redrawn, not printed once
+
+        def read_for(seconds: float, done) -> bool:
+            """Read the pty as a terminal does until ``done()`` or the deadline (a writer blocked on a full
+            pty buffer would otherwise never get to act on Ctrl-C)."""
+            nonlocal seen
+            deadline = time.monotonic() + seconds
+            while not done() and time.monotonic() < deadline:
+                if select.select([fd], [], [], 0.2)[0]:
+                    try:
+                        seen += os.read(fd, 65536)
+                    except OSError:  # EIO once the child is gone
+                        time.sleep(0.05)
+            return bool(done())
+
+        assert read_for(60, lambda: seen.count(b"job watched") >= 3), seen[-2000:]  # redrawn, not printed once
         os.kill(pid, signal.SIGINT)
-        # keep reading as a terminal does: a redraw blocked on a full pty buffer would never see the signal out
-        code = None
-        deadline = time.monotonic() + 60
-        while code is None and time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:
-                    pass
+        exited: list[int] = []
+
+        def reaped() -> bool:
+            if exited:
+                return True
             done, status_code = os.waitpid(pid, os.WNOHANG)
-            code = status_code if done else None
+            if done:
+                exited.append(status_code)
+            return bool(exited)
+
+        read_for(60, reaped)
+        code = exited[0] if exited else None
         if code is None:  # say where it is stuck before the cleanup kills it
             dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
             raise AssertionError(f"status --watch did not exit on Ctrl-C:\n{dump.stdout[-3000:]}{dump.stderr[-500:]}")
