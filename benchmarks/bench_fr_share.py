@@ -7,8 +7,9 @@ full (TORCH_FR_BUFFER_SIZE=2000): the share's size, the time to build it, the le
 one node's share, and the leader's analysis over NODES nodes. Two shapes: DDP (one pg, all_reduce of one
 bucket tensor) and FSDP-like (4 pgs, all_gather / reduce_scatter over 64 tensors each).
 
-    python benchmarks/bench_fr_share.py            # 8 and 64 nodes, 7 repeats
-    python benchmarks/bench_fr_share.py --nodes 256 --repeats 3
+    python benchmarks/bench_fr_share.py            # 8 and 64 nodes, 7 repeats (~1 min)
+    python benchmarks/bench_fr_share.py --quick    # 8 nodes, 1 repeat
+    python benchmarks/bench_fr_share.py --nodes 256 --repeats 3 --json fr_share.json
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="8 nodes, 1 repeat")
+    p.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
     args = p.parse_args()
+    if args.quick:
+        args.nodes, args.repeats = [8], 1
+    rows = []
     policy = CorrelationPolicy()
     print("| shape | nodes | share per node | build share | parse one node | leader analysis, all ranks |")
     print("|---|---|---|---|---|---|")
@@ -91,8 +97,13 @@ def main() -> None:
             local = analyse_traces(node_traces, [])
             leader = FrFindings(lines=local.lines, hints=local.hints, traces=node_traces)
             analysis = median_s(max(1, args.repeats // 2), with_remote, leader, remote)
+            rows.append({"shape": shape, "nodes": nodes, "share_bytes": len(raw), "entries_per_rank": kept,
+                         "build_s": build, "parse_node_s": parse, "analysis_s": analysis})
             print(f"| {shape} | {nodes} | {len(raw) / 1024:.0f} KiB ({kept} entries/rank) | {build * 1e3:.1f} ms "
                   f"| {parse * 1e3:.1f} ms | {analysis * 1e3:.0f} ms |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
