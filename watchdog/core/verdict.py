@@ -612,7 +612,7 @@ def _rule_fr(hints: FrHints, live: Sequence[RankView]) -> _Finding | None:
             "low",
             f"{fmt_ranks(behind)} waits in a collective its peers got past ({detail}); the rank that never "
             f"arrived is among {fmt_ranks(uncovered)}, which the flight recorder does not cover",
-            [f"flight recorder: {detail}; {fmt_ranks(sorted(relaying & set(behind)))} still in flight (waiting)",
+            [f"flight recorder: {detail}; {fmt_ranks(behind)} still in flight (waiting)",
              f"flight recorder covers only {fmt_ranks(hints.ranks)}"],
             rule="fr",
         )

@@ -8,7 +8,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -117,14 +117,13 @@ def with_remote(local: FrFindings, remote: Mapping[int, RankTrace]) -> FrFinding
     replaces a local one."""
     if not remote:
         return local
-    return analyse_traces({**remote, **local.traces}, list(local.notes), kept_local=local.traces)
+    merged = analyse_traces({**remote, **local.traces}, list(local.notes), dumps_in="fr/ of each node's bundle")
+    return replace(merged, traces=local.traces)
 
 
-def analyse_traces(
-    traces: Mapping[int, RankTrace], notes: list[str], kept_local: Mapping[int, RankTrace] | None = None
-) -> FrFindings:
-    """Compare parsed traces across ranks into evidence lines and verdict hints. Never raises."""
-    local = traces if kept_local is None else kept_local
+def analyse_traces(traces: Mapping[int, RankTrace], notes: list[str], dumps_in: str = "fr/") -> FrFindings:
+    """Compare parsed traces across ranks into evidence lines and verdict hints (``dumps_in``: where the
+    lines left out can be read). Never raises."""
     if not traces:
         return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes))
     try:
@@ -133,16 +132,15 @@ def analyse_traces(
         log.exception("fr_analyze_failed")
         notes.append(f"flight-recorder analysis failed: {type(exc).__name__}: {exc}"[:300])
         return FrFindings(
-            lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes), traces=local
+            lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes), traces=traces
         )
     hints = fr_hints(analysis)
     if not hints.ranks:
         notes.append("every flight-recorder dump is empty (TORCH_FR_BUFFER_SIZE unset, or no collective yet)")
     summary = analysis.summary_lines()
     if len(summary) > MAX_FR_LINES:
-        where = "in fr/" if kept_local is None else "in fr/ of each node's bundle"
-        summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) {where}"]
+        summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) in {dumps_in}"]
     lines = tuple(f"flight recorder: {s}" for s in [*summary, *notes])
     return FrFindings(
-        lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis, traces=local
+        lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis, traces=traces
     )

@@ -266,9 +266,9 @@ class IncidentPipeline:
             all_views: Sequence[RankView],
             notes: Sequence[str],
             correlation: str | None,
-            remote_fr: Mapping[int, RankTrace] | None = None,
+            remote_fr: Mapping[int, RankTrace],
         ) -> dict[str, Any]:
-            fr = with_remote(ev.fr, remote_fr or {})
+            fr = with_remote(ev.fr, remote_fr)
             verdict = decide(
                 all_views,
                 job_id=req.job_id,
@@ -280,7 +280,7 @@ class IncidentPipeline:
             return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
 
         if req.correlator is None or req.shared is None:
-            return decide_over(ev.views, [], None), True
+            return decide_over(ev.views, [], None, {}), True
         verdict, how, decided_here = req.correlator.resolve(
             req.shared,
             ev.views,
