@@ -360,7 +360,7 @@ def test_the_leader_reads_the_other_nodes_recorder_from_its_evidence_and_decides
     merged = with_remote(leader, answer.fr)
     # the same hints as if every dump had been local
     assert merged.hints == fr_evidence(caps).hints
-    assert merged.traces.keys() == {0, 1}  # the bundle keeps this node's own dumps only
+    assert merged.traces.keys() == {0, 1}  # the merged findings still hold only this node's own traces
     v = verdict(views, fr_hints=merged.hints)
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("hang", [2], "high"), v["reason"]
     assert v["decided_by"] == "flight_recorder" and v["flight_recorder"]["ranks"] == [0, 1, 2, 3]
