@@ -187,3 +187,19 @@ def stalled_record(shm, job: str, *, rank: int = 0, world: int = 1, pid: int | N
     t.step()
     t.enter(stall_slot)
     return t
+
+
+# -- tiers ------------------------------------------------------------------------------------------------
+# The fast tier is `python -m pytest -q -m "not slow"`. Rather than trusting every new test to carry the mark,
+# a test is slow when it uses a fixture that starts processes, or lives in a module whose every test does.
+SLOW_FIXTURES = frozenset({"procs"})
+SLOW_MODULES = frozenset({
+    "test_multiuser.py",  # real throwaway users, daemons under them
+    "test_works_with.py",  # framework jobs under torchrun
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
