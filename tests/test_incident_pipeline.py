@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 from conftest import bundle_dirs, stalled_record, wait_for
 from rankwatch.watchdog.core.policy import CapturePolicy, StallPolicy
 from rankwatch.watchdog.evidence.capture import capture_all
-from rankwatch.watchdog.observe.process import ProcessTable
+from rankwatch.watchdog.observe.process import ProcessTable, read_stat
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 from rankwatch.watchdog.serve.sdnotify import Notifier
 
@@ -148,3 +150,42 @@ def test_a_failing_stage_still_records_the_incident(tmp_path):
         assert len(bundle) == 1 and json.loads((bundle[0] / "verdict.json").read_text()) == verdict
     finally:
         daemon.close()
+
+
+def test_a_rank_that_dies_during_capture_is_not_reported_running(procs, tmp_path):
+    """torchrun stops a dead rank's survivors within 0.2 s, often while their stacks are being captured: the
+    bundle then says the rank is gone (a user reads "running" with no stack as a capture bug)."""
+    shm, out = tmp_path / "shm", tmp_path / "out"
+    shm.mkdir(mode=0o700)
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="j", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    rank = procs.start([sys.executable, str(Path(__file__).parent / "procs" / "rank.py"), "--stall-after", "1"],
+                       env=env, text=True)
+    assert rank.stdout.readline().startswith("ready"), rank.stderr.read()
+
+    def capture_while_it_dies(targets, job_dir, token, policy):
+        os.kill(rank.pid, signal.SIGKILL)  # as torchrun's SIGTERM lands between detection and py-spy
+        assert wait_for(lambda: (st := read_stat(rank.pid)) is not None and st.state == "Z", timeout=30)
+        try:
+            return capture_all(targets, job_dir, token, policy)
+        finally:
+            # a loop busy on a loaded host: its next poll (which sees the death) comes after the capture
+            threading.Timer(0.5, daemon.poll_once).start()
+
+    daemon = Daemon(
+        DaemonConfig(shm_dir=str(shm), out_dir=str(out), poll_interval_s=0.2, stall=StallPolicy(timeout_s=1.0),
+                     capture=CapturePolicy(responder_timeout_s=0.5)),
+        capture=capture_while_it_dies,
+        procs=ProcessTable(protected={1}),
+    )
+    try:
+        daemon.poll_once()
+        assert wait_for(lambda: daemon.poll_once() or daemon.jobs["j"].incident is not None, timeout=30)
+        assert daemon.drain(60)
+        (bundle,) = bundle_dirs(out / "j" / "incidents")
+    finally:
+        daemon.close()
+    verdict = json.loads((bundle / "verdict.json").read_text())
+    stack = json.loads((bundle / "stacks" / "rank-0.json").read_text())
+    assert verdict["ranks"]["0"]["state"] not in ("running", "stopped"), (verdict["ranks"], stack)
+    assert stack["state"] == verdict["ranks"]["0"]["state"]

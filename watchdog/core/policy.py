@@ -48,6 +48,10 @@ class CapturePolicy:
     # gap between the two NCCL RAS queries of an incident: operation counts that did not move across it
     # are stuck, not just slow (one RAS round trip is ~ms; a healthy collective finishes well within 1 s)
     ras_recheck_s: float = 1.0
+    # a rank that died during capture (torchrun stops the survivors of a dead rank within 0.2 s) is waited
+    # for in the daemon's polls this long, so the bundle says it is gone rather than "running" with no
+    # stack (several poll intervals of the default 0.5 s, on a busy host)
+    vanished_settle_s: float = 3.0
 
 
 @dataclass(frozen=True)

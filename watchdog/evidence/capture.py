@@ -29,6 +29,7 @@ from rankwatch.hooks.responder import ctl_path, peer_cred, socket_address
 from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
 from ..core.text import FIELD, NAME, PROSE, clean
+from ..observe.process import read_stat
 
 log = structlog.get_logger("rankwatch.capture")
 
@@ -42,6 +43,7 @@ class RankCapture:
     responder_error: str | None = None
     fr_json: bytes | None = None
     notes: list[str] = field(default_factory=list)
+    vanished: bool = False  # gone (or a zombie) when py-spy failed: it died during capture
 
     def main_frames(self) -> list[Frame]:
         """The training thread's frames, innermost first, from py-spy if it worked, else the responder."""
@@ -266,6 +268,9 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
         if threads is None:
             err = f"{err}; nonblocking: {err2}"
     cap.pyspy_threads, cap.pyspy_error = threads, err
+    if threads is None:
+        st = read_stat(pid)
+        cap.vanished = st is None or st.state in ("Z", "X")
     if reader is not None and not isinstance(asked, str):
         # py-spy pauses the rank while it reads it: the responder gets a little time after that
         asked.extend(time.monotonic() + COLLECT_GRACE_S)

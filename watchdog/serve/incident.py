@@ -246,6 +246,11 @@ class IncidentPipeline:
         # states may have moved on during capture (a rank died): take the loop's newest poll, keep the
         # GPU reading of detection time (py-spy pauses ranks during capture)
         fresh = {v.rank: v for v in req.latest_views()}
+        vanished = {r for r, c in captures.items() if c.vanished}
+        settle_by = time.monotonic() + self.capture_policy.vanished_settle_s
+        while any(fresh[r].alive for r in vanished if r in fresh) and time.monotonic() < settle_by:
+            time.sleep(0.05)  # the loop's next poll sees the death (the views are in memory: no I/O here)
+            fresh = {v.rank: v for v in req.latest_views()}
         merged = [
             dataclasses.replace(fresh[v.rank], gpu_util=v.gpu_util, gpu_missing=v.gpu_missing) if v.rank in fresh else v
             for v in req.views
