@@ -223,6 +223,28 @@ def test_every_rank_input_bound_is_not_an_input_straggler():
     assert d.ranks["1"]["input_pipeline"]["batch_ms"] == pytest.approx(60.0)
 
 
+def with_extra_backward(per_rank, rank, ms, wait_ms=None):
+    """``rank`` computes ``ms`` longer in backward; with ``wait_ms`` its dataloader wait becomes that."""
+    for t in per_rank[rank]:
+        t.phases_ms["backward"] += ms
+        if wait_ms is not None:
+            t.phases_ms["dataloader"] = wait_ms
+        t.end_ns = t.start_ns + int(sum(t.phases_ms.values()) * 1e6)
+    return per_rank
+
+
+def test_slower_compute_absorbed_by_a_shorter_input_wait_is_no_straggler():
+    # the busy-host case: rank 1's compute is 8 ms slower, so its workers' next batch is ready 8 ms sooner
+    # and it waits 8 ms less for input: the job is as input-bound as before, nobody waits for rank 1
+    per_rank = with_extra_backward(pipeline_job(2, 60, {0: 60.0, 1: 60.0}, waits=lambda r, s: 14.0), 1, 8.0, 6.0)
+    d = diagnose_stragglers(per_rank)
+    assert (d.label, d.straggler_ranks) == ("INPUT-BOUND", []), d.why
+    # the same slower compute with a wait it does not save (the pipeline is not the bottleneck) costs the job
+    per_rank = with_extra_backward(pipeline_job(2, 60, {0: 10.0, 1: 10.0}, waits=lambda r, s: 1.0), 1, 8.0)
+    d = diagnose_stragglers(per_rank)
+    assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [1], "backward"), d.why
+
+
 def test_only_a_slower_pipeline_is_an_input_straggler():
     d = diagnose_stragglers(pipeline_job(4, 60, {0: 20.0, 1: 20.0, 2: 80.0, 3: 20.0}))
     assert (d.label, d.straggler_ranks, d.phase) == ("INPUT STRAGGLER", [2], "dataloader"), d.why

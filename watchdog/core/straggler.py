@@ -373,6 +373,18 @@ def diagnose_stragglers(
                     rows[j].append(at_step[j] - base)
             for j, r in enumerate(ranks):
                 per_step_excess[(r, p)] = rows[j]
+        if has_pipeline and INPUT_PHASE in series[ranks[0]] and all(pipe_doc[r]["workers"] > 0 for r in ranks):
+            # with workers the training thread's dataloader time is a wait: a rank whose own work runs longer
+            # finds its next batch that much sooner, so the wait it saved is no time lost (one rank's compute
+            # slowed by a busy host's scheduler does not make an input-bound job a compute straggler)
+            saved: list[list[float]] = [[] for _ in ranks]
+            for i in range(len(steps)):
+                at_step = [series[r][INPUT_PHASE][i] for r in ranks]
+                for j, base in enumerate(leave_one_out_medians(at_step)):
+                    saved[j].append(min(0.0, at_step[j] - base))
+            for j, r in enumerate(ranks):
+                for p in own:
+                    per_step_excess[(r, p)] = [e + w for e, w in zip(per_step_excess[(r, p)], saved[j], strict=True)]
 
     def excess(r: int, p: str) -> float:
         return trimmed_mean(per_step_excess[(r, p)], policy.trim_share)
