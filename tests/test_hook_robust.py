@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import pytest
 from rankwatch.hooks.record import read_record
 
 TRAIN = r"""
@@ -23,37 +25,81 @@ print("trained", step + 1, flush=True)
 """
 
 
-def run_hooked(tmp_path, script: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
-    path = tmp_path / "train.py"
-    path.write_text(script)
-    env = dict(os.environ, **env_extra)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, "-m", "rankwatch.hooks", str(path)], env=env, capture_output=True, text=True, timeout=120
-    )
+# One interpreter imports torch once and forks a fresh child per run: a run is then a real
+# ``python -m rankwatch.hooks script`` exit (excepthook, atexit, exit code) without a 1 s torch import each.
+ZYGOTE = r"""
+import json, os, sys
+import torch  # noqa: F401  (what every run would import first)
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((0, os.devnull), (1, req["stdout"]), (2, req["stderr"])):
+            os.dup2(os.open(name, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        sys.argv = ["rankwatch.hooks", *req["args"]]
+        break
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+else:
+    sys.exit(0)
+import runpy
+runpy.run_module("rankwatch.hooks", run_name="__main__", alter_sys=True)
+"""
 
 
-def test_unusable_shm_dir_warns_once_and_training_runs(tmp_path):
+@pytest.fixture(scope="module")
+def zygote():
+    proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    yield proc
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def run_hooked(zygote, tmp_path):
+    def run(script: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+        path = tmp_path / "train.py"
+        path.write_text(script)
+        env = dict(os.environ, **env_extra)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+            env.pop(key, None)
+        out, err = tmp_path / "stdout", tmp_path / "stderr"
+        req = {"env": env, "cwd": str(tmp_path), "args": [str(path)], "stdout": str(out), "stderr": str(err)}
+        zygote.stdin.write(json.dumps(req) + "\n")
+        zygote.stdin.flush()
+        code = int(zygote.stdout.readline())
+        return subprocess.CompletedProcess(req["args"], code, out.read_text(), err.read_text())
+
+    return run
+
+
+def test_unusable_shm_dir_warns_once_and_training_runs(run_hooked, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    result = run_hooked(tmp_path, TRAIN, {"RANKWATCH_SHM_DIR": str(blocker / "sub"), "RANKWATCH_JOB_ID": "j"})
+    result = run_hooked(TRAIN, {"RANKWATCH_SHM_DIR": str(blocker / "sub"), "RANKWATCH_JOB_ID": "j"})
     assert result.returncode == 0, result.stderr
     assert "trained 8" in result.stdout
     assert result.stderr.count("rankwatch: cannot create the shm record") == 1
 
 
-def test_record_deleted_mid_run_does_not_disturb_training(tmp_path):
+def test_record_deleted_mid_run_does_not_disturb_training(run_hooked, tmp_path):
     shm = tmp_path / "shm"
-    result = run_hooked(tmp_path, TRAIN, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j", "DELETE_RECORD": "1"})
+    result = run_hooked(TRAIN, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j", "DELETE_RECORD": "1"})
     assert result.returncode == 0, result.stderr
     assert "trained 8" in result.stdout
     assert "Traceback" not in result.stderr
 
 
-def test_zero_code_instrumentation_of_a_plain_loop_records_every_step(tmp_path):
+def test_zero_code_instrumentation_of_a_plain_loop_records_every_step(run_hooked, tmp_path):
     shm = tmp_path / "shm"
-    result = run_hooked(tmp_path, TRAIN, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    result = run_hooked(TRAIN, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
     assert result.returncode == 0, result.stderr
     rec = read_record(str(shm / "j" / "rank-0.hb"))
     assert rec.steps_done == 8 and rec.exited_normally and not rec.crashed
@@ -61,10 +107,10 @@ def test_zero_code_instrumentation_of_a_plain_loop_records_every_step(tmp_path):
         assert {"dataloader", "forward", "backward", "optimizer"} <= set(s.phases_ms)
 
 
-def test_script_exception_marks_the_rank_crashed_and_still_propagates(tmp_path):
+def test_script_exception_marks_the_rank_crashed_and_still_propagates(run_hooked, tmp_path):
     shm = tmp_path / "shm"
     script = "import torch\nraise RuntimeError('boom')\n"
-    result = run_hooked(tmp_path, script, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    result = run_hooked(script, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
     assert result.returncode == 1 and "RuntimeError: boom" in result.stderr
     rec = read_record(str(shm / "j" / "rank-0.hb"))
     assert rec.crashed
@@ -135,9 +181,9 @@ print("GLOBAL", calls, flush=True)
 """
 
 
-def test_forward_hooks_move_from_every_module_to_the_model_after_the_first_step(tmp_path):
+def test_forward_hooks_move_from_every_module_to_the_model_after_the_first_step(run_hooked, tmp_path):
     shm = tmp_path / "shm"
-    result = run_hooked(tmp_path, PROMOTE, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    result = run_hooked(PROMOTE, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
     assert result.returncode == 0, result.stderr
     # one global pre-hook during the first step, none afterwards (inner modules then cost nothing)
     assert "GLOBAL [1, 0, 0, 0, 0]" in result.stdout, result.stdout

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import bundle_dirs, stalled_record, wait_for
 from rankwatch.watchdog.core.policy import CapturePolicy, StallPolicy
 from rankwatch.watchdog.evidence.capture import capture_all
@@ -57,6 +58,7 @@ class NotifyListener:
         self.sock.close()
 
 
+@pytest.mark.slow  # py-spy on this live process, a 10 s capture
 def test_heartbeat_and_other_jobs_survive_a_capture_longer_than_watchdog_sec(tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
