@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -119,6 +123,63 @@ def wait_for(predicate, timeout: float, interval: float = 0.1):
     return predicate()
 
 
+class LineReader:
+    """A running process's text stream read on a thread, so a test waits for a log line instead of sleeping."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        self._eof = False
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            with self._cv:
+                self.lines.append(line)
+                self._cv.notify_all()
+        with self._cv:
+            self._eof = True
+            self._cv.notify_all()
+
+    def wait_for(self, *needles: str, timeout: float = 60) -> str | None:
+        """The first line holding every needle (None after ``timeout`` or once the stream ends without one)."""
+        def found() -> str | None:
+            return next((ln for ln in self.lines if all(n in ln for n in needles)), None)
+
+        with self._cv:
+            self._cv.wait_for(lambda: found() is not None or self._eof, timeout)
+            return found()
+
+    def text(self, timeout: float = 60) -> str:
+        """Everything, once the stream has ended (the process exited)."""
+        self._thread.join(timeout)
+        with self._cv:
+            return "".join(self.lines)
+
+
+def healthz_polls(port: int) -> int | None:
+    """How many polls the daemon serving ``--metrics-port port`` has started (None: not answering yet)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            return int(json.loads(r.read())["polls"])
+    except urllib.error.HTTPError as exc:  # 503 before the first poll: the body still counts
+        try:
+            return int(json.loads(exc.read())["polls"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def wait_polls(port: int, more: int = 2, timeout: float = 120) -> None:
+    """Until the daemon has completed ``more - 1`` whole polls after this call: "it has looked again", by the
+    daemon's own pace rather than a sleep that covers fewer polls on a loaded host."""
+    first = wait_for(lambda: healthz_polls(port) is not None, timeout) and healthz_polls(port)
+    assert first is not None, "the daemon's /healthz never answered"
+    assert wait_for(lambda: (healthz_polls(port) or 0) >= first + more, timeout), "the daemon stopped polling"
+
+
 def start_daemon(procs: Procs, shm, out, *extra: str, poll: str = "0.3", stall: str = "3") -> subprocess.Popen:
     """A `rankwatch daemon` sidecar with JSON logs on stderr."""
     cmd = rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(out), "--stall-timeout", stall,
@@ -199,7 +260,18 @@ SLOW_MODULES = frozenset({
 })
 
 
+def _shares_module_fixture(item) -> bool:
+    """Whether the test uses a module- or package-scoped fixture (throwaway users, a shared interpreter)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "package") for chain in defs for d in chain)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        # under xdist (addopts -n auto) the tests sharing a module fixture run on one worker: it is set up
+        # once, and two workers never create the same throwaway users
+        if _shares_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import bundle_dirs, rankwatch_cmd, stalled_record, wait_for
+from conftest import bundle_dirs, free_port, rankwatch_cmd, stalled_record, wait_for, wait_polls
+from rankwatch.hooks.record import read_record
 
 HERE = Path(__file__).resolve().parent
 RANK = str(HERE / "procs" / "rank.py")
@@ -61,16 +62,19 @@ def test_records_naming_pid_1_or_an_unrelated_process_are_never_touched(procs, t
     bystander, signals = start_counter(procs, tmp_path, "bystander")
     keep = [stalled_record(shm, "planted", rank=0, world=2, pid=1, stall_slot=1),
             stalled_record(shm, "planted", rank=1, world=2, pid=bystander.pid, stall_slot=1)]
-    time.sleep(1.5)  # both records are already past the 1 s stall timeout when the daemon starts
+    time.sleep(1.5)  # the clock, not a race: both records are past the 1 s stall timeout when the daemon starts
     trace = tmp_path / "strace.log"
+    port = free_port()
     daemon = procs.start(["strace", "-f", "-qq", "-o", str(trace),
                           "-e", "trace=kill,tkill,tgkill,pidfd_send_signal,pidfd_open,ptrace,process_vm_readv",
-                          *daemon_cmd(shm, out)], text=True)
-    time.sleep(6)
+                          *daemon_cmd(shm, out, "--metrics-port", str(port))], text=True)
+    wait_polls(port, more=5)  # the stalled records were seen, and looked at again, several times
     for child in psutil.Process(daemon.pid).children():  # the daemon itself, under strace
         child.send_signal(signal.SIGTERM)
     _, err = daemon.communicate(timeout=60)
-    assert keep
+    # the planted records still claim what they were planted with: the daemon never rewrote a record
+    assert [read_record(str(shm / "planted" / f"rank-{r}.hb")).pid for r in (0, 1)] == [1, bystander.pid]
+    del keep  # the trackers mapped the records until here, as a live writer would
     assert bystander.poll() is None
     assert not (signals.exists() and signals.read_text()), signals.read_text()
     assert not bundle_dirs(out / "planted" / "incidents"), "a planted record opened an incident"
@@ -104,10 +108,11 @@ def spawn_at_pid(pid: int, cmd: list[str], procs) -> subprocess.Popen | None:
 def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_untouched(procs, tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
-    daemon = procs.start(daemon_cmd(shm, out, "--stall-timeout", "60"), text=True)
+    port = free_port()
+    daemon = procs.start(daemon_cmd(shm, out, "--stall-timeout", "60", "--metrics-port", str(port)), text=True)
     r0 = start_rank(procs, shm, "reuse", 0, 2)
     r1 = start_rank(procs, shm, "reuse", 1, 2)
-    time.sleep(2)  # the daemon has verified both ranks
+    wait_polls(port)  # a whole poll after both records exist: the daemon has verified both ranks
     pid = r1.pid
     r1.send_signal(signal.SIGKILL)
     r1.wait()
@@ -121,7 +126,7 @@ def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_un
     verdict = json.loads((found[0] / "verdict.json").read_text())
     assert verdict["kind"] == "dead_rank" and verdict["initiating_ranks"] == [1], verdict
     assert wait_for(lambda: r0.poll() is not None, timeout=30), "the verified live rank was not killed"
-    time.sleep(1)
+    wait_polls(port)
     assert holder.poll() is None, "the new holder of the dead rank's pid was killed"
     assert not (signals.exists() and signals.read_text()), signals.read_text()
 
@@ -129,13 +134,14 @@ def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_un
 def test_random_bytes_over_a_live_record_do_not_kill_a_healthy_job(procs, tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
-    daemon = procs.start(daemon_cmd(shm, out), text=True)
+    port = free_port()
+    daemon = procs.start(daemon_cmd(shm, out, "--metrics-port", str(port)), text=True)
     ranks = [start_rank(procs, shm, "noisy", r, 2) for r in range(2)]
-    time.sleep(2)
+    wait_polls(port)  # both ranks verified
     path = shm / "noisy" / "rank-1.hb"
     with open(path, "r+b") as f:
         f.write(os.urandom(path.stat().st_size))
-    time.sleep(5)  # five stall timeouts
+    wait_polls(port, more=25)  # five 1 s stall timeouts at the 0.2 s poll interval, however slow polls get
     assert all(r.poll() is None for r in ranks), "a corrupt record killed a healthy job"
     assert not bundle_dirs(out / "noisy" / "incidents")
     daemon.send_signal(signal.SIGTERM)
