@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from conftest import DEMO, free_port, new_tracker, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+from conftest import DEMO, LineReader, free_port, new_tracker, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+from rankwatch.hooks.record import read_record
 from rankwatch.watchdog.cluster.auth import seal
 from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
 from rankwatch.watchdog.core.detect import Trigger, local_stall_signs
@@ -464,20 +465,27 @@ def test_forged_incident_in_a_healthy_job_makes_no_bundle(procs, tmp_path, with_
     # the job runs on both nodes and node 0's daemon hosts the store
     assert wait_for(lambda: all(len(list(shm.glob("*/rank-*.hb"))) == 2 for _, shm, _ in daemons), timeout=120)
     job_id = next(p.name for p in (tmp_path / "shm0").iterdir() if p.is_dir())
+    logs = [LineReader(d.stderr) for d, _, _ in daemons]
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    time.sleep(2.0)  # the job is past its first steps; both daemons poll the store
+    # the job is past its first steps on both nodes (so both daemons have published snapshots to the store)
+    assert wait_for(lambda: all(read_record(str(p)).steps_done >= 5 for _, shm, _ in daemons
+                                for p in shm.glob("*/rank-*.hb")), timeout=120)
     prefix = f"rankwatch/{job_id}/"
     claim = json.dumps(incident_doc(gen=1, incident_id="20990101T000000Z-001-forged", by=1))
     client.set(prefix + "incident/1", claim)
     client.set(prefix + "incident/current", claim)
     client.set(prefix + "verdict/1", json.dumps(verdict_doc(job_id, initiating=0)))
-    time.sleep(8.0)  # well past the 3 s stall timeout the daemons run with
+    # each daemon is done with the claim: rejected (bad signature), or unconfirmed and then dropped for good
+    final = ('"store_value_rejected"', "incident/current") if with_secret else ('"remote_claim_ignored"',)
+    for log in logs:
+        assert log.wait_for(*final, timeout=120), log.lines[-20:]
     for _, _, out in daemons:
-        assert not list(out.glob("*/incidents/*")), [d.stderr for d, _, _ in daemons]
+        assert not list(out.glob("*/incidents/*")), [log.lines[-20:] for log in logs]
     assert all(j.poll() is None for j in jobs), "a forged claim must never kill"
     for d, _, _ in daemons:
         d.terminate()
-    logs = [d.communicate(timeout=30)[1] for d, _, _ in daemons]
+        d.wait(timeout=30)
+    logs = [log.text() for log in logs]
     if with_secret:
         assert all('"store_value_rejected"' in log and "incident/current" in log for log in logs), logs
     else:
