@@ -168,7 +168,8 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
     data = fn(includeCollectives=True, onlyActive=False)
     Path(out_dir, f"rank-{rank}.fr.json").write_bytes(bytes(data))
     if backend == "nccl" and rank == 0:
-        from rankwatch.watchdog.evidence.nccl_ras import query_ras, ras_findings
+        from rankwatch.watchdog.evidence.ras_client import query_ras
+        from rankwatch.watchdog.evidence.ras_findings import ras_findings
 
         st = query_ras(ras_addr, ras_timeout_s=5, timeout_s=15)
         info = (

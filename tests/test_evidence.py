@@ -20,7 +20,7 @@ from rankwatch.watchdog.evidence import flight_recorder as evidence_mod
 from rankwatch.watchdog.evidence.capture import RankCapture
 from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, fr_hints, with_remote
 from rankwatch.watchdog.evidence.gpu import GpuWatch
-from rankwatch.watchdog.evidence.ras import RasWatch
+from rankwatch.watchdog.evidence.ras_watch import RasWatch
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml

@@ -8,12 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from rankwatch.watchdog.evidence.nccl_ras import (
-    parse_ras_addr,
-    parse_ras_reply,
-    query_ras,
-    ras_findings,
-)
+from rankwatch.watchdog.evidence.ras_client import parse_ras_addr, query_ras
+from rankwatch.watchdog.evidence.ras_findings import ras_findings
+from rankwatch.watchdog.evidence.ras_report import parse_ras_reply
 
 FIX = Path(__file__).parent / "fixtures" / "ras"
 

@@ -354,7 +354,7 @@ class FakeKiller:
 
 def pipeline_with(killer):
     from rankwatch.watchdog.evidence.gpu import GpuWatch
-    from rankwatch.watchdog.evidence.ras import RasWatch
+    from rankwatch.watchdog.evidence.ras_watch import RasWatch
     from rankwatch.watchdog.serve.incident import IncidentPipeline
 
     return IncidentPipeline(capture_policy=CapturePolicy(), serve_policy=ServePolicy(), gpu=GpuWatch(),

@@ -26,7 +26,7 @@ from ..core.straggler import StragglerPolicy, diagnose_stragglers
 from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
-from ..evidence.ras import RasWatch
+from ..evidence.ras_watch import RasWatch
 from ..observe.jobwatch import JobWatch, remove_stale_dumps
 from ..observe.process import ProcessTable
 from ..report import bundle

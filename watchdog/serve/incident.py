@@ -33,7 +33,7 @@ from ..core.verdict_doc import finalize_verdict, trigger_doc
 from ..evidence.capture import RankCapture, capture_all
 from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
 from ..evidence.gpu import GpuWatch
-from ..evidence.ras import RasWatch
+from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
 from ..report.text import verdict_text

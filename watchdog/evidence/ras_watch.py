@@ -1,11 +1,14 @@
-"""NCCL RAS as evidence: the job's local RAS endpoint asked twice per incident (``evidence.nccl_ras`` speaks
-the protocol); counts that did not move between the two answers are stuck. Never raises into the daemon."""
+"""NCCL RAS as evidence: the job's local RAS endpoint asked twice per incident (``ras_client`` speaks the
+protocol, ``ras_findings`` compares the answers); counts that did not move between them are stuck. Never
+raises into the daemon."""
 
 from __future__ import annotations
 
 import structlog
 
-from .nccl_ras import DEFAULT_ADDR, DEFAULT_RAS_TIMEOUT_S, RasFinding, RasStatus, query_ras, ras_findings
+from .ras_client import DEFAULT_ADDR, DEFAULT_RAS_TIMEOUT_S, query_ras
+from .ras_findings import ras_findings
+from .ras_status import RasFinding, RasStatus
 
 log = structlog.get_logger("rankwatch.evidence")
 
