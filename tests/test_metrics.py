@@ -181,7 +181,7 @@ def test_every_declared_metric_is_exposed(daemon_setup):
     diag = diagnose_stragglers({r: list(h) for r, h in entry.watch.history.items()})
     policy = LiveStragglerPolicy()
     for _ in range(policy.confirm):
-        entry.live_stragglers, _ = update_live(entry.live_stragglers, diag, policy)
+        entry.live_stragglers, _ = update_live(entry.live_stragglers, diag, policy, time.time())
     entry.incident = OpenIncident("inc-1", Trigger("stall", (2,), "x", 30.0, 31.0), None,
                                   {"initiating_ranks": [2], "kind": "hang", "phase": None})
     m = scrape(server)

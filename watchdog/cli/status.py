@@ -122,7 +122,7 @@ def job_status(
         "incidents": [i for i in (_incident(x) for x in (state or {}).get("incidents") or []) if i],
         "stalled_ranks": stalled,
         "stall_timeout_s": round(policy.timeout_for(watch.longest_step_s), 3),
-        "stragglers": [s.doc() | {"line": straggler_line(s)} for s in stragglers],
+        "stragglers": [s.doc() | {"line": straggler_line(s, time.time())} for s in stragglers],
         "ranks": rows,
         "diagnosis": diag.label,
         "straggler_ranks": diag.straggler_ranks,

@@ -84,10 +84,10 @@ def update_live(
     prev: Mapping[Key, LiveStraggler],
     diag: Diagnosis,
     policy: LiveStragglerPolicy,
-    now_unix: float | None = None,
+    now_unix: float,
 ) -> tuple[dict[Key, LiveStraggler], list[Event]]:
-    """The next live state after one diagnosis, and the events it caused."""
-    now = time.time() if now_unix is None else now_unix
+    """The next live state after one diagnosis at ``now_unix`` (the caller's clock), and the events it caused."""
+    now = now_unix
     named: dict[Key, LiveStraggler] = {}
     if "STRAGGLER" in diag.label and diag.phase:
         since = diag.pattern.get("since_step", diag.pattern.get("first_slow_step"))
@@ -125,16 +125,16 @@ def reported(state: Mapping[Key, LiveStraggler]) -> list[LiveStraggler]:
     return sorted((s for s in state.values() if s.reported), key=lambda s: (s.rank, s.phase))
 
 
-def straggler_line(s: LiveStraggler, now_unix: float | None = None) -> str:
-    """One line for ``rankwatch status`` and an incident's evidence (values are the diagnosis's own)."""
-    now = time.time() if now_unix is None else now_unix
-    ago = max(0.0, now - s.since_unix)
+def straggler_line(s: LiveStraggler, now_unix: float) -> str:
+    """One line for ``rankwatch status`` and an incident's evidence (values are the diagnosis's own), as seen
+    at ``now_unix``."""
+    ago = max(0.0, now_unix - s.since_unix)
     when = time.strftime("%H:%M:%SZ", time.gmtime(s.since_unix))
     since = f"since step {s.since_step}, " if s.since_step >= 0 else ""
     return f"{fmt_ranks([s.rank])}: {s.label} in {s.phase} — {since}first seen {when} ({ago:.0f} s ago): {s.why}"
 
 
-def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float | None = None) -> list[str]:
+def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float) -> list[str]:
     """Evidence lines for an incident: the ranks that were live stragglers when the job stalled."""
     return [f"before the stall, {straggler_line(s, now_unix)}" for s in reported(state)]
 

@@ -30,6 +30,7 @@ from .ranks import behind as ranks_behind
 from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import CRASHED, DEAD, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
+from .stacks import stack_groups
 
 DEFAULT_VERDICT_POLICY = VerdictPolicy()
 
@@ -167,15 +168,6 @@ def is_waiting(v: RankView) -> bool:
     if v.in_collective or v.waiting:
         return True
     return v.waiting is None and v.phase == "backward"
-
-
-def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
-    """Ranks grouped by stack signature, largest group first."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for v in views:
-        if v.stack_signature:
-            groups[v.stack_signature].append(v.rank)
-    return sorted(((sig, sorted(r)) for sig, r in groups.items()), key=lambda g: (-len(g[1]), g[1][0]))
 
 
 def _stack_backing(views: Sequence[RankView], initiators: Sequence[int]) -> tuple[str | None, bool | None]:

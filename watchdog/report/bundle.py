@@ -18,8 +18,8 @@ from rankwatch.hooks.files import atomic_write, fsync_dir, write_new
 
 from ..core.ranks import fmt_ranks
 from ..core.snapshot import RankView
+from ..core.stacks import stack_groups
 from ..core.text import FIELD, clean
-from ..core.verdict import stack_groups
 from ..evidence.capture import RankCapture, render_text
 
 

@@ -325,7 +325,7 @@ class Daemon:
         diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=policy.window_steps))
         if diag.steps < policy.min_steps:
             return
-        state, events = update_live(entry.live_stragglers, diag, policy)
+        state, events = update_live(entry.live_stragglers, diag, policy, time.time())
         entry.live_stragglers = state
         for kind, s in events:
             fields: dict[str, Any] = dict(job=job_id, rank=s.rank, label=s.label, phase=s.phase,
@@ -381,7 +381,7 @@ class Daemon:
             identities=tuple(watch.identities()),
             # this node's own detection, or a claim authenticated by the store secret: may be acted upon
             trusted=shared is None or (correlator is not None and correlator.authenticated),
-            notes=tuple(incident_notes(entry.live_stragglers)),
+            notes=tuple(incident_notes(entry.live_stragglers, time.time())),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
 
