@@ -43,14 +43,14 @@ N_RANKS = 8
 
 # -- fake rank ------------------------------------------------------------------------------------
 def writer_main(shm: str, job: str, rank: int, world: int, step_ms: float, max_s: float) -> int:
-    from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+    from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, record_path, write_identity
     from rankwatch.hooks.tracker import Tracker
 
     os.makedirs(os.path.join(shm, job), mode=0o700, exist_ok=True)
     writer = RecordWriter(record_path(shm, job, rank))
     write_identity(
         writer,
-        Identity(
+        RankIdentity(
             pid=os.getpid(),
             global_rank=rank,
             local_rank=rank,
@@ -171,7 +171,7 @@ def read_cost(reps: int = 200) -> dict[str, float]:
     (the ring entries are decoded in Python): explains how the daemon's CPU scales with the step rate."""
     from rankwatch.hooks.record import (
         CANONICAL_PHASES,
-        Identity,
+        RankIdentity,
         RecordReader,
         RecordWriter,
         record_path,
@@ -184,7 +184,7 @@ def read_cost(reps: int = 200) -> dict[str, float]:
         os.makedirs(os.path.join(tmp, "job"), mode=0o700)
         w = RecordWriter(record_path(tmp, "job", 0))
         write_identity(
-            w, Identity(os.getpid(), 0, 0, 1, 1, 0, -1, "h", "job", time.monotonic_ns()), list(CANONICAL_PHASES)
+            w, RankIdentity(os.getpid(), 0, 0, 1, 1, 0, -1, "h", "job", time.monotonic_ns()), list(CANONICAL_PHASES)
         )
         tr = Tracker(w)
         for _ in range(1000):
@@ -257,12 +257,12 @@ out = {}
 import rankwatch.watchdog.cli.main
 import rankwatch.watchdog.cli.daemon as cmd_daemon
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
-from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, record_path, write_identity
 from rankwatch.hooks.tracker import Tracker
 tmp = tempfile.mkdtemp()
 os.makedirs(os.path.join(tmp, "job"))
 w = RecordWriter(record_path(tmp, "job", 0))
-write_identity(w, Identity(os.getpid(), 0, 0, 1, 1, 0, -1, "h", "job", time.monotonic_ns()), list(CANONICAL_PHASES))
+write_identity(w, RankIdentity(os.getpid(), 0, 0, 1, 1, 0, -1, "h", "job", time.monotonic_ns()), list(CANONICAL_PHASES))
 tr = Tracker(w); tr.enter(0); tr.exit(0); tr.step()
 d = Daemon(DaemonConfig(shm_dir=tmp, out_dir=os.path.join(tmp, "out")))
 d.poll_once(); d.poll_once()

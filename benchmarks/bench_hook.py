@@ -60,7 +60,7 @@ def timed(body, batches: int, calls: int) -> float:  # type: ignore[no-untyped-d
 
 
 def micro(batches: int, calls: int) -> dict[str, float]:
-    from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+    from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, record_path, write_identity
     from rankwatch.hooks.tracker import Tracker
 
     tmp = tempfile.mkdtemp(prefix="rw-bench-hook-")
@@ -69,7 +69,7 @@ def micro(batches: int, calls: int) -> dict[str, float]:
         writer = RecordWriter(record_path(tmp, "job", 0))
         write_identity(
             writer,
-            Identity(
+            RankIdentity(
                 pid=os.getpid(),
                 global_rank=0,
                 local_rank=0,

@@ -22,7 +22,7 @@ from .files import atomic_write
 from .jobinfo import job_id as env_job_id
 from .jobinfo import rank_identity, sanitize_job_id
 from .jobinfo import shm_dir as env_shm_dir
-from .record import CANONICAL_PHASES, Identity, RecordWriter, record_path, write_identity
+from .record import CANONICAL_PHASES, RankIdentity, RecordWriter, record_path, write_identity
 from .responder import DumpResponder, install_faulthandler
 from .shmdir import ensure_job_dir
 from .tracker import Tracker
@@ -82,7 +82,7 @@ def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
         writer = RecordWriter(record_path(base, job, ident["global_rank"]))
         write_identity(
             writer,
-            Identity(
+            RankIdentity(
                 pid=os.getpid(),
                 hostname=socket.gethostname(),
                 job_id=job,

@@ -405,7 +405,7 @@ class RecordWriter:
 
 
 @dataclass
-class Identity:
+class RankIdentity:
     pid: int
     global_rank: int
     local_rank: int
@@ -418,7 +418,7 @@ class Identity:
     start_ns: int
 
 
-def write_identity(writer: RecordWriter, ident: Identity, phases: list[str]) -> None:
+def write_identity(writer: RecordWriter, ident: RankIdentity, phases: list[str]) -> None:
     rec = writer.rec
     writer.begin()
     rec.magic = MAGIC

@@ -218,13 +218,13 @@ def new_tracker(path, *, pid: int | None = None, rank: int = 0, local_rank: int 
                 local_world_size: int = 1, hostname: str = "nodeA", job_id: str = "j",
                 start_ns: int | None = None):
     """A real shm record with its identity written, and the Tracker that writes it (as the hook's init does)."""
-    from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
+    from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, write_identity
     from rankwatch.hooks.tracker import Tracker
 
     writer = RecordWriter(str(path))
     write_identity(
         writer,
-        Identity(pid=os.getpid() if pid is None else pid, global_rank=rank, local_rank=local_rank,
+        RankIdentity(pid=os.getpid() if pid is None else pid, global_rank=rank, local_rank=local_rank,
                  world_size=world_size, local_world_size=local_world_size, node_rank=0, device=-1,
                  hostname=hostname, job_id=job_id, start_ns=time.monotonic_ns() if start_ns is None else start_ns),
         list(CANONICAL_PHASES),

@@ -92,7 +92,7 @@ class StragglerPolicy:
 
 
 @dataclass
-class Diagnosis:
+class StragglerDiagnosis:
     label: str
     straggler_ranks: list[int]
     phase: str | None
@@ -297,7 +297,7 @@ def pattern_text(p: Mapping[str, Any]) -> str:
 
 def diagnose_stragglers(
     per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None
-) -> Diagnosis:
+) -> StragglerDiagnosis:
     policy = policy or StragglerPolicy()
     steps, aligned = _align(per_rank, policy.window_steps)
     ranks = sorted(aligned)
@@ -351,8 +351,8 @@ def diagnose_stragglers(
         "worst_rank": worst_rank,
     }
 
-    def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> Diagnosis:
-        return Diagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
+    def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> StragglerDiagnosis:
+        return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
 
     if len(steps) < policy.min_steps or not ranks:
         return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .ranks import fmt_ranks
-from .straggler import Diagnosis
+from .straggler import StragglerDiagnosis
 from .text import NAME, PROSE, clean
 
 
@@ -82,7 +82,7 @@ Event = tuple[str, LiveStraggler]  # ("started" | "ended", straggler)
 
 def update_live(
     prev: Mapping[Key, LiveStraggler],
-    diag: Diagnosis,
+    diag: StragglerDiagnosis,
     policy: LiveStragglerPolicy,
     now_unix: float,
 ) -> tuple[dict[Key, LiveStraggler], list[Event]]:

@@ -82,7 +82,7 @@ class IncidentResult:
 
 
 @dataclass(frozen=True)
-class Evidence:
+class IncidentEvidence:
     views: list[RankView]
     captures: dict[int, RankCapture]
     fr: FrFindings
@@ -153,7 +153,7 @@ class IncidentPipeline:
         self._pool = ThreadPoolExecutor(max_workers=serve_policy.incident_workers, thread_name_prefix="rankwatch-inc")
         self._futures: set[Future[IncidentResult]] = set()
         # bundles that could not be written yet (disk full, read-only): retried until they are
-        self._unwritten: list[tuple[IncidentRequest, dict[str, Any], Evidence]] = []
+        self._unwritten: list[tuple[IncidentRequest, dict[str, Any], IncidentEvidence]] = []
         self._unwritten_lock = threading.Lock()
         self._retry_at = 0.0
         self._retrying = False
@@ -240,7 +240,7 @@ class IncidentPipeline:
         )
         return captures, ras_first, t0
 
-    def evidence(self, req: IncidentRequest, captured: tuple[dict[int, RankCapture], Any, float]) -> Evidence:
+    def evidence(self, req: IncidentRequest, captured: tuple[dict[int, RankCapture], Any, float]) -> IncidentEvidence:
         """Fresh states with the stacks, the flight-recorder analysis, GPU notes and the RAS recheck."""
         captures, ras_first, t0 = captured
         # states may have moved on during capture (a rank died): take the loop's newest poll, keep the
@@ -261,9 +261,9 @@ class IncidentPipeline:
         if ras_first is not None:
             time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
             outside += self.ras.evidence(ras_first, self.ras.query())
-        return Evidence(views, captures, fr, outside)
+        return IncidentEvidence(views, captures, fr, outside)
 
-    def decide(self, req: IncidentRequest, ev: Evidence) -> tuple[dict[str, Any], bool]:
+    def decide(self, req: IncidentRequest, ev: IncidentEvidence) -> tuple[dict[str, Any], bool]:
         """The verdict over this node's evidence, or over every node's through the leader; and whether this
         node decided it (the webhooks hear of a multi-node incident once, from the node that decided)."""
 
@@ -304,7 +304,7 @@ class IncidentPipeline:
         ), False
 
     def publish(
-        self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence, *, notify: bool = True
+        self, req: IncidentRequest, verdict: dict[str, Any], ev: IncidentEvidence, *, notify: bool = True
     ) -> str | None:
         """Bundle (or a place in the retry queue), log line with the whole verdict's gist, callback, alerts
         (the webhooks now; the command once the bundle exists, on this node: it holds this node's stacks)."""
@@ -353,7 +353,7 @@ class IncidentPipeline:
         self.killer.kill_job(req.job_id, req.identities)
 
     # -- bundles that could not be written ----------------------------------------------------------
-    def _keep_unwritten(self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence) -> None:
+    def _keep_unwritten(self, req: IncidentRequest, verdict: dict[str, Any], ev: IncidentEvidence) -> None:
         with self._unwritten_lock:
             self._unwritten.append((req, verdict, ev))
             while len(self._unwritten) > self.serve_policy.max_unwritten_bundles:
@@ -402,7 +402,7 @@ class IncidentPipeline:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _write_bundle(
-        self, req: IncidentRequest, verdict: dict[str, Any], ev: Evidence, attempts: int | None = None
+        self, req: IncidentRequest, verdict: dict[str, Any], ev: IncidentEvidence, attempts: int | None = None
     ) -> str | None:
         policy = self.serve_policy
         for attempt in range(attempts or policy.bundle_attempts):
@@ -438,7 +438,7 @@ class IncidentPipeline:
         verdict = finalize_verdict(verdict, trigger=req.trigger, correlation=None, local_views=req.views)
         path = None
         try:
-            path = self.publish(req, verdict, Evidence(list(req.views), {}, FrFindings((), None, ()), []))
+            path = self.publish(req, verdict, IncidentEvidence(list(req.views), {}, FrFindings((), None, ()), []))
         except Exception:
             log.exception("incident_publish_failed", job=req.job_id, incident=req.incident_id)
         return IncidentResult(req.incident_id, verdict, path, list(req.views))

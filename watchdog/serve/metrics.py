@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from rankwatch.hooks.record import StepTiming
 
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
-from ..core.straggler import Diagnosis, StragglerPolicy, diagnose_stragglers
+from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
 from ..core.straggler_live import reported
 from ..errors import UserError
 from .daemon import Daemon, JobEntry
@@ -155,7 +155,7 @@ class DaemonCollector(Collector):
     def __init__(self, daemon: Daemon, policy: StragglerPolicy | None = None) -> None:
         self.daemon = daemon
         self.policy = policy or StragglerPolicy()
-        self._cache: dict[str, tuple[tuple[tuple[int, int], ...], Diagnosis]] = {}
+        self._cache: dict[str, tuple[tuple[tuple[int, int], ...], StragglerDiagnosis]] = {}
         self._lock = threading.Lock()  # concurrent scrapes share the diagnosis cache
         self._errors = 0
 
@@ -167,7 +167,7 @@ class DaemonCollector(Collector):
         with self._lock:
             return list(self._collect())
 
-    def _diagnosis(self, job_id: str, per_rank: dict[int, list[StepTiming]]) -> Diagnosis:
+    def _diagnosis(self, job_id: str, per_rank: dict[int, list[StepTiming]]) -> StragglerDiagnosis:
         key = tuple(sorted((r, ts[-1].step) for r, ts in per_rank.items() if ts))
         cached = self._cache.get(job_id)
         if cached is not None and cached[0] == key:
