@@ -17,6 +17,10 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the watchdog's vocabulary: only the reader below builds it, never the rank's hook
+    from rankwatch.watchdog.core.steps import StepTiming
 
 MAGIC = b"RNKWTCH1"
 CRASH_LEN = 240
@@ -122,25 +126,6 @@ def record_path(shm_dir: str, job_id: str, global_rank: int) -> str:
     return os.path.join(shm_dir, job_id, f"rank-{global_rank}.hb")
 
 
-@dataclass(slots=True)
-class StepTiming:
-    """One completed step: wall duration and exclusive time per phase (they sum to the duration)."""
-
-    step: int
-    start_ns: int
-    end_ns: int
-    phases_ms: dict[str, float]
-    # input pipeline during this step: production time of the batches finished (ms, summed over
-    # producers), how many, and by how many DataLoader workers (0: the training thread)
-    input_ms: float = 0.0
-    input_batches: int = 0
-    input_workers: int = 0
-
-    @property
-    def duration_ms(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e6
-
-
 @dataclass(frozen=True)
 class RecordSnapshot:
     """A consistent, decoded copy of one rank's record."""
@@ -217,6 +202,8 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
     names = tuple(_decode_str(bytes(rec.phase_names[i])) for i in range(n))
     budgets = tuple(float(rec.phase_budget_s[i]) for i in range(n))
     done = int(rec.steps_done)
+    from rankwatch.watchdog.core.steps import StepTiming  # here, not at the top: the hook never builds one
+
     first = max(since_step + 1, done - RING_STEPS, 0)
     steps = []
     if first < done:

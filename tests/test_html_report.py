@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from rankwatch.hooks.record import StepTiming
 from rankwatch.watchdog.core.snapshot import RUNNING, RankView
+from rankwatch.watchdog.core.steps import StepTiming
 from rankwatch.watchdog.core.straggler import diagnose_stragglers
 from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.errors import UserError

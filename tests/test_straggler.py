@@ -27,8 +27,9 @@ from conftest import (
     torchrun_args,
     wait_for,
 )
-from rankwatch.hooks.record import CANONICAL_PHASES, StepTiming, read_record
+from rankwatch.hooks.record import CANONICAL_PHASES, read_record
 from rankwatch.hooks.tracker import Tracker
+from rankwatch.watchdog.core.steps import StepTiming
 from rankwatch.watchdog.core.straggler import StragglerPolicy, diagnose_stragglers
 
 BASE = {"dataloader": 1.0, "forward": 3.0, "backward": 4.0, "grad_sync": 1.0, "optimizer": 1.0, "idle": 0.5}

@@ -13,12 +13,13 @@ from typing import Any
 
 import structlog
 from rankwatch.hooks.jobinfo import sanitize_job_id
-from rankwatch.hooks.record import RecordFormatError, StepTiming, read_record
+from rankwatch.hooks.record import RecordFormatError, read_record
 from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs
 from ..cluster.auth import load_secret
 from ..core.ranks import fmt_ranks
+from ..core.steps import StepTiming
 from ..core.straggler import diagnose_stragglers
 from ..core.text import NAME, PROSE, clean
 from ..errors import UserError

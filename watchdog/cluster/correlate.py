@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from rankwatch.hooks.record import StepTiming
 
 from ..core.detect import progressing_here
 from ..core.fr_trace import RankTrace
@@ -39,6 +38,7 @@ from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
+from ..core.steps import StepTiming
 from .store import (
     MAX_RANKS_PER_NODE,
     JobStore,

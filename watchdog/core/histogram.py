@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the step type only: the pure core imports no record reader
-    from rankwatch.hooks.record import StepTiming
+    from .steps import StepTiming
 
 # upper bounds in seconds: 1 ms (a tiny CPU step) to 5 minutes (a checkpoint step); 17 buckets
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

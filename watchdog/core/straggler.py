@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the step ring type only: the pure core imports no record reader
-    from rankwatch.hooks.record import StepTiming
+    from .steps import StepTiming
 
 
 from .ranks import fmt_ranks

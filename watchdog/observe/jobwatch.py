@@ -18,11 +18,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import structlog
-from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot, StepTiming
+from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot
 
 from ..core.histogram import RankHistograms
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
+from ..core.steps import StepTiming
 from .process import NO_PROCESS, Identity, ProcessTable, Unverified
 
 log = structlog.get_logger("rankwatch.jobwatch")

@@ -32,9 +32,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
-from rankwatch.hooks.record import StepTiming
 
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
+from ..core.steps import StepTiming
 from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
 from ..core.straggler_live import reported
 from ..errors import UserError
