@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from ..core.documents import document_problems
+from ..core.doc_checks import document_problems
 from ..core.schema import SUMMARY_SCHEMA, VERDICT_SCHEMA
 from ..core.text import PROSE, clean
 from ..errors import UserError

@@ -19,7 +19,7 @@ from rankwatch.hooks.files import read_in
 
 from .. import logs
 from ..core.detect import stalled_ranks
-from ..core.documents import document_problems
+from ..core.doc_checks import document_problems
 from ..core.policy import ObservePolicy, ServePolicy, StallPolicy
 from ..core.ranks import fmt_ranks
 from ..core.schema import headline_of

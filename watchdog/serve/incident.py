@@ -24,12 +24,12 @@ import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
+from ..core.finalize import finalize_verdict, trigger_doc
 from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from ..core.stacks import signature, stack_top, waiting_on_peers
 from ..core.verdict import decide, rank_entry
-from ..core.verdict_doc import finalize_verdict, trigger_doc
 from ..evidence.capture import RankCapture, capture_all
 from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
 from ..evidence.gpu import GpuWatch
