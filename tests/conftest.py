@@ -275,3 +275,15 @@ def pytest_collection_modifyitems(config, items):
         # once, and two workers never create the same throwaway users
         if _shares_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+def resolve_and_decide(corr, inc, views, node: str, world: int, decide, **kw):
+    """A correlator used as the incident pipeline uses it: exchange, decide where this node must (``decide``
+    as ``(views, notes, how, remote_fr) -> verdict``), publish as the leader. (verdict, how, decided here)."""
+    res = corr.resolve(inc, views, node, world, **kw)
+    if res.verdict is not None:
+        return res.verdict, res.how, False
+    verdict = decide(res.views, res.notes, res.how, res.remote_fr)
+    if res.publish:
+        corr.publish_verdict(inc, verdict)
+    return verdict, res.how, True

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from conftest import DEMO, REPO, free_port, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+from conftest import DEMO, REPO, free_port, rankwatch_cmd, resolve_and_decide, start_daemon, torchrun_args, wait_for
 
 TRANSFORMER = str(REPO / "examples" / "transformer_demo.py")
 
@@ -158,7 +158,8 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     from rankwatch.watchdog.cluster.correlate import SharedIncident
 
     inc = SharedIncident(gen=1, incident_id="inc", by_node=1, trigger={})
-    verdict, how, decided_here = follower.resolve(
+    verdict, how, decided_here = resolve_and_decide(
+        follower,
         inc,
         [view],
         "n1",

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import structlog
-from conftest import DEMO, LineReader, free_port, new_tracker, rankwatch_cmd, start_daemon, torchrun_args, wait_for
+from conftest import (
+    DEMO,
+    LineReader,
+    free_port,
+    new_tracker,
+    rankwatch_cmd,
+    resolve_and_decide,
+    start_daemon,
+    torchrun_args,
+    wait_for,
+)
 from rankwatch.hooks.record import read_record
 from rankwatch.watchdog.cluster.auth import seal
 from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
@@ -136,7 +146,8 @@ def test_forged_verdict_is_not_adopted(signed):
     signed.forge("verdict/1", verdict_doc("g", initiating=0))
     inc = SharedIncident(gen=1, incident_id="inc", by_node=1, trigger={})
     with structlog.testing.capture_logs() as logs:
-        verdict, how, decided_here = signed.follower.resolve(
+        verdict, how, decided_here = resolve_and_decide(
+            signed.follower,
             inc, [view(2, phase="dataloader", since=9.0), view(3, phase="backward", since=9.0)], "n1", 4,
             decide_fn("g"),
         )
@@ -160,13 +171,13 @@ def test_leader_and_follower_still_agree_through_forged_values(signed):
     result: dict = {}
 
     def follow():
-        result["out"] = signed.follower.resolve(remote, [view(1, phase="backward", since=9.0)], "n1", 2,
+        result["out"] = resolve_and_decide(signed.follower, remote, [view(1, phase="backward", since=9.0)], "n1", 2,
                                                 decide_fn("g"))
 
     t = threading.Thread(target=follow)
     t.start()
-    verdict0, how0, _ = signed.leader.resolve(leader_claim, [view(0, phase="dataloader", since=9.0)], "n0", 2,
-                                              decide_fn("g"))
+    verdict0, how0, _ = resolve_and_decide(signed.leader, leader_claim, [view(0, phase="dataloader", since=9.0)],
+                                           "n0", 2, decide_fn("g"))
     t.join(timeout=30)
     verdict1, how1, decided_here = result["out"]
     assert how0 == "leader node 0 over 2 node(s)"
@@ -288,7 +299,7 @@ def test_unauthenticated_verdict_naming_a_progressing_local_rank_is_refused(unsi
     unsigned.forge("verdict/1", verdict_doc("u", initiating=2))
     local = [view(2, phase="forward", since=0.2), view(3, phase="backward", since=0.3)]  # healthy here
     with structlog.testing.capture_logs() as logs:
-        verdict, how, decided_here = unsigned.follower.resolve(inc, local, "n1", 4, decide_fn("u"),
+        verdict, how, decided_here = resolve_and_decide(unsigned.follower, inc, local, "n1", 4, decide_fn("u"),
                                                                stall_timeout_s=3.0)
     assert decided_here and how.startswith("local: refused the leader's unauthenticated verdict"), how
     assert "rank 2" in how and verdict["correlation"] == how and "FORGED" not in verdict["reason"]
@@ -301,13 +312,14 @@ def test_unauthenticated_verdict_consistent_with_local_views_is_adopted(unsigned
     unsigned.forge("verdict/1", verdict_doc("u", initiating=2))
     inc = SharedIncident(gen=1, incident_id="inc", by_node=0, trigger={})
     stuck = [view(2, phase="dataloader", since=9.0), view(3, phase="backward", since=9.0)]
-    _, _, decided_here = unsigned.follower.resolve(inc, stuck, "n1", 4, decide_fn("u"), stall_timeout_s=3.0)
+    _, _, decided_here = resolve_and_decide(unsigned.follower, inc, stuck, "n1", 4, decide_fn("u"), stall_timeout_s=3.0)
     assert not decided_here
     # the named rank lives on another node: nothing here contradicts it
     unsigned.forge("verdict/2", verdict_doc("u", initiating=0))
     inc2 = SharedIncident(gen=2, incident_id="inc2", by_node=0, trigger={})
     healthy = [view(2, since=0.2), view(3, since=0.2)]
-    verdict, _, decided_here = unsigned.follower.resolve(inc2, healthy, "n1", 4, decide_fn("u"), stall_timeout_s=3.0)
+    verdict, _, decided_here = resolve_and_decide(unsigned.follower, inc2, healthy, "n1", 4, decide_fn("u"),
+                                                  stall_timeout_s=3.0)
     assert not decided_here and verdict["initiating_ranks"] == [0]
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -56,9 +56,18 @@ from .store import (
 
 log = structlog.get_logger("rankwatch.correlate")
 
-# (views of every node, evidence notes, how the nodes agreed, the other nodes' flight-recorder traces by
-# rank) → the finalized verdict document
-DecideFn = Callable[[Sequence[RankView], Sequence[str], "str | None", Mapping[int, RankTrace]], dict[str, Any]]
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the exchange left this node: the leader's verdict to adopt (``verdict``), or the evidence to decide
+    over itself — as the leader (``publish``: hand the verdict to ``publish_verdict``) or alone."""
+
+    how: str  # how the nodes agreed (or why this node decides alone)
+    verdict: dict[str, Any] | None = None
+    views: Sequence[RankView] = ()
+    notes: Sequence[str] = ()
+    remote_fr: Mapping[int, RankTrace] = field(default_factory=dict)
+    publish: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,21 +365,20 @@ class Correlator:
         local_views: list[RankView],
         node: str,
         world_size: int,
-        decide: DecideFn,
         *,
         stall_timeout_s: float | None = None,
         local_fr: Mapping[int, RankTrace] | None = None,
-    ) -> tuple[dict[str, Any], str, bool]:
-        """(verdict, how it was reached, decided by this node). Publishes this node's evidence (with its
-        ranks' flight-recorder traces, ``local_fr``); the leader decides for all. A verdict taken from the
-        leader (decided_here False) is returned as published, for the caller to finalize with this node's
-        own ranks. Without a secret a leader's verdict that names as initiator a local rank progressing
-        within ``stall_timeout_s`` is refused, and this node decides over its own ranks."""
+    ) -> Resolution:
+        """Publishes this node's evidence (with its ranks' flight-recorder traces, ``local_fr``); the leader
+        gets every node's evidence to decide over for all, a follower the leader's verdict as published (for
+        the caller to finalize with this node's own ranks). Without a secret a leader's verdict that names as
+        initiator a local rank progressing within ``stall_timeout_s`` is refused, and this node decides over
+        its own ranks. The decision itself is the caller's: this layer only exchanges."""
         self.handled_gen = max(self.handled_gen, inc.gen)
         store = self.store
         if store is None or inc.gen == 0:
             why = f"local only: store unreachable ({self.error})"
-            return decide(local_views, [why], why, {}), why, True
+            return Resolution(why, views=local_views, notes=[why])
         share = fr_share(local_fr or {}, self.policy.fr_shared_per_pg, self.policy.fr_shared_bytes)
         try:
             store.set_json(
@@ -380,18 +388,13 @@ class Correlator:
         except StoreError as exc:
             self._lost(exc)
             why = f"local only: could not publish evidence ({exc})"
-            return decide(local_views, [why], why, {}), why, True
+            return Resolution(why, views=local_views, notes=[why])
         if self.leader:
             views, notes, remote_fr = self._gather(
                 store, inc, local_views, world_size, self.policy.evidence_timeout_s
             )
             how = f"leader node {self.node_rank} over {self._heard} node(s)"
-            verdict = decide(views, notes, how, remote_fr)
-            try:
-                store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict, self.policy.slim_verdict_above_ranks))
-            except StoreError as exc:
-                self._lost(exc)
-            return verdict, how, True
+            return Resolution(how, views=views, notes=notes, remote_fr=remote_fr, publish=True)
         deadline = time.monotonic() + self.policy.verdict_timeout_s
         rejected = False  # a bad value may still be overwritten by the leader's: keep waiting for it
         while time.monotonic() < deadline:
@@ -415,7 +418,7 @@ class Correlator:
                     else []
                 )
                 if not healthy:
-                    return verdict, str(verdict.get("correlation", "leader")), False
+                    return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
                 why = (
                     f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
                     f"as initiating but this node sees it making progress"
@@ -428,7 +431,7 @@ class Correlator:
                     progressing_here=healthy[:16],
                     stall_timeout_s=stall_timeout_s,
                 )
-                return decide(local_views, [why], why, {}), why, True
+                return Resolution(why, views=local_views, notes=[why])
             time.sleep(0.1)
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
@@ -439,7 +442,16 @@ class Correlator:
         if self.store is not None:
             views, more, remote_fr = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
-        return decide(views, notes, why, remote_fr), why, True
+        return Resolution(why, views=views, notes=notes, remote_fr=remote_fr)
+
+    def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
+        """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""
+        if self.store is None:
+            return
+        try:
+            self.store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict, self.policy.slim_verdict_above_ranks))
+        except StoreError as exc:
+            self._lost(exc)
 
     def _gather(
         self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float

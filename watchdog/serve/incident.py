@@ -286,21 +286,21 @@ class IncidentPipeline:
 
         if req.correlator is None or req.shared is None:
             return decide_over(ev.views, [], None, {}), True
-        verdict, how, decided_here = req.correlator.resolve(
-            req.shared,
-            ev.views,
-            req.node,
-            req.world_size,
-            decide_over,
-            stall_timeout_s=req.trigger.timeout_s,
+        res = req.correlator.resolve(
+            req.shared, ev.views, req.node, req.world_size, stall_timeout_s=req.trigger.timeout_s,
             local_fr=ev.fr.traces,
         )
+        how = res.how
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
-        if decided_here:
+        if res.verdict is None:
+            verdict = decide_over(res.views, res.notes, how, res.remote_fr)
+            if res.publish:
+                req.correlator.publish_verdict(req.shared, verdict)
             return verdict, True
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
-            verdict, trigger=req.trigger, correlation=str(verdict.get("correlation") or how), local_views=ev.views
+            res.verdict, trigger=req.trigger, correlation=str(res.verdict.get("correlation") or how),
+            local_views=ev.views,
         ), False
 
     def publish(
