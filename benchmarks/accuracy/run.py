@@ -252,126 +252,191 @@ class Klass:
     action: str | None = None  # "node-kill" / "node-freeze": done by the runner to node action_node
     action_node: int = 1
     steps: int = 400
+    rw_args: tuple[str, ...] = ()  # extra `rankwatch run` options
 
 
 CLASSES: dict[str, Klass] = {
     "pp": Klass(
         "pipeline.py",
         ("--scenario", "stage-spin", "--micro-batches", "4"),
-        1, 4, 1, (1,), ("hang",), "forward",
-        "4 GPipe stages by send/recv + a logging all_reduce; stage 1 spins in its forward and never sends: "
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        truth=(1,),
+        kinds=("hang",),
+        phase="forward",
+        why="4 GPipe stages by send/recv + a logging all_reduce; stage 1 spins in its forward and never sends: "
         "stages 2, 3 wait in recv (directly, or behind stage 2), stage 0 in the recv of its gradient. The "
         "first and last stages issue fewer p2p ops by design: a per-group counter makes them look behind",
-        False,
-        "the spinning stage prints nothing; --on-stall kill ends every rank with the same SIGTERM",
+        offline=False,
+        offline_why="the spinning stage prints nothing; --on-stall kill ends every rank with the same SIGTERM",
     ),
     "tpdp-tp4": Klass(
         "tensor_data.py",
         ("--scenario", "block-before-tp", "--tp", "4"),
-        2, 4, 5, (5,), ("hang",), "forward",
-        "TP groups {0-3} {4-7} (one per node), DP {0,4} {1,5} {2,6} {3,7}; rank 5 blocks before its TP "
+        nodes=2,
+        nproc=4,
+        fault_rank=5,
+        truth=(5,),
+        kinds=("hang",),
+        phase="forward",
+        why="TP groups {0-3} {4-7} (one per node), DP {0,4} {1,5} {2,6} {3,7}; rank 5 blocks before its TP "
         "all_reduce: 4, 6, 7 wait in that TP all_reduce, node 0's ranks in DDP's all_reduce for their DP "
         "peers on node 1. Only rank 5 waits for nobody",
-        False,
-        "a blocked rank prints nothing; every rank ends by the same SIGTERM",
+        offline=False,
+        offline_why="a blocked rank prints nothing; every rank ends by the same SIGTERM",
     ),
     "tpdp-tp2": Klass(
         "tensor_data.py",
         ("--scenario", "block-before-tp", "--tp", "2"),
-        2, 4, 2, (2,), ("hang",), "forward",
-        "TP groups {0,1} {2,3} {4,5} {6,7}, DP {0,2,4,6} {1,3,5,7}; rank 2 blocks before its TP all_reduce: "
+        nodes=2,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="TP groups {0,1} {2,3} {4,5} {6,7}, DP {0,2,4,6} {1,3,5,7}; rank 2 blocks before its TP all_reduce: "
         "3 waits for it in TP, the other TP groups wait in DDP's all_reduce for 2 (DP) or for 3 (DP), which "
         "waits for 2",
-        False,
-        "as tpdp-tp4",
+        offline=False,
+        offline_why="as tpdp-tp4",
     ),
     "ep": Klass(
         "experts.py",
         ("--scenario", "expert-spin"),
-        1, 4, 2, (2,), ("hang",), "forward",
-        "MoE dispatch/combine by all_to_all_single; rank 2's expert spins between the two: everyone else "
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="MoE dispatch/combine by all_to_all_single; rank 2's expert spins between the two: everyone else "
         "waits in the combine all_to_all",
-        False,
-        "nothing printed; every rank ends by the same SIGTERM",
+        offline=False,
+        offline_why="nothing printed; every rank ends by the same SIGTERM",
     ),
     "pg-timeout": Klass(
         "loop.py",
         ("--scenario", "forward-hang", "--pg-timeout-s", "8"),
-        1, 4, 2, (2,), ("hang",), "forward",
-        "init_process_group(timeout=8 s) under a 30 s stall timeout: rank 2 spins in forward, the other three "
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="init_process_group(timeout=8 s) under a 30 s stall timeout: rank 2 spins in forward, the other three "
         "raise gloo's timeout in DDP's all_reduce after 8 s and exit (consequences); rank 2 is the one alive "
         "and not waiting",
-        True,
-        "ranks 0, 1, 3 each print gloo's timeout in the all_reduce; rank 2 alone prints no error of its own",
+        offline=True,
+        offline_why="ranks 0, 1, 3 each print gloo's timeout in the all_reduce; rank 2 alone prints no error of its "
+        "own",
         stall_timeout="30",
     ),
     "node-loss": Klass(
         "loop.py",
         ("--scenario", "node-signal"),
-        2, 2, 2, (2, 3), ("dead_rank", "hang", "node_lost", "node_down", "unknown"), None,
-        "2 nodes x 2; at step 5 the runner SIGKILLs node 1 whole (its ranks 2, 3, its torchrun agent and its "
+        nodes=2,
+        nproc=2,
+        fault_rank=2,
+        truth=(2, 3),
+        kinds=("dead_rank", "hang", "node_lost", "node_down", "unknown"),
+        phase=None,
+        why="2 nodes x 2; at step 5 the runner SIGKILLs node 1 whole (its ranks 2, 3, its torchrun agent and its "
         "rankwatch watchdog together): ranks 0, 1 lose their peers; the silent node's ranks are the answer",
-        False,
-        "node 1's console ends mid-run with no error; node 0 only shows lost peers (whole node gone: "
+        offline=False,
+        offline_why="node 1's console ends mid-run with no error; node 0 only shows lost peers (whole node gone: "
         "which of 2, 3 went first cannot be told, and nothing names them as initiators but their absence)",
         action="node-kill",
     ),
     "node-freeze": Klass(
         "loop.py",
         ("--scenario", "node-signal"),
-        2, 2, 2, (2, 3), ("stopped_rank",), None,
-        "2 nodes x 2; at step 5 the runner SIGSTOPs node 1's ranks (2, 3; agent and watchdog keep running): "
+        nodes=2,
+        nproc=2,
+        fault_rank=2,
+        truth=(2, 3),
+        kinds=("stopped_rank",),
+        phase=None,
+        why="2 nodes x 2; at step 5 the runner SIGSTOPs node 1's ranks (2, 3; agent and watchdog keep running): "
         "both stopped, 0 and 1 wait for them. After --on-stall kill no second incident may blame 0 or 1, "
         "which only lost their peers",
-        False,
-        "stopped processes write nothing; the kill ends every rank with the same SIGTERM",
+        offline=False,
+        offline_why="stopped processes write nothing; the kill ends every rank with the same SIGTERM",
         action="node-freeze",
     ),
     "pre-init": Klass(
         "loop.py",
         ("--scenario", "pre-init-hang"),
-        1, 4, 3, (3,), ("hang",), None,
-        "rank 3 blocks before init_process_group; ranks 0-2 wait in it (the rendezvous store) for rank 3",
-        False,
-        "nothing printed before the kill",
+        nodes=1,
+        nproc=4,
+        fault_rank=3,
+        truth=(3,),
+        kinds=("hang",),
+        phase=None,
+        why="rank 3 blocks before init_process_group; ranks 0-2 wait in it (the rendezvous store) for rank 3. "
+        "--startup-timeout 10 (below the job's 60 s process-group timeout: with the default 300 s the others' "
+        "store timeouts end the job first)",
+        offline=False,
+        offline_why="nothing printed before the kill",
+        rw_args=("--startup-timeout", "10"),
     ),
     "ckpt-declared": Klass(
         "loop.py",
         ("--scenario", "checkpoint-declared", "--checkpoint-s", "12", "--checkpoint-budget-s", "60"),
-        1, 4, 0, (), (), None,
-        "rank 0 saves a 12 s checkpoint inside phase('checkpoint', budget_s=60) while ranks 1-3 wait in "
+        nodes=1,
+        nproc=4,
+        fault_rank=0,
+        truth=(),
+        kinds=(),
+        phase=None,
+        why="rank 0 saves a 12 s checkpoint inside phase('checkpoint', budget_s=60) while ranks 1-3 wait in "
         "dist.barrier(): declared and within its budget: no incident is right, and the job finishes",
-        False,
-        "the job ends normally",
+        offline=False,
+        offline_why="the job ends normally",
         steps=30,
     ),
     "ckpt-undeclared": Klass(
         "loop.py",
         ("--scenario", "checkpoint-undeclared", "--checkpoint-s", "12"),
-        1, 4, 0, (0,), ("hang",), "idle",
-        "the same 12 s checkpoint, not declared: past the 3 s stall timeout the others wait in the barrier "
+        nodes=1,
+        nproc=4,
+        fault_rank=0,
+        truth=(0,),
+        kinds=("hang",),
+        phase="idle",
+        why="the same 12 s checkpoint, not declared: past the 3 s stall timeout the others wait in the barrier "
         "for rank 0, which is busy outside every phase ('idle'): rank 0 is the one holding the job",
-        False,
-        "nothing printed before the kill",
+        offline=False,
+        offline_why="nothing printed before the kill",
         steps=30,
     ),
     "child-hang": Klass(
         "loop.py",
         ("--scenario", "child-hang"),
-        1, 4, 1, (1,), ("hang",), "idle",
-        "rank 1 waits (subprocess.run) on a helper process that never exits, at the top of a step; the "
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        truth=(1,),
+        kinds=("hang",),
+        phase="idle",
+        why="rank 1 waits (subprocess.run) on a helper process that never exits, at the top of a step; the "
         "others wait for it in DDP's all_reduce",
-        False,
-        "nothing printed before the kill",
+        offline=False,
+        offline_why="nothing printed before the kill",
     ),
     "compile": Klass(
         "loop.py",
         ("--scenario", "compile-graph-break"),
-        1, 4, 3, (3,), ("hang",), "forward",
-        "DDP(torch.compile(model)) (inductor); the forward has a graph break and the Python run at the break "
+        nodes=1,
+        nproc=4,
+        fault_rank=3,
+        truth=(3,),
+        kinds=("hang",),
+        phase="forward",
+        why="DDP(torch.compile(model)) (inductor); the forward has a graph break and the Python run at the break "
         "blocks on rank 3 at step 5: the others wait in DDP's all_reduce",
-        False,
-        "nothing printed before the kill",
+        offline=False,
+        offline_why="nothing printed before the kill",
     ),
 }
 
@@ -410,6 +475,7 @@ class Plan:
     stall_timeout: str = STALL_TIMEOUT
     action: str | None = None
     action_node: int = 1
+    rw_args: tuple[str, ...] = ()
 
 
 def plan_fault(model: str, fault: str, position: str) -> Plan:
@@ -425,8 +491,10 @@ def plan_class(name: str) -> Plan:
     if "--pg-timeout-s" not in k.args:
         job += ("--pg-timeout-s", "60")
     where = f"rank {k.fault_rank} of {k.nodes}x{k.nproc}"
-    return Plan("v3", name, where, k.nodes, k.nproc, k.fault_rank, k.truth, job, k.stall_timeout, k.action,
-                k.action_node)
+    return Plan(
+        "v3", name, where, k.nodes, k.nproc, k.fault_rank, k.truth, job, k.stall_timeout, k.action, k.action_node,
+        k.rw_args,
+    )
 
 
 def expect_of(r: dict[str, Any]) -> Expect | Klass:
@@ -626,7 +694,7 @@ def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bo
     )
     env.pop("RANKWATCH_JOB_ID", None)
     rdzv_port, master_port, store_port = free_port(), free_port(), free_port()
-    common = ["--stall-timeout", plan.stall_timeout, "--on-stall", "kill", "--json-logs"]
+    common = ["--stall-timeout", plan.stall_timeout, "--on-stall", "kill", "--json-logs", *plan.rw_args]
     if nodes > 1:
         secret = d / "store.secret"
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
