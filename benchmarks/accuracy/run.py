@@ -10,6 +10,7 @@ each fault is in ``FAULTS`` below, with the reason; nothing there is tuned to wh
     python benchmarks/accuracy/run.py --quick --models ddp     # 17 runs, ~4 min (each fault once, rank 0 or 3)
     python benchmarks/accuracy/run.py --models ddp --faults input-hang dead-rank --positions first other-node \\
         --repeats 3 --hogs 0 3
+    python benchmarks/accuracy/run.py --quick --classes pp tpdp-tp4   # the verdict-v3 classes (CLASSES, jobs/)
 
 Matrix: fault × rank position (``first`` 0, ``middle`` 1, ``last`` 3, ``other-node`` 2 on the second of two
 simulated nodes — two ``rankwatch run`` agents, one TCPStore, same ``--run-name``) × model × hogs (0 or 3
