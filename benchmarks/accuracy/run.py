@@ -921,12 +921,18 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out = [
         f"### Localisation accuracy — {meta['date']}",
         "",
-        f"`{meta['command']}` — {len(runs)} runs"
+        f"`{meta['command']}` — {len(runs) + len(v3_runs)} runs"
         + (f" (+{len(invalid)} invalid, listed at the end)" if invalid else "")
-        + f", {meta['wall_min']:.1f} min; models {', '.join(meta['models'])}; "
-        f"positions {', '.join(meta['positions'])}; hogs {meta['hogs']}; repeats {meta['repeats']}; "
-        f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
-        f"{meta['machine']}"
+        + f", {meta['wall_min']:.1f} min; "
+        + (
+            f"models {', '.join(meta['models'])}; positions {', '.join(meta['positions'])}; "
+            f"world size {WORLD}, "
+            if runs
+            else ""
+        )
+        + (f"v3 classes {', '.join(dict.fromkeys(r['fault'] for r in v3_runs))}; " if v3_runs else "")
+        + f"hogs {meta['hogs']}; repeats {meta['repeats']}; fault at step {FAULT_STEP}, --stall-timeout "
+        f"{STALL_TIMEOUT} (unless a class says otherwise), --on-stall kill. {meta['machine']}"
         + (
             f" Load average (1 min) at each run's start: median {statistics.median(loads):.1f}, "
             f"{min(loads):.1f}–{max(loads):.1f}."
@@ -937,8 +943,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Code measured (last commit to watchdog/, hooks/, examples/ at the run's start; +dirty: uncommitted "
         "edits in watchdog/ or hooks/): "
         + ", ".join(
-            f"{c} ({sum(str(r.get('code')) == c for r in runs)} runs)"
-            for c in sorted({str(r.get("code")) for r in runs})
+            f"{c} ({sum(str(r.get('code')) == c for r in runs + v3_runs)} runs)"
+            for c in sorted({str(r.get("code")) for r in runs + v3_runs})
         )
         + ".",
         "",
