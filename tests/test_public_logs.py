@@ -9,9 +9,10 @@ What a user relies on, per log, through the installed CLI:
 
 Logs today's code does not read yet (TRUTH.json ``today``: ``abstains`` on a decidable log, ``confident`` on an
 undecidable one) are the engine's targets: ``test_v3_target`` holds the full expectation for them and runs
-once ``V3_TARGETS_ENABLED`` is switched on by whoever makes them pass (issue 19). Until then the ``abstains``
-entries are still held to "never a wrong rank, never confident" by the tests above; ``confident`` entries are
-the known misses, listed by ``test_truth_table_is_complete``'s table and not asserted.
+once ``V3_TARGETS_ENABLED`` is switched on by whoever makes them pass (issue 19; then set their ``today`` to
+``right``/``safe`` in TRUTH.json and rerun make_truth_md.py). Until then the ``abstains`` entries are still held
+to "never a wrong rank, never confident" by the tests above; the ``confident`` entries (undecidable logs named
+with confidence today) are the known wrong answers, listed in TRUTH.md and asserted only by ``test_v3_target``.
 """
 
 from __future__ import annotations
