@@ -258,6 +258,8 @@ SLOW_MODULES = frozenset({
     "test_multiuser.py",  # real throwaway users, daemons under them
     "test_works_with.py",  # framework jobs under torchrun
 })
+# modules whose tests read one cached result per input (a `rankwatch diagnose` run per log): on one worker
+SHARED_CACHE_MODULES = frozenset({"test_public_logs.py"})
 
 
 def _shares_module_fixture(item) -> bool:
@@ -273,7 +275,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         # under xdist (addopts -n auto) the tests sharing a module fixture run on one worker: it is set up
         # once, and two workers never create the same throwaway users
-        if _shares_module_fixture(item):
+        if _shares_module_fixture(item) or item.path.name in SHARED_CACHE_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
