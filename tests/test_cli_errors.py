@@ -13,7 +13,8 @@ from conftest import rankwatch_cmd
 TRACEBACK = "Traceback (most recent call last)"
 
 
-def run(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+def run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    # a hang guard, not a speed limit: a CLI that imports torch took 60 s on 2 cores at load 20
     return subprocess.run(rankwatch_cmd(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
