@@ -40,6 +40,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Every TCPStore connect makes c10d reverse-resolve the peer address (getnameinfo → a PTR query for
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-interval", type=float, default=0.5, help="the daemon's default --poll-interval")
     ap.add_argument("--procs", type=int, default=2, help="worker processes for the non-leader nodes")
     ap.add_argument("--quick", action="store_true", help="8 polls and 6 incidents per size")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
     if args.quick:
         args.polls, args.incidents = 8, 6
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        print(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
     ok = all(r["complete"] for r in results)
     return 0 if ok else 1
 
