@@ -247,7 +247,7 @@ def main() -> int:
     p.add_argument("--no-e2e", action="store_true", help="skip (b), the wall-clock A/B")
     p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
-    p.add_argument("--no-native", action="store_true", help="(c) py-spy without --native (no FR frames)")
+    p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     args = p.parse_args()
     pairs = args.pairs or (3 if args.quick else 6)
@@ -327,10 +327,13 @@ def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
     if args.traceml_python:
         arms.append("traceml")
     print(f"(c) shares: {rounds} interleaved rounds of {arms}, 2 ranks, py-spy 100 Hz"
-          f"{'' if args.no_native else ' --native'}", flush=True)
-    res = hook_shares.shares(rounds, steps, arms, native=not args.no_native, traceml_python=args.traceml_python)
+          f"{' --native' if args.native else ' (--native for fr)'}", flush=True)
+    res = hook_shares.shares(rounds, steps, arms, native=args.native, traceml_python=args.traceml_python)
     summ = hook_shares.summary(res)
     raw["shares"] = {"runs": res, "summary": summ}
+    arms = [a for a in arms if a in summ]
+    if "hook" not in summ or "none" not in summ:
+        return ["| training-thread sample shares | every hook or no-tool run failed | — | NO |"]
     hook = summ["hook"]
     # the hook's own CPU per step: its share of the training thread's active samples times that CPU time
     per_step_us = hook["pooled_pct"] / 100 * hook["thread_cpu_ms"] * 1000

@@ -1,8 +1,10 @@
 """Side-by-side sampling of the training thread: what share of it each watching tool takes, at small steps.
 
 Used by bench_hook.py (part c). One job per arm, the same DDP loop (``ddp_timed.py``, 2 ranks, ~3 ms
-steps on the shared cores) under ``py-spy record --subprocesses`` (``--native`` by default, so the
-flight recorder's C++ frames are visible too), arms interleaved round by round:
+steps on the shared cores), py-spy attached to both ranks, arms interleaved round by round. The flight
+recorder arm is sampled with ``--native`` (its frames are C++); the Python tools without it by default
+(native unwinding pauses the ranks far longer per sample and, on loaded cores, slows the steps several
+fold; ``native=True`` samples every arm natively):
 
 * ``none``: no tool (the share is 0 by definition; its samples calibrate the step's cost);
 * ``fr``: torch's flight recorder alone (``TORCH_FR_BUFFER_SIZE=2000``): frames ``c10d::FlightRecorder``;
@@ -25,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -117,19 +120,56 @@ def run_arm(procs: Procs, arm: str, steps: int, work: Path, pyspy: str, native: 
             script = ["-m", "rankwatch.hooks", *script]
             env["RANKWATCH_JOB_ID"] = run_id
         target = torchrun_cmd(*torchrun_args(2, run_id, *script))
-    cmd = [pyspy, "record", "--subprocesses", "-r", str(rate), "-f", "raw", "-o", str(out),
-           *(["--native"] if native else []), "--", *target]
-    res = procs.run(cmd, timeout=600, text=True, env=env)
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
-    if line is None or not out.exists():
-        raise RuntimeError(f"{arm} run failed ({res.returncode}):\n{res.stdout[-1500:]}\n{res.stderr[-3000:]}")
+    # py-spy attaches to the two ranks only (not to the launcher, TraceML's aggregator or torchrun): the
+    # job's own start-up stays as fast as without sampling
+    job = procs.start(target, env=env, text=True)
+    samplers = attach(procs, job, pyspy, native, rate, out)
+    try:
+        stdout, stderr = job.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{arm} run timed out") from None
+    for sp in samplers:
+        try:
+            sp.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            sp.kill()
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("{")), None)
+    parts = [p for p in work.glob(f"{out.name}.*") if p.stat().st_size]
+    if line is None or not parts:
+        raise RuntimeError(f"{arm} run failed ({job.returncode}):\n{stdout[-1500:]}\n{stderr[-3000:]}")
     import json
 
     timing = json.loads(line)
-    total, own, where = attribute(out.read_text(), None if arm == "none" else arm, loop_lines())
+    text = "".join(p.read_text() for p in parts)
+    total, own, where = attribute(text, None if arm == "none" else arm, loop_lines())
     return {"samples": total, "own": own, "share_pct": 100.0 * own / total if total else 0.0,
             "median_step_ms": timing["median_step_ms"], "thread_cpu_ms": timing["thread_cpu_ms"],
             "top": where.most_common(6)}
+
+
+def attach(procs: Procs, job: subprocess.Popen[str], pyspy: str, native: bool, rate: int,
+           out: Path) -> list[subprocess.Popen[str]]:
+    """One ``py-spy record --pid`` per rank of ``job`` (its descendants with LOCAL_RANK set)."""
+    import psutil
+
+    seen: dict[int, subprocess.Popen[str]] = {}
+    deadline = time.monotonic() + 120
+    while len(seen) < 2 and time.monotonic() < deadline and job.poll() is None:
+        try:
+            kids = psutil.Process(job.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for kid in kids:
+            try:
+                if kid.pid in seen or "LOCAL_RANK" not in kid.environ():
+                    continue
+            except psutil.Error:
+                continue
+            seen[kid.pid] = procs.start(
+                [pyspy, "record", "--pid", str(kid.pid), "-r", str(rate), "-f", "raw", "-o", f"{out}.{kid.pid}",
+                 *(["--native"] if native else [])], text=True)
+        time.sleep(0.05)
+    return list(seen.values())
 
 
 def find_pyspy() -> str:
@@ -146,7 +186,7 @@ def find_pyspy() -> str:
     return found
 
 
-def shares(rounds: int, steps: int, arms: list[str], native: bool = True, rate: int = 100,
+def shares(rounds: int, steps: int, arms: list[str], native: bool = False, rate: int = 100,
            traceml_python: str | None = None) -> dict[str, list[dict[str, Any]]]:
     pyspy = find_pyspy()
     out: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
@@ -155,7 +195,12 @@ def shares(rounds: int, steps: int, arms: list[str], native: bool = True, rate: 
             order = arms if i % 2 == 0 else arms[::-1]
             for arm in order:
                 with tempfile.TemporaryDirectory(prefix="rw-share-") as tmp:
-                    r = run_arm(procs, arm, steps, Path(tmp), pyspy, native, rate, traceml_python)
+                    try:
+                        r = run_arm(procs, arm, steps, Path(tmp), pyspy, native or arm == "fr", rate,
+                                    traceml_python)
+                    except RuntimeError as exc:  # one arm's failed run (e.g. TraceML's aggregator) is reported
+                        print(f"  round {i + 1}/{rounds} {arm:<8} FAILED: {str(exc)[:300]}", flush=True)
+                        continue
                 out[arm].append(r)
                 print(f"  round {i + 1}/{rounds} {arm:<8} share {r['share_pct']:5.2f} % of {r['samples']} samples, "
                       f"median step {r['median_step_ms']:.2f} ms, thread CPU {r['thread_cpu_ms']:.3f} ms/step",
@@ -167,6 +212,8 @@ def summary(res: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]
     """Per arm: median share, pooled share (own / samples over all rounds), median step and CPU."""
     s = {}
     for arm, runs in res.items():
+        if not runs:
+            continue
         samples = sum(r["samples"] for r in runs)
         s[arm] = {
             "share_pct": median([r["share_pct"] for r in runs]),
