@@ -80,6 +80,7 @@ class Tracker:
         self._slots: dict[str, int] = {name: i for i, name in enumerate(CANONICAL_PHASES)}
         # open phases: (slot, start_ns, budget_s)
         self._stack: list[tuple[int, int, float]] = []
+        self._cur = IDLE_SLOT  # the slot time is booked to now: the innermost open phase, idle outside any
         # exclusive ns per slot in the running step; copied into the ring entry in one slice store
         self._acc = array("Q", bytes(_Q * MAX_PHASES))
         self._zero = array("Q", bytes(_Q * MAX_PHASES))
@@ -164,8 +165,9 @@ class Tracker:
         now = _now()
         self._frozen = False
         stack = self._stack
-        self._acc[stack[-1][0] if stack else IDLE_SLOT] += now - self._last
+        self._acc[self._cur] += now - self._last
         self._last = now
+        self._cur = slot
         stack.append((slot, now, budget_s))
         q = self._q
         i32 = self._i32
@@ -173,8 +175,8 @@ class Tracker:
         i32[_DEPTH_I32] = len(stack)
         q[_PHASE_START] = now
         q[_PROGRESS] = now
-        self._transitions += 1
-        q[_TRANSITIONS] = self._transitions
+        self._transitions = t = self._transitions + 1
+        q[_TRANSITIONS] = t
         if budget_s > self._budget:
             self._budget = budget_s
             self._d[_BUDGET_D] = budget_s
@@ -186,11 +188,9 @@ class Tracker:
             return
         try:
             q = self._q
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = seq = self._seq + 1
             self._push(slot, budget_s)
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
@@ -204,6 +204,7 @@ class Tracker:
             while stack and stack[-1][0] != slot:
                 stack.pop()
             if not stack:
+                self._cur = IDLE_SLOT
                 return False
         now = _now()
         last = self._last
@@ -215,6 +216,7 @@ class Tracker:
             acc[slot] += now - last
         self._last = now
         budget = stack.pop()[2]
+        self._cur = stack[-1][0] if stack else IDLE_SLOT
         q = self._q
         if failing:
             self._frozen = True
@@ -229,8 +231,8 @@ class Tracker:
             q[_PHASE_START] = now
         self._i32[_DEPTH_I32] = len(stack)
         q[_PROGRESS] = now
-        self._transitions += 1
-        q[_TRANSITIONS] = self._transitions
+        self._transitions = t = self._transitions + 1
+        q[_TRANSITIONS] = t
         if budget and budget >= self._budget:
             best = max(stack, key=lambda e: e[2], default=None)
             if best is not None and best[2] > 0:
@@ -253,11 +255,9 @@ class Tracker:
             self._gpu.end(slot)
         try:
             q = self._q
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = seq = self._seq + 1
             self._pop(slot, split_ns, tail_slot, failing)
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
 
@@ -273,16 +273,14 @@ class Tracker:
                 # NUL-padded to the field: one slice store replaces the previous name whole
                 raw = self._op_names[op] = op.encode()[: NAME_LEN - 1].ljust(NAME_LEN, b"\0")
             q = self._q
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = seq = self._seq + 1
             self._coll_entered += 1
             q[_COLL_ENTERED] = self._coll_entered
             if raw is not self._op_written:
                 self._b[_COLL_OP : _COLL_OP + NAME_LEN] = raw
                 self._op_written = raw
             self._push(COLLECTIVE_SLOT, 0.0)
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
 
@@ -291,12 +289,10 @@ class Tracker:
             return
         try:
             q = self._q
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = seq = self._seq + 1
             self._pop(COLLECTIVE_SLOT, 0, NO_PHASE, False)
             q[_COLL_COMPLETED] = self._coll_entered
-            self._seq += 1
-            q[_SEQ] = self._seq
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
 
@@ -333,9 +329,8 @@ class Tracker:
             return
         try:
             now = _now()
-            stack = self._stack
             acc = self._acc
-            acc[stack[-1][0] if stack else IDLE_SLOT] += now - self._last
+            acc[self._cur] += now - self._last
             self._last = now
             if self.input_slots_used:
                 busy, batches = self._input_totals()
