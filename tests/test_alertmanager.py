@@ -13,59 +13,17 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port, rankwatch_cmd, wait_for
-from test_alerts import Receiver
+from test_alerts import Receiver, Trickler
 
 AM_BIN = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 JOB_PROC = REPO / "tests" / "procs" / "alert_job.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(AM_BIN is None, reason="prometheus-alertmanager not installed")]
-
-
-class Trickler:
-    """A webhook that accepts, reads the request, and answers one byte every second, never finishing: a
-    per-read timeout never fires on it. ``holding`` is set while a connection is being trickled to."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/trickle"
-        self.connections = 0
-        self.holding = threading.Event()
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
-
-    def _trickle(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600:
-                    self.holding.set()
-                    conn.sendall(bytes([byte]))
-                    if self.closed.wait(1.0):
-                        return
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self.closed.set()
-        self.sock.close()
 
 
 @pytest.fixture
@@ -212,7 +170,7 @@ def test_hang_fires_in_alertmanager_and_resolves_when_the_job_recovers(tmp_path,
 
 
 def test_resolved_when_the_job_ends_and_straggler_alerts_are_opt_in(tmp_path, alertmanager):
-    base, notified = alertmanager
+    base, _ = alertmanager
     plain = Receiver()
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)

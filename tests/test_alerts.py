@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,6 +47,46 @@ class Receiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Trickler:
+    """A webhook that accepts, reads the request, and answers one byte every second, never finishing: a
+    per-read timeout never fires on it. ``holding`` is set while a connection is being trickled to."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/trickle"
+        self.connections = 0
+        self.holding = threading.Event()
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 600:
+                    self.holding.set()
+                    conn.sendall(bytes([byte]))
+                    if self.closed.wait(1.0):
+                        return
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
 
 
 @pytest.fixture
@@ -153,3 +194,70 @@ def test_alert_queue_is_bounded():
     alerts.close(timeout_s=30)
     # the first was in flight; of the rest only the newest 3 were kept
     assert sent[0] == "i-0" and sent[-3:] == ["i-7", "i-8", "i-9"] and len(sent) == 4, sent
+
+
+def test_a_trickling_webhook_holds_only_itself_and_not_the_shutdown():
+    """4 incidents: the healthy webhook gets all 4 while the trickling one still holds its first POST, and
+    close() returns while it is still trickling (each POST has a total deadline, each target its thread)."""
+    trickler, healthy = Trickler(), Receiver()
+    alerts = Alerter([trickler.url, healthy.url], None)
+    try:
+        for i in range(4):
+            alerts.submit({"incident_id": f"i-{i}", "job_id": "j", "kind": "hang", "initiating_ranks": [i]}, None)
+        assert wait_for(lambda: len(healthy.requests) == 4, 30), healthy.requests
+        assert trickler.holding.is_set() and trickler.connections == 1
+        alerts.close(timeout_s=30)
+        assert not trickler.closed.is_set() and trickler.connections <= 2
+        assert [json.loads(b)["incident_id"] for _, _, b in healthy.requests] == ["i-0", "i-1", "i-2", "i-3"]
+    finally:
+        trickler.close()
+        healthy.close()
+
+
+def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
+    gate, entered = threading.Event(), threading.Event()
+    sent: list[tuple[str, str]] = []
+
+    def post(url: str, body: bytes, timeout_s: float) -> int:
+        entered.set()
+        gate.wait(30)
+        doc = json.loads(body)
+        sent.append((doc["job_id"], doc["incident_id"]))
+        return 200
+
+    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=8, max_queued_per_job=4), post=post)
+    alerts.submit({"incident_id": "first", "job_id": "quiet", "kind": "hang", "initiating_ranks": []}, None)
+    assert entered.wait(30)
+    alerts.submit({"incident_id": "q-1", "job_id": "quiet", "kind": "hang", "initiating_ranks": []}, None)
+    for i in range(50):
+        alerts.submit({"incident_id": f"f-{i}", "job_id": "flood", "kind": "hang", "initiating_ranks": []}, None)
+    gate.set()
+    alerts.close(timeout_s=30)
+    assert ("quiet", "q-1") in sent, sent
+    assert [i for j, i in sent if j == "flood"] == ["f-46", "f-47", "f-48", "f-49"]
+
+
+KILLED_OWNER = """
+import sys, time
+from rankwatch.watchdog.serve.alerts import Alerter
+alerts = Alerter([], [sys.argv[1]])
+alerts.submit({"incident_id": "i", "job_id": "j", "kind": "hang", "initiating_ranks": [0]}, "/nonexistent")
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_nothing_the_command_started_outlives_a_killed_daemon(procs, tmp_path):
+    """The command setsids a child and hangs; the process that runs the alerter is SIGKILLed: the command
+    and its escaped child still go (the reaper is a subreaper with a parent-death signal)."""
+    pids = tmp_path / "pids"
+    cmd = tmp_path / "hang.sh"
+    cmd.write_text(f"#!/bin/sh\nsetsid sleep 300 &\necho $$ $! > {pids}\nsleep 300\n")
+    cmd.chmod(0o700)
+    owner = procs.start([sys.executable, "-c", KILLED_OWNER, str(cmd)])
+    found = wait_for(lambda: pids.exists() and pids.read_text().split(), 60)
+    assert found, owner.stderr.read() if owner.poll() is not None else "the command never ran"
+    owner.kill()  # SIGKILL: no clean-up code runs in the owner
+    owner.wait()
+    for pid in map(int, found):
+        assert wait_for(lambda pid=pid: not _alive(pid), 30), f"{pid} outlived the daemon"

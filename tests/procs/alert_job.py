@@ -20,7 +20,7 @@ import sys
 import time
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace, barrier, stall, slow, ready) -> None:  # noqa: ANN001
+def rank_main(rank: int, world: int, args: argparse.Namespace, barrier, stall, slow, ready) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import rankwatch.hooks as rw
