@@ -146,6 +146,12 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
     p.add_argument(
+        "--metrics-histograms",
+        action="store_true",
+        help="also export a duration histogram per rank and phase (+21 series per rank and phase; default: the "
+        "step histogram and per-phase medians only)",
+    )
+    p.add_argument(
         "--notify",
         action="append",
         default=[],

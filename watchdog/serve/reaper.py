@@ -40,7 +40,7 @@ def _prctl(option: int, value: int) -> bool:
 
 def _children() -> set[int]:
     """This process's children (re-parented orphans included), from every thread's children list."""
-    me, kids = os.getpid(), set()
+    me, kids = os.getpid(), set[int]()
     try:
         for tid in os.listdir(f"/proc/{me}/task"):
             with open(f"/proc/{me}/task/{tid}/children") as f:
