@@ -167,6 +167,8 @@ _HIST_SPEC: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("phase_hist", "rankwatch_phase_duration_seconds", (*_R, "phase"),
      "Time per step in each phase, over every step that spent time in it"),
 )
+# the families every scraper sees (no job, rank or pid in them)
+NODE_TOTALS = frozenset({"jobs", "polls", "errors", "open", "node_incidents", "ranks", "node_stragglers", "poll_age"})
 METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC) + tuple(
     name + "_count" for _, name, _, _ in _HIST_SPEC
 )
@@ -245,6 +247,9 @@ class DaemonCollector(Collector):
         for state, n in states.items():
             m["ranks"].add_metric([state], n)
         m["errors"].add_metric([], float(self._errors))
+        if not self.jobs:  # node totals only: not even the names of per-job families
+            yield from (fam for key, fam in m.items() if key in NODE_TOTALS)
+            return
         yield from m.values()
         yield from hists.values()
 
