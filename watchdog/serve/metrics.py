@@ -369,7 +369,8 @@ class Exposure:
 def read_token(path: str) -> bytes:
     """The metrics token: a file only its owner can read (mode 0600/0400), one line, not empty."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        # no O_NOFOLLOW: the operator names this path, and a Kubernetes secret volume's files are symlinks
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             raw = f.read(4097)
