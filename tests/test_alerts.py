@@ -120,12 +120,16 @@ def test_incident_is_posted_once_and_the_command_gets_the_bundle(procs, tmp_path
     found = bundle_dirs(out / "incidents")
     assert len(found) == 1, (result.stdout, result.stderr[-2000:])
     verdict = json.loads((found[0] / "verdict.json").read_text())
-    # the receiver answered 503 once: the alert was retried, and delivered exactly once
-    assert len(receiver.requests) == 2, receiver.requests
-    path, headers, body = receiver.requests[-1]
+    # the receiver answered 503 once: the alert was retried, and delivered exactly once; then, the job
+    # killed by --on-stall kill, its resolved notice
+    assert len(receiver.requests) == 3, receiver.requests
+    resolved = json.loads(receiver.requests[2][2])
+    assert (resolved["status"], resolved["incident_id"]) == ("resolved", verdict["incident_id"])
+    assert resolved["resolved_because"] == "job killed by --on-stall kill"
+    path, headers, body = receiver.requests[1]
     assert path == "/hooks/secret-token" and headers["Content-Type"] == "application/json"
     posted = json.loads(body)
-    assert posted["schema"] == "rankwatch.verdict/1"
+    assert posted["schema"] == "rankwatch.verdict/1" and posted["status"] == "firing"
     assert posted["incident_id"] == verdict["incident_id"] and posted["initiating_ranks"] == [1]
     assert "HANG" in posted["text"] and "rank 1" in posted["text"] and "\n" not in posted["text"]
     assert posted["bundle"] == str(found[0])
