@@ -265,3 +265,20 @@ def test_nothing_the_command_started_outlives_a_killed_daemon(procs, tmp_path):
     owner.wait()
     for pid in map(int, found):
         assert wait_for(lambda pid=pid: not _alive(pid), 30), f"{pid} outlived the daemon"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["daemon", "--notify-stragglers"], "--notify-stragglers"),
+        (["daemon", "--metrics-port", "9", "--metrics-token-file", "/nonexistent/token"], "--metrics-token-file"),
+        (["run", "--notify-stragglers", "--", "--nproc-per-node", "2", "train.py"], "--notify-stragglers"),
+    ],
+)
+def test_bad_alert_and_metrics_options_are_one_line_and_exit_2(tmp_path, args, needle):
+    from test_cli_errors import assert_one_line_exit_2, run
+
+    (tmp_path / "train.py").write_text("raise SystemExit('must never run')\n")
+    result = run(args + (["--out", str(tmp_path / "o")] if args[0] == "daemon" else []), tmp_path)
+    assert_one_line_exit_2(result, needle)
+    assert "must never run" not in result.stderr
