@@ -282,3 +282,35 @@ def test_bad_alert_and_metrics_options_are_one_line_and_exit_2(tmp_path, args, n
     result = run(args + (["--out", str(tmp_path / "o")] if args[0] == "daemon" else []), tmp_path)
     assert_one_line_exit_2(result, needle)
     assert "must never run" not in result.stderr
+
+
+def test_alert_documents_for_alertmanager_and_plain_webhooks():
+    from rankwatch.watchdog.serve.alert_docs import (
+        alertmanager_alert,
+        command_env,
+        incident_notice,
+        is_alertmanager,
+    )
+
+    assert is_alertmanager("http://am:9093/api/v2/alerts") and is_alertmanager("https://x/am/api/v2/alerts/")
+    assert not is_alertmanager("http://am:9093/api/v1/alerts") and not is_alertmanager("https://hooks.slack.com/x")
+    verdict = {"schema": "rankwatch.verdict/1", "job_id": "j\x1b[31m", "incident_id": "i-1", "kind": "hang",
+               "initiating_ranks": [3, 5], "phase": "forward", "confidence": "high",
+               "reason": "rank 3 stopped\nin forward", "ranks": {"3": {"node": "n2"}, "5": {"node": "n3"}}}
+    fired = incident_notice(verdict, "/b/i-1", 1000.0)
+    assert fired.labels == {"alertname": "RankwatchIncident", "severity": "critical", "job_id": "j?[31m",
+                            "incident_id": "i-1", "kind": "hang", "initiating_ranks": "3,5", "phase": "forward",
+                            "node": "n2,n3"}
+    am = alertmanager_alert(fired, 2000.0, 300.0)
+    assert (am["startsAt"], am["endsAt"]) == ("1970-01-01T00:16:40.000Z", "1970-01-01T00:38:20.000Z")
+    assert am["annotations"]["bundle"] == "/b/i-1" and "\n" not in am["annotations"]["description"]
+    resolved = incident_notice(verdict, "/b/i-1", 1000.0, "resolved", "job ended")
+    assert resolved.key == fired.key and resolved.labels == fired.labels
+    assert alertmanager_alert(resolved, 2000.0, 300.0)["endsAt"] == "1970-01-01T00:33:20.000Z"
+    doc = json.loads(resolved.body())
+    assert (doc["status"], doc["resolved_because"], doc["schema"]) == ("resolved", "job ended", "rankwatch.verdict/1")
+    assert doc["text"].startswith("RESOLVED (job ended): rankwatch [j?[31m]: ")
+    env = command_env(fired)
+    assert (env["RANKWATCH_PHASE"], env["RANKWATCH_CONFIDENCE"], env["RANKWATCH_INITIATING_RANKS"]) == \
+        ("forward", "high", "3,5")
+    assert "\n" not in env["RANKWATCH_REASON"] and env["RANKWATCH_REASON"].startswith("rank 3 stopped")

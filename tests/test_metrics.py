@@ -370,3 +370,33 @@ def test_buckets_resolve_typical_step_and_dataloader_times(true_ms):
     buckets = [(float(le), n) for le, n in cumulative if le != "+Inf"]
     estimate = histogram_quantile(0.5, buckets)
     assert estimate == pytest.approx(statistics.median(times), rel=0.2), (estimate, buckets)
+
+
+def test_rank_info_carries_nvmls_gpu_index_and_uuid_for_the_dcgm_join(tmp_path, monkeypatch):
+    """NVML from a recorded-format stand-in (no GPU here): the rank's pid has a context on GPU 0, so its
+    rank_info says gpu="0" and that device's UUID, the labels dcgm-exporter's series carry; Hostname is
+    NODE_NAME where set (the downward API in Kubernetes)."""
+    from rankwatch.watchdog.evidence.gpu import GpuWatch
+    from test_daemon_gpu import LiveNvml
+
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    shm = str(tmp_path / "shm")
+    os.makedirs(shm, mode=0o700)
+    clock = FakeClock(time.monotonic_ns() - STEPS * 80 * MS)
+    monkeypatch.setattr(tracker_mod, "_now", clock)
+    writer = write_rank(shm, 0, clock)
+    gpu = GpuWatch(nvml=LiveNvml({os.getpid(): 40.0}))
+    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=str(tmp_path / "out")), procs=ProcessTable(protected={1}),
+                    gpu=gpu)
+    daemon.poll_once()
+    server = serve_metrics(daemon, "127.0.0.1", 0)
+    try:
+        (labels,) = scrape(server)["rankwatch_rank_info"]
+        got = dict(labels)
+        assert (got["gpu"], got["UUID"], got["Hostname"]) == ("0", "GPU-00000000-0000-0000-0000-000000000000",
+                                                              "gpu-node-7")
+        assert (got["rank"], got["local_rank"], got["job_id"]) == ("0", "0", JOB)
+    finally:
+        server.close()
+        daemon.close()
+        writer.close()
