@@ -26,7 +26,9 @@ MISSING = [b for b in BINARIES if shutil.which(b) is None]
 NODES = ("rw1", "rw2")
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(MISSING), reason=f"Slurm/munge not installed: {' '.join(MISSING)}")]
+              pytest.mark.skipif(bool(MISSING), reason=f"Slurm/munge not installed: {' '.join(MISSING)}"),
+              # slurmd launches every task as its user: it runs as root (SlurmdUser=root), as on a cluster
+              pytest.mark.skipif(os.geteuid() != 0, reason="slurmd needs root (it launches tasks as their user)")]
 
 CONF = """\
 ClusterName=rwtest

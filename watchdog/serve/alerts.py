@@ -48,7 +48,7 @@ from .alert_docs import (
 )
 from .webhook import USER_AGENT, Post, check_url
 
-__all__ = ["USER_AGENT", "Alerter", "check_command", "check_url", "payload"]
+__all__ = ["USER_AGENT", "Alerter", "check_command", "check_url"]
 
 log = structlog.get_logger("rankwatch.alerts")
 
@@ -65,12 +65,6 @@ def check_command(cmd: str) -> list[str]:
     if program is None or not os.path.isfile(program) or not os.access(program, os.X_OK):
         raise UserError(f"--on-incident: {words[0]!r} is not an executable file")
     return [os.path.abspath(program), *words[1:]]
-
-
-def payload(verdict: dict[str, Any], bundle: str | None) -> bytes:
-    """The verdict document plus ``status``, a one-line ``text`` (what Slack-style webhooks display) and
-    the bundle: what a plain webhook gets when an incident fires."""
-    return incident_notice(verdict, bundle, time.time()).body()
 
 
 Poster = Callable[[str, bytes, float], int]
