@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import structlog
 from conftest import bundle_dirs, run_demo_job, wait_for
 from rankwatch.watchdog.core.policy import AlertPolicy
 from rankwatch.watchdog.serve.alerts import Alerter
@@ -206,11 +207,16 @@ def test_a_trickling_webhook_holds_only_itself_and_not_the_shutdown():
     trickler, healthy = Trickler(), Receiver()
     alerts = Alerter([trickler.url, healthy.url], None)
     try:
-        for i in range(4):
-            alerts.submit({"incident_id": f"i-{i}", "job_id": "j", "kind": "hang", "initiating_ranks": [i]}, None)
-        assert wait_for(lambda: len(healthy.requests) == 4, 30), healthy.requests
-        assert trickler.holding.is_set() and trickler.connections == 1
-        alerts.close(timeout_s=30)
+        with structlog.testing.capture_logs() as logs:
+            for i in range(4):
+                alerts.submit({"incident_id": f"i-{i}", "job_id": "j", "kind": "hang", "initiating_ranks": [i]},
+                              None)
+            assert wait_for(lambda: len(healthy.requests) == 4, 30), healthy.requests
+            assert trickler.holding.is_set() and trickler.connections == 1
+            alerts.close(timeout_s=30)
+        events = [e["event"] for e in logs]
+        assert events.count("notified") == 4 and "alert_failed" not in events, events
+        assert any(e["event"] == "alerts_unfinished" for e in logs)  # the trickler's, cut at close
         assert not trickler.closed.is_set() and trickler.connections <= 2
         assert [json.loads(b)["incident_id"] for _, _, b in healthy.requests] == ["i-0", "i-1", "i-2", "i-3"]
     finally:

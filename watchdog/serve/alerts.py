@@ -220,7 +220,7 @@ class _Webhook(_Target):
         return False
 
     def handle(self, n: Notice) -> None:
-        self.deliver(n.body(), {"alert": n.key[0], "job": n.job_id, "status": n.status})
+        self.deliver(n.body(), {"alert": n.key[0], "job": n.job_id, "alert_status": n.status})
 
 
 class _Alertmanager(_Webhook):
@@ -238,7 +238,7 @@ class _Alertmanager(_Webhook):
         now = time.time()
         body = json.dumps([alertmanager_alert(n, now, self.policy.am_hold_s) for n in notices]).encode()
         first = notices[0]
-        return self.deliver(body, {"alert": first.key[0], "job": first.job_id, "status": first.status,
+        return self.deliver(body, {"alert": first.key[0], "job": first.job_id, "alert_status": first.status,
                                    "alerts": len(notices)})
 
     def handle(self, n: Notice) -> None:
