@@ -37,17 +37,17 @@ def one(procs: Procs, nproc: int, fault: str, rank: int, extra: tuple[str, ...] 
     with tempfile.TemporaryDirectory(prefix="rwi-") as tmp:
         marks, out = Path(tmp) / "marks", Path(tmp) / "out"
         marks.mkdir()
+        # dead: torchrun reaps a dead rank and tears the group down within its monitor interval (0.1 s by
+        # default); inspect meets a dead rank inside that window, here widened so the run can observe it
         cmd = hung.torchrun_cmd(nproc, f"bench-{uuid.uuid4().hex[:6]}", "--fault", fault, "--fault-rank", str(rank),
-                                "--fault-step", str(FAULT_STEP), "--mark-dir", str(marks), *extra)
+                                "--fault-step", str(FAULT_STEP), "--mark-dir", str(marks), *extra,
+                                monitor_interval=3600 if fault == "dead" else 0.2)
         job = procs.start(cmd)
         try:
-            if fault == "dead":
-                hung.wait_until(lambda: (marks / "fault").exists(), HANG_TIMEOUT_S, "the fault")
-                time.sleep(0.5)  # the kill: whatever torchrun does next is what inspect meets
-            else:
-                hung.wait_hung(marks, nproc, fault, rank, FAULT_STEP, HANG_TIMEOUT_S, job)
+            hung.wait_hung(marks, nproc, fault, rank, FAULT_STEP, HANG_TIMEOUT_S, job)
             t0 = time.monotonic()
-            res = procs.run(rankwatch_cmd("inspect", "--pid", str(job.pid), "--out", str(out), "--json"), timeout=120)
+            res = procs.run(rankwatch_cmd("inspect", "--pid", str(job.pid), "--out", str(out), "--json"), timeout=120,
+                            text=True)
             seconds = time.monotonic() - t0
         finally:
             hung.kill_job(job)
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--classes", nargs="*", default=list(CLASSES), choices=CLASSES)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps if args.reps is not None else (3 if args.quick else 5)
     positions = ("last",) if args.quick else ("first", "last")
     raw: dict = {"timing": [], "classes": []}
     with Procs() as procs:

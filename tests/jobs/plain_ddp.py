@@ -46,6 +46,8 @@ class Data(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
+        if a.fault == "dead" and self.rank != a.fault_rank and i // a.batch_size == a.fault_step:
+            forever()  # the peers are busy in a slow input when their peer dies: they have not noticed yet
         if self.rank == a.fault_rank and i // a.batch_size == a.fault_step:
             if a.fault == "input-hang":
                 mark(a, "fault")

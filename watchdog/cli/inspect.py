@@ -205,6 +205,11 @@ def main(argv: list[str]) -> int:
         raise UserError(err)
     if not jobs:
         why = f" ({found.notes[0]})" if found.notes else ""
+        if found.idle_agents:
+            why += (
+                f"; torchrun agent(s) {', '.join(map(str, found.idle_agents[:5]))} run without live ranks: a group "
+                "torn down after a rank failed (read the cause from its log: rankwatch diagnose LOG)"
+            )
         sys.stderr.write(
             "rankwatch inspect: no torch distributed ranks found on this node that this user may inspect" + why + "\n"
         )

@@ -40,8 +40,9 @@ def phase_from_frames(frames: Sequence[Frame]) -> StackPhase:
     """The innermost library boundary on the stack (frames innermost first, as py-spy gives them)."""
     for f in meaningful(frames):
         path = f.filename.replace(os.sep, "/")
+        name = f.name.rsplit(".", 1)[-1]  # py-spy names methods with their class (Module._call_impl)
         for fragment, names, phase in _MARKERS:
-            if fragment not in path or (names is not None and f.name not in names):
+            if fragment not in path or (names is not None and name not in names):
                 continue
             if phase == "collective":
                 if any(x in path for x in _NOT_COLLECTIVE):
@@ -54,6 +55,6 @@ def phase_from_frames(frames: Sequence[Frame]) -> StackPhase:
 def _collective_op(frames: Sequence[Frame]) -> str | None:
     """The outermost ``torch.distributed`` function: the call the training code made (``all_reduce``),
     not the helpers it went through (``wrapper``, ``_wait``)."""
-    ops = [f.name for f in frames if "torch/distributed/" in f.filename.replace(os.sep, "/")]
+    ops = [f.name.rsplit(".", 1)[-1] for f in frames if "torch/distributed/" in f.filename.replace(os.sep, "/")]
     named = [n for n in ops if not n.startswith("_") and n not in ("wrapper", "wait", "inner")]
     return (named or ops or [None])[-1]

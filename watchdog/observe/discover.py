@@ -140,6 +140,7 @@ class Job:
 class Discovery:
     jobs: list[Job]
     notes: list[str]  # processes left out, and why (bounded)
+    idle_agents: list[int] = field(default_factory=list)  # torchrun agents without a live rank (torn down)
 
 
 def read_proc(pid: int, proc_root: str = "/proc") -> Proc | None:
@@ -311,6 +312,13 @@ def discover(
         )
         if has_agent and parent is not None:
             job.agents[p.ppid] = parent
+    busy = {a for j in jobs.values() for a in j.agents}
+    idle = sorted(
+        pid for pid, p in table.items()
+        if pid not in busy and pid not in skip and (uid == 0 or p.uid == uid) and p.state not in ("Z", "X")
+        and is_agent_cmdline(read_cmdline(pid, proc_root))
+        and not any(q.ppid == pid and q.pid in fields for q in table.values())
+    )
     out = []
     for job in jobs.values():
         if (why := _inconsistent(job)) is not None:
@@ -321,7 +329,7 @@ def discover(
             (q for q in table.values() if q.ppid in job.agents and q.state in ("Z", "X")), key=lambda q: q.pid
         )
         out.append(job)
-    return Discovery(sorted(out, key=lambda j: j.job_id), notes[:100])
+    return Discovery(sorted(out, key=lambda j: j.job_id), notes[:100], idle[:20])
 
 
 def _inconsistent(job: Job) -> str | None:
