@@ -234,7 +234,9 @@ def job_id_of(env: Mapping[str, str], agent_pid: int) -> str:
         raw = f"{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
     else:
         raw = f"agent-{agent_pid}"
-    return _SAFE_ID.sub("_", raw)[:64] or f"agent-{agent_pid}"
+    safe = _SAFE_ID.sub("_", raw)[:64]
+    # the id names a directory of the bundle: never ".", "..", or hidden
+    return "_" + safe[1:] if safe.startswith(".") else safe or f"agent-{agent_pid}"
 
 
 def _scan(proc_root: str) -> dict[int, Proc]:
