@@ -23,7 +23,7 @@ from pathlib import Path
 from _util import Procs, median, print_results, rankwatch_cmd, spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "jobs"))
-import hung  # noqa: E402
+import hung
 
 CLASSES = (
     "input-hang", "compute-hang", "backward-hang", "optimizer-hang", "between-phases-hang", "stop",

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rankwatch.watchdog.cli import inspect as inspect_cli
 from rankwatch.watchdog.core.inspect_facts import RankFact, views_from_facts
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
@@ -25,7 +24,7 @@ from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.observe.discover import MAX_ENV_VALUE, discover, parse_environ, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
-import hung  # noqa: E402
+import hung
 
 TORCH = "/usr/lib/python3/site-packages/torch"
 AGENT_CMD = b"/usr/bin/python\0-m\0torch.distributed.run\0--nproc-per-node\x002\0train.py\0"
@@ -101,8 +100,8 @@ def test_inconsistent_jobs_are_left_out(tmp_path):
 
 def test_hostile_environments_are_bounded_and_validated():
     env = parse_environ(
-        b"RANK=1\0LOCAL_RANK=\xff\0WORLD_SIZE=" + b"9" * (MAX_ENV_VALUE + 1) + b"\0NOEQUALS\0TORCHELASTIC_RUN_ID=a\x1bb\0"
-        b"MASTER_PORT=29500\0SECRET_TOKEN=x\0"
+        b"RANK=1\0LOCAL_RANK=\xff\0WORLD_SIZE=" + b"9" * (MAX_ENV_VALUE + 1)
+        + b"\0NOEQUALS\0TORCHELASTIC_RUN_ID=a\x1bb\0MASTER_PORT=29500\0SECRET_TOKEN=x\0"
     )
     assert env == {"RANK": "1", "MASTER_PORT": "29500"}
 

@@ -215,7 +215,8 @@ def main(argv: list[str]) -> int:
         )
         return 1
     if args.store is not None and len(jobs) > 1:
-        raise UserError("--store inspects one job: pick it with --job ID (jobs: " + ", ".join(j.job_id for j in jobs) + ")")
+        names = ", ".join(j.job_id for j in jobs)
+        raise UserError(f"--store inspects one job: pick it with --job ID (jobs: {names})")
     docs, named = [], True
     for job in jobs:
         verdict, path = inspect_job(job, args, found)

@@ -57,4 +57,5 @@ def _collective_op(frames: Sequence[Frame]) -> str | None:
     not the helpers it went through (``wrapper``, ``_wait``)."""
     ops = [f.name.rsplit(".", 1)[-1] for f in frames if "torch/distributed/" in f.filename.replace(os.sep, "/")]
     named = [n for n in ops if not n.startswith("_") and n not in ("wrapper", "wait", "inner")]
-    return (named or ops or [None])[-1]
+    chosen = named or ops
+    return chosen[-1] if chosen else None

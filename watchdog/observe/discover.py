@@ -285,10 +285,10 @@ def discover(
             up, hops = table[up].ppid, hops + 1
     # the outermost matching ancestor is the rank (a worker's own child maps to the rank, not the worker)
     workers: dict[int, list[int]] = defaultdict(list)
-    for pid, parent in worker_of.items():
-        while parent in worker_of:
-            parent = worker_of[parent]
-        workers[parent].append(pid)
+    for pid, top in worker_of.items():
+        while top in worker_of:
+            top = worker_of[top]
+        workers[top].append(pid)
     agent_cache: dict[int, bool] = {}
     jobs: dict[str, Job] = {}
     for pid in sorted(set(fields) - set(worker_of)):
