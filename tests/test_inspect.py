@@ -238,10 +238,11 @@ def plain_job(tmp_path):
     started: list[subprocess.Popen] = []
 
     def start(nproc: int, fault: str, fault_rank: int, *extra: str, monitor_interval: float = 0.2, nnodes: int = 1,
-              node_rank: int = 0, master_port: int | None = None, marks: Path | None = None) -> tuple:
+              node_rank: int = 0, master_port: int | None = None, marks: Path | None = None,
+              run_id: str | None = None) -> tuple:
         marks = marks or tmp_path / "marks"
         marks.mkdir(exist_ok=True)
-        cmd = hung.torchrun_cmd(nproc, f"insp-{os.getpid()}-{len(started)}", "--fault", fault, "--fault-rank",
+        cmd = hung.torchrun_cmd(nproc, run_id or f"insp-{os.getpid()}-{len(started)}", "--fault", fault, "--fault-rank",
                                 str(fault_rank), "--fault-step", "3", "--mark-dir", str(marks), *extra,
                                 nnodes=nnodes, node_rank=node_rank, master_port=master_port,
                                 monitor_interval=monitor_interval)
@@ -311,8 +312,9 @@ def test_dead_rank_inside_the_launchers_monitor_window(plain_job, tmp_path):
 def test_two_nodes_agree_through_the_store(plain_job, tmp_path):
     port = hung.free_port()
     marks = tmp_path / "marks"
-    a, _ = plain_job(2, "input-hang", 3, nnodes=2, node_rank=0, master_port=port, marks=marks)
-    b, _ = plain_job(2, "input-hang", 3, nnodes=2, node_rank=1, master_port=port, marks=marks)
+    run_id = f"insp-two-{os.getpid()}"
+    a, _ = plain_job(2, "input-hang", 3, nnodes=2, node_rank=0, master_port=port, marks=marks, run_id=run_id)
+    b, _ = plain_job(2, "input-hang", 3, nnodes=2, node_rank=1, master_port=port, marks=marks, run_id=run_id)
     hung.wait_hung(marks, 4, "input-hang", 3, 3, HANG_TIMEOUT_S, a)
     store = f"127.0.0.1:{hung.free_port()}"
     cmds = [[sys.executable, "-m", "rankwatch.watchdog.cli", "inspect", "--pid", str(p.pid), "--store", store,
@@ -331,3 +333,27 @@ def test_two_nodes_agree_through_the_store(plain_job, tmp_path):
         assert sorted(d["ranks"]) == ["0", "1", "2", "3"]
         assert d["correlation"] == "decided by node 0 over 2 of 2 node(s)"
     assert docs[0]["reason"] == docs[1]["reason"] and docs[0]["evidence"] == docs[1]["evidence"]
+
+
+# -- flight-recorder dumps the job wrote ----------------------------------------------------------------
+def test_flight_recorder_dumps_are_read_where_the_job_wrote_them(tmp_path):
+    from rankwatch.watchdog.evidence.flight_recorder import fr_evidence
+    from rankwatch.watchdog.evidence.inspect_capture import attach_fr_dumps
+    from rankwatch.watchdog.observe.discover import Job, Proc, RankProc
+
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "fr" / "nccl_hang"
+    prefix = str(tmp_path / "trace_rank_")
+    env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    uid = os.geteuid()
+    ranks = [RankProc(100 + r, r, r, 4, Proc(100 + r, 99, "S", 1, (uid,) * 4), env) for r in range(4)]
+    job = Job("j", 4, ranks, owner_uid=uid)
+    for r in (0, 1):
+        Path(f"{prefix}{r}").write_bytes((fixtures / f"rank-{r}.fr.json").read_bytes())
+    os.symlink(fixtures / "rank-2.fr.json", f"{prefix}2")  # a symlink may point anywhere: not followed
+    Path(f"{prefix}3").write_bytes(b"\x80\x04pickled")  # unpickling runs code: not read
+    captures: dict = {}
+    notes = attach_fr_dumps(job, captures)
+    assert sorted(r for r, c in captures.items() if c.fr_json) == [0, 1]
+    assert any("rank 2" in n and "cannot open" in n for n in notes)
+    assert any("rank 3" in n and "pickled" in n for n in notes)
+    assert fr_evidence(captures).hints is not None
