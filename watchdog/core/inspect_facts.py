@@ -12,7 +12,6 @@ Steps and time in phase stay 0 (unknown); the evidence says so. Pure: facts in, 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,9 +19,12 @@ from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, RankView
 from .stack_phase import phase_from_frames
 from .stacks import Frame, signature, stack_top, waiting_on_peers
 
+# Linux signal numbers (kept here: the ``signal`` module is for sending them, which the core never does)
+SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 3: "SIGQUIT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE",
+                9: "SIGKILL", 11: "SIGSEGV", 13: "SIGPIPE", 15: "SIGTERM"}
 # signals a launcher sends when it tears a worker group down after a failure (torchrun: SIGTERM, then
 # SIGKILL after its grace period; Ctrl-C: SIGINT): a rank ended by one of these is a consequence
-TEARDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+TEARDOWN_SIGNALS = frozenset({1, 2, 15})
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,7 @@ class RankFact:
 
 
 def _signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
+    return SIGNAL_NAMES.get(sig, f"signal {sig}")
 
 
 def views_from_facts(
