@@ -63,13 +63,19 @@ def test_discovery_groups_ranks_and_tells_workers_apart(tmp_path):
     assert [(r.rank, r.pid) for r in job.ranks] == [(0, 101), (1, 102)]
     assert job.ranks[1].workers == (103,)
     assert list(job.agents) == [100]
-    # --pid: a worker's pid selects its rank; the agent's pid selects every rank it runs
-    jobs, err = select(found, pids=[103])
-    assert err is None and [r.rank for r in jobs[0].ranks] == [1]
-    jobs, err = select(found, pids=[100])
-    assert err is None and [r.rank for r in jobs[0].ranks] == [0, 1]
+    # --pid: a rank's, a worker's or the agent's pid selects every rank that agent runs
+    for pid in (100, 101, 103):
+        jobs, err = select(found, pids=[pid])
+        assert err is None and [r.rank for r in jobs[0].ranks] == [0, 1]
     jobs, err = select(found, pids=[4242])
     assert not jobs and "4242" in (err or "")
+
+
+def test_an_agent_without_ranks_is_named(tmp_path):
+    proc_entry(tmp_path, 100, 1, cmdline=AGENT_CMD)
+    proc_entry(tmp_path, 101, 100, state="Z", env=b"", exit_code=signal.SIGKILL)
+    found = discover(proc_root=str(tmp_path), caller_uid=1000)
+    assert found.jobs == [] and found.idle_agents == [100]
 
 
 def test_an_unprivileged_caller_sees_only_its_own_processes(tmp_path):
@@ -333,6 +339,10 @@ def test_two_nodes_agree_through_the_store(plain_job, tmp_path):
         assert sorted(d["ranks"]) == ["0", "1", "2", "3"]
         assert d["correlation"] == "decided by node 0 over 2 of 2 node(s)"
     assert docs[0]["reason"] == docs[1]["reason"] and docs[0]["evidence"] == docs[1]["evidence"]
+    # a node that never answers: node 0 decides without it, and its ranks are the suspects
+    alone = inspect_json(a, tmp_path / "out-alone", "--store", f"127.0.0.1:{hung.free_port()}", "--store-timeout", "3")
+    assert alone["correlation"] == "decided by node 0 over 1 of 2 node(s)"
+    assert alone["initiating_ranks"] == [2, 3] and alone["ranks"]["3"]["state"] == "missing"
 
 
 # -- flight-recorder dumps the job wrote ----------------------------------------------------------------

@@ -47,7 +47,8 @@ def build_parser() -> Parser:
     p.add_argument("--out", default="rankwatch-inspect", metavar="DIR",
                    help="bundles go to DIR/<job-id>/incidents/<id>/ (default: ./%(default)s)")
     p.add_argument("--pid", type=_pid, nargs="+", action="extend", default=[], metavar="PID",
-                   help="only these processes: a rank, one of its DataLoader workers, or a torchrun agent (its ranks)")
+                   help="only the ranks of the torchrun agent that runs this rank or DataLoader worker (or of this "
+                   "agent): this node's part of one job")
     p.add_argument("--job", default=None, metavar="ID", help="only this job (TORCHELASTIC_RUN_ID or slurm-<id>)")
     p.add_argument("--store", type=host_port, default=None, metavar="HOST:PORT",
                    help="agree on one verdict with the other nodes' inspect runs through a TCPStore at HOST:PORT")

@@ -356,8 +356,9 @@ def _inconsistent(job: Job) -> str | None:
 def select(
     found: Discovery, *, pids: Sequence[int] = (), job_id: str | None = None
 ) -> tuple[list[Job], str | None]:
-    """The jobs ``--pid``/``--job`` ask for (a pid may be a rank, a worker or a torchrun agent): the jobs
-    narrowed to the asked ranks (an agent's pid: every rank it runs), or an error line."""
+    """The jobs ``--pid``/``--job`` ask for, or an error line. A pid may be a rank, one of its workers or a
+    torchrun agent: it selects every rank of that agent (this node's part of the job — one rank alone says
+    nothing about who waits for whom); a rank without an agent selects itself."""
     jobs = found.jobs
     if job_id is not None:
         jobs = [j for j in jobs if j.job_id == job_id]
@@ -366,15 +367,17 @@ def select(
             return [], f"no job {job_id!r} among this node's ranks (jobs found: {known})"
     if not pids:
         return jobs, None
+    asked = set(pids)
     out: list[Job] = []
-    unmatched = set(pids)
+    unmatched = set(asked)
     for j in jobs:
-        keep = [r for r in j.ranks if r.pid in pids or r.proc.ppid in pids or set(r.workers) & set(pids)]
-        if keep:
-            unmatched -= {r.pid for r in keep} | {r.proc.ppid for r in keep} | {w for r in keep for w in r.workers}
-            agents = {a: p for a, p in j.agents.items() if a in {r.proc.ppid for r in keep}}
-            out.append(Job(j.job_id, j.world_size, keep, agents, [z for z in j.zombies if z.ppid in agents],
-                           j.owner_uid))
+        hits = [r for r in j.ranks if r.pid in asked or r.proc.ppid in asked or set(r.workers) & asked]
+        if not hits:
+            continue
+        unmatched -= {r.pid for r in hits} | {r.proc.ppid for r in hits} | {w for r in hits for w in r.workers}
+        agents = {a: p for a, p in j.agents.items() if a in {r.proc.ppid for r in hits}}
+        keep = [r for r in j.ranks if r in hits or r.proc.ppid in agents]
+        out.append(Job(j.job_id, j.world_size, keep, agents, [z for z in j.zombies if z.ppid in agents], j.owner_uid))
     if unmatched:
         return [], (
             f"pid {sorted(unmatched)[0]} is not a torch distributed rank, worker or torchrun agent this user may "
