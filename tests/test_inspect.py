@@ -179,6 +179,15 @@ def test_the_rank_not_waiting_is_named_with_its_phase():
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "dataloader")
 
 
+def test_ranks_waiting_in_different_collectives_name_the_odd_side():
+    # an extra barrier: rank 3 waits in a collective the others never call, they wait in DDP's all-reduce
+    facts = [fact(r, "collective") if r == 3 else fact(r, "backward", frames=WAITING[1]) for r in range(4)]
+    v = verdict_of(facts)
+    assert v["initiating_ranks"] == [3]
+    assert any(e.startswith("every live rank waits for peers, in different collectives: rank 3 in collective")
+               for e in v["evidence"])
+
+
 def test_a_stopped_rank_is_named():
     facts = [fact(r, "idle", proc_state="T") if r == 1 else fact(r, "collective") for r in range(3)]
     v = verdict_of(facts)

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .ranks import fmt_ranks
 from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, RankView
 from .stack_phase import phase_from_frames
 from .stacks import Frame, signature, stack_top, waiting_on_peers
@@ -59,6 +60,7 @@ def views_from_facts(
             and os.WTERMSIG(f.exit_status) not in TEARDOWN_SIGNALS)
     ]
     views = []
+    sites: dict[str, list[int]] = {}
     for f in facts:
         state, cause, phase, verified = RUNNING, None, None, True
         waiting: bool | None = None
@@ -97,8 +99,10 @@ def views_from_facts(
             phase = sp.phase
             waiting = waiting_on_peers(f.frames)
             where = f"{sp.phase}" + (f" ({sp.op})" if sp.op else "")
+            if waiting is not False and sp.phase in ("collective", "backward"):
+                sites.setdefault(where if sp.op else f"{sp.phase} (DDP's gradient all-reduce)", []).append(f.rank)
             lines.append(
-                f"rank {f.rank}: {'waiting for peers' if waiting else 'not waiting' if waiting is False else 'in'}"
+                f"rank {f.rank}: {'waiting for peers in' if waiting else 'not waiting, in' if waiting is False else 'in'}"
                 f" {where}" + (f", {f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "")
             )
         views.append(
@@ -119,5 +123,11 @@ def views_from_facts(
                 waiting=waiting,
             )
         )
+    waiting_ranks = sum(len(r) for r in sites.values())
+    if len(sites) > 1 and waiting_ranks == sum(1 for v in views if v.state == RUNNING):
+        # every live rank waits, but not in the same collective: the wait-for graph has two sides, and the
+        # side that called what nobody else did is the suspect (without sequence numbers: from the stacks)
+        parts = "; ".join(f"{fmt_ranks(r)} in {site}" for site, r in sorted(sites.items(), key=lambda kv: len(kv[1])))
+        lines.append(f"every live rank waits for peers, in different collectives: {parts}")
     lines.append("inspected without the hook: steps and time in phase are unknown (shown as 0)")
     return views, lines
