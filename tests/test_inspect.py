@@ -188,6 +188,14 @@ def test_ranks_waiting_in_different_collectives_name_the_odd_side():
                for e in v["evidence"])
 
 
+def test_a_rank_whose_stack_was_not_read_takes_no_side():
+    facts = [fact(0, "backward", frames=WAITING[1]), fact(1, "dataloader"),
+             fact(2, "idle", frames=(), stack_error="py-spy timed out after 5.0s")]
+    v = verdict_of(facts)
+    assert (v["initiating_ranks"], v["phase"]) == ([1], "dataloader")
+    assert v["ranks"]["2"]["state"] == "unknown"
+
+
 def test_a_stopped_rank_is_named():
     facts = [fact(r, "idle", proc_state="T") if r == 1 else fact(r, "collective") for r in range(3)]
     v = verdict_of(facts)

@@ -24,7 +24,7 @@ from ..core.stacks import Frame
 from ..core.text import NAME, clean
 from ..core.verdict import decide
 from ..errors import UserError
-from ..observe.discover import Discovery, Job, discover, read_proc, select
+from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
 from .options import host_port, positive_float
 from .parser import Parser
@@ -83,7 +83,7 @@ def facts_of(job: Job, captures: Mapping[int, Any], cpu: Mapping[int, float], no
                 rank=r.rank, node=node, node_rank=r.node_rank, pid=r.pid,
                 proc_state=now.state if alive and now is not None else "",
                 exit_status=now.exit_code if alive and now is not None else None,
-                frames=frames, cpu_pct=cpu.get(r.rank),
+                frames=frames, cpu_pct=cpu.get(r.rank), stack_error=cap.pyspy_error if cap is not None else None,
             )
         )
     missing = job.missing_ranks()
@@ -114,7 +114,7 @@ def _decide(
     return verdict, fr
 
 
-def inspect_job(job: Job, args: argparse.Namespace, discovery: Discovery) -> tuple[dict[str, Any], str | None]:
+def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
     from ..evidence.inspect_capture import attach_fr_dumps, capture_job, worker_lines
 
     node = clean(socket.gethostname(), NAME)
@@ -124,7 +124,7 @@ def inspect_job(job: Job, args: argparse.Namespace, discovery: Discovery) -> tup
     views, lines = views_from_facts(facts)
     gone = [f.rank for f in facts if f.pid < 0]
     fr_notes = attach_fr_dumps(job, cap.ranks, gone)
-    notes = [*lines, *worker_lines(cap.workers), *fr_notes, *discovery.notes[:10]]
+    notes = [*lines, *worker_lines(cap.workers), *fr_notes]
     notes.append(f"stacks of {len(cap.ranks)} rank(s) read in {cap.seconds:.2f}s")
     verdict, fr = _decide(job, incident_id, views, cap.ranks, {}, notes)
     if args.store is not None:
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--store inspects one job: pick it with --job ID (jobs: {names})")
     docs, named = [], True
     for job in jobs:
-        verdict, path = inspect_job(job, args, found)
+        verdict, path = inspect_job(job, args)
         verdict["bundle"] = path
         docs.append(verdict)
         named = named and bool(verdict.get("initiating_ranks"))

@@ -40,6 +40,7 @@ class RankFact:
     exit_status: int | None = None  # waitpid status of a zombie
     frames: tuple[Frame, ...] = ()  # the main thread, innermost first; () when no stack was read
     cpu_pct: float | None = None  # CPU use of the process over the inspection
+    stack_error: str | None = None  # why no stack was read (py-spy's error)
 
 
 def _signal_name(sig: int) -> str:
@@ -94,6 +95,11 @@ def views_from_facts(
             state = STOPPED
         elif f.proc_state == "?":
             state = UNKNOWN
+        if state in (RUNNING, STOPPED) and not f.frames:
+            # alive but unread: not "not waiting" — no evidence either way, so it takes no side
+            state = UNKNOWN
+            lines.append(f"rank {f.rank}: no stack read ({f.stack_error or 'py-spy returned none'}): left out of the "
+                         "comparison")
         if f.frames and state in (RUNNING, STOPPED):
             sp = phase_from_frames(f.frames)
             phase = sp.phase
@@ -101,10 +107,12 @@ def views_from_facts(
             where = f"{sp.phase}" + (f" ({sp.op})" if sp.op else "")
             if waiting is not False and sp.phase in ("collective", "backward"):
                 sites.setdefault(where if sp.op else f"{sp.phase} (DDP's gradient all-reduce)", []).append(f.rank)
-            lines.append(
-                f"rank {f.rank}: {'waiting for peers in' if waiting else 'not waiting, in' if waiting is False else 'in'}"
-                f" {where}" + (f", {f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "")
-            )
+            if f.cpu_pct is not None or sp.op:
+                lines.append(
+                    f"rank {f.rank}: "
+                    + ", ".join(x for x in (f"in {where}" if sp.op else "",
+                                            f"{f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "") if x)
+                )
         views.append(
             RankView(
                 rank=f.rank,

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..observe.discover import Job, RankProc, read_proc
+from ..core.stack_phase import phase_from_frames
+from ..observe.discover import Job, read_proc
 from .capture import RankCapture, pyspy_dump
 
 MAX_WORKERS_PER_RANK = 4
@@ -47,31 +48,32 @@ def _one(pid: int, label: int, stopped: bool, timeout_s: float, native: bool) ->
     return cap
 
 
+def _parallel(todo: Sequence[tuple[int, int]], timeout_s: float, native: bool) -> list[RankCapture]:
+    """(label rank, pid) → captures, all at once; one failing capture never costs the others."""
+    if not todo:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(todo)), thread_name_prefix="rankwatch-inspect") as pool:
+        futs = []
+        for rank, pid in todo:
+            current = read_proc(pid)
+            stopped = current is not None and current.state == "T"
+            futs.append((rank, pid, pool.submit(_one, pid, rank, stopped, timeout_s, native)))
+        out = []
+        for rank, pid, fut in futs:
+            try:
+                out.append(fut.result())
+            except Exception as exc:
+                out.append(RankCapture(rank=rank, pid=pid, pyspy_error=f"capture failed: {exc!r}"))
+        return out
+
+
 def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCapture:
-    """Stacks of every live rank and its first workers, all at once; CPU use over the same interval."""
+    """Stacks of every live rank at once (CPU use over the same interval), then of the DataLoader workers
+    of the ranks that wait for a batch: only there does a worker's stack say more than its rank's."""
     t0 = time.monotonic()
     live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
     before = {r.pid: r.proc.utime_ticks for r in live}
-    todo: list[tuple[RankProc, int | None]] = [(r, None) for r in live]
-    todo += [(r, w) for r in live for w in r.workers[:MAX_WORKERS_PER_RANK]]
-    ranks: dict[int, RankCapture] = {}
-    workers: dict[int, list[RankCapture]] = {}
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(todo))), thread_name_prefix="rankwatch-inspect") as pool:
-        futs = []
-        for r, w in todo:
-            pid = r.pid if w is None else w
-            current = read_proc(pid)
-            stopped = current is not None and current.state == "T"
-            futs.append((r, w, pool.submit(_one, pid, r.rank, stopped, timeout_s, native)))
-        for r, w, fut in futs:
-            try:
-                cap = fut.result()
-            except Exception as exc:  # one failing capture never costs the others
-                cap = RankCapture(rank=r.rank, pid=w or r.pid, pyspy_error=f"capture failed: {exc!r}")
-            if w is None:
-                ranks[r.rank] = cap
-            else:
-                workers.setdefault(r.rank, []).append(cap)
+    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native)}
     seconds = time.monotonic() - t0
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     cpu: dict[int, float] = {}
@@ -79,6 +81,10 @@ def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCaptu
         now = read_proc(r.pid)
         if now is not None and now.start_ticks == r.proc.start_ticks and seconds > 0:
             cpu[r.rank] = 100.0 * (now.utime_ticks - before[r.pid]) / ticks / seconds
+    feeding = [r for r in live if r.workers and phase_from_frames(ranks[r.rank].main_frames()).phase == "dataloader"]
+    workers: dict[int, list[RankCapture]] = {}
+    for cap in _parallel([(r.rank, w) for r in feeding for w in r.workers[:MAX_WORKERS_PER_RANK]], timeout_s, False):
+        workers.setdefault(cap.rank, []).append(cap)
     return JobCapture(ranks, workers, cpu, seconds)
 
 
