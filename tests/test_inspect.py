@@ -196,6 +196,15 @@ def test_a_rank_whose_stack_was_not_read_takes_no_side():
     assert v["ranks"]["2"]["state"] == "unknown"
 
 
+def test_native_frames_do_not_hide_a_wait():
+    native = (Frame("0x7f00", "/usr/lib/x86_64-linux-gnu/libc.so.6", 0), Frame("PyThread_acquire_lock_timed",
+              "/usr/lib/libpython3.11.so.1.0", 0))
+    facts = [fact(0, "backward", frames=native + WAITING[1]), fact(1, "forward", frames=native + CASES["forward"])]
+    v = verdict_of(facts)
+    assert (v["initiating_ranks"], v["phase"], v["confidence"]) == ([1], "forward", "medium")
+    assert "rank 1 is stuck in compute (forward)" in v["reason"]
+
+
 def test_a_stopped_rank_is_named():
     facts = [fact(r, "idle", proc_state="T") if r == 1 else fact(r, "collective") for r in range(3)]
     v = verdict_of(facts)

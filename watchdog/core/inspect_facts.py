@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .ranks import fmt_ranks
 from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, RankView
@@ -43,6 +43,12 @@ class RankFact:
     stack_error: str | None = None  # why no stack was read (py-spy's error)
 
 
+def python_frames(frames: Sequence[Frame]) -> tuple[Frame, ...]:
+    """The Python frames of a stack (``--native`` adds C/C++ frames from shared objects, which the rules on
+    library boundaries and waits do not read: the bundle keeps them)."""
+    return tuple(f for f in frames if f.filename.endswith(".py") or f.filename.startswith("<"))
+
+
 def _signal_name(sig: int) -> str:
     return SIGNAL_NAMES.get(sig, f"signal {sig}")
 
@@ -63,6 +69,7 @@ def views_from_facts(
     views = []
     sites: dict[str, list[int]] = {}
     for f in facts:
+        f = replace(f, frames=python_frames(f.frames))
         state, cause, phase, verified = RUNNING, None, None, True
         waiting: bool | None = None
         if f.pid < 0:
