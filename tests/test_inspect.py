@@ -309,6 +309,10 @@ def test_input_hang_in_a_dataloader_worker(plain_job, tmp_path):
     assert sorted(p.name for p in (bundle / "stacks").iterdir()) == [
         "groups.txt", "rank-0.json", "rank-0.txt", "rank-1.json", "rank-1.txt", "rank-2.json", "rank-2.txt"]
     assert oct((bundle / "verdict.json").stat().st_mode & 0o777) == "0o600"
+    # the bundle is an incident's: rankwatch report renders it
+    shown = subprocess.run([sys.executable, "-m", "rankwatch.watchdog.cli", "report", str(bundle)],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "initiating rank 1 in phase 'dataloader'" in shown.stdout
 
 
 @pytest.mark.slow
