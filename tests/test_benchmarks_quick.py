@@ -57,6 +57,10 @@ def _gpu(doc: Any) -> None:
     assert doc["counts"]["FAIL"] == 0 and doc["checks"]
 
 
+def _inspect(doc: Any) -> None:
+    assert doc["timing"] and doc["classes"]
+
+
 def _nonempty(doc: Any) -> None:
     assert doc
 
@@ -74,6 +78,7 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_fr_share.py": ([], _nonempty),
     "bench_ddp_timing.py": ([], _nonempty),
     "bench_traceml.py": ([], _traceml),
+    "bench_inspect.py": ([], _inspect),
     "gpu_check.py": ([], _gpu),
 }
 
