@@ -79,6 +79,7 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_ddp_timing.py": ([], _nonempty),
     "bench_traceml.py": ([], _traceml),
     "bench_inspect.py": ([], _inspect),
+    "bench_series.py": ([], _nonempty),
     "gpu_check.py": ([], _gpu),
 }
 
