@@ -23,11 +23,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .failures import CONSEQUENCE, INITIATING, crash_role
-from .fr_analysis import Mismatch, MissingCollective
+from . import engine, render
+from .facts import PriorVerdict
+from .facts import Rung as FactRung
+from .failures import CONSEQUENCE, INITIATING
+from .fr_analysis import Mismatch
+from .fr_hints import FrBehind, FrGroup, FrHints
+from .live_facts import exit_roles, is_waiting, left_early, live_facts
 from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
 from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
+from .render import phase_kind
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import CRASHED, DEAD, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
 
@@ -36,6 +42,7 @@ DEFAULT_VERDICT_POLICY = VerdictPolicy()
 __all__ = [
     "DEFAULT_VERDICT_POLICY",
     "FrBehind",
+    "FrGroup",
     "FrHints",
     "Verdict",
     "decide",
@@ -46,61 +53,6 @@ __all__ = [
     "rank_entry",
     "stack_groups",
 ]
-
-
-@dataclass(frozen=True)
-class FrBehind:
-    """One rank's progress in one process group, when it entered fewer collectives than another member."""
-
-    pg: str
-    rank: int
-    seq: int  # highest collective seq this rank entered (-1: none)
-    top_seq: int  # highest seq any member entered
-    top_op: str | None  # op of that collective, as the furthest rank recorded it
-    # its newest collective is still in flight although another member got past it: it waits for a peer
-    # (data relayed through a ring or tree), it is not the one that never arrived
-    waiting: bool = False
-
-
-@dataclass(frozen=True)
-class FrHints:
-    """What the flight recorder says, reduced to what the verdict uses (built by ``evidence.fr_evidence``).
-
-    Kept here rather than in ``evidence`` so the verdict stays a pure function over plain data.
-    """
-
-    ranks: tuple[int, ...]  # ranks whose dump was analysed; conclusions cover only these
-    behind: tuple[FrBehind, ...] = ()
-    missing: tuple[MissingCollective, ...] = ()
-    mismatches: tuple[Mismatch, ...] = ()
-
-    @property
-    def behind_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({b.rank for b in self.behind} | {r for m in self.missing for r in m.missing}))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ranks": list(self.ranks),
-            "behind": [
-                {"pg": b.pg, "rank": b.rank, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op,
-                 "waiting": b.waiting}
-                for b in self.behind
-            ],
-            "missing": [
-                {"pg": m.pg, "seq": m.seq, "op": m.op, "joined": list(m.joined), "missing": list(m.missing)}
-                for m in self.missing
-            ],
-            "mismatches": [
-                {
-                    "pg": m.pg,
-                    "seq": m.seq,
-                    "kind": m.kind,
-                    "odd_ranks": list(m.odd_ranks),
-                    "variants": {k: list(v) for k, v in m.variants.items()},
-                }
-                for m in self.mismatches
-            ],
-        }
 
 
 @dataclass
@@ -135,19 +87,6 @@ class Verdict:
         return doc
 
 
-def phase_kind(phase: str | None) -> str:
-    """What a phase says about the cause, in the words an on-call engineer uses."""
-    if phase == "dataloader":
-        return "input"
-    if phase in ("forward", "backward", "optimizer"):
-        return "compute"
-    if phase == "collective":
-        return "communication"
-    if phase in (None, "idle"):
-        return "between phases"
-    return f"declared phase '{phase}'"
-
-
 def rank_entry(v: RankView) -> dict[str, Any]:
     return {
         "node": v.node,
@@ -160,13 +99,6 @@ def rank_entry(v: RankView) -> dict[str, Any]:
         "gpu_util": v.gpu_util,
         "stack_top": list(v.stack_top),
     }
-
-
-def is_waiting(v: RankView) -> bool:
-    """Blocked on peers: in a Python collective, a stack blocked in a wait, or DDP's sync in backward."""
-    if v.in_collective or v.waiting:
-        return True
-    return v.waiting is None and v.phase == "backward"
 
 
 def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
@@ -206,41 +138,18 @@ class _Finding:
     reason: str
     evidence: list[str] = field(default_factory=list)
     rule: str = ""  # the EVIDENCE_LADDER rung that produced it
+    structured: engine.Finding | None = None  # the engine's own finding, when the engine produced it
 
 
-def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
-    """Initiating or consequence, per gone rank (``core.failures``).
-
-    A crash is judged by its exception (a communication error is a peer's fault). A rank killed without
-    any mark is initiating unless another rank *of its node* ended clearly (beyond the tolerance) before
-    it: then it is the launcher tearing the node's workers down after that first failure.
-    """
-    roles: dict[int, str] = {}
-    for v in gone:
-        if v.state == EXITED:  # only early leavers get here (``left_early``): their peers still needed them
-            roles[v.rank] = INITIATING
-            continue
-        if v.state == CRASHED:
-            roles[v.rank] = crash_role(v.exit_cause)
-            continue
-        age = v.exit_age_s or 0.0
-        # clearly earlier: a launcher notices a failure at its next monitor tick, so its teardown comes
-        # after the tolerance; a kill and a peer's crash milliseconds apart are a tie, decided by cause
-        earlier = any(
-            o.node_key == v.node_key and o is not v and (o.exit_age_s or 0.0) - age > tolerance_s for o in gone
-        )
-        roles[v.rank] = CONSEQUENCE if earlier else INITIATING
-    return roles
-
-
-def left_early(v: RankView, views: Sequence[RankView]) -> bool:
-    """A normal exit while a peer that did not exit was still inside a step at least as far along: the peer
-    still needed it (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``)."""
-    return v.state == EXITED and any(
-        o.state != EXITED and o.state in (RUNNING, STOPPED, *GONE_STATES) and o.phase not in (None, "idle")
-        and o.step >= v.step
-        for o in views
-    )
+def _engine_finding(f: engine.Finding | None, views: Sequence[RankView]) -> _Finding | None:
+    """An engine finding in the ladder's shape (rendered by ``core.render``)."""
+    if f is None:
+        return None
+    by_rank = {v.rank: v for v in views}
+    rule = "after_kill" if f.rule == engine.AFTER_KILL else "wait_for"
+    out = _Finding(f.kind, list(f.ranks), f.confidence, render.reason(f, by_rank), render.evidence(f), rule=rule,
+                   structured=f)
+    return out
 
 
 def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView]) -> _Finding | None:
@@ -416,30 +325,9 @@ def _rule_behind(live: Sequence[RankView]) -> _Finding | None:
 
 
 def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
+    """Nobody waits (the wait-for graph has no edge): the ranks earliest in the step, else a shared cause."""
     waiting = [v for v in live if is_waiting(v)]
     busy = [v for v in live if not is_waiting(v)]
-    if waiting and busy:
-        # among the ranks that are not waiting, the one earliest in the step is behind the rest
-        ordered = sorted(busy, key=lambda v: STEP_PHASE_ORDER.get(v.phase or "", 0))
-        culprits = busy
-        if len(busy) > 1:
-            by_phase: dict[str | None, list[RankView]] = defaultdict(list)
-            for v in busy:
-                by_phase[v.phase].append(v)
-            odd = _odd_views(by_phase)
-            culprits = odd if odd is not None else [ordered[0]] if len(by_phase) > 1 else busy
-        confidence = "high" if len(busy) < len(waiting) else "medium"
-        lead = culprits[0]
-        return _Finding(
-            "hang",
-            sorted(v.rank for v in culprits),
-            confidence,
-            f"{fmt_ranks(v.rank for v in culprits)} is stuck in {phase_kind(lead.phase)} "
-            f"({lead.phase or 'idle'}) at step {lead.step} for {lead.in_phase_s:.1f}s while "
-            f"{fmt_ranks(v.rank for v in waiting)} wait for it in "
-            f"{', '.join(sorted({w.phase or 'idle' for w in waiting}))}",
-            [f"rank {v.rank}: {'waiting' if is_waiting(v) else 'not waiting'} in {v.phase or 'idle'}" for v in live],
-        )
     if busy and not waiting:
         by_order: dict[int, list[RankView]] = defaultdict(list)
         for v in busy:
@@ -681,15 +569,30 @@ class Rung:
 
 
 EVIDENCE_LADDER: tuple[Rung, ...] = (
+    Rung("after_kill", "exits that follow rankwatch's own kill of an earlier incident's initiators", True),
     Rung("exits", "own-failure exits, by cause then time; early normal exits while peers are mid-step", True),
     Rung("stopped", "ranks stopped by SIGSTOP or a debugger", True),
-    Rung("flight_recorder", "per process group: a mismatch (op/size/dtype) at one seq; ranks behind or missing", True),
+    Rung("flight_recorder", "per process group: a mismatch (op/size/dtype) at one seq", True),
+    Rung("wait_for", "sinks of the wait-for graph over groups, p2p peers, exits and silent nodes", True),
+    Rung("exits_consequence", "every exit a consequence and no sink: the first exit", False),
+    Rung("fr_behind", "per process group: ranks behind or missing", True),
     Rung("counters", "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops", False),
-    Rung("waiting", "the minority that is not waiting for peers, and its phase", False),
+    Rung("waiting", "every rank busy and none waiting: the one earliest in the step", False),
     Rung("stacks", "a stack no other rank shares", False),
     Rung("gpu", "every rank in one collective, one with no GPU activity", False),
-    Rung("missing_node", "every rank here in one collective while a node never answered", False),
 )
+# what ``decided_by`` says for a rung (the names documents and dashboards already know)
+_DECIDED_BY = {"exits_consequence": "exits", "fr_behind": "flight_recorder"}
+# which ladder name an engine edge strength stands for
+_RUNG_NAME = {
+    FactRung.EXIT_CAUSE: "exits",
+    FactRung.STOPPED: "stopped",
+    FactRung.FLIGHT_RECORDER: "flight_recorder",
+    FactRung.COUNTERS: "counters",
+    FactRung.WAITING: "waiting",
+    FactRung.STACKS: "waiting",
+    FactRung.SILENCE: "missing_node",
+}
 """The evidence ladder, strongest first (README "How the initiating rank is named")."""
 
 
@@ -709,20 +612,6 @@ def _rule_stacks(present: Sequence[RankView]) -> _Finding | None:
     )
 
 
-def _rule_missing_node(live: Sequence[RankView], missing: Sequence[RankView]) -> _Finding | None:
-    if not missing or not live or any(not v.in_collective for v in live):
-        return None
-    nodes = sorted({v.node for v in missing})
-    return _Finding(
-        "comm_hang",
-        sorted(v.rank for v in missing),
-        "medium",
-        f"every rank that answered waits in collective #{live[0].coll_seq} ({live[0].coll_op}) while node(s) "
-        f"{', '.join(nodes)} never answered: {fmt_ranks(v.rank for v in missing)} are the likeliest cause",
-        [],
-    )
-
-
 def _names_everyone(f: _Finding, present: Sequence[RankView]) -> bool:
     """Names every rank that gave evidence: no single initiator ("a shared cause")."""
     return bool(present) and {v.rank for v in present} <= set(f.initiators)
@@ -737,6 +626,8 @@ def decide(
     extra_evidence: Sequence[str] = (),
     fr_hints: FrHints | None = None,
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
+    prior: PriorVerdict | None = None,
+    killed: Sequence[int] = (),
 ) -> Verdict:
     """The verdict for one incident over every rank's view (all nodes).
 
@@ -744,34 +635,48 @@ def decide(
     that agree back it and weaker ones that single out someone else lower the confidence (both said in
     ``evidence``). A majority of ranks is named only on strong evidence. ``fr_hints`` (from
     ``evidence.flight_recorder``) are the flight-recorder rung; they appear under ``flight_recorder``.
+    ``prior``/``killed``: the job was already decided and rankwatch killed ``killed`` for it (exits that
+    follow are that kill's consequences, ``engine.after_kill``). ``finding`` in the document is the
+    structured conclusion (rule, ranks, strength, data).
     """
     views = sorted(views, key=lambda v: v.rank)
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
+    facts = live_facts(views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed)
     found: dict[str, _Finding | None] = {
+        "after_kill": _engine_finding(engine.after_kill(facts), views),
         "exits": _rule_gone(present, policy),
         "stopped": _rule_stopped(present),
         "flight_recorder": _rule_fr(fr_hints, live) if fr_hints is not None else None,
+        "wait_for": _engine_finding(engine.blame(facts), views),
         "counters": (_rule_behind(live) or _rule_collective(live)) if live else None,
-        "waiting": _rule_not_waiting(live) if live and not all(v.in_collective for v in live) else None,
+        "waiting": _rule_not_waiting(live) if live and not any(is_waiting(v) for v in live) else None,
         "stacks": _rule_stacks(present),
         "gpu": _rule_same_collective(live, policy),
-        "missing_node": _rule_missing_node(live, missing),
     }
     for name, f in found.items():
         if f is not None:
             f.rule = name
     _abort_on_mismatch(found, present)
     _abort_with_odd_counts(found, present)
+    exits = found["exits"]
+    if exits is not None and exits.kind == "dead_rank" and not any(e.own for e in facts.ended):
+        # every exit a consequence: the sinks of the wait-for graph are the better account, if any
+        found["exits"], found["exits_consequence"] = None, exits
+        exits.rule = "exits_consequence"
+    fr = found["flight_recorder"]
+    if fr is not None and fr.kind != "collective_mismatch":
+        found["flight_recorder"], found["fr_behind"] = None, fr
+        fr.rule = "fr_behind"
     # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
-    ladder = [r for r in EVIDENCE_LADDER if found[r.name] is not None]
+    ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
     singling = [
         r for r in ladder if (f := found[r.name]) is not None and f.initiators and not _names_everyone(f, present)
     ]
     rung = singling[0] if singling else (ladder[0] if ladder else None)
     finding = found[rung.name] if rung is not None else None
-    if finding is not None and rung is not None and rung.name not in ("exits", "stopped"):
+    if finding is not None and rung is not None and rung.name not in ("exits", "stopped", "after_kill"):
         # the stopped or dead cannot be second-guessed; everything else is weighed against the weaker rungs
         _weigh(finding, rung, found, present)
         _apply_gpu(finding, live, policy)
@@ -798,9 +703,19 @@ def decide(
     evidence.extend(extra_evidence)
     initiator_set = set(finding.initiators)
     chosen = [v for v in views if v.rank in initiator_set]
-    extra: dict[str, Any] = {"decided_by": finding.rule or "none"}
+    decided_by = _DECIDED_BY.get(finding.rule, finding.rule) or "none"
+    if finding.rule == "wait_for" and finding.structured is not None:
+        decided_by = _wait_for_label(finding.structured, found)
+    extra: dict[str, Any] = {
+        "decided_by": decided_by,
+        "finding": finding.structured.to_json() if finding.structured is not None else {
+            "rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by, "data": {}},
+    }
+    if finding.structured is not None and finding.structured.rule == engine.AFTER_KILL:
+        extra["follows_incident"] = finding.structured.data.get("follows_incident")
     if fr_hints is not None:
-        fr_role = "decided" if finding.rule == "flight_recorder" else _fr_role(found["flight_recorder"], finding)
+        fr_role = "decided" if decided_by == "flight_recorder" else _fr_role(
+            found.get("flight_recorder") or found.get("fr_behind"), finding)
         extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
     return Verdict(
         job_id=job_id,
@@ -815,6 +730,21 @@ def decide(
         evidence=fold_rank_lines(evidence),
         extra=extra,
     )
+
+
+def _wait_for_label(f: engine.Finding, found: Mapping[str, _Finding | None]) -> str:
+    """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a per-group
+    count that names the same ranks (the flight recorder's, then the counters')."""
+    if f.kind == "comm_hang":
+        return "missing_node"
+    if f.kind == "stopped_rank":
+        return "stopped"
+    label = _RUNG_NAME.get(f.data.get("edge_strength", FactRung.WAITING), "waiting")
+    for name, as_label in (("fr_behind", "flight_recorder"), ("counters", "counters")):
+        other = found.get(name)
+        if label in ("waiting", "counters") and other is not None and set(other.initiators) == set(f.ranks):
+            return as_label if label == "waiting" or as_label == "flight_recorder" else label
+    return label
 
 
 def _abort_on_mismatch(found: dict[str, _Finding | None], present: Sequence[RankView]) -> None:
@@ -880,13 +810,18 @@ def _weigh(finding: _Finding, rung: Rung, found: Mapping[str, _Finding | None], 
     """Back or question the decision with every weaker rung; refuse to blame a majority on weak evidence."""
     chosen = set(finding.initiators)
     below = list(EVIDENCE_LADDER)[[r.name for r in EVIDENCE_LADDER].index(rung.name) + 1 :]
+    # the wait-for graph already read groups, p2p peers and counters: their per-group "behind" is no
+    # independent evidence against it (pipeline stages and subgroups make it disagree by design)
+    subsumed = {"exits_consequence", "fr_behind", "counters", "waiting"} if rung.name == "wait_for" else set()
     for r in below:
         other = found.get(r.name)
         if other is None or not other.initiators or _names_everyone(other, present):
             continue
+        if r.name in subsumed and set(other.initiators) != chosen:
+            continue
         if set(other.initiators) == chosen:
             finding.evidence.append(f"{r.name.replace('_', ' ')} agrees: {other.reason}")
-            if r.name in ("flight_recorder", "counters", "waiting"):
+            if r.name in ("flight_recorder", "fr_behind", "counters", "waiting"):
                 finding.confidence = raise_confidence(finding.confidence)
         elif len(other.initiators) < len(present) / 2:
             finding.evidence.append(
