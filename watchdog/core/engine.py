@@ -8,12 +8,12 @@ are data (rule, ranks, strength, data); ``core.render`` turns them into words.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import schema
-from .facts import Busy, FactSet, Rung
+from .facts import Busy, FactSet, PriorVerdict, Rung
 from .ranks import outside_majority
 from .snapshot import STEP_PHASE_ORDER
 from .waitgraph import build, sinks
@@ -59,7 +59,7 @@ def after_kill(facts: FactSet) -> Finding | None:
     """rankwatch already decided this job and killed its ranks: what ends now (peers that lost the killed
     ranks, ranks torchrun tears down) follows that kill. Nobody new is blamed: the earlier initiators are."""
     prior = facts.prior
-    if prior is None or not prior.killed:
+    if prior is None or not prior.killed or not facts.ended:
         return None
     killed = {k.rank for k in facts.killed}
     fresh_own = [e.rank for e in facts.ended if e.own and e.rank not in killed and e.cause]
@@ -143,3 +143,15 @@ def _refine_by_phase(busy: list[Busy]) -> list[int]:
     earliest = min(by_phase, key=lambda p: STEP_PHASE_ORDER.get(p or "", 0))
     return sorted(by_phase[earliest])
 
+
+
+def prior_verdict(verdicts: Sequence[Mapping[str, Any]], *, killed: bool) -> PriorVerdict | None:
+    """The job's last verdict as a fact for the next incident, when rankwatch kills on a stall (``killed``):
+    exits that follow that kill are its consequences (``after_kill``). None without a kill or a verdict."""
+    if not killed or not verdicts:
+        return None
+    last = verdicts[-1]
+    ranks = last.get("initiating_ranks")
+    if not isinstance(ranks, list) or not ranks or any(type(r) is not int for r in ranks):
+        return None
+    return PriorVerdict(str(last.get("incident_id") or "")[:128], tuple(ranks[:4096]), killed=True)

@@ -65,10 +65,10 @@ def evidence(f: Finding) -> list[str]:
     """Evidence lines of an engine finding."""
     if f.rule != WAIT_FOR:
         return []
-    edge = f.data.get("edge_strength")
+    edge = f.data.get("edge_strength", Rung.WAITING)
     lines = [
         f"wait-for graph: {len(f.data.get('waiters', ()))} rank(s) wait; the sink(s) {fmt_ranks(f.ranks)} "
-        f"wait for nobody (edges from {_VIA.get(edge, str(edge))})"  # type: ignore[call-overload]
+        f"wait for nobody (edges from {_VIA.get(edge, str(edge))})"
     ]
     anyone = f.data.get("via_anyone") or ()
     if anyone:
