@@ -3,7 +3,8 @@ nodes, log lines) is turned into before the wait-for graph (``core.waitgraph``) 
 
 Live and offline differ only in which facts they have. Each fact carries its strength, a ``Rung`` of the
 evidence order (exit cause > stopped > flight recorder > counters > waiting > stacks > GPU > silence).
-Pure data: no rule lives here.
+Pure data, never changed once made (not frozen: a frozen init costs ~3x, and a verdict over 8,192 ranks
+makes one fact per rank); no rule lives here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Rung(IntEnum):
         return self.name.lower()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ended:
     """A rank that is gone. ``own``: by its own cause (initiating); else a consequence of a peer's
     failure (connection closed, a timeout, a watchdog abort), which points at ``lost`` when known."""
@@ -41,14 +42,14 @@ class Ended:
     strength: Rung = Rung.EXIT_CAUSE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stopped:
     """Stopped by SIGSTOP or a debugger: it waits for nobody."""
 
     rank: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Silent:
     """No evidence at all: its node never answered (or, offline, it is named by peers and says nothing)."""
 
@@ -56,7 +57,7 @@ class Silent:
     node: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Busy:
     """Alive and not waiting for any peer (computing, loading data, in a declared phase)."""
 
@@ -65,7 +66,7 @@ class Busy:
     strength: Rung = Rung.WAITING
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Waits:
     """A rank blocked on peers in ``group``. ``on``: the ranks it waits for (who has not entered what it
     is in); None when the source cannot say who (a p2p op whose peer is unknown, a timeout message)."""
@@ -78,14 +79,14 @@ class Waits:
     strength: Rung = Rung.WAITING
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KilledByRankwatch:
     """Ended because rankwatch's ``--on-stall kill`` signalled it for an earlier incident."""
 
     rank: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PriorVerdict:
     """The job was already decided (an earlier incident named ``ranks`` and rankwatch acted on it)."""
 

@@ -74,46 +74,59 @@ def live_facts(
     """Every view (all nodes) and the flight recorder as one fact set."""
     facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
     facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
-    early = [v for v in views if left_early(v, views)]
-    gone = [v for v in views if v.state in GONE_STATES] + early
-    roles = exit_roles(gone, exit_tolerance_s)
-    for v in gone:
-        facts.ended.append(Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause))
+    facts.ended = ended_facts(views, exit_tolerance_s)
+    live: list[RankView] = []
     for v in views:
-        if v.state == STOPPED:
+        if v.state == RUNNING:
+            live.append(v)
+        elif v.state == STOPPED:
             facts.stopped.append(Stopped(v.rank))
         elif v.state == MISSING:
             facts.silent.append(Silent(v.rank, v.node))
-    live = [v for v in views if v.state == RUNNING]
     by_fr = _fr_waits(fr, views) if fr is not None else {}
     counted = _counter_targets(views)
+    busy, waits = facts.busy, facts.waits
     for v in live:
-        if not is_waiting(v):
-            facts.busy.append(Busy(v.rank, v.phase))
+        inside = v.coll_seq > v.coll_done
+        if not (inside or v.waiting or (v.waiting is None and v.phase == "backward")):  # ``is_waiting``
+            busy.append(Busy(v.rank, v.phase))
         elif v.rank in by_fr:
-            facts.waits.extend(by_fr[v.rank])
-        elif v.in_collective and (v.coll_op or "") not in P2P_OPS and v.rank in counted:
-            facts.waits.append(Waits(v.rank, counted[v.rank], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
+            waits.extend(by_fr[v.rank])
+        elif inside and v.rank in counted:
+            waits.append(Waits(v.rank, counted[v.rank], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
         else:
-            how = Rung.WAITING if v.in_collective or v.waiting is None else Rung.STACKS
-            facts.waits.append(Waits(v.rank, None, "", v.coll_seq or None, v.coll_op, how))
+            how = Rung.WAITING if inside or v.waiting is None else Rung.STACKS
+            waits.append(Waits(v.rank, None, "", v.coll_seq or None, v.coll_op, how))
     return facts
+
+
+def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ended]:
+    """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``)."""
+    gone = [v for v in views if v.state in GONE_STATES or (v.state == EXITED and left_early(v, views))]
+    roles = exit_roles(gone, exit_tolerance_s)
+    return [Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause) for v in gone]
 
 
 def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
     """Per rank in a Python-level collective: the ranks whose count is below it (one shared set per count)."""
     counted = [v for v in views if v.state != EXITED]
-    if any((v.coll_op or "") in P2P_OPS for v in counted if v.in_collective):
+    inside = [v for v in counted if v.coll_seq > v.coll_done]
+    if any((v.coll_op or "") in P2P_OPS for v in inside):
         return {}  # p2p counts differ by design: counters say nothing about who is behind
+    # a silent rank's counts are its last snapshot before it went quiet: a waiter may wait for it
+    silent = frozenset(v.rank for v in counted if v.state == MISSING)
     by_seq: dict[int, frozenset[int]] = {}
     order = sorted(counted, key=lambda v: v.coll_seq)
     out: dict[int, frozenset[int]] = {}
-    for v in counted:
-        if not v.in_collective:
-            continue
+    for v in inside:
         targets = by_seq.get(v.coll_seq)
         if targets is None:
-            targets = by_seq[v.coll_seq] = frozenset(o.rank for o in order if o.coll_seq < v.coll_seq)
+            below = []
+            for o in order:
+                if o.coll_seq >= v.coll_seq:
+                    break
+                below.append(o.rank)
+            targets = by_seq[v.coll_seq] = frozenset(below) | silent
         out[v.rank] = targets
     return out
 

@@ -29,7 +29,7 @@ from .facts import Rung as FactRung
 from .failures import CONSEQUENCE, INITIATING
 from .fr_analysis import Mismatch
 from .fr_hints import FrBehind, FrGroup, FrHints
-from .live_facts import exit_roles, is_waiting, left_early, live_facts
+from .live_facts import ended_facts, exit_roles, is_waiting, left_early, live_facts
 from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
 from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
@@ -643,17 +643,10 @@ def decide(
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    facts = live_facts(views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed)
     found: dict[str, _Finding | None] = {
-        "after_kill": _engine_finding(engine.after_kill(facts), views),
         "exits": _rule_gone(present, policy),
         "stopped": _rule_stopped(present),
         "flight_recorder": _rule_fr(fr_hints, live) if fr_hints is not None else None,
-        "wait_for": _engine_finding(engine.blame(facts), views),
-        "counters": (_rule_behind(live) or _rule_collective(live)) if live else None,
-        "waiting": _rule_not_waiting(live) if live and not any(is_waiting(v) for v in live) else None,
-        "stacks": _rule_stacks(present),
-        "gpu": _rule_same_collective(live, policy),
     }
     for name, f in found.items():
         if f is not None:
@@ -661,7 +654,9 @@ def decide(
     _abort_on_mismatch(found, present)
     _abort_with_odd_counts(found, present)
     exits = found["exits"]
-    if exits is not None and exits.kind == "dead_rank" and not any(e.own for e in facts.ended):
+    if exits is not None and exits.kind == "dead_rank" and not any(
+        e.own for e in ended_facts(present, policy.exit_order_tolerance_s)
+    ):
         # every exit a consequence: the sinks of the wait-for graph are the better account, if any
         found["exits"], found["exits_consequence"] = None, exits
         exits.rule = "exits_consequence"
@@ -669,6 +664,22 @@ def decide(
     if fr is not None and fr.kind != "collective_mismatch":
         found["flight_recorder"], found["fr_behind"] = None, fr
         fr.rule = "fr_behind"
+    # an own exit or a stop decides and is never weighed: the graph and the weaker rungs are not needed
+    decisive = any((f := found.get(n)) is not None and f.initiators for n in ("exits", "stopped"))
+    if prior is not None or not decisive:
+        facts = live_facts(
+            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed
+        )
+        found["after_kill"] = _engine_finding(engine.after_kill(facts), views)
+        if not decisive:
+            found["wait_for"] = _engine_finding(engine.blame(facts), views)
+            found["counters"] = (_rule_behind(live) or _rule_collective(live)) if live else None
+            found["waiting"] = _rule_not_waiting(live) if live and not any(is_waiting(v) for v in live) else None
+            found["stacks"] = _rule_stacks(present)
+            found["gpu"] = _rule_same_collective(live, policy)
+        for name in ("after_kill", "wait_for", "counters", "waiting", "stacks", "gpu"):
+            if (f := found.get(name)) is not None:
+                f.rule = name
     # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
     ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
     singling = [

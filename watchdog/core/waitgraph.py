@@ -115,11 +115,29 @@ def sinks(g: WaitGraph) -> Sinks:
 
     reached: dict[int, Rung] = {}
     via_anyone: set[int] = set()
+    anyone_cap = max(g.anyone.values(), default=None)
+    merged: set[int] = set()  # results already merged (waiters of one collective share one)
     for w in g.waiters:
+        if w not in g.edges:
+            if w in g.anyone:
+                via_anyone.add(w)  # waits for anyone: folded in once below, not per waiter
+            continue
+        per = g.edges[w]
+        if len(per) == 1 and w not in g.anyone:
+            ((targets, strength),) = per.items()
+            got = of_set(targets)
+            key = id(got) * 16 + int(strength)
+            if key in merged:
+                continue
+            merged.add(key)
+            _merge(reached, got, strength)
+            continue
         got = of_rank(w)
         if ANYONE in got and len(got) == 1:
             via_anyone.add(w)
         _merge(reached, got, Rung.EXIT_CAUSE)
+    if anyone_cap is not None and via_anyone:
+        _merge(reached, {ANYONE: anyone_cap}, anyone_cap)
     if ANYONE in reached:
         cap = reached.pop(ANYONE)
         for r, s in g.terminal.items():
