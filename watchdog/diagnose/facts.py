@@ -14,6 +14,7 @@ from . import events as ev
 
 MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
 MAX_SEEN_FILES = 10_000
+MAX_OP_GROUPS = 16  # NCCL communicators (by size) whose last op is kept per rank
 MAX_REPORTS = 1024  # failure reports (file, host) whose entries are kept to find absent workers
 
 
@@ -31,6 +32,7 @@ class RankFacts:
     own_dump: bool = False  # a DUMP_SIGNAL from its own watchdog ("from this local rank"): it timed out
     told: ev.Event | None = None  # first DUMP_SIGNAL naming a peer: another rank timed out and told it
     agent_terminated: bool = False  # torchrun sent it a closing signal: its death is downstream
+    ops: dict[str, ev.Event] = field(default_factory=dict)  # last NCCL op line per group (bounded)
 
     def has(self, families: frozenset[str]) -> bool:
         return any(self.counts[f] for f in families)
@@ -52,7 +54,8 @@ class RankFacts:
         self.own_dump = self.own_dump or other.own_dump
         if other.told is not None:
             self._fold(other.told)
-        for last in (other.exit, other.slurm, other.finished, other.status, other.nccl_timeout, other.traceback):
+        for last in (other.exit, other.slurm, other.finished, other.status, other.nccl_timeout, other.traceback,
+                     *other.ops.values()):
             if last is not None:
                 self._fold(last)
         self.agent_terminated = self.agent_terminated or other.agent_terminated
@@ -85,6 +88,8 @@ class RankFacts:
             self.slurm = self.slurm or e
         elif e.family == ev.FINISHED:
             self.finished = e
+        elif e.family == ev.NCCL_OP and (e.pg in self.ops or len(self.ops) < MAX_OP_GROUPS):
+            self.ops[e.pg or ""] = e
 
 
 @dataclass

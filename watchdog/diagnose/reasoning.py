@@ -39,12 +39,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import engine
 from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
 from ..core.ranks import behind as ranks_behind
 from ..core.ranks import first_by_time, fmt_ranks, majority, outside_majority
 from ..core.schema import VERDICT_SCHEMA
 from . import events as ev
+from . import log_facts
 from .facts import Evidence, RankFacts
 
 __all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
@@ -138,6 +140,11 @@ def _last_seq(f: RankFacts) -> int | None:
     vals = [v for v in (f.status.enqueued if f.status else None, f.nccl_timeout.seq if f.nccl_timeout else None)
             if v is not None]
     return max(vals) if vals else None
+
+
+def _last_pg(f: RankFacts) -> str | None:
+    """The group ``_last_seq`` counts in, when its lines say."""
+    return (f.status.pg if f.status else None) or (f.nccl_timeout.pg if f.nccl_timeout else None)
 
 
 def _aborted_with_timed_out_peers(E: Evidence, f: RankFacts, p: Policy) -> bool:
@@ -285,10 +292,12 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     known = sorted(E.ranks)
     facts = E.ranks
     d = (
-        _rule_primary(E, known, p)
+        _rule_rankwatch(E)
+        or _rule_primary(E, known, p)
         or _rule_mismatch(E, known)
+        or _rule_waited_for(E)
         or _rule_lone_collective(E, known)
-        or _rule_behind(E, known)
+        or _rule_behind(E, known, p)
         or _rule_outside(E, known, p)
         or _rule_same_collective(E, known)
         or _rule_report_only(E, known)
@@ -333,6 +342,64 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     if E.dump_paths:
         d.notes.append("flight-recorder dumps were written to: " + ", ".join(E.dump_paths[:4]))
     return d
+
+
+def _rule_rankwatch(E: Evidence) -> Diagnosis | None:
+    """rankwatch's own verdict line in the log (``rankwatch run``'s console): it saw stacks, records and the
+    flight recorder that the log does not hold, so its first verdict is the answer."""
+    lines = [e for f in E.ranks.values() if (e := f.first.get(ev.RANKWATCH)) is not None]
+    lines += [e for e in E.unattributed if e.family == ev.RANKWATCH]
+    if not lines:
+        return None
+    first = min(lines, key=lambda e: (e.file, e.line))
+    named = sorted({e.rank for e in lines if e.rank is not None and (e.file, e.line) == (first.file, first.line)})
+    kind, confidence, phase = [*first.detail.split("|"), "", "", ""][:3]
+    return Diagnosis(
+        kind=kind or "unknown",
+        initiating_ranks=named,
+        confidence=confidence if confidence in ("high", "medium", "low") else "low",
+        phase=phase or None,
+        decided=bool(named),
+        reason=f"rankwatch's own verdict, printed in this log: {first.text}",
+        next_action="read that incident's bundle (rankwatch report DIR/incidents/<id>): it holds the stacks and "
+        "the flight-recorder analysis the verdict rests on",
+        evidence=[quote(first)],
+    )
+
+
+def _rule_waited_for(E: Evidence) -> Diagnosis | None:
+    """The sinks of the wait-for graph the lines describe (``diagnose.log_facts``): the ranks PyTorch's
+    desync report names as lagging, else the ranks whose NCCL op count is behind their communicator's."""
+    graphs = ((log_facts.DESYNC, log_facts.desync_facts(E)), (log_facts.NCCL_OPS, log_facts.op_count_facts(E)))
+    for rule, facts in graphs:
+        if facts is None:
+            continue
+        found = engine.blame(facts)
+        if found is None or not found.ranks:
+            continue
+        who = fmt_ranks(found.ranks)
+        lead = E.ranks.get(found.ranks[0])
+        line = (lead.first.get(ev.DESYNC) or next(iter(lead.ops.values()), None)) if lead is not None else None
+        if rule == log_facts.DESYNC:
+            reason = (f"PyTorch's desync report names {who} as the lagging rank(s)"
+                      f" ({line.detail if line else 'lagging'}): every other rank waited for it")
+        else:
+            reason = (f"{who} enqueued fewer NCCL operations than its communicator's other members "
+                      "(NCCL INFO opCount): they waited for it")
+        return Diagnosis(
+            kind="hang",
+            initiating_ranks=list(found.ranks),
+            confidence="high" if rule == log_facts.DESYNC and found.confidence == "high" else "medium",
+            phase="collective" if line is not None and "joined" in line.detail else None,
+            reason=reason,
+            next_action=(
+                f"find what {who} was doing instead of the next collective: a stack during the hang (rankwatch run "
+                "captures it), data loading / I/O / rank-specific work"
+            ),
+            evidence=[quote(line)] if line is not None else [],
+            notes=[f"decided by the wait-for graph ({rule})"],
+        )
+    return None
 
 
 def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
@@ -632,22 +699,40 @@ def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
     )
 
 
-def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
+def _one_group(values: dict[int, tuple[str | None, int]], p: Policy) -> dict[int, int]:
+    """Sequence numbers that count in one process group. SeqNums count per group: never compared across
+    groups. Of several known groups the one most ranks report is kept; numbers of no stated group (the old
+    "[Rank N]" prefix every group printed alike) only when they lie close (``Policy.unknown_pg_max_gap``)."""
+    groups: dict[str | None, dict[int, int]] = {}
+    for r, (pg, v) in values.items():
+        groups.setdefault(pg, {})[r] = v
+    known = {pg: vs for pg, vs in groups.items() if pg is not None}
+    if known:
+        best = max(known.values(), key=len)
+        return best if len(best) > 1 else {}
+    vals = groups.get(None, {})
+    if vals and max(vals.values()) - min(vals.values()) > p.unknown_pg_max_gap:
+        return {}
+    return vals
+
+
+def _rule_behind(E: Evidence, known: list[int], p: Policy = DEFAULT_POLICY) -> Diagnosis | None:
     facts = E.ranks
-    enq = {r: facts[r].status.enqueued for r in known if facts[r].status is not None}  # type: ignore[union-attr]
-    vals = {v for v in enq.values() if v is not None}
-    seqs = {r: facts[r].nccl_timeout.seq for r in known if facts[r].nccl_timeout is not None}  # type: ignore[union-attr]
+    enq = _one_group({r: (s.pg, s.enqueued) for r in known if (s := facts[r].status) is not None
+                      and s.enqueued is not None}, p)
+    seqs = _one_group({r: (t.pg, t.seq) for r in known if (t := facts[r].nccl_timeout) is not None
+                       and t.seq is not None}, p)
     key: dict[int, int] = {}
     how = ""
-    if len(vals) > 1:
-        key = {r: v for r, v in enq.items() if v is not None}
+    if len(set(enq.values())) > 1:
+        key = enq
         how = "last enqueued collective"
-    elif len({s for s in seqs.values() if s is not None}) > 1:
-        key = {r: s for r, s in seqs.items() if s is not None}
+    elif len(set(seqs.values())) > 1:
+        key = seqs
         how = "collective sequence number at the timeout"
     else:
         # one rank's timeout number against another's status (torch without the PG status line)
-        last = {r: v for r in known if (v := _last_seq(facts[r])) is not None}
+        last = _one_group({r: (_last_pg(facts[r]), v) for r in known if (v := _last_seq(facts[r])) is not None}, p)
         if len(set(last.values())) > 1:
             key, how = last, "last collective entered"
     if not key:
