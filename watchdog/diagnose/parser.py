@@ -221,10 +221,26 @@ class SourceParser:
             out.append(mk(ev.NCCL_OP, seq=int(m.group(2), 16), op=m.group(1), numel=int(m.group(3)),
                           pg=f"nranks={m.group(4)}", **where))
             return out
-        if "mpirun noticed" in s and (m := pt.MPIRUN_NOTICED.search(s)):
+        if "pirun noticed" in s and (m := pt.MPIRUN_NOTICED.search(s)):
             code = -int(m.group(4))
-            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, pid=int(m.group(2)), host=m.group(3),
+            pid = int(m.group(2)) if m.group(2).isdigit() and m.group(2) != "0" else None
+            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, pid=pid, host=m.group(3).rstrip(".,"),
                           exitcode=code, signal=pt.signal_name(code), detail="mpirun noticed it exit"))
+            return out
+        if "sigkill_handler" in s:
+            if m := pt.DS_EXIT.search(s):
+                code = int(m.group(2))
+                out.append(mk(ev.EXIT, rank=None, local_rank=int(m.group(1)), exitcode=code,
+                              signal=pt.signal_name(code), detail="DeepSpeed's launcher saw it exit first"))
+                return out
+            if m := pt.DS_KILLING.search(s):
+                out.append(mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal="SIGKILL"))
+                return out
+        if "exitcode" in s and (m := pt.REPORT_FLAT.search(s)):
+            code = int(m.group(3))
+            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=int(m.group(2)), pid=int(m.group(4)),
+                          exitcode=code, signal=pt.signal_name(code), root_cause=self._section == "root",
+                          detail="failure report (flattened)"))
             return out
         if "Watchdog caught" in s and (m := pt.NCCL_WATCHDOG.search(s)):
             out.append(

@@ -34,7 +34,9 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     # a rank that finished (FINISHED below): "Training finished/complete", "Finished training", "… done"
     b"inished", b"omplete", b"raining done", b"one training",
     # PyTorch's desync report, NCCL's per-op INFO lines, mpirun's exit notice, rankwatch's own verdict
-    b"didn't finish collective", b"lagging ranks", b"opCount", b"mpirun noticed", b"rankwatch: ",
+    b"didn't finish collective", b"lagging ranks", b"opCount", b"pirun noticed", b"rankwatch: ",
+    # DeepSpeed's launcher (deepspeed/launcher/launch.py sigkill_handler)
+    b"exits with return code", b"Killing subprocess",
 )
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -247,9 +249,17 @@ DESYNC = re.compile(
 NCCL_OPCOUNT = re.compile(r"NCCL INFO (\w+): opCount ([0-9a-fA-F]{1,16}) .*?\bcount (\d+).*?\[nranks=(\d+)\]")
 NCCL_HOST_PID = re.compile(r"([^\s:\[\]]+):(\d+):\d+ \[\d+\] NCCL INFO")
 # Open MPI: "mpirun noticed that process rank 1 with PID 4242 on node n2 exited on signal 9 (Killed)."
+# (also pasted as prose, "Mpirun noticed …", with the pid and node blanked out: "PID xxxxxx on node xxxx")
 MPIRUN_NOTICED = re.compile(
-    r"mpirun noticed that process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+)"
+    r"[Mm]pirun noticed that process rank (\d+) with PID (\S+) on node (\S+) exited on signal (\d+)"
 )
+# DeepSpeed's launcher: "[ERROR] [launch.py:434:sigkill_handler] ['/usr/bin/python3', '-u', 'main.py',
+# '--local_rank=0', …] exits with return code = -9", after "Killing subprocess 13266" for the others
+DS_EXIT = re.compile(r"sigkill_handler\] \[.*?'--local_rank=(\d+)'.*\] exits with return code = (-?\d+)")
+DS_KILLING = re.compile(r"sigkill_handler\] Killing subprocess (\d+)")
+# torch elastic's failure report pasted with its table flattened into one line:
+# "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>"
+REPORT_FLAT = re.compile(r"rank\s*:?\s*(\d+) \(local[ _]rank: (\d+)\)\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
 # rankwatch's own verdict line (report/text.py ``headline``): "rankwatch: HANG — initiating rank 2 in phase
 # 'dataloader' (confidence high)"
 RANKWATCH_HEADLINE = re.compile(

@@ -389,7 +389,8 @@ def _rule_waited_for(E: Evidence) -> Diagnosis | None:
         return Diagnosis(
             kind="hang",
             initiating_ranks=list(found.ranks),
-            confidence="high" if rule == log_facts.DESYNC and found.confidence == "high" else "medium",
+            # the desync report is torch's own analysis of every rank's trace in the store
+            confidence="high" if rule == log_facts.DESYNC and found.confidence != "low" else "medium",
             phase="collective" if line is not None and "joined" in line.detail else None,
             reason=reason,
             next_action=(
@@ -439,6 +440,12 @@ def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     reason = f"{fmt_ranks(first)} failed first: {label}"
     if waiting:
         reason += f"; {fmt_ranks(waiting)} then waited on it (timeouts / lost peer) — downstream"
+    bare_abort = not waiting and not lead.has(ev.PRIMARY) and lead.exit is not None and lead.exit.signal == "SIGABRT"
+    if bare_abort:
+        # its own abort and NCCL's watchdog abort after a timed-out collective (a consequence) end alike
+        conf = "low"
+        reason += (": a SIGABRT with no message of its own — the rank's own abort and ProcessGroupNCCL's "
+                   "watchdog abort after a timed-out collective end the same way")
     phase = next((e.phase for e in lead_events if e.phase), None)
     if phase is None and lead.traceback is not None:
         phase = lead.traceback.phase
@@ -450,6 +457,8 @@ def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
         next_action=_primary_action(lead, lead_events, first),
         phase=phase,
         evidence=[quote(e) for e in lead_events[:3]],
+        decided=not bare_abort,
+        would_decide="the rank's own stderr (a watchdog timeout line, or its own crash message)" if bare_abort else "",
     )
 
 
