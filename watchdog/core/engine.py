@@ -39,19 +39,20 @@ class Finding:
             "rule": self.rule,
             "ranks": list(self.ranks),
             "strength": self.strength.label,
-            "data": {k: _jsonable(v) for k, v in self.data.items()},
+            "data": jsonable(self.data),
         }
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """Finding data as JSON: rank sets as sorted lists, rungs by name, keys as strings."""
     if isinstance(v, frozenset | set | tuple):
         return sorted(v) if all(isinstance(x, int) for x in v) else list(v)
     if isinstance(v, Rung):
         return v.label
     if isinstance(v, Mapping):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     return v
 
 

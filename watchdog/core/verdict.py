@@ -263,7 +263,9 @@ def decide(
     extra: dict[str, Any] = {
         "decided_by": decided_by,
         "finding": finding.structured.to_json() if finding.structured is not None else {
-            "rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by, "data": {}},
+            "rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by,
+            "data": engine.jsonable(finding.data)},
+        "missing_ranks": [v.rank for v in missing],
     }
     if finding.structured is not None and finding.structured.rule == engine.AFTER_KILL:
         extra["follows_incident"] = finding.structured.data.get("follows_incident")

@@ -37,6 +37,7 @@ def rule_behind(live: Sequence[RankView]) -> RuleFinding | None:
             f"{fmt_ranks(v.rank for v in behind)} is stuck at step {low_step} in "
             f"{phase_kind(behind[0].phase)} ({behind[0].phase or 'idle'}) while the others reached step {top_step}",
             [f"rank {v.rank}: step {v.step}, phase {v.phase or 'idle'}" for v in live],
+            data={"shape": "behind", "by": "step", "low": low_step, "high": top_step, "phase": behind[0].phase},
         )
     top_seq = max(v.coll_seq for v in live)
     by_seq = set(ranks_behind({v.rank: v.coll_seq for v in live}))
@@ -55,6 +56,7 @@ def rule_behind(live: Sequence[RankView]) -> RuleFinding | None:
                 f"{', '.join(sorted({v.phase or 'idle' for v in behind}))} (a collective Python-level counters do "
                 "not see, such as DDP's gradient all-reduce) — a collective only some ranks call",
                 [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
+                data={"shape": "extra_collective", "by": "collective_seq", "seq": top_seq, "op": ahead[0].coll_op},
             )
         if (
             len(behind) < len(live) / 2
@@ -74,6 +76,13 @@ def rule_behind(live: Sequence[RankView]) -> RuleFinding | None:
                 "never issue",
                 [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}, "
                  f"{'waiting' if is_waiting(v) else 'not waiting'}" for v in live],
+                data={
+                    "shape": "skipped_collective",
+                    "by": "collective_seq",
+                    "seq": top_seq,
+                    "op": ahead[0].coll_op,
+                    "at": behind[0].coll_seq,
+                },
             )
         return RuleFinding(
             "hang",
@@ -83,6 +92,14 @@ def rule_behind(live: Sequence[RankView]) -> RuleFinding | None:
             f"({behind[0].phase or 'idle'}) before collective #{top_seq} ({ahead[0].coll_op}) that "
             f"{fmt_ranks(v.rank for v in ahead)} already entered",
             [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
+            data={
+                "shape": "behind",
+                "by": "collective_seq",
+                "low": behind[0].coll_seq,
+                "high": top_seq,
+                "op": ahead[0].coll_op,
+                "phase": behind[0].phase,
+            },
         )
     return None
 
@@ -105,6 +122,7 @@ def rule_not_waiting(live: Sequence[RankView]) -> RuleFinding | None:
                 f"{fmt_ranks(v.rank for v in earliest)} is stuck earliest in the step, in "
                 f"{phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}",
                 [f"rank {v.rank}: phase {v.phase or 'idle'}" for v in live],
+                data={"shape": "earliest_in_step", "phase": lead.phase},
             )
         lead = busy[0]
         return RuleFinding(
@@ -114,6 +132,7 @@ def rule_not_waiting(live: Sequence[RankView]) -> RuleFinding | None:
             f"every rank is stuck in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}: "
             "a shared cause (filesystem, data service, host) rather than one rank",
             [],
+            data={"shape": "shared_cause", "phase": lead.phase},
         )
     return None
 
@@ -139,6 +158,7 @@ def rule_collective(live: Sequence[RankView]) -> RuleFinding | None:
                 "low",
                 f"collective #{seq} differs across ranks ({ops}); no majority says which side is wrong",
                 [],
+                data={"shape": "op_tie", "seq": seq, "ops": by_op_ranks},
             )
         odd_ops = sorted(op for op in by_op_ranks if op != top_op)
         odd_desc = (
@@ -151,5 +171,6 @@ def rule_collective(live: Sequence[RankView]) -> RuleFinding | None:
             f"collective mismatch at collective #{seq}: {fmt_ranks(odd)} called {odd_desc} while the others "
             f"({fmt_ranks(by_op_ranks[top_op])}) called {top_op}",
             [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op}" for v in live],
+            data={"shape": "odd_op", "seq": seq, "ops": by_op_ranks, "majority_op": top_op},
         )
     return None

@@ -34,6 +34,14 @@ def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView])
         f"{fmt_ranks(v.rank for v in stuck)} is still in {what} at step {lead.step} after "
         f"{fmt_ranks(v.rank for v in early)} finished and exited normally: it issued what no other rank did",
         [f"rank {v.rank}: {v.state} at step {v.step}, phase {v.phase or 'idle'}" for v in views],
+        data={
+            "shape": "finished_but_one",
+            "stuck": sorted(v.rank for v in stuck),
+            "finished": sorted(v.rank for v in early),
+            "seq": lead.coll_seq if in_coll else None,
+            "op": lead.coll_op if in_coll else None,
+            "phase": lead.phase,
+        },
     )
 
 
@@ -97,6 +105,15 @@ def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding |
         + (f" ({first.exit_cause})" if first.state == CRASHED and first.exit_cause else "")
         + (f"; {len(gone) - len(firsts)} other rank(s) exited after it" if len(gone) > len(firsts) else ""),
         evidence,
+        data={
+            "shape": "first_exit",
+            "how": first.state,
+            "cause": first.exit_cause,
+            "exit_order": [v.rank for v in ordered],
+            "roles": {v.rank: roles[v.rank] for v in ordered},
+            "all_consequences": all_consequences,
+            "unverified": unverified,
+        },
     )
 
 
@@ -112,6 +129,7 @@ def rule_stopped(views: Sequence[RankView]) -> RuleFinding | None:
         f"{fmt_ranks(v.rank for v in stopped)} is stopped (SIGSTOP or a debugger) in phase "
         f"{first.phase or 'idle'} at step {first.step}; the others wait for it",
         [f"rank {v.rank} process state T (stopped)" for v in stopped],
+        data={"shape": "stopped", "phase": first.phase},
     )
 
 
