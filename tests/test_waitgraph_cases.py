@@ -207,3 +207,29 @@ def test_the_graph_over_8192_ranks_names_one_rank_behind_a_tp_group():
     views[4321] = dataclasses.replace(views[4321], phase="dataloader", coll_seq=19, coll_done=19, waiting=False)
     v = verdict(views)
     assert (v["initiating_ranks"], v["decided_by"]) == ([4321], "counters")
+
+
+def test_a_recv_waits_for_its_named_sender_not_for_any_busy_rank():
+    """NCCL names a p2p op's peer ("nccl:recv 0<-1"): rank 0 waits for 1, 1 for 2; rank 2 spins in forward.
+    Rank 3 is busy in its input pipeline too, but nobody waits for it: it is not the sink."""
+    world = {"0": [0, 1, 2, 3]}
+    dumps: dict[int, Any] = {}
+    for r in range(4):
+        es = [entry(1, "0", 1, "all_reduce", done=True)]
+        es[0]["profiling_name"] = "nccl:all_reduce"
+        es[0]["state"] = "completed"
+        if r in (0, 1):
+            e = entry(2, "0", 0, "recv", done=False, p2p=True, p2p_seq=1)
+            e["profiling_name"] = f"nccl:recv {r}<-{r + 1}"
+            es.append(e)
+        dumps[r] = dump(es, world)
+    views = [
+        rv(0, coll_seq=2, coll_done=1, coll_op="recv"),
+        rv(1, coll_seq=2, coll_done=1, coll_op="recv"),
+        rv(2, phase="forward", coll_seq=1, coll_done=1, waiting=False),
+        rv(3, phase="dataloader", coll_seq=1, coll_done=1, waiting=False),
+    ]
+    assert verdict(views)["initiating_ranks"] == [3]  # without peers: the earliest phase of the busy ranks
+    v = verdict(views, fr_hints=hints_of(dumps))
+    assert (v["initiating_ranks"], v["phase"]) == ([2], "forward"), v["reason"]
+    assert v["finding"]["data"]["via_anyone"] == []

@@ -3,6 +3,7 @@ missing or mismatched (pure: traces in, findings out; the same odd-one-out rule 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ class PgAnalysis:
     mismatches: tuple[Mismatch, ...]
     # members' p2p ops still in flight (send/recv): the rank waits for its peer, not for the group
     p2p_in_flight: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    # members' peers (global ranks) of those p2p ops, where the op names them: NCCL's "nccl:send 0->1",
+    # "nccl:recv 0<-1" (group ranks, mapped through pg_config)
+    p2p_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)
     # False when the group's sequence numbers count p2p ops too (pipeline stages issue different numbers
     # of them by design): then seqs and counters are not compared across members
     comparable: bool = True
@@ -246,6 +250,7 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
     p2p: dict[str, dict[int, list[FrEntry]]] = {}
     descs: dict[str, str] = {}
     declared: dict[str, set[int]] = {}
+    order: dict[str, tuple[int, ...]] = {}  # pg → its global ranks in group-rank order
     for r in ranks:
         t = traces[r]
         for e in t.entries:
@@ -258,6 +263,7 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
         for name, cfg in t.pg_config.items():
             if name and cfg.ranks:
                 declared.setdefault(name, set()).update(cfg.ranks)
+                order.setdefault(name, cfg.ranks)
 
     groups: list[PgAnalysis] = []
     for pg in sorted(per_pg, key=lambda n: (len(n), n)):
@@ -320,6 +326,7 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
                 },
                 comparable=comparable,
                 declared=tuple(sorted(declared.get(pg, set()))),
+                p2p_peers=_p2p_peers(pg_p2p, order.get(pg), descs.get(pg) == "default_pg"),
             )
         )
 
@@ -339,6 +346,35 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
     return FrAnalysis(
         ranks=ranks, empty_ranks=empty, groups=tuple(groups), per_rank=per_rank, notes=tuple(notes)
     )
+
+
+_P2P_PEER = re.compile(r"(?:send|recv) (\d{1,7})(?:->|<-)(\d{1,7})")
+
+
+def _p2p_peers(
+    by_rank: Mapping[int, list[FrEntry]], order: tuple[int, ...] | None, default: bool
+) -> dict[int, frozenset[int]]:
+    """Per rank, the global ranks its in-flight sends/recvs wait for, where the op names the peer (a group
+    rank: the default group's is global; another group's maps through its pg_config ranks)."""
+    out: dict[int, frozenset[int]] = {}
+    for r, es in by_rank.items():
+        peers: set[int] = set()
+        for e in es:
+            if e.finished or e.timed_out:
+                continue
+            m = _P2P_PEER.search(e.profiling_name)
+            if m is None:
+                return {}  # an op that does not name its peer: whom this group's ranks wait for is unknown
+            peer = int(m.group(2))
+            if order is not None and peer < len(order):
+                peers.add(order[peer])
+            elif default:
+                peers.add(peer)
+            else:
+                return {}
+        if peers:
+            out[r] = frozenset(peers)
+    return out
 
 
 def _ref(e: FrEntry) -> CollectiveRef:

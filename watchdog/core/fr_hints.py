@@ -24,6 +24,7 @@ class FrGroup:
     entered: Mapping[int, int]  # member → highest collective seq entered (-1: none)
     in_flight: Mapping[int, int]  # member → newest collective seq it entered and has not finished
     p2p_in_flight: frozenset[int] = frozenset()  # members with a send/recv in flight
+    p2p_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)  # their peers, where named
     comparable: bool = True  # seqs comparable across members (False: one counter for collectives and p2p)
     default: bool = False  # the default (world) group
 

@@ -142,8 +142,9 @@ def _fr_waits(fr: FrHints, views: Sequence[RankView]) -> dict[int, list[Waits]]:
         for r in g.members:
             n = g.in_flight.get(r)
             if n is None:
-                if r in g.p2p_in_flight:
-                    out.setdefault(r, []).append(Waits(r, None, g.pg, None, "p2p", Rung.FLIGHT_RECORDER))
+                if r in g.p2p_in_flight:  # a send waits for its receiver, a recv for its sender
+                    peers = g.p2p_peers.get(r)
+                    out.setdefault(r, []).append(Waits(r, peers, g.pg, None, "p2p", Rung.FLIGHT_RECORDER))
                 continue
             if not g.comparable:
                 out.setdefault(r, []).append(Waits(r, None, g.pg, n, None, Rung.FLIGHT_RECORDER))

@@ -98,6 +98,7 @@ def fr_hints(analysis: FrAnalysis) -> FrHints:
                 in_flight={r: p.entered for r, p in g.progress.items()
                            if p.in_flight and max(p.in_flight) >= p.entered},
                 p2p_in_flight=frozenset(g.p2p_in_flight),
+                p2p_peers=g.p2p_peers,
                 comparable=g.comparable,
                 default=g.desc == "default_pg",
             )
