@@ -57,8 +57,8 @@ def test_rank_behind_in_collective_count():
     ]
     v = verdict(views)
     assert v["initiating_ranks"] == [1] and v["phase"] == "checkpoint"
-    assert v["finding"]["data"] == {"shape": "behind", "by": "collective_seq", "low": 11, "high": 12, "op": "all_reduce",
-                                    "phase": "checkpoint"}
+    want = {"shape": "behind", "by": "collective_seq", "low": 11, "high": 12, "op": "all_reduce", "phase": "checkpoint"}
+    assert v["finding"]["data"] == want
 
 
 def test_collective_mismatch_names_the_odd_op_and_a_tie_is_low_confidence():
