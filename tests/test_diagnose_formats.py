@@ -40,7 +40,7 @@ def test_desync_report_names_the_rank_that_did_not_join(tmp_path: Path) -> None:
     ])
     d = diagnose(tmp_path, log)
     assert (d.initiating_ranks, d.kind, d.confidence) == ([1], "hang", "high")
-    assert any("desync_report" in n for n in d.notes)
+    assert d.to_json()["finding"] == {"rule": "wait_for", "ranks": [1], "data": {"decided": True}}
 
 
 def test_desync_report_over_four_ranks_with_everyone_timing_out(tmp_path: Path) -> None:
@@ -78,14 +78,14 @@ def test_nccl_op_counts_name_the_rank_behind_when_every_rank_raised_alike(tmp_pa
             )
     lines += [f"[rank{r}]: torch.distributed.DistBackendError: NCCL communicator was aborted" for r in range(4)]
     d = diagnose(tmp_path, "\n".join(lines))
-    assert (d.initiating_ranks, d.kind) == ([2], "hang"), d.reason
+    assert (d.initiating_ranks, d.kind, d.rule) == ([2], "hang", "wait_for"), d.reason
 
 
 def test_mpirun_exit_notice_is_the_first_failure(tmp_path: Path) -> None:
     lines = [f"[1,{r}]<stderr>:RuntimeError: Connection reset by peer" for r in (0, 2, 3)]
     lines.append("mpirun noticed that process rank 1 with PID 4242 on node n2 exited on signal 9 (Killed).")
     d = diagnose(tmp_path, "\n".join(lines))
-    assert (d.initiating_ranks, d.kind) == ([1], "dead_rank"), d.reason
+    assert (d.initiating_ranks, d.kind, d.rule) == ([1], "dead_rank", "exit_cause"), d.reason
 
 
 def test_seqnums_of_different_process_groups_are_never_compared(tmp_path: Path) -> None:
@@ -129,6 +129,7 @@ def test_diagnose_returns_the_verdict_rankwatch_printed_in_its_console(tmp_path:
         "bundle: out/incidents/hang-1",
     ])
     d = diagnose(tmp_path, console)
+    assert d.rule == "rankwatch_verdict"
     assert (d.kind, d.initiating_ranks, d.confidence, d.phase) == (
         doc["kind"], doc["initiating_ranks"], doc["confidence"], doc["phase"]
     )
