@@ -254,7 +254,8 @@ class Collector:
             offsets = {e.rank - lr for lr, e in report.items() if e.rank is not None}
             terminated = any(e.signal == "SIGTERM" for e in report.values())
             victims = all(
-                (f := logs.ranks.get(e.rank)) is not None and f.counts[ev.PEER_LOST] and not f.has(ev.PRIMARY)
+                e.rank is not None and (f := logs.ranks.get(e.rank)) is not None
+                and f.counts[ev.PEER_LOST] > 0 and not f.has(ev.PRIMARY)
                 for e in report.values()
             )
             if len(offsets) != 1 or not (terminated or victims):
