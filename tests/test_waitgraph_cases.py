@@ -233,3 +233,13 @@ def test_a_recv_waits_for_its_named_sender_not_for_any_busy_rank():
     v = verdict(views, fr_hints=hints_of(dumps))
     assert (v["initiating_ranks"], v["phase"]) == ([2], "forward"), v["reason"]
     assert v["finding"]["data"]["via_anyone"] == []
+
+
+def test_prior_verdict_only_with_a_kill_and_a_well_formed_verdict():
+    from rankwatch.watchdog.core.engine import prior_verdict
+
+    last = {"incident_id": "stopped-1", "initiating_ranks": [2, 3]}
+    assert prior_verdict([last], killed=False) is None  # --on-stall report: every incident stands alone
+    assert prior_verdict([], killed=True) is None
+    assert prior_verdict([{**last, "initiating_ranks": ["2", True]}], killed=True) is None
+    assert prior_verdict([last], killed=True) == PriorVerdict("stopped-1", (2, 3), killed=True)
