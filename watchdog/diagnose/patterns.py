@@ -246,7 +246,10 @@ DESYNC = re.compile(
 )
 # NCCL's per-op INFO (src/enqueue.cc): "NCCL INFO AllReduce: opCount 2f sendbuff 0x… recvbuff 0x… count 1024
 # datatype 7 op 0 root 0 comm 0x… [nranks=8] stream 0x…" (opCount in hex; the comm pointer is per process)
-NCCL_OPCOUNT = re.compile(r"NCCL INFO (\w+): opCount ([0-9a-fA-F]{1,16}) .*?\bcount (\d+).*?\[nranks=(\d+)\]")
+# (gaps bounded: a hostile 64 KiB line of "count " must not cost a quadratic search)
+NCCL_OPCOUNT = re.compile(
+    r"NCCL INFO (\w{1,40}): opCount ([0-9a-fA-F]{1,16}) .{0,300}?\bcount (\d{1,20}).{0,300}?\[nranks=(\d{1,7})\]"
+)
 NCCL_HOST_PID = re.compile(r"([^\s:\[\]]+):(\d+):\d+ \[\d+\] NCCL INFO")
 # Open MPI: "mpirun noticed that process rank 1 with PID 4242 on node n2 exited on signal 9 (Killed)."
 # (also pasted as prose, "Mpirun noticed …", with the pid and node blanked out: "PID xxxxxx on node xxxx")
@@ -255,7 +258,9 @@ MPIRUN_NOTICED = re.compile(
 )
 # DeepSpeed's launcher: "[ERROR] [launch.py:434:sigkill_handler] ['/usr/bin/python3', '-u', 'main.py',
 # '--local_rank=0', …] exits with return code = -9", after "Killing subprocess 13266" for the others
-DS_EXIT = re.compile(r"sigkill_handler\] \[.*?'--local_rank=(\d+)'.*\] exits with return code = (-?\d+)")
+DS_EXIT = re.compile(
+    r"sigkill_handler\] \[[^\]]{0,8000}?'--local_rank=(\d{1,7})'[^\]]{0,8000}\] exits with return code = (-?\d{1,4})"
+)
 DS_KILLING = re.compile(r"sigkill_handler\] Killing subprocess (\d+)")
 # torch elastic's failure report pasted with its table flattened into one line:
 # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>"
@@ -263,7 +268,7 @@ REPORT_FLAT = re.compile(r"rank\s*:?\s*(\d+) \(local[ _]rank: (\d+)\)\s*exitcode
 # rankwatch's own verdict line (report/text.py ``headline``): "rankwatch: HANG — initiating rank 2 in phase
 # 'dataloader' (confidence high)"
 RANKWATCH_HEADLINE = re.compile(
-    r"rankwatch: ([A-Z][A-Z ]*?(?:\(cause unknown\))?) — initiating (no single rank|ranks? [\d, –\-]{1,4000})"
+    r"rankwatch: ([A-Z][A-Z ]{0,40}?(?:\(cause unknown\))?) — initiating (no single rank|ranks? [\d, –\-]{1,4000})"
     r"(?: in phase '([^']{0,64})')? \(confidence (high|medium|low)\)"
 )
 
