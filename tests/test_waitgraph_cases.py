@@ -243,3 +243,14 @@ def test_prior_verdict_only_with_a_kill_and_a_well_formed_verdict():
     assert prior_verdict([], killed=True) is None
     assert prior_verdict([{**last, "initiating_ranks": ["2", True]}], killed=True) is None
     assert prior_verdict([last], killed=True) == PriorVerdict("stopped-1", (2, 3), killed=True)
+    with_pids = {**last, "ranks": {"0": {"pid": 1000}, "1": {"pid": "x"}}}
+    assert prior_verdict([with_pids], killed=True).pids == {0: 1000}  # type: ignore[union-attr]
+
+
+def test_after_a_kill_exits_of_a_restarted_generation_are_news():
+    views = [rv(0, state="dead", exit_age_s=0.2, pid=4242), rv(1)]  # torchrun restarted: a new pid
+    prior = PriorVerdict("stopped-1", (1,), killed=True, pids={0: 1000, 1: 1001})
+    v = verdict(views, prior=prior, killed=(1,))
+    assert (v["initiating_ranks"], v.get("follows_incident")) == ([0], None)
+    same = [rv(0, state="dead", exit_age_s=0.2), rv(1)]  # the process that was decided (pid 1000)
+    assert verdict(same, prior=prior, killed=(1,))["follows_incident"] == "stopped-1"

@@ -66,6 +66,8 @@ def after_kill(facts: FactSet) -> Finding | None:
     fresh_own = [e.rank for e in facts.ended if e.own and e.rank not in killed and e.cause]
     if fresh_own:
         return None  # a rank that failed by its own stated cause is news, whatever came before
+    if any(e.pid is not None and prior.pids.get(e.rank, e.pid) != e.pid for e in facts.ended):
+        return None  # another process than the one decided (torchrun restarted the workers): a new run
     ended = sorted({e.rank for e in facts.ended})
     return Finding(
         AFTER_KILL,
@@ -155,4 +157,11 @@ def prior_verdict(verdicts: Sequence[Mapping[str, Any]], *, killed: bool) -> Pri
     ranks = last.get("initiating_ranks")
     if not isinstance(ranks, list) or not ranks or any(type(r) is not int for r in ranks):
         return None
-    return PriorVerdict(str(last.get("incident_id") or "")[:128], tuple(ranks[:4096]), killed=True)
+    table = last.get("ranks")
+    pids: dict[int, int] = {}
+    if isinstance(table, Mapping):
+        for key, entry in list(table.items())[:65_536]:
+            pid = entry.get("pid") if isinstance(entry, Mapping) else None
+            if isinstance(key, str) and key.isdigit() and type(pid) is int:
+                pids[int(key)] = pid
+    return PriorVerdict(str(last.get("incident_id") or "")[:128], tuple(ranks[:4096]), killed=True, pids=pids)

@@ -9,6 +9,7 @@ makes one fact per rank); no rule lives here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -40,6 +41,7 @@ class Ended:
     cause: str | None = None
     lost: frozenset[int] | None = None
     strength: Rung = Rung.EXIT_CAUSE
+    pid: int | None = None  # the process that ended (tells a restarted generation from the one decided)
 
 
 @dataclass(slots=True)
@@ -93,6 +95,7 @@ class PriorVerdict:
     incident_id: str
     ranks: tuple[int, ...]
     killed: bool
+    pids: Mapping[int, int] = field(default_factory=dict)  # rank → pid when it was decided
 
 
 @dataclass

@@ -104,7 +104,7 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
     """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``)."""
     gone = [v for v in views if v.state in GONE_STATES or (v.state == EXITED and left_early(v, views))]
     roles = exit_roles(gone, exit_tolerance_s)
-    return [Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause) for v in gone]
+    return [Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause, pid=v.pid) for v in gone]
 
 
 def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
