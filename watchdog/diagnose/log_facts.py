@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..core.facts import FactSet, Rung, Waits
+from ..core.facts import FactSet, Rung, Silent, Waits
 from . import events as ev
 from .facts import Evidence
 
@@ -46,3 +46,13 @@ def op_count_facts(evidence: Evidence) -> FactSet | None:
             if below:
                 facts.waits.append(Waits(r, below, "", n, None, Rung.COUNTERS))
     return facts if facts.waits else None
+
+
+def waiting_facts(known: list[int], waiting: list[int]) -> FactSet:
+    """Ranks whose lines show them waiting on a peer (a timeout, a lost peer) wait for someone they cannot
+    name; a rank that printed no such line is silent about it: the candidate the waiters wait for."""
+    facts = FactSet(ranks=tuple(known))
+    waiters = set(waiting)
+    facts.waits = [Waits(r, None, "", None, None, Rung.WAITING) for r in waiting]
+    facts.silent = [Silent(r) for r in known if r not in waiters]
+    return facts

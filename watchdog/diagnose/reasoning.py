@@ -792,7 +792,9 @@ def _rule_behind(logs: Evidence, known: list[int], p: Policy = DEFAULT_POLICY) -
 def _rule_outside(logs: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     facts = logs.ranks
     waiting = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
-    outside = [r for r in known if r not in waiting]
+    # the sinks of the waiters (who wait for someone they cannot name): the ranks that printed no wait
+    found = engine.blame(log_facts.waiting_facts(known, waiting))
+    outside = list(found.ranks) if found is not None else []
     if not waiting or not outside:
         return None
     told = [r for r in outside if _signalled(facts[r])]
