@@ -14,7 +14,7 @@ from typing import Any
 
 from . import schema
 from .facts import Busy, FactSet, PriorVerdict, Rung
-from .ranks import outside_majority
+from .ranks import fmt_ranks, outside_majority
 from .snapshot import STEP_PHASE_ORDER
 from .waitgraph import build, sinks
 
@@ -43,16 +43,24 @@ class Finding:
         }
 
 
+MAX_LISTED_RANKS = 64
+"""Rank sets in a finding's data up to this size are lists; larger ones are ``fmt_ranks`` text ("ranks
+0–4095, 4097"): the document crosses the store for every node, and 8,191 waiting ranks are one range."""
+
+
 def jsonable(v: Any) -> Any:
-    """Finding data as JSON: rank sets as sorted lists, rungs by name, keys as strings."""
-    if isinstance(v, frozenset | set | tuple):
-        return sorted(v) if all(isinstance(x, int) for x in v) else list(v)
+    """Finding data as JSON: rank sets as sorted lists (large ones folded to text), rungs by name, keys as
+    strings."""
+    if isinstance(v, frozenset | set | tuple | list):
+        if all(type(x) is int for x in v):
+            if len(v) > MAX_LISTED_RANKS:
+                return fmt_ranks(v)
+            return sorted(v) if isinstance(v, frozenset | set) else list(v)  # a list keeps its order
+        return [jsonable(x) for x in v]
     if isinstance(v, Rung):
         return v.label
     if isinstance(v, Mapping):
         return {str(k): jsonable(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [jsonable(x) for x in v]
     return v
 
 
