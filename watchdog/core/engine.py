@@ -14,7 +14,7 @@ from typing import Any
 
 from . import schema
 from .facts import Busy, FactSet, PriorVerdict, Rung
-from .ranks import fmt_ranks, outside_majority
+from .ranks import outside_majority
 from .snapshot import STEP_PHASE_ORDER
 from .waitgraph import build, sinks
 
@@ -44,18 +44,18 @@ class Finding:
 
 
 MAX_LISTED_RANKS = 64
-"""Rank sets in a finding's data up to this size are lists; larger ones are ``fmt_ranks`` text ("ranks
-0–4095, 4097"): the document crosses the store for every node, and 8,191 waiting ranks are one range."""
+"""Rank sets in a finding's data up to this size are lists; larger ones are ``{"count", "first"}`` (the
+first ones, in order): the document crosses the store for every node, and the ranks table and
+``initiating_ranks`` already hold every rank."""
 
 
 def jsonable(v: Any) -> Any:
-    """Finding data as JSON: rank sets as sorted lists (large ones folded to text), rungs by name, keys as
+    """Finding data as JSON: rank sets as sorted lists (large ones bounded), rungs by name, keys as
     strings."""
     if isinstance(v, frozenset | set | tuple | list):
         if all(type(x) is int for x in v):
-            if len(v) > MAX_LISTED_RANKS:
-                return fmt_ranks(v)
-            return sorted(v) if isinstance(v, frozenset | set) else list(v)  # a list keeps its order
+            ranks = sorted(v) if isinstance(v, frozenset | set) else list(v)  # a list keeps its order
+            return ranks if len(ranks) <= MAX_LISTED_RANKS else {"count": len(ranks), "first": ranks[:MAX_LISTED_RANKS]}
         return [jsonable(x) for x in v]
     if isinstance(v, Rung):
         return v.label
