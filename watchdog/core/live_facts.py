@@ -92,8 +92,8 @@ def live_facts(
             busy.append(Busy(v.rank, v.phase))
         elif v.rank in by_fr:
             waits.extend(by_fr[v.rank])
-        elif inside and v.rank in counted:
-            waits.append(Waits(v.rank, counted[v.rank], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
+        elif inside and v.coll_seq in counted:
+            waits.append(Waits(v.rank, counted[v.coll_seq], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
         else:
             how = Rung.WAITING if inside or v.waiting is None else Rung.STACKS
             waits.append(Waits(v.rank, None, "", v.coll_seq or None, v.coll_op, how))
@@ -108,27 +108,17 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
 
 
 def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
-    """Per rank in a Python-level collective: the ranks whose count is below it (one shared set per count)."""
+    """Per collective count a rank is inside: the ranks whose count is below it (one shared set per count)."""
     counted = [v for v in views if v.state != EXITED]
-    inside = [v for v in counted if v.coll_seq > v.coll_done]
-    if any((v.coll_op or "") in P2P_OPS for v in inside):
-        return {}  # p2p counts differ by design: counters say nothing about who is behind
+    seqs: set[int] = set()
+    for v in counted:
+        if v.coll_seq > v.coll_done:
+            if (v.coll_op or "") in P2P_OPS:
+                return {}  # p2p counts differ by design: counters say nothing about who is behind
+            seqs.add(v.coll_seq)
     # a silent rank's counts are its last snapshot before it went quiet: a waiter may wait for it
     silent = frozenset(v.rank for v in counted if v.state == MISSING)
-    by_seq: dict[int, frozenset[int]] = {}
-    order = sorted(counted, key=lambda v: v.coll_seq)
-    out: dict[int, frozenset[int]] = {}
-    for v in inside:
-        targets = by_seq.get(v.coll_seq)
-        if targets is None:
-            below = []
-            for o in order:
-                if o.coll_seq >= v.coll_seq:
-                    break
-                below.append(o.rank)
-            targets = by_seq[v.coll_seq] = frozenset(below) | silent
-        out[v.rank] = targets
-    return out
+    return {n: frozenset(v.rank for v in counted if v.coll_seq < n) | silent for n in seqs}
 
 
 def _fr_waits(fr: FrHints, views: Sequence[RankView]) -> dict[int, list[Waits]]:
