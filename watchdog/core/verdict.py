@@ -262,9 +262,7 @@ def decide(
         decided_by = _wait_for_label(finding.structured, found)
     extra: dict[str, Any] = {
         "decided_by": decided_by,
-        "finding": finding.structured.to_json() if finding.structured is not None else {
-            "rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by,
-            "data": engine.jsonable(finding.data)},
+        "finding": _finding_doc(finding, decided_by),
         "missing_ranks": [v.rank for v in missing],
     }
     if finding.structured is not None and finding.structured.rule == engine.AFTER_KILL:
@@ -286,6 +284,17 @@ def decide(
         evidence=fold_rank_lines(evidence),
         extra=extra,
     )
+
+
+def _finding_doc(finding: RuleFinding, decided_by: str) -> dict[str, Any]:
+    """The structured finding of the document: the engine's own, or the rung's, with what weighing added
+    (``backed_by``, ``questioned_by``, ``gpu``)."""
+    if finding.structured is not None:
+        doc = finding.structured.to_json()
+        doc["data"].update(engine.jsonable(finding.data))
+        return doc
+    return {"rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by,
+            "data": engine.jsonable(finding.data)}
 
 
 def _wait_for_label(f: engine.Finding, found: Mapping[str, RuleFinding | None]) -> str:
@@ -325,10 +334,12 @@ def _weigh(
         if r.name in subsumed and set(other.initiators) != chosen:
             continue
         if set(other.initiators) == chosen:
+            finding.data.setdefault("backed_by", []).append(r.name)
             finding.evidence.append(f"{r.name.replace('_', ' ')} agrees: {other.reason}")
             if r.name in ("flight_recorder", "fr_behind", "counters", "waiting"):
                 finding.confidence = raise_confidence(finding.confidence)
         elif len(other.initiators) < len(present) / 2:
+            finding.data.setdefault("questioned_by", []).append(r.name)
             finding.evidence.append(
                 f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)} instead: "
                 f"{other.reason}"

@@ -107,12 +107,15 @@ def apply_gpu(finding: RuleFinding, live: Sequence[RankView], policy: VerdictPol
             "(spinning in the collective kernel)"
         )
         finding.confidence = raise_confidence(finding.confidence)
+        finding.data["gpu"] = "agrees"
     elif all(_gpu_busy(v) for v in live):
+        finding.data["gpu"] = "singles_nobody_out"
         finding.evidence.append(
             f"GPU singles nobody out: every rank reads ≥{policy.gpu_busy_pct:.0f} % (ranks spinning in a collective "
             "kernel and a rank stuck inside a kernel look alike)"
         )
     elif read and all(_gpu_busy(v) for v in chosen) and any(_gpu_idle(v) for v in read):
+        finding.data["gpu"] = "disagrees"
         finding.evidence.append(
             f"GPU does not back this: {fmt_ranks(v.rank for v in chosen)} busy on the GPU while "
             f"{fmt_ranks(v.rank for v in read if _gpu_idle(v))} idle"
