@@ -195,6 +195,11 @@ class OfflinePolicy:
     max_evidence: int = 24
     # A rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal).
     fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+    # SeqNums of no stated process group (the old "[Rank N]" prefix every group printed alike) are compared
+    # only this close: in one group a rank stuck in a hang is a few collectives behind (DDP: a handful of
+    # buckets per step, and every rank stops within a step of the initiator), while counters of different
+    # groups drift apart by thousands (a real log's 32k gap between a TP and a DP group)
+    unknown_pg_max_gap: int = 64
 
 
 @dataclass(frozen=True)
