@@ -119,9 +119,20 @@ class AlertPolicy:
     notify_backoff_s: float = 1.0
     # an --on-incident command is killed after this long (it runs off the watchdog loop, one at a time)
     command_timeout_s: float = 60.0
-    # alerts waiting to be sent; beyond this the oldest is dropped (logged): an incident storm must not grow
-    # memory without bound while a webhook is down
+    # alerts waiting to be sent, per target; beyond this the oldest is dropped (logged): an incident storm
+    # must not grow memory without bound while a webhook is down
     max_queued: int = 64
+    # one job's share of a target's queue: a job over it loses its own oldest alert, never another job's
+    max_queued_per_job: int = 16
+    # on shutdown, queued alerts get this long, then what is in flight is cut: SIGTERM is not held by a
+    # webhook that trickles (systemd's stop timeout is longer; a healthy webhook answers in milliseconds)
+    close_timeout_s: float = 5.0
+    # Alertmanager: a firing alert is re-sent this often, and ends this long after the last send unless
+    # re-sent (Prometheus' own rhythm: 1 min resend, 4x for endsAt), so a dead daemon's alerts expire
+    am_resend_s: float = 60.0
+    am_hold_s: float = 300.0
+    # incidents remembered for their resolved notice (a bounded map: the oldest expire in Alertmanager)
+    max_remembered: int = 1024
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,9 @@ class CorrelationPolicy:
     # KiB for an FSDP coalesced op over 64 tensors; the leader parses every node's share (~15 ms per
     # 256 KiB on a loaded core), so 512 KiB keeps 64 nodes near a second (benchmarks/bench_fr_share.py)
     fr_shared_bytes: int = 512 << 10
+    # a value under a key the leader or a node publishes was rejected (hostile or torn): the store cannot
+    # wake anyone when it is replaced, so that key alone is re-read this often (valid values wake at once)
+    rejected_value_retry_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,11 @@ class OfflinePolicy:
     max_evidence: int = 24
     # A rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal).
     fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+    # SeqNums of no stated process group (the old "[Rank N]" prefix every group printed alike) are compared
+    # only this close: in one group a rank stuck in a hang is a few collectives behind (DDP: a handful of
+    # buckets per step, and every rank stops within a step of the initiator), while counters of different
+    # groups drift apart by thousands (a real log's 32k gap between a TP and a DP group)
+    unknown_pg_max_gap: int = 64
 
 
 @dataclass(frozen=True)

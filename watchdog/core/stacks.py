@@ -8,13 +8,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .snapshot import RankView
 
 # the hook's own frames (found without importing the hook, which would pull in its responder)
 _HOOK_SPEC = importlib.util.find_spec("rankwatch.hooks")
@@ -67,12 +62,3 @@ def waiting_on_peers(frames: Sequence[Frame]) -> bool | None:
     if any(d in top for d in _AMBIGUOUS_DIRS):
         return None
     return False
-
-
-def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
-    """Ranks grouped by stack signature, largest group first."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for v in views:
-        if v.stack_signature:
-            groups[v.stack_signature].append(v.rank)
-    return sorted(((sig, sorted(r)) for sig, r in groups.items()), key=lambda g: (-len(g[1]), g[1][0]))
