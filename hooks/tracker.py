@@ -165,7 +165,8 @@ class Tracker:
         now = _now()
         self._frozen = False
         stack = self._stack
-        self._acc[self._cur] += now - self._last
+        if now > self._last:  # the slots are unsigned: a clock read out of order books nothing
+            self._acc[self._cur] += now - self._last
         self._last = now
         self._cur = slot
         stack.append((slot, now, budget_s))
@@ -330,7 +331,8 @@ class Tracker:
         try:
             now = _now()
             acc = self._acc
-            acc[self._cur] += now - self._last
+            if now > self._last:
+                acc[self._cur] += now - self._last
             self._last = now
             if self.input_slots_used:
                 busy, batches = self._input_totals()
