@@ -194,6 +194,9 @@ class ObservePolicy:
     # knows them even after the rank died and they were reparented; one scan reads every /proc/<pid>/stat
     descendants_every_s: float = 2.0
     track_descendants: bool = True
+    # records read per job and poll: a node hosts a few dozen ranks of one job at most; a dir of 1,100
+    # planted records is a flood, and what it costs is bounded here (and by the owner's reader budget)
+    max_records_per_job: int = 256
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_n
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras import RasWatch
-from ..observe.jobwatch import JobWatch, remove_stale_dumps
+from ..observe import jobdir
+from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
+from ..observe.reader import ReaderError, Readers, default_readers
 from ..report import bundle
 from .act import Killer
 from .alerts import Alerter
@@ -116,9 +118,12 @@ class Daemon:
         correlators: Mapping[str, Correlator] | None = None,
         correlator_factory: Callable[[JobWatch], Correlator | None] | None = None,
         alerts: Alerter | None = None,
+        readers: Readers | None = None,
     ) -> None:
         self.config = config
         self.jobs: dict[str, JobEntry] = {}
+        # the job owners' readers: started first, so the zygote is forked before this daemon has threads
+        self.readers = readers or default_readers()
         self.procs = procs or ProcessTable()
         self._incident_seq = 0
         self._stop = threading.Event()
@@ -133,6 +138,7 @@ class Daemon:
         self.correlators: dict[str, Correlator] = dict(correlators or {})
         self.correlator_factory = correlator_factory
         self._factory_tried: set[str] = set()
+        self._undiscoverable: set[str] = set()
         killer = Killer(self.procs, config.kill) if config.on_stall == "kill" else None
         # descendants are pinned only when they may have to be killed
         self._observe = dataclasses.replace(config.observe, track_descendants=killer is not None)
@@ -168,14 +174,28 @@ class Daemon:
             if corr is not None:
                 corr.close()
             self._factory_tried.discard(gone)
-        for name in names:
-            if name in self.jobs or name.startswith("."):
-                continue
-            path = os.path.join(self.config.shm_dir, name)
-            if not os.path.isdir(path) or os.path.islink(path):
-                continue
-            self.jobs[name] = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe))
-            log.info("job_discovered", job=name)
+        new = [n for n in names if n not in self.jobs and not n.startswith(".") and jobdir.SAFE_NAME.match(n)]
+        if not new:
+            return
+        try:
+            base = jobdir.open_dir(self.config.shm_dir)
+        except OSError:
+            return
+        try:
+            for name in new:
+                # opened once, never through a symlink, and held: a name swapped later is never followed
+                try:
+                    job = self.readers.open_job(base, name)
+                except (OSError, ReaderError) as exc:
+                    if name not in self._undiscoverable:
+                        self._undiscoverable.add(name)
+                        log.info("job_dir_skipped", job=name, error=str(exc)[:200])
+                    continue
+                self._undiscoverable.discard(name)
+                self.jobs[name] = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
+                log.info("job_discovered", job=name, owner_uid=job.uid)
+        finally:
+            os.close(base)
 
     # -- one poll ---------------------------------------------------------------------------------
     def poll_once(self) -> None:
@@ -304,7 +324,7 @@ class Daemon:
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
         )
         try:
-            self.state.publish(job_id, watch.job_dir, doc, force=force)
+            self.state.publish(job_id, watch.dir_path, doc, force=force)
         except Exception:  # a state file is a convenience: it never costs a poll
             log.exception("state_publish_failed", job=job_id)
 
@@ -371,7 +391,7 @@ class Daemon:
             incident_id=incident_id,
             trigger=trigger,
             views=tuple(views),
-            job_dir=watch.job_dir,
+            job_dir=watch.dir_path,
             node=watch.node,
             world_size=world,
             incidents_dir=self.incidents_dir(job_id),
@@ -429,17 +449,12 @@ class Daemon:
             n = bundle.remove_partial_bundles(d)
             if n:
                 log.info("partial_bundles_removed", dir=d, count=n)
-        try:
-            jobs = os.listdir(self.config.shm_dir) if not self.config.job_filter else [self.config.job_filter]
-        except OSError:
-            jobs = []
-        for job in jobs:
-            job_dir = os.path.join(self.config.shm_dir, job)
-            if not os.path.isdir(job_dir) or os.path.islink(job_dir):
-                continue
-            n = remove_stale_dumps(job_dir, self.config.serve.stale_dump_age_s)
+        self.discover()  # every job dir is opened (never through a symlink) and handed to its owner's reader
+        for job_id, entry in self.jobs.items():
+            # by the owner's reader, through dir fds: a symlinked dumps dir is never followed
+            n = entry.watch.remove_stale_dumps(self.config.serve.stale_dump_age_s)
             if n:
-                log.info("stale_dumps_removed", job=job, files=n)
+                log.info("stale_dumps_removed", job=job_id, files=n)
 
     def killed(self, job_id: str) -> bool:
         """Whether ``--on-stall kill`` signalled this job's ranks."""
