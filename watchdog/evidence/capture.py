@@ -118,7 +118,7 @@ def shape_threads(value: object) -> list[dict[str, Any]] | None:
                 "frames": frames,
             }
         )
-    return out
+    return out if out or not value else None  # threads were there, none of them of the shape: not a dump
 
 
 def run_pyspy(

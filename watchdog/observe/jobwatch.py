@@ -389,6 +389,14 @@ class JobWatch:
                 os.close(base)
         return removed
 
+    def generation_start_unix(self) -> float | None:
+        """Wall-clock start of the current run's ranks here (their records' monotonic start), for binding
+        store claims to this generation; None before any rank is known."""
+        starts = [st.last.start_ns for st in self.ranks.values() if st.last.start_ns > 0]
+        if not starts:
+            return None
+        return time.time() - (time.monotonic_ns() - min(starts)) / 1e9
+
     def stopped_for_s(self) -> dict[int, float]:
         now = time.monotonic_ns()
         return {r: (now - st.stopped_since_ns) / 1e9 for r, st in self.ranks.items() if st.stopped_since_ns is not None}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from rankwatch.hooks.files import atomic_write_in
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered, stalled_ranks
@@ -38,6 +39,8 @@ from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentReq
 from .state import StatePublisher, incident_ref, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
+
+OWNER_FILE = ".owner"  # <out>/<job>/.owner: the uid of the job's owner, for per-owner bundle budgets
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ class Daemon:
         self._live_stragglers(job_id, entry)
         correlator = self._correlator(job_id, watch)
         if correlator is not None:
+            correlator.fresh_after_unix = watch.generation_start_unix()
             correlator.publish_snapshot(watch.node, views)
         incident = entry.incident
         if incident is None and self._quiet:
@@ -404,6 +408,7 @@ class Daemon:
             notes=tuple(incident_notes(entry.live_stragglers)),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
+        self._mark_owner(job_id, watch.owner_uid)
 
         def done(result: IncidentResult) -> None:
             with self._lock:
@@ -436,12 +441,41 @@ class Daemon:
             return []
         return [os.path.join(self.config.out_dir, j, "incidents") for j in jobs if not j.startswith(".")]
 
-    def _prune_bundles(self) -> None:
-        keep = self.config.serve.keep_incidents
-        if keep is None:
+    def _owner_of(self, job_id: str) -> int:
+        """The uid whose job ``job_id`` was: from the watch, else from the marker this daemon wrote in the
+        job's out dir (root's own dir: never a job-controlled file); -1 when unknown."""
+        entry = self.jobs.get(job_id)
+        if entry is not None:
+            return entry.watch.owner_uid
+        try:
+            with open(os.path.join(self.config.out_dir, job_id, OWNER_FILE), "rb") as f:
+                return int(f.read(16))
+        except (OSError, ValueError):
+            return -1
+
+    def _mark_owner(self, job_id: str, uid: int) -> None:
+        if self.config.incidents_dir:
             return
-        for path in bundle.prune_bundles(self._incident_dirs(), keep):
-            log.info("bundle_pruned", path=path, keep=keep)
+        job_out = os.path.join(self.config.out_dir, job_id)
+        try:
+            os.makedirs(job_out, mode=0o700, exist_ok=True)
+            atomic_write_in(job_out, OWNER_FILE, str(uid).encode())
+        except OSError as exc:
+            log.warning("owner_mark_failed", job=job_id, error=str(exc))
+
+    def _prune_bundles(self) -> None:
+        """Bundles are kept per job owner (``--keep-incidents`` and a byte budget each): one user's incident
+        storm prunes only that user's bundles."""
+        serve = self.config.serve
+        if serve.keep_incidents is None and serve.keep_incident_bytes is None:
+            return
+        by_owner: dict[int, list[str]] = {}
+        for d in self._incident_dirs():
+            job = os.path.basename(os.path.dirname(d))
+            by_owner.setdefault(-2 if self.config.incidents_dir else self._owner_of(job), []).append(d)
+        for uid, dirs in by_owner.items():
+            for path in bundle.prune_bundles(dirs, serve.keep_incidents, serve.keep_incident_bytes):
+                log.info("bundle_pruned", path=path, keep=serve.keep_incidents, owner_uid=uid)
 
     def clean_leftovers(self) -> None:
         """What a daemon killed mid-incident left: half-written bundles and unanswered dump dirs."""
