@@ -10,15 +10,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, bundle_dirs, rankwatch_cmd, stalled_record, wait_for
+from conftest import REPO, bundle_dirs, new_tracker, rankwatch_cmd, stalled_record, wait_for
 from test_multiuser import User, users, world  # noqa: F401  (fixtures: throwaway users, a world for them)
 
 pytestmark = [
@@ -234,92 +232,107 @@ def test_leftover_cleanup_never_follows_a_symlinked_dumps_dir(users, world, daem
 
 
 # -- 5. fd exhaustion --------------------------------------------------------------------------------------
-def plant_records(job: Path, count: int, pid: int) -> None:
-    from rankwatch.hooks.record import RecordLayout
-
-    job.mkdir(mode=0o700)
-    stalled_record(job.parent, job.name, pid=pid)  # one real record, then copies with their own rank
-    raw = bytearray((job / "rank-0.hb").read_bytes())
-    off = RecordLayout.global_rank.offset
-    for r in range(1, count):
-        raw[off : off + 4] = r.to_bytes(4, "little")
-        (job / f"rank-{r}.hb").write_bytes(raw)
+MAPPER = """
+import mmap, os, sys
+job, count, pid_off, rank_off = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+raw = bytearray(open(os.path.join(job, "template"), "rb").read())
+raw[pid_off:pid_off + 8] = os.getpid().to_bytes(8, "little")
+maps = []
+for r in range(count):
+    if r == 10:  # a few first, then the flood: the daemon has adopted the job before its fds run out
+        print("first", flush=True)
+        sys.stdin.readline()
+    raw[rank_off:rank_off + 4] = r.to_bytes(4, "little")
+    path = os.path.join(job, f"rank-{r}.hb")
+    with open(path + ".tmp", "wb") as f:
+        f.write(raw)
+    with open(path + ".tmp", "r+b") as f:
+        maps.append(mmap.mmap(f.fileno(), len(raw)))   # this process maps every record: each one verifies
+    os.rename(path + ".tmp", path)
+print("mapped", flush=True)
+sys.stdin.readline()
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="prlimit (util-linux) not installed")
 def test_fd_exhaustion_makes_ranks_unreadable_never_dead(users, world, daemons, ranks, tmp_path):
+    from rankwatch.hooks.record import RecordLayout
+
     a, b = users
     shm = fresh_shm(world)
     victim = ranks(b, world, shm, "job-b")  # healthy
     d = daemons(tmp_path, shm, prefix=("prlimit", "--nofile=1024:1024", "--"))
     assert discovered(d, "job-b", verified=True, pid=victim.pid)
-    sleeper = subprocess.Popen(["sleep", "600"], user=a.uid, group=a.gid, extra_groups=[])
+    # A's flood: 1,100 valid records, all mapped by one live process of A's (so each is a verified rank)
+    job = shm / "job-flood"
+    job.mkdir(mode=0o700)
+    # a fresh record (no step yet: the start-up budget keeps this job from an incident of its own)
+    t = new_tracker(job / "template")
+    give(job, a)
+    script = world["dir"] / "mapper.py"
+    script.write_text(MAPPER)
+    script.chmod(0o644)
+    mapper = a.popen([world["python"], str(script), str(job), "1100", str(RecordLayout.pid.offset),
+                      str(RecordLayout.global_rank.offset)], world["env"], stdin=subprocess.PIPE,
+                     cwd=str(world["dir"]), start_new_session=True)
     try:
-        plant_records(shm / "job-flood", 1100, sleeper.pid)
-        give(shm / "job-flood", a)
-        assert d.wait(lambda e: e.get("job") == "job-flood" and e.get("event") in ("rank_discovered",
-                                                                                   "records_over_budget"))
-        time.sleep(5)  # 25 polls of 1,100 records
+        assert mapper.stdout.readline().strip() == "first", mapper.stderr.read()
+        assert d.wait(lambda e: e.get("job") == "job-flood" and e.get("event") == "rank_discovered"
+                      and e.get("verified") is True)
+        time.sleep(1)
+        mapper.stdin.write("more\n")
+        mapper.stdin.flush()
+        assert mapper.stdout.readline().strip() == "mapped", mapper.stderr.read()
+        time.sleep(6)  # 30 polls of the flood
         assert victim.poll() is None, "B's healthy rank was killed"
-        bad = [e for e in d.events() if e.get("event") in ("incident_detected", "killing_job")]
+        bad = [e for e in d.events() if e.get("job") == "job-b" and e.get("event") in
+               ("incident_detected", "killing_job", "verdict")]
         assert not bad, bad
         assert d.proc.poll() is None
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        os.killpg(mapper.pid, signal.SIGKILL)
+        mapper.wait()
+        del t
 
 
 # -- 6. a store that never answers -----------------------------------------------------------------------
-class BlackHole:
-    """Accepts TCP connections on loopback and never sends a byte."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
+STORE_SERVER = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30), use_libuv=True)
+print("ready", flush=True)
+time.sleep(3600)
+"""
 
 
 def test_a_store_that_never_answers_does_not_stop_the_poll_loop(daemons, tmp_path, procs):
+    """A store that took the connection and then never answers (here: a real TCPStore server, stopped):
+    the kernel still accepts and buffers, nothing comes back."""
+    from conftest import free_port
+    from test_safety import start_rank
+
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)
-    hole = BlackHole()
+    port = free_port()
+    server = procs.start([sys.executable, "-c", STORE_SERVER, str(port)], text=True)
+    assert server.stdout.readline().strip() == "ready", server.stderr.read()
+    mn = shm / "job-mn"
+    mn.mkdir(mode=0o700)
+    (mn / "job.json").write_text(json.dumps({"schema": "rankwatch.job/1", "job_id": "job-mn", "world_size": 2,
+                                             "local_world_size": 1, "node_rank": 1, "master_addr": "127.0.0.1"}))
+    start_rank(procs, shm, "job-mn", 1, 2)  # healthy, node 1 of 2
+    d = daemons(tmp_path, shm, "--store", f"127.0.0.1:{port}", stall="3", on_stall="report")
+    assert d.wait(lambda e: e.get("event") == "store_connected" and e.get("job") == "job-mn")
+    os.kill(server.pid, signal.SIGSTOP)  # from now on: accepted, never answered
     try:
-        mn = shm / "job-mn"
-        mn.mkdir(mode=0o700)
-        (mn / "job.json").write_text(json.dumps({"schema": "rankwatch.job/1", "job_id": "job-mn", "world_size": 2,
-                                                 "local_world_size": 1, "node_rank": 1,
-                                                 "master_addr": "127.0.0.1"}))
-        env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="job-mn", RANK="1", LOCAL_RANK="0",
-                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
-        healthy = procs.start([sys.executable, RANK], env=env, text=True)
-        assert healthy.stdout.readline().startswith("ready")
-        d = daemons(tmp_path, shm, "--store", f"127.0.0.1:{hole.port}", stall="3", on_stall="report")
-        assert d.wait(lambda e: e.get("event") == "correlating" and e.get("job") == "job-mn")
-        assert wait_for(lambda: hole.conns, timeout=60), "the daemon never connected to the store"
-        time.sleep(3)  # the correlator is now talking to a store that never answers
-        tracker = stalled_record(shm, "job-x")  # another job hangs
+        time.sleep(2)  # the correlator's calls are now waiting on it
+        start_rank(procs, shm, "job-x", 0, 1, "--stall-after", "1")  # another job hangs
         got = d.wait(lambda e: e.get("event") == "incident_detected" and e.get("job") == "job-x", timeout=90)
         assert got, "another job's hang went undetected while the store did not answer"
-        del tracker
+        assert d.proc.poll() is None
     finally:
-        hole.close()
+        os.kill(server.pid, signal.SIGCONT)
 
 
 # -- 7. replayed claims ------------------------------------------------------------------------------------
@@ -378,17 +391,19 @@ def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons
 
 
 # -- 9. SIGHUP, py-spy output -------------------------------------------------------------------------------
-def test_sighup_loses_no_incident_in_flight(daemons, tmp_path):
+def test_sighup_loses_no_incident_in_flight(daemons, tmp_path, procs):
+    from test_safety import start_rank
+
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)
     d = daemons(tmp_path, shm, on_stall="report")
-    tracker = stalled_record(shm, "job-h")
+    start_rank(procs, shm, "job-h", 0, 1, "--stall-after", "1")
     assert d.wait(lambda e: e.get("event") == "incident_detected" and e.get("job") == "job-h")
     os.kill(d.proc.pid, signal.SIGHUP)
-    assert wait_for(lambda: bundle_dirs(d.out / "job-h" / "incidents"), timeout=60), "the incident was lost"
+    assert wait_for(lambda: bundle_dirs(d.out / "job-h" / "incidents") or d.proc.poll() is not None, timeout=60)
     assert d.proc.poll() is None, "SIGHUP ended the daemon"
+    assert bundle_dirs(d.out / "job-h" / "incidents"), "the incident in flight was lost"
     assert d.wait(lambda e: e.get("event") == "daemon_reloaded")
-    del tracker
 
 
 FAKE_PYSPY = """#!/bin/sh
@@ -421,8 +436,6 @@ def test_a_bad_pyspy_answer_costs_only_its_own_rank(daemons, tmp_path, procs):
     got = wait_for(lambda: bundle_dirs(d.out / "job-p" / "incidents"), timeout=120)
     assert got
     stacks = got[0] / "stacks"
-    good = json.loads((stacks / "rank-2.json").read_text())
-    assert "py-spy" in json.dumps(good) or good, good
     text = {r: (stacks / f"rank-{r}.txt").read_text() for r in range(3)}
     assert "rank.py" in text[2], text[2]  # the healthy capture kept its stacks
     assert "unexpected shape" in text[0] or "no stack" in text[0] or "responder" in text[0], text[0]

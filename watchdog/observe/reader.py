@@ -495,14 +495,14 @@ class Readers:
 
 
 def _pyspy_path() -> str | None:
-    """py-spy as ``pyspy_available`` finds it; a launcher script there (a pyenv shim, which another user
+    """py-spy as ``pyspy_available`` finds it; a pyenv shim there (a script under /root another user
     could not run) is replaced by the binary beside the real interpreter, when there is one."""
     from ..evidence.capture import pyspy_available
 
     exe = pyspy_available()
     if exe is not None:
         with contextlib.suppress(OSError), open(exe, "rb") as f:
-            if f.read(2) == b"#!":
+            if b"libexec/pyenv" in f.read(1024):
                 real = os.path.join(os.path.dirname(os.path.realpath(sys.executable)), "py-spy")
                 if os.path.isfile(real) and os.access(real, os.X_OK):
                     return real
