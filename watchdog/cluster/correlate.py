@@ -200,7 +200,10 @@ class Correlator:
                 raise ValueRejected("trigger must be an object")
             issued = v_float(doc.get("issued"), "issued", optional=True)
             fresh = self.fresh_after_unix
-            if fresh is not None and (issued is None or issued < fresh - self.policy.claim_skew_s):
+            # sealed claims must say when they were made; an unsealed one proves nothing either way (anyone could
+            # write any time) and goes through the local screening instead
+            stale = issued < fresh - self.policy.claim_skew_s if issued is not None and fresh is not None else False
+            if stale or (issued is None and fresh is not None and self.authenticated):
                 raise ValueRejected(
                     "claim issued before this job generation started (a replay of an earlier run's claim)"
                 )

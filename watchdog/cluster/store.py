@@ -10,6 +10,7 @@ pays for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -224,6 +225,11 @@ def parse_json(raw: bytes, schema: str) -> dict[str, Any]:
     return doc
 
 
+# what the poll loop waits at most for a store call before going on with the newest answer it has: a
+# healthy store answers in a millisecond, so this keeps its answers current without ever holding the loop
+NOWAIT_S = 0.1
+
+
 class _StoreThread:
     """Store calls run here, one at a time, on a daemon thread of their own: a store that accepts and never
     answers holds this thread, never the caller. Callers wait with a total deadline (``call``) or not at all
@@ -367,7 +373,10 @@ class JobStore:
             raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         if self._io.wedged:
             raise StoreError(f"store set {key}: the store has not answered for over {self._io.deadline_s:.0f}s")
-        self._io.submit(lambda: self._store.set(self._k(key), text))
+        fut = self._io.submit(lambda: self._store.set(self._k(key), text))
+        if fut is not None:
+            with contextlib.suppress(FutureTimeout):
+                fut.exception(timeout=NOWAIT_S)  # a healthy store has answered by then: the value is there
 
     def _get(self, full: str) -> bytes | None:
         if not self._store.check([full]):
@@ -399,6 +408,16 @@ class JobStore:
             started = self._io.submit(lambda: self._get(full))
             if started is not None:
                 self._polled[key] = started
+        fut = self._polled.get(key)
+        if fut is not None:
+            with contextlib.suppress(FutureTimeout):
+                fut.exception(timeout=NOWAIT_S)
+            if fut.done():
+                del self._polled[key]
+                exc = fut.exception()
+                if exc is not None:
+                    raise StoreError(f"store get {key} failed: {exc}")
+                self._last[key] = fut.result()
         return self._last.get(key)
 
     def claim(self, key: str, doc: dict[str, Any], *, replacing: bytes = b"") -> bytes:
