@@ -69,6 +69,9 @@ class ServePolicy:
     # incidents handled at once, off the poll loop; each runs py-spy for every local rank in parallel,
     # so more would only compete for the same cores (one incident per job at a time anyway)
     incident_workers: int = 4
+    # incidents one job owner may have in the pipeline at once: half the workers, so another user's incident
+    # always finds one free however many of one user's jobs hang together (the rest wait for the next poll)
+    incidents_in_flight_per_owner: int = 2
     # a bundle write that fails (ENOSPC, EIO) is retried this many times, this far apart, within one try
     bundle_attempts: int = 3
     bundle_retry_s: float = 0.2

@@ -142,6 +142,8 @@ class Daemon:
         self.correlator_factory = correlator_factory
         self._factory_tried: set[str] = set()
         self._undiscoverable: set[str] = set()
+        self._in_flight: dict[int, int] = {}  # job owner uid -> incidents in the pipeline (under self._lock)
+        self._deferred_logged: set[str] = set()
         killer = Killer(self.procs, config.kill) if config.on_stall == "kill" else None
         # descendants are pinned only when they may have to be killed
         self._observe = dataclasses.replace(config.observe, track_descendants=killer is not None)
@@ -385,7 +387,20 @@ class Daemon:
         correlator: Correlator | None,
         shared: SharedIncident | None = None,
     ) -> None:
-        """Hand the incident to the pipeline; the loop goes on polling."""
+        """Hand the incident to the pipeline; the loop goes on polling. An owner with
+        ``incidents_in_flight_per_owner`` incidents in the pipeline waits (the trigger is found again next poll)."""
+        owner = entry.watch.owner_uid
+        with self._lock:
+            busy = self._in_flight.get(owner, 0) >= self.config.serve.incidents_in_flight_per_owner
+            if not busy:
+                self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
+        if busy:
+            if job_id not in self._deferred_logged:
+                self._deferred_logged.add(job_id)
+                log.warning("incident_deferred", job=job_id, owner_uid=owner,
+                            why="this user already has the most incidents in flight one user may have")
+            return
+        self._deferred_logged.discard(job_id)
         self._incident_seq += 1
         incident_id = new_incident_id(trigger.kind, self._incident_seq)
         watch = entry.watch
@@ -412,6 +427,7 @@ class Daemon:
 
         def done(result: IncidentResult) -> None:
             with self._lock:
+                self._in_flight[owner] = max(0, self._in_flight.get(owner, 0) - 1)
                 entry.incident = OpenIncident(result.incident_id, trigger, result.bundle_path, result.verdict)
                 entry.incidents.append(result.incident_id)
                 entry.verdicts.append(result.verdict)
