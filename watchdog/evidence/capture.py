@@ -187,8 +187,8 @@ def run_pyspy(
         return None, first
     try:
         doc = json.loads(bytes(out))
-    except (ValueError, RecursionError):
-        return None, "py-spy printed invalid JSON"
+    except (ValueError, RecursionError) as exc:
+        return None, f"py-spy printed invalid JSON ({clean(str(exc), FIELD)[:80]}; {len(out)} bytes)"
     threads = shape_threads(doc)
     if threads is None:
         return None, "py-spy printed JSON of an unexpected shape"
