@@ -440,3 +440,23 @@ def test_a_bad_pyspy_answer_costs_only_its_own_rank(daemons, tmp_path, procs):
     assert "rank.py" in text[2], text[2]  # the healthy capture kept its stacks
     assert "unexpected shape" in text[0] or "no stack" in text[0] or "responder" in text[0], text[0]
     assert "cut, not parsed" in text[1], text[1]
+
+
+# -- a reader its own user kills ---------------------------------------------------------------------------
+def test_a_reader_killed_by_its_user_makes_ranks_unreadable_then_it_is_respawned(users, world, daemons, ranks,
+                                                                                  tmp_path):
+    _, b = users
+    shm = fresh_shm(world)
+    rank = ranks(b, world, shm, "job-b")  # healthy
+    d = daemons(tmp_path, shm)
+    assert discovered(d, "job-b", verified=True, pid=rank.pid)
+    started = d.wait(lambda e: e.get("event") == "reader_started" and e.get("uid") == b.uid)
+    assert started
+    reader = started["pid"]
+    assert os.stat(f"/proc/{reader}").st_uid == b.uid  # the reader runs as the job's owner
+    os.kill(reader, signal.SIGKILL)  # B may: it is B's process
+    assert d.wait(lambda e: e.get("event") == "record_unreadable" and e.get("job") == "job-b", timeout=30)
+    assert d.wait(lambda e: e.get("event") == "record_readable_again" and e.get("job") == "job-b", timeout=60)
+    assert rank.poll() is None and d.proc.poll() is None
+    assert not [e for e in d.events() if e.get("event") in ("incident_detected", "killing_job")]
+    assert len([e for e in d.events() if e.get("event") == "reader_started" and e.get("uid") == b.uid]) == 2

@@ -244,20 +244,16 @@ class ChildChannel:
             return out
 
     def _fail(self, why: str) -> None:
-        self.alive = False
         log.warning("reader_written_off", uid=self.uid, pid=self.pid, why=why[:200])
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.close()
 
     def close(self) -> None:
+        """Closing the socket ends the reader (it exits on EOF, or when its user lets it run again). It is
+        never signalled: the zygote's children are reaped by the kernel, so its pid may be anyone's by now."""
         if self.alive:
             self.alive = False
             with contextlib.suppress(OSError):
                 self.sock.close()
-            with contextlib.suppress(OSError):
-                os.kill(self.pid, signal.SIGKILL)
 
 
 def _libc_prctl(option: int, arg: int) -> None:
