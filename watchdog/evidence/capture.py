@@ -122,7 +122,8 @@ def shape_threads(value: object) -> list[dict[str, Any]] | None:
 
 
 def run_pyspy(
-    exe: str | None, pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, max_bytes: int
+    exe: str | None, pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, max_bytes: int,
+    native: bool = False,
 ) -> tuple[list[dict[str, Any]] | None, str | None]:
     """One ``py-spy dump --json``, its output cut at ``max_bytes`` (then not parsed at all) and shape-checked.
     Runs as whoever calls it: in the daemon, the rank owner's reader."""
@@ -131,6 +132,8 @@ def run_pyspy(
     cmd = [exe, "dump", "--pid", str(pid), "--json"]
     if nonblocking:
         cmd.append("--nonblocking")
+    elif native:  # native frames need the process paused
+        cmd.append("--native")
     if include_locals:
         cmd.append("--locals")
     try:
@@ -201,7 +204,7 @@ def _fd_of(exe: str) -> tuple[int, ...]:
     return (int(exe[len(prefix):]),) if exe.startswith(prefix) and exe[len(prefix):].isdigit() else ()
 
 
-def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool,
+def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False,
                owner: tuple[int, int] | None = None) -> tuple[Any, str | None]:
     """py-spy for ``pid`` as its owner (``observe.reader``): the daemon never ptraces with its own rights
     nor parses py-spy's output itself."""
@@ -209,7 +212,7 @@ def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bo
 
     readers = default_readers()
     uid, gid = owner if owner is not None else (os.geteuid(), os.getegid())
-    return readers.pyspy(uid, gid, pid, timeout_s, nonblocking, include_locals)
+    return readers.pyspy(uid, gid, pid, timeout_s, nonblocking, include_locals, native)
 
 
 # the largest answer parts read from a responder (a flight-recorder trace of a big job is tens of MB)

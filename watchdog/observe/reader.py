@@ -180,6 +180,7 @@ class ReaderCore:
             bool(req.get("nonblocking")),
             bool(req.get("locals")),
             self.policy.pyspy_max_bytes,
+            native=bool(req.get("native")),
         )
         return {"threads": threads, "error": err}
 
@@ -438,11 +439,11 @@ class Readers:
         return job
 
     def pyspy(self, uid: int, gid: int, pid: int, timeout_s: float, nonblocking: bool,
-              include_locals: bool) -> tuple[Any, str | None]:
+              include_locals: bool, native: bool = False) -> tuple[Any, str | None]:
         """py-spy as the rank's owner: in a fresh one-shot reader, so captures of many ranks run in parallel
         and a wedged one costs only itself."""
         req = {"op": "pyspy", "pid": pid, "timeout_s": timeout_s, "nonblocking": nonblocking,
-               "locals": include_locals}
+               "locals": include_locals, "native": native}
         if not self.privileged:
             out = self._local.call(req)
         else:
