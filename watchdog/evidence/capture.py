@@ -206,13 +206,17 @@ def _fd_of(exe: str) -> tuple[int, ...]:
 
 def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False,
                owner: tuple[int, int] | None = None) -> tuple[Any, str | None]:
-    """py-spy for ``pid`` as its owner (``observe.reader``): the daemon never ptraces with its own rights
-    nor parses py-spy's output itself."""
+    """py-spy for ``pid``. With ``owner`` (the daemon's captures: the job dir's uid and gid) it runs as that
+    user in their reader (``observe.reader``), so the daemon neither ptraces with its own rights nor parses
+    py-spy's output itself; without, in this process (``rankwatch inspect``: no job dir, no owner to trust)."""
+    if owner is None:
+        return run_pyspy(pyspy_available(), pid, timeout_s, nonblocking, include_locals, MAX_PYSPY_BYTES, native)
     from ..observe.reader import default_readers
 
-    readers = default_readers()
-    uid, gid = owner if owner is not None else (os.geteuid(), os.getegid())
-    return readers.pyspy(uid, gid, pid, timeout_s, nonblocking, include_locals, native)
+    return default_readers().pyspy(owner[0], owner[1], pid, timeout_s, nonblocking, include_locals, native)
+
+
+MAX_PYSPY_BYTES = 8 << 20  # a real dump of a rank is tens of KB; 100 MB would cost gigabytes to parse
 
 
 # the largest answer parts read from a responder (a flight-recorder trace of a big job is tens of MB)
@@ -367,11 +371,12 @@ def gil_held_idle(threads: object) -> str | None:
     return None
 
 
-def _owner(job_dir: str) -> tuple[int, int] | None:
+def _owner(job_dir: str) -> tuple[int, int]:
+    """The job dir's owner (py-spy runs as them); with the dir gone, nobody: the reader of uid -1 fails."""
     try:
         st = os.stat(job_dir)
     except OSError:
-        return None
+        return -1, -1
     return st.st_uid, st.st_gid
 
 

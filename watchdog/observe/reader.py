@@ -55,7 +55,7 @@ class ReaderPolicy:
     # torn reads retried per record per poll (no sleeps): a record held odd costs microseconds, not 60 ms
     torn_retries: int = 32
     # the most a py-spy dump may print (a real one of a rank is tens of KB; 100 MB would cost GBs to parse)
-    pyspy_max_bytes: int = 8 << 20
+    pyspy_max_bytes: int = 8 << 20  # = capture.MAX_PYSPY_BYTES
 
 
 class ReaderError(Exception):
@@ -442,6 +442,8 @@ class Readers:
               include_locals: bool, native: bool = False) -> tuple[Any, str | None]:
         """py-spy as the rank's owner: in a fresh one-shot reader, so captures of many ranks run in parallel
         and a wedged one costs only itself."""
+        if uid < 0:
+            return None, "the job dir is gone: no owner to run py-spy as"
         req = {"op": "pyspy", "pid": pid, "timeout_s": timeout_s, "nonblocking": nonblocking,
                "locals": include_locals, "native": native}
         if not self.privileged:
