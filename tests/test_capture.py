@@ -38,7 +38,7 @@ def test_pyspy_is_found_next_to_the_python_first_then_on_path(tmp_path, monkeypa
     assert capture.pyspy_available() == str(on_path)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert capture.pyspy_available() is None
-    assert capture.pyspy_dump(1, 1.0, False, False) == (None, "py-spy not installed")
+    assert capture.run_pyspy(capture.pyspy_available(), 1, 1.0, False, False, 1 << 20) == (None, "py-spy not installed")
 
 
 # -- the responder protocol -------------------------------------------------------------------------------

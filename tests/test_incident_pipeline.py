@@ -70,12 +70,13 @@ def test_heartbeat_and_other_jobs_survive_a_capture_longer_than_watchdog_sec(tmp
 
     def slow_capture(targets, job_dir, token, policy):
         start = time.monotonic()
-        if os.path.basename(job_dir) == "slow":
+        job = os.path.basename(os.path.realpath(job_dir))  # the held dir fd, as /proc/self/fd/N/.
+        if job == "slow":
             time.sleep(SLOW_CAPTURE_S)
         try:
             return capture_all(targets, job_dir, token, policy)
         finally:
-            capture_spans[os.path.basename(job_dir)] = (start, time.monotonic())
+            capture_spans[job] = (start, time.monotonic())
 
     ranks = [stalled_record(shm, "slow")]
     daemon = Daemon(

@@ -45,7 +45,7 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 # what systemd/rankwatch.service leaves the daemon (CapabilityBoundingSet=), as setpriv spells it
-UNIT_CAPS = "-all,+sys_ptrace,+dac_read_search,+kill"
+UNIT_CAPS = "-all,+sys_ptrace,+dac_read_search,+kill,+setuid,+setgid"
 
 
 class User:
@@ -278,7 +278,8 @@ def test_root_daemon_with_the_unit_capabilities_captures_a_non_root_rank(world, 
     shm, ranks = two_ranks
     unit = (REPO / "systemd" / "rankwatch.service").read_text()
     bounding = next(line for line in unit.splitlines() if line.startswith("CapabilityBoundingSet="))
-    assert set(bounding.split("=", 1)[1].split()) == {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL"}
+    assert set(bounding.split("=", 1)[1].split()) == {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL",
+                                                      "CAP_SETUID", "CAP_SETGID"}
     script = tmp_path / "capture.py"
     script.write_text(CAPTURE)
     res = subprocess.run(["setpriv", f"--bounding-set={UNIT_CAPS}", "--inh-caps=-all", "--",
@@ -286,7 +287,8 @@ def test_root_daemon_with_the_unit_capabilities_captures_a_non_root_rank(world, 
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert int(out["cap_eff"], 16) == (1 << 19) | (1 << 2) | (1 << 5)  # sys_ptrace, dac_read_search, kill
+    # sys_ptrace, dac_read_search, kill, setgid, setuid
+    assert int(out["cap_eff"], 16) == (1 << 19) | (1 << 2) | (1 << 5) | (1 << 6) | (1 << 7)
     assert out["steps"] == 3 and out["writable"] is False
     assert out["responder_error"] is None, out
     assert out["main"] and out["main"][-1].endswith("rank.py"), out  # outermost frame: the rank's script

@@ -89,6 +89,12 @@ def test_records_naming_pid_1_or_an_unrelated_process_are_never_touched(procs, t
         assert not (m and m.group(2) in targets), line
 
 
+def logged(log: Path, pred, count: int = 1, timeout: float = 60) -> bool:
+    """Whether ``count`` of the daemon's JSON log lines (written to ``log``) match ``pred`` within ``timeout``."""
+    return bool(wait_for(lambda: sum(1 for e in events(log.read_text(errors="replace")) if pred(e)) >= count,
+                         timeout))
+
+
 def spawn_at_pid(pid: int, cmd: list[str], procs) -> subprocess.Popen | None:
     """A new process that gets ``pid`` (forced through ns_last_pid; retried when another fork wins)."""
     for _ in range(200):
@@ -109,10 +115,13 @@ def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_un
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
     port = free_port()
-    daemon = procs.start(daemon_cmd(shm, out, "--stall-timeout", "60", "--metrics-port", str(port)), text=True)
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as err:
+        procs.start(daemon_cmd(shm, out, "--stall-timeout", "60", "--metrics-port", str(port)), text=True, stderr=err)
     r0 = start_rank(procs, shm, "reuse", 0, 2)
     r1 = start_rank(procs, shm, "reuse", 1, 2)
-    wait_polls(port)  # a whole poll after both records exist: the daemon has verified both ranks
+    assert logged(log, lambda e: e.get("event") == "rank_discovered" and e.get("job") == "reuse"
+                  and e.get("verified") is True, count=2), "the daemon did not verify both ranks"
     pid = r1.pid
     r1.send_signal(signal.SIGKILL)
     r1.wait()
@@ -122,7 +131,7 @@ def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_un
         pytest.skip("cannot force pid reuse here (ns_last_pid not writable)")
     assert holder.stdout.readline().strip() == "ready"
     found = wait_for(lambda: bundle_dirs(out / "reuse" / "incidents"), timeout=60)
-    assert found, daemon.stderr.read() if daemon.poll() is not None else "no bundle"
+    assert found, log.read_text()[-4000:]
     verdict = json.loads((found[0] / "verdict.json").read_text())
     assert verdict["kind"] == "dead_rank" and verdict["initiating_ranks"] == [1], verdict
     assert wait_for(lambda: r0.poll() is not None, timeout=30), "the verified live rank was not killed"

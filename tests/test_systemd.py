@@ -55,8 +55,9 @@ def test_unit_is_hardened_and_keeps_only_the_capabilities_it_needs():
     for key, value in HARDENING.items():
         assert unit.get(key) == value, f"{key}={unit.get(key)!r}, expected {value!r}"
     # ptrace for py-spy, DAC_READ_SEARCH for other users' records and responder sockets, KILL for
-    # --on-stall kill; never DAC_OVERRIDE (the responder answers over its socket, nothing to write)
-    wanted = {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL"}
+    # --on-stall kill, SETUID/SETGID for the per-owner readers; never DAC_OVERRIDE (the responder answers
+    # over its socket, nothing to write)
+    wanted = {"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETUID", "CAP_SETGID"}
     assert set(unit["CapabilityBoundingSet"].split()) == wanted
     assert set(unit["AmbientCapabilities"].split()) <= wanted
     assert unit["ReadWritePaths"].lstrip("-") == "/dev/shm/rankwatch"

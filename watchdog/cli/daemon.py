@@ -165,8 +165,15 @@ def main(argv: list[str]) -> int:
         notifier.stopping()
         daemon.stop()
 
+    def reload(_signum: int, _frame: Any) -> None:
+        # logrotate / journald restarts: the log stream is opened again; the loop, its incidents in flight
+        # and the readers go on untouched (SIGHUP's default action would end the daemon and lose them)
+        logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
+        log.info("daemon_reloaded", signal="SIGHUP")
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     log.info(
         "daemon_start",
         shm_dir=args.shm_dir,

@@ -122,6 +122,9 @@ class Correlator:
         # unauthenticated remote claims not (yet) confirmed by this node's ranks: (gen, id) → first seen
         self._unconfirmed: dict[tuple[int, str], float] = {}
         self._ignored: set[tuple[int, str]] = set()
+        # wall-clock start of the job generation this node watches (set by the daemon from its ranks'
+        # records): a claim issued before it belongs to an earlier run and is replayed, never acted on
+        self.fresh_after_unix: float | None = None
         if secret is None:
             log.warning(
                 "store_unauthenticated",
@@ -176,6 +179,8 @@ class Correlator:
         log.warning("store_failed", job=self.job_id, error=str(exc))
         self.error = str(exc)
         if not self.leader:  # the leader keeps its server; a client reconnects in the background
+            if self.store is not None:
+                self.store.close()
             self.store = None
             if not self._connector.is_alive():
                 self._connector = threading.Thread(target=self._connect_loop, daemon=True)
@@ -195,8 +200,8 @@ class Correlator:
         if store is None:
             return
         self._seq += 1
-        try:
-            store.set_json(f"node/{self.node_rank}", node_doc(self.node_rank, node, self._seq, views))
+        try:  # handed to the store's own thread: the poll loop never waits on the network
+            store.set_json_nowait(f"node/{self.node_rank}", node_doc(self.node_rank, node, self._seq, views))
         except StoreError as exc:
             self._lost(exc)
 
@@ -206,6 +211,15 @@ class Correlator:
             trigger = doc.get("trigger")
             if not isinstance(trigger, dict):
                 raise ValueRejected("trigger must be an object")
+            issued = v_float(doc.get("issued"), "issued", optional=True)
+            fresh = self.fresh_after_unix
+            # sealed claims must say when they were made; an unsealed one proves nothing either way (anyone could
+            # write any time) and goes through the local screening instead
+            stale = issued < fresh - self.policy.claim_skew_s if issued is not None and fresh is not None else False
+            if stale or (issued is None and fresh is not None and self.authenticated):
+                raise ValueRejected(
+                    "claim issued before this job generation started (a replay of an earlier run's claim)"
+                )
             return SharedIncident(
                 gen=v_int(doc.get("gen"), "gen", lo=1, hi=10**9) or 0,
                 incident_id=_safe_id(v_str(doc.get("id"), "id") or ""),
@@ -221,8 +235,8 @@ class Correlator:
         store = self.store
         if store is None:
             return None
-        try:
-            raw = store.get_raw("incident/current")
+        try:  # the newest answer the store's thread has (never a wait in the poll loop)
+            raw = store.get_raw_nowait("incident/current")
         except StoreError as exc:
             self._lost(exc)
             return None
@@ -291,7 +305,15 @@ class Correlator:
         if store is None:
             return local
         gen = self.handled_gen + 1
-        doc = {"schema": INCIDENT_SCHEMA, "gen": gen, "id": incident_id, "by": self.node_rank, "trigger": trigger}
+        doc = {
+            "schema": INCIDENT_SCHEMA,
+            "gen": gen,
+            "id": incident_id,
+            "by": self.node_rank,
+            "trigger": trigger,
+            # sealed with the rest: binds the claim to when it was made, so it cannot be replayed to a later run
+            "issued": round(time.time(), 3),
+        }
         try:
             key = f"incident/{gen}"
             raw = store.claim(key, doc)

@@ -10,11 +10,17 @@ pays for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -219,8 +225,75 @@ def parse_json(raw: bytes, schema: str) -> dict[str, Any]:
     return doc
 
 
+# what the poll loop waits at most for a store call before going on with the newest answer it has: a
+# healthy store answers in a millisecond, so this keeps its answers current without ever holding the loop
+NOWAIT_S = 0.1
+
+
+class _StoreThread:
+    """Store calls run here, one at a time, on a daemon thread of their own: a store that accepts and never
+    answers holds this thread, never the caller. Callers wait with a total deadline (``call``) or not at all
+    (``submit``); once a call has been outstanding past the deadline the store counts as wedged."""
+
+    MAX_QUEUED = 8  # calls waiting behind a slow one; beyond that new ones are refused, not queued
+
+    def __init__(self, name: str, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._busy_since: float | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            with self._lock:
+                self._busy_since = time.monotonic()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits
+                fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._busy_since = None
+                    self._outstanding -= 1
+
+    @property
+    def wedged(self) -> bool:
+        with self._lock:
+            return self._busy_since is not None and time.monotonic() - self._busy_since > self.deadline_s
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any] | None:
+        with self._lock:
+            if self._outstanding >= self.MAX_QUEUED:
+                return None
+            self._outstanding += 1
+        fut: Future[Any] = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any], what: str) -> Any:
+        if self.wedged:
+            raise StoreError(f"{what}: the store has not answered an earlier call for over {self.deadline_s:.0f}s")
+        fut = self.submit(fn)
+        if fut is None:
+            raise StoreError(f"{what}: too many store calls waiting on a store that does not answer")
+        try:
+            return fut.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            raise StoreError(f"{what}: no answer within {self.deadline_s:.0f}s") from None
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
 class JobStore:
-    """One job's keys in a TCPStore; every call is bounded by the store timeout."""
+    """One job's keys in a TCPStore. Every call runs on the store's own thread under a total deadline
+    (a TCPStore's own timeout is per read: a peer that trickles or never answers is not bounded by it)."""
 
     def __init__(
         self,
@@ -238,18 +311,28 @@ class JobStore:
         self.secret = secret  # None: values are written and read unauthenticated
         self.prefix = f"rankwatch/{job_id}/"
         self.address = f"{host}:{port}"
+        self._io = _StoreThread(f"rankwatch-store-{job_id[:16]}", timeout_s)
+        self._polled: dict[str, Future[Any]] = {}
+        self._last: dict[str, bytes | None] = {}
         try:
-            self._store = dist.TCPStore(
-                host,
-                port,
-                is_master=host_server,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                use_libuv=True,
+            self._store = self._io.call(
+                lambda: dist.TCPStore(
+                    host,
+                    port,
+                    is_master=host_server,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    use_libuv=True,
+                ),
+                "connect",
             )
-        except Exception as exc:  # RuntimeError, DistNetworkError, …
+        except Exception as exc:  # RuntimeError, DistNetworkError, StoreError (no answer in time)…
+            self._io.close()
             raise StoreError(f"cannot {'host' if host_server else 'reach'} store {self.address}: {exc}") from exc
         self.hosting = host_server
+
+    def close(self) -> None:
+        self._io.close()
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -278,19 +361,64 @@ class JobStore:
         if len(text) > MAX_VALUE_BYTES:
             raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         try:
-            self._store.set(self._k(key), text)
+            self._io.call(lambda: self._store.set(self._k(key), text), f"store set {key}")
         except Exception as exc:
             raise StoreError(f"store set {key} failed: {exc}") from exc
+
+    def set_json_nowait(self, key: str, doc: dict[str, Any]) -> None:
+        """``set_json`` handed to the store's thread without waiting (the poll loop's snapshots); StoreError
+        once the store is wedged, so the caller can say so and reconnect."""
+        text = self._encode(key, doc)
+        if len(text) > MAX_VALUE_BYTES:
+            raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
+        if self._io.wedged:
+            raise StoreError(f"store set {key}: the store has not answered for over {self._io.deadline_s:.0f}s")
+        fut = self._io.submit(lambda: self._store.set(self._k(key), text))
+        if fut is not None:
+            with contextlib.suppress(FutureTimeout):
+                fut.exception(timeout=NOWAIT_S)  # a healthy store has answered by then: the value is there
+
+    def _get(self, full: str) -> bytes | None:
+        if not self._store.check([full]):
+            return None
+        return bytes(self._store.get(full))
 
     def get_raw(self, key: str) -> bytes | None:
         """The value, or None when the key does not exist (never blocks waiting for it)."""
         full = self._k(key)
         try:
-            if not self._store.check([full]):
-                return None
-            return bytes(self._store.get(full))
+            return cast("bytes | None", self._io.call(lambda: self._get(full), f"store get {key}"))
         except Exception as exc:
             raise StoreError(f"store get {key} failed: {exc}") from exc
+
+    def get_raw_nowait(self, key: str) -> bytes | None:
+        """The newest value the store's thread fetched for ``key`` (None before the first answer); a new fetch
+        is started when the last one finished. The poll loop never waits on the network."""
+        fut = self._polled.get(key)
+        if fut is not None and fut.done():
+            del self._polled[key]
+            exc = fut.exception()
+            if exc is not None:
+                raise StoreError(f"store get {key} failed: {exc}")
+            self._last[key] = fut.result()
+        if self._io.wedged:
+            raise StoreError(f"store get {key}: the store has not answered for over {self._io.deadline_s:.0f}s")
+        if key not in self._polled:
+            full = self._k(key)
+            started = self._io.submit(lambda: self._get(full))
+            if started is not None:
+                self._polled[key] = started
+        fut = self._polled.get(key)
+        if fut is not None:
+            with contextlib.suppress(FutureTimeout):
+                fut.exception(timeout=NOWAIT_S)
+            if fut.done():
+                del self._polled[key]
+                exc = fut.exception()
+                if exc is not None:
+                    raise StoreError(f"store get {key} failed: {exc}")
+                self._last[key] = fut.result()
+        return self._last.get(key)
 
     def claim(self, key: str, doc: dict[str, Any], *, replacing: bytes = b"") -> bytes:
         """Set ``key`` only if absent (or still holding exactly ``replacing``); returns the value now stored
@@ -300,13 +428,13 @@ class JobStore:
         # be UTF-8
         expected: Any = replacing
         try:
-            return bytes(self._store.compare_set(self._k(key), expected, text))
+            return bytes(self._io.call(lambda: self._store.compare_set(self._k(key), expected, text), f"claim {key}"))
         except Exception as exc:
             raise StoreError(f"store claim {key} failed: {exc}") from exc
 
     def add(self, key: str, amount: int) -> int:
         try:
-            return int(self._store.add(self._k(key), amount))
+            return int(self._io.call(lambda: self._store.add(self._k(key), amount), f"store add {key}"))
         except Exception as exc:
             raise StoreError(f"store add {key} failed: {exc}") from exc
 
@@ -340,13 +468,14 @@ class JobStore:
             return True
         except Exception as wait_exc:
             try:  # a timeout, or the connection: tell them apart with one bounded call
-                return bool(self._store.check(full))
+                return bool(self._io.call(lambda: self._store.check(full), "store check"))
             except Exception as exc:
                 raise StoreError(f"store wait for {keys[0]}… failed: {wait_exc}; {exc}") from exc
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """The values of keys that all exist (``wait_for`` returned True), in one round trip."""
         try:
-            return [bytes(v) for v in self._store.multi_get([self._k(k) for k in keys])]
+            full = [self._k(k) for k in keys]
+            return [bytes(v) for v in self._io.call(lambda: self._store.multi_get(full), "store multi_get")]
         except Exception as exc:
             raise StoreError(f"store multi_get of {len(keys)} keys failed: {exc}") from exc

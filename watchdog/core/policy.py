@@ -73,6 +73,9 @@ class ServePolicy:
     # incidents handled at once, off the poll loop; each runs py-spy for every local rank in parallel,
     # so more would only compete for the same cores (one incident per job at a time anyway)
     incident_workers: int = 4
+    # incidents one job owner may have in the pipeline at once: half the workers, so another user's incident
+    # always finds one free however many of one user's jobs hang together (the rest wait for the next poll)
+    incidents_in_flight_per_owner: int = 2
     # a bundle write that fails (ENOSPC, EIO) is retried this many times, this far apart, within one try
     bundle_attempts: int = 3
     bundle_retry_s: float = 0.2
@@ -89,6 +92,9 @@ class ServePolicy:
     # incident bundles kept under the daemon's --out, newest first (None: all); an incident storm must not
     # fill /var/lib on a GPU node
     keep_incidents: int | None = 200
+    # and at most this many bytes of bundles per job owner (the newest is always kept): one incident with
+    # big dumps is ~72 MiB, so one user's flood of them must not fill the disk other users' bundles need
+    keep_incident_bytes: int | None = 4 << 30
     # at start, dump dirs older than this are leftovers of a daemon that was killed mid-capture
     stale_dump_age_s: float = 60.0
     # /healthz answers 503 once no poll has completed for this long, or for this many poll intervals if
@@ -146,6 +152,10 @@ class CorrelationPolicy:
     verdict_timeout_s: float = 15.0
     # each TCPStore connect does a reverse DNS lookup (5 s resolver default): a slow DNS must not fail it
     connect_timeout_s: float = 10.0
+    # clock difference between nodes tolerated when a claim's issue time is checked against the job
+    # generation's start: NTP keeps nodes within milliseconds, and a restarted job starts seconds (the kill's
+    # grace period, torchrun's restart) after the claim that killed the previous run
+    claim_skew_s: float = 1.0
     # above this many ranks the published verdict drops non-initiating ranks' entries (~450 bytes each),
     # so 256 nodes do not each download megabytes; every node adds its own ranks back
     slim_verdict_above_ranks: int = 512
@@ -217,6 +227,9 @@ class ObservePolicy:
     # knows them even after the rank died and they were reparented; one scan reads every /proc/<pid>/stat
     descendants_every_s: float = 2.0
     track_descendants: bool = True
+    # records read per job and poll: a node hosts a few dozen ranks of one job at most; a dir of 1,100
+    # planted records is a flood, and what it costs is bounded here (and by the owner's reader budget)
+    max_records_per_job: int = 256
 
 
 @dataclass(frozen=True)

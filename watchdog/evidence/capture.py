@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import select
 import shutil
 import socket
 import stat
@@ -46,21 +47,31 @@ class RankCapture:
     vanished: bool = False  # gone (or a zombie) when py-spy failed: it died during capture
 
     def main_frames(self) -> list[Frame]:
-        """The training thread's frames, innermost first, from py-spy if it worked, else the responder."""
-        if self.pyspy_threads:
+        """The training thread's frames, innermost first, from py-spy if it worked, else the responder. Both
+        come from the rank's memory: any shape is survived (a malformed thread is no thread)."""
+        threads = _threads(self.pyspy_threads)
+        if threads:
             main = next(
-                (t for t in self.pyspy_threads if t.get("os_thread_id") == self.pid),
-                next((t for t in self.pyspy_threads if t.get("thread_name") == "MainThread"), None),
+                (t for t in threads if t.get("os_thread_id") == self.pid),
+                next((t for t in threads if t.get("thread_name") == "MainThread"), None),
             )
             if main is not None:
-                return [
-                    Frame(str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0)) for f in main["frames"]
-                ]
-        if self.responder_stacks:
-            for t in self.responder_stacks.get("threads", []):
+                return _frames(main)
+        if isinstance(self.responder_stacks, dict):
+            for t in _threads(self.responder_stacks.get("threads")):
                 if t.get("thread_name") == "MainThread":
-                    return [Frame(str(f["name"]), str(f["filename"]), int(f["line"])) for f in t["frames"]]
+                    return _frames(t)
         return []
+
+
+def _frames(thread: dict[str, Any]) -> list[Frame]:
+    out = []
+    for f in thread.get("frames") or []:
+        if isinstance(f, dict):
+            line = f.get("line")
+            out.append(Frame(str(f.get("name"))[:256], str(f.get("filename"))[:1024],
+                             line if isinstance(line, int) and not isinstance(line, bool) else 0))
+    return out
 
 
 def pyspy_available() -> str | None:
@@ -71,10 +82,53 @@ def pyspy_available() -> str | None:
     return shutil.which("py-spy")
 
 
-def pyspy_dump(
-    pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False
-) -> tuple[Any, str | None]:
-    exe = pyspy_available()
+MAX_THREADS = 4096
+MAX_FRAMES = 1024
+
+
+def shape_threads(value: object) -> list[dict[str, Any]] | None:
+    """py-spy's JSON reduced to the shape the rest relies on (a list of threads, each with an int
+    ``os_thread_id``, a str ``thread_name``, bool flags and a list of frames with str name/filename and int
+    line); None when it is not that list at all. Whatever else it holds is dropped, never trusted."""
+    if not isinstance(value, list):
+        return None
+    out: list[dict[str, Any]] = []
+    for t in value[:MAX_THREADS]:
+        if not isinstance(t, dict) or not isinstance(t.get("frames"), list):
+            continue
+        frames = []
+        for f in t["frames"][:MAX_FRAMES]:
+            if not isinstance(f, dict):
+                continue
+            line = f.get("line")
+            frames.append(
+                {
+                    "name": clean(f.get("name"), NAME),
+                    "filename": clean(f.get("filename"), FIELD),
+                    "line": line if isinstance(line, int) and not isinstance(line, bool) else 0,
+                    **({"locals": f["locals"]} if isinstance(f.get("locals"), list) else {}),
+                }
+            )
+        tid, name = t.get("os_thread_id"), t.get("thread_name")
+        out.append(
+            {
+                "os_thread_id": tid if isinstance(tid, int) and not isinstance(tid, bool) else None,
+                "thread_id": t.get("thread_id") if isinstance(t.get("thread_id"), int) else None,
+                "thread_name": clean(name, NAME) if isinstance(name, str) else None,
+                "active": t.get("active") is True,
+                "owns_gil": t.get("owns_gil") is True,
+                "frames": frames,
+            }
+        )
+    return out if out or not value else None  # threads were there, none of them of the shape: not a dump
+
+
+def run_pyspy(
+    exe: str | None, pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, max_bytes: int,
+    native: bool = False,
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """One ``py-spy dump --json``, its output cut at ``max_bytes`` (then not parsed at all) and shape-checked.
+    Runs as whoever calls it: in the daemon, the rank owner's reader."""
     if exe is None:
         return None, "py-spy not installed"
     cmd = [exe, "dump", "--pid", str(pid), "--json"]
@@ -85,21 +139,86 @@ def pyspy_dump(
     if include_locals:
         cmd.append("--locals")
     try:
-        proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return None, f"py-spy timed out after {timeout_s:.1f}s"
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            pass_fds=_fd_of(exe),
+        )
     except OSError as exc:
         return None, f"py-spy failed to start: {exc}"
-    if proc.returncode != 0:
-        err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        first = err[0] if err else f"exit code {proc.returncode}"
+    deadline = time.monotonic() + timeout_s
+    out, err = bytearray(), bytearray()
+    over = False
+    assert proc.stdout is not None and proc.stderr is not None
+    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    try:
+        while streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, f"py-spy timed out after {timeout_s:.1f}s"
+            ready, _, _ = select.select(list(streams), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    del streams[fd]
+                    continue
+                buf = streams[fd]
+                if buf is err:
+                    if len(err) < 4096:
+                        err += chunk[: 4096 - len(err)]
+                    continue
+                buf += chunk
+                if len(buf) > max_bytes:
+                    over = True
+                    streams.clear()
+                    break
+        if over:
+            return None, f"py-spy printed over {max_bytes} bytes: cut, not parsed"
+        rc = proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy timed out after {timeout_s:.1f}s"
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, 9)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        proc.stdout.close()
+        proc.stderr.close()
+    if rc != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines()
+        first = clean(lines[0], FIELD) if lines else f"exit code {rc}"
         if "Permission" in first or "ptrace" in first.lower():
             first += " (py-spy needs CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0)"
         return None, first
     try:
-        return json.loads(proc.stdout), None
-    except ValueError:
-        return None, "py-spy printed invalid JSON"
+        doc = json.loads(bytes(out))
+    except (ValueError, RecursionError) as exc:
+        return None, f"py-spy printed invalid JSON ({clean(str(exc), FIELD)[:80]}; {len(out)} bytes)"
+    threads = shape_threads(doc)
+    if threads is None:
+        return None, "py-spy printed JSON of an unexpected shape"
+    return threads, None
+
+
+def _fd_of(exe: str) -> tuple[int, ...]:
+    """The fd behind a ``/proc/self/fd/N`` executable (the reader's py-spy), kept open across the exec."""
+    prefix = "/proc/self/fd/"
+    return (int(exe[len(prefix):]),) if exe.startswith(prefix) and exe[len(prefix):].isdigit() else ()
+
+
+def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False,
+               owner: tuple[int, int] | None = None) -> tuple[Any, str | None]:
+    """py-spy for ``pid``. With ``owner`` (the daemon's captures: the job dir's uid and gid) it runs as that
+    user in their reader (``observe.reader``), so the daemon neither ptraces with its own rights nor parses
+    py-spy's output itself; without, in this process (``rankwatch inspect``: no job dir, no owner to trust)."""
+    if owner is None:
+        return run_pyspy(pyspy_available(), pid, timeout_s, nonblocking, include_locals, MAX_PYSPY_BYTES, native)
+    from ..observe.reader import default_readers
+
+    return default_readers().pyspy(owner[0], owner[1], pid, timeout_s, nonblocking, include_locals, native)
+
+
+MAX_PYSPY_BYTES = 8 << 20  # a real dump of a rank is tens of KB; 100 MB would cost gigabytes to parse
 
 
 # the largest answer parts read from a responder (a flight-recorder trace of a big job is tens of MB)
@@ -254,8 +373,18 @@ def gil_held_idle(threads: object) -> str | None:
     return None
 
 
+def _owner(job_dir: str) -> tuple[int, int]:
+    """The job dir's owner (py-spy runs as them); with the dir gone, nobody: the reader of uid -1 fails."""
+    try:
+        st = os.stat(job_dir)
+    except OSError:
+        return -1, -1
+    return st.st_uid, st.st_gid
+
+
 def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     cap = RankCapture(rank=rank, pid=pid)
+    owner = _owner(job_dir)
     deadline = time.monotonic() + policy.responder_timeout_s
     asked = request_dump(job_dir, rank, token, pid) if not stopped else "rank is stopped; responder cannot run"
     reader = None
@@ -265,10 +394,14 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
         # the answer is read while py-spy runs: a flight-recorder trace is larger than a socket buffer
         reader = threading.Thread(target=collect_dump, args=(asked, deadline, cap), name="rankwatch-dump-reader")
         reader.start()
-    threads, err = pyspy_dump(pid, policy.pyspy_timeout_s, nonblocking=stopped, include_locals=policy.include_locals)
+    threads, err = pyspy_dump(
+        pid, policy.pyspy_timeout_s, nonblocking=stopped, include_locals=policy.include_locals, owner=owner
+    )
     if threads is None and not stopped:
         # blocking dumps fail on processes that cannot be paused; the nonblocking read still works
-        threads, err2 = pyspy_dump(pid, policy.pyspy_timeout_s, nonblocking=True, include_locals=policy.include_locals)
+        threads, err2 = pyspy_dump(
+            pid, policy.pyspy_timeout_s, nonblocking=True, include_locals=policy.include_locals, owner=owner
+        )
         if threads is None:
             err = f"{err}; nonblocking: {err2}"
     cap.pyspy_threads, cap.pyspy_error = threads, err

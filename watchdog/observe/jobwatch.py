@@ -7,114 +7,73 @@ a record that stops parsing is ``unreadable`` (its own state, never a stall by i
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
 import socket
-import stat
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import structlog
-from rankwatch.hooks.record import RecordFormatError, RecordReader, RecordSnapshot
+from rankwatch.hooks.record import RecordFormatError, RecordSnapshot
 
 from ..core.histogram import RankHistograms
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
 from ..core.steps import StepTiming
+from . import jobdir
 from .process import NO_PROCESS, Identity, ProcessTable, Unverified
+from .reader import JobDir, ReaderError, Readers, RecordInfo, default_readers
 
 log = structlog.get_logger("rankwatch.jobwatch")
 
-_RANK_FILE = re.compile(r"^rank-(\d{1,7})\.hb$")
-_CTL_FILE = re.compile(r"^rank-\d{1,7}\.(?:ctl|sock)$")  # the responder's FIFO or socket
-_FAULT_FILE = re.compile(r"^rank-\d{1,7}\.faulthandler$")
-_DUMP_FILE = re.compile(r"^\.?rank-\d{1,7}\.(?:stacks\.json|fr\.json|fr\.err|done)(?:\.tmp-[0-9a-f]{8})?$")
 # steps kept per rank for the end-of-run summary and metrics (~400 bytes each: ~1 MB per rank); the
 # diagnosis looks at the last 200
 HISTORY_STEPS = 2_500
-MAX_JOB_JSON = 64 << 10
-# job.json keys the watchdog reads, with their types; anything else in the file is ignored
-_JOB_KEYS: dict[str, type | tuple[type, ...]] = {
-    "schema": str,
-    "job_id": str,
-    "world_size": int,
-    "node_rank": int,
-    "local_world_size": int,
-    "hostname": str,
-    "master_addr": str,
-    "master_port": (str, int),
-}
 
 
 def read_job_info(path: str) -> dict[str, object]:
-    """The known, well-typed keys of a job.json; {} for a missing, oversized, malformed or hostile file."""
+    """The known, well-typed keys of a job.json at ``path`` ({} for anything else), read as this process:
+    only for files of this process's own user (``rankwatch run``); the daemon asks the owner's reader."""
     try:
-        # O_NONBLOCK: a FIFO planted as job.json must not block the poll loop in open(); only a regular file is read
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return {}
-            raw = f.read(MAX_JOB_JSON + 1)
-        if len(raw) > MAX_JOB_JSON:
-            return {}
-        doc = json.loads(raw)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(doc, dict):
-        return {}
-    out: dict[str, object] = {}
-    for key, kind in _JOB_KEYS.items():
-        value = doc.get(key)
-        if isinstance(value, kind) and not isinstance(value, bool):
-            if isinstance(value, str):
-                value = value[:256]
-            elif isinstance(value, int) and not 0 <= value < 1 << 31:
-                continue
-            out[key] = value
-    return out
-
-
-def _remove_dumps(dumps: str, older_than_s: float = 0.0) -> int:
-    """Dump answers the hook wrote under ``dumps/<token>/`` (by name, no symlinks), then the empty dirs."""
-    removed = 0
-    now = time.time()
-    try:
-        tokens = os.listdir(dumps)
+        fd = jobdir.open_dir(os.path.dirname(path) or ".")
     except OSError:
-        return 0
-    for token in tokens:
-        tdir = os.path.join(dumps, token)
-        try:
-            st = os.lstat(tdir)
-            if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < older_than_s:
-                continue
-            files = os.listdir(tdir)
-        except OSError:
-            continue
-        for name in files:
-            path = os.path.join(tdir, name)
-            with contextlib.suppress(OSError):
-                if _DUMP_FILE.match(name) and stat.S_ISREG(os.lstat(path).st_mode):
-                    os.unlink(path)
-                    removed += 1
-        with contextlib.suppress(OSError):
-            os.rmdir(tdir)
-    with contextlib.suppress(OSError):
-        os.rmdir(dumps)
-    return removed
+        return {}
+    try:
+        return jobdir.job_info_from_bytes(jobdir.read_regular(fd, os.path.basename(path), jobdir.MAX_JOB_JSON))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
 
 
-def remove_stale_dumps(job_dir: str, older_than_s: float) -> int:
-    """Dump dirs left by a capture that never finished (a SIGKILLed daemon), older than ``older_than_s``."""
-    return _remove_dumps(os.path.join(job_dir, "dumps"), older_than_s)
+class RemoteRecord:
+    """A rank record held open by the job owner's reader: read through it, never opened here."""
+
+    def __init__(self, job: JobDir, name: str, info: RecordInfo) -> None:
+        self.job = job
+        self.name = name
+        self.path = os.path.join(job.name, name)
+        self.r, self.inode, self.dev = info.r, info.ino, info.dev
+        self.gen = job.gen
+
+    def read(self, since_step: int = -1) -> RecordSnapshot:
+        if self.gen != self.job.gen:
+            raise ReaderError("the reader was respawned: the record is reopened")
+        return self.job.read_record(self.r, since_step, self.path)
+
+    def replaced(self) -> bool:
+        if self.gen != self.job.gen:
+            return True  # a respawned reader: reopen by name (the same inode keeps its identity)
+        return self.job.replaced(self.r)
+
+    def close(self) -> None:
+        if self.gen == self.job.gen:
+            self.job.close_record(self.r)
 
 
 @dataclass
 class RankState:
-    reader: RecordReader
+    reader: RemoteRecord
     last: RecordSnapshot
     ident: Identity | None = None  # set once the process is proven to write this record
     unverified: str | None = None  # why it is not (yet) verified
@@ -125,13 +84,30 @@ class RankState:
     stopped_since_ns: int | None = None
 
 
+def open_job_dir(shm_dir: str, job_id: str, readers: Readers | None = None) -> JobDir:
+    """The job dir under ``shm_dir``, opened once (never through a symlink) and handed to its owner's reader."""
+    base = jobdir.open_dir(shm_dir)
+    try:
+        return (readers or default_readers()).open_job(base, job_id)
+    finally:
+        os.close(base)
+
+
 class JobWatch:
     def __init__(
-        self, shm_dir: str, job_id: str, procs: ProcessTable, policy: ObservePolicy | None = None
+        self,
+        shm_dir: str,
+        job_id: str,
+        procs: ProcessTable,
+        policy: ObservePolicy | None = None,
+        job: JobDir | None = None,
     ) -> None:
         self.shm_dir = shm_dir
         self.job_id = job_id
-        self.job_dir = os.path.join(shm_dir, job_id)
+        self.job_dir = os.path.join(shm_dir, job_id)  # for messages; every access goes through ``self.job``
+        # the dir as opened at discovery: OSError / ReaderError here means the job is not watched at all
+        self.job = job if job is not None else open_job_dir(shm_dir, job_id)
+        self.owner_uid = self.job.uid
         self.node = socket.gethostname()
         self.ranks: dict[int, RankState] = {}
         self.history: dict[int, deque[StepTiming]] = {}
@@ -143,51 +119,75 @@ class JobWatch:
         self.polls = 0
         self._tracked_at_ns = 0  # last descendant scan
         self._rejected: set[tuple[str, int]] = set()
-        # records of processes that are gone, by (path, inode): never rediscovered as a new run — only a new
+        # records of processes that are gone, by (name, inode): never rediscovered as a new run — only a new
         # record (a new inode, created by rename) is
         self._finished: set[tuple[str, int]] = set()
+        self._over_budget_logged = False
         self.first_seen_ns = time.monotonic_ns()
         self.retired = False
         self.job_info: dict[str, object] = {}
+
+    @property
+    def dir_path(self) -> str:
+        """A path to the very dir opened at discovery (through this process's fd), for what root itself must
+        reach there (the responder's socket, the state file): a name swapped for a symlink is not followed."""
+        return f"/proc/self/fd/{self.job.fd}/."
 
     def refresh(self) -> int:
         """Pick up new or replaced rank records (returns how many); reject corrupt or foreign files once."""
         found = 0
         try:
-            names = os.listdir(self.job_dir)
-        except OSError:
+            names = self.job.names()
+        except ReaderError as exc:
+            self._reader_failed(exc)
             return 0
         if not self.job_info and "job.json" in names:
-            self.job_info = read_job_info(os.path.join(self.job_dir, "job.json"))
+            try:
+                self.job_info = self.job.job_info()
+            except ReaderError:
+                self.job_info = {}
+        budget = self.policy.max_records_per_job
         for name in names:
-            m = _RANK_FILE.match(name)
+            m = jobdir.RANK_FILE.match(name)
             if not m:
                 continue
             rank = int(m.group(1))
-            path = os.path.join(self.job_dir, name)
             state = self.ranks.get(rank)
             if state is not None and not state.reader.replaced():
                 continue
+            if state is None and len(self.ranks) >= budget:
+                if not self._over_budget_logged:
+                    self._over_budget_logged = True
+                    log.warning("records_over_budget", job=self.job_id, budget=budget,
+                                detail="more rank records than any job has: the rest are not read")
+                break
             try:
-                ino = os.stat(path).st_ino
-                if (path, ino) in self._rejected or (path, ino) in self._finished:
+                ino = self.job.inode(name)
+                if ino is None or (name, ino) in self._rejected or (name, ino) in self._finished:
                     continue
-                reader = RecordReader(path)
-                snap = reader.read()
-            except (RecordFormatError, OSError) as exc:
-                try:
-                    self._rejected.add((path, os.stat(path).st_ino))
-                except OSError:
-                    pass
-                log.warning("record_rejected", job=self.job_id, path=path, error=str(exc))
+                info = self.job.open_record(name)
+            except ReaderError as exc:
+                self._reader_failed(exc)
+                return found
+            if isinstance(info, str):
+                self._rejected.add((name, ino))
+                log.warning("record_rejected", job=self.job_id, path=os.path.join(self.job_dir, name), error=info)
                 continue
+            reader = RemoteRecord(self.job, name, info)
+            snap = info.snap
             if snap.global_rank != rank:
                 reader.close()
-                self._rejected.add((path, ino))
-                log.warning("record_rejected", job=self.job_id, path=path, error="rank in file differs from name")
+                self._rejected.add((name, info.ino))
+                log.warning(
+                    "record_rejected", job=self.job_id, path=reader.path, error="rank in file differs from name"
+                )
                 continue
             if state is not None:
                 state.reader.close()
+                if state.ident is not None and state.reader.inode == info.ino:
+                    # the same record reopened by a respawned reader: same process, same proof, kept
+                    state.reader, state.last = reader, snap
+                    continue
                 if state.ident is not None:
                     self._procs.forget(state.ident)
                 log.info("rank_restarted", job=self.job_id, rank=rank, pid=snap.pid)
@@ -206,15 +206,22 @@ class JobWatch:
             )
         return found
 
+    def _reader_failed(self, exc: Exception) -> None:
+        for st in self.ranks.values():
+            if st.unreadable is None:
+                log.warning("record_unreadable", job=self.job_id, error=str(exc)[:200])
+            st.unreadable = str(exc)[:200]
+
     def _verify(self, rank: int, st: RankState) -> None:
-        """Prove the record's pid writes it; an unverified rank is retried every few polls."""
+        """Prove the record's pid maps this very record and runs as the job dir's owner; an unverified rank
+        is retried every few polls."""
         if st.ident is not None or self.polls < st.verify_at_poll:
             return
         if st.last.crashed or st.last.exited_normally:
             st.unverified = "the record says its process already ended"
             st.verify_at_poll = 1 << 62  # never: there is no process left to prove anything
             return
-        got = self._procs.verify(st.last.pid, st.reader.path)
+        got = self._procs.verify(st.last.pid, st.reader.dev, st.reader.inode, self.owner_uid)
         if isinstance(got, Unverified):
             if st.unverified != got.reason:
                 log.warning("rank_unverified", job=self.job_id, rank=rank, pid=st.last.pid, reason=got.reason)
@@ -236,8 +243,10 @@ class JobWatch:
         for rank, st in list(self.ranks.items()):
             if st.reader.replaced():
                 continue
-            if st.ident is None or not self._procs.info(st.ident).alive:
-                self._finished.add((st.reader.path, st.reader.inode))
+            # never proven to be anyone's: forgotten, unless unreadable (not judged at all)
+            gone = st.unreadable is None if st.ident is None else not self._procs.info(st.ident).alive
+            if gone:
+                self._finished.add((st.reader.name, st.reader.inode))
                 st.reader.close()
                 if st.ident is not None:
                     self._procs.forget(st.ident)
@@ -265,6 +274,8 @@ class JobWatch:
         if snap.exited_normally:
             return EXITED
         info = self._procs.info(st.ident)
+        if info.status == "unknown":
+            return UNREADABLE  # /proc could not answer (EMFILE, EACCES): never dead
         if info.status == "zombie":
             return ZOMBIE
         if not info.alive:
@@ -288,7 +299,7 @@ class JobWatch:
                 if st.unreadable is not None:
                     log.info("record_readable_again", job=self.job_id, rank=rank)
                 st.unreadable = None
-            except (RecordFormatError, OSError) as exc:
+            except (RecordFormatError, ReaderError, OSError) as exc:
                 if st.unreadable is None:
                     log.warning("record_unreadable", job=self.job_id, rank=rank, error=str(exc)[:200])
                 st.unreadable = str(exc)[:200]
@@ -344,62 +355,59 @@ class JobWatch:
             self._procs.track_descendants(self.identities())
         return views
 
+    def remove_stale_dumps(self, older_than_s: float) -> int:
+        """Dump dirs left by a capture that never finished (a SIGKILLed daemon), older than ``older_than_s``."""
+        try:
+            return self.job.remove_dumps(older_than_s)
+        except ReaderError:
+            return 0
+
     def remove_finished_files(self) -> int:
         """Delete what finished runs of this job left in its dir (returns how many entries went).
 
         Only what is provably rankwatch's: records whose inode this watch saw finish, and — once no other
-        record is left — the job.json, control FIFOs, faulthandler files and dump files named as the hook
-        names them. Symlinks and anything else are left alone; the job dir goes only when empty.
+        record is left — the job.json, control sockets, faulthandler files and dump files named as the hook
+        names them, all by the owner's reader through the dir fd. Symlinks and anything else are left alone;
+        the job dir goes only when empty (rmdir never follows a symlink).
         """
-        removed = 0
         try:
-            names = os.listdir(self.job_dir)
-        except OSError:
+            removed, empty = self.job.remove_finished(ino for _, ino in self._finished)
+        except ReaderError:
             return 0
-        others = False
-        for name in names:
-            if not _RANK_FILE.match(name):
-                continue
-            path = os.path.join(self.job_dir, name)
+        if empty:
             try:
-                st = os.lstat(path)
+                base = jobdir.open_dir(self.shm_dir)
             except OSError:
-                continue
-            if (path, st.st_ino) in self._finished and stat.S_ISREG(st.st_mode):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    removed += 1
-            else:
-                others = True
-        if others:
-            return removed
-        for name in names:
-            path = os.path.join(self.job_dir, name)
+                return removed
             try:
-                st = os.lstat(path)
+                # only if the name still is the dir this watch held (not a dir put there since)
+                st = os.stat(self.job_id, dir_fd=base, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == (os.fstat(self.job.fd).st_dev, os.fstat(self.job.fd).st_ino):
+                    os.rmdir(self.job_id, dir_fd=base)
             except OSError:
-                continue
-            fifo = _CTL_FILE.match(name) and (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode))
-            plain = (name == "job.json" or _FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
-            if fifo or plain:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    removed += 1
-            elif name == "dumps" and stat.S_ISDIR(st.st_mode):
-                removed += _remove_dumps(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.job_dir)
+                pass
+            finally:
+                os.close(base)
         return removed
+
+    def generation_start_unix(self) -> float | None:
+        """Wall-clock start of the current run's ranks here (their records' monotonic start), for binding
+        store claims to this generation; None before any rank is known."""
+        starts = [st.last.start_ns for st in self.ranks.values() if st.last.start_ns > 0]
+        if not starts:
+            return None
+        return time.time() - (time.monotonic_ns() - min(starts)) / 1e9
 
     def stopped_for_s(self) -> dict[int, float]:
         now = time.monotonic_ns()
         return {r: (now - st.stopped_since_ns) / 1e9 for r, st in self.ranks.items() if st.stopped_since_ns is not None}
 
     def all_gone(self, views: list[RankView]) -> bool:
-        return bool(views) and all(v.state not in (RUNNING, STOPPED) for v in views)
+        return bool(views) and all(v.state not in (RUNNING, STOPPED, UNREADABLE) for v in views)
 
     def close(self) -> None:
         for st in self.ranks.values():
             st.reader.close()
             if st.ident is not None:
                 self._procs.forget(st.ident)
+        self.job.close()

@@ -17,6 +17,7 @@ are, so ``--on-stall kill`` can free the node without guessing at kill time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import select
 import signal
@@ -35,10 +36,12 @@ MAX_DESCENDANTS = 1024
 
 @dataclass(frozen=True)
 class Identity:
-    """One verified process: its pid and the start time that pid had when verified (clock ticks)."""
+    """One verified process: its pid, the start time that pid had when verified (clock ticks) and the uid it
+    ran as (the job owner's: nothing of another uid is ever a rank or a target)."""
 
     pid: int
     start_ticks: int
+    uid: int = -1
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,15 @@ class Unverified:
 NO_PROCESS = "no such process"  # the pid is free: whatever wrote the record has ended
 
 
+class Unknown(Exception):
+    """/proc could not answer (EMFILE, EACCES, a timeout): the process may well be alive. Unknown is
+    never dead (DESIGN "Trust model")."""
+
+
 @dataclass(frozen=True)
 class ProcInfo:
     alive: bool
-    status: str  # "running" | "stopped" | "zombie" | "gone"
+    status: str  # "running" | "stopped" | "zombie" | "gone" | "unknown" (could not be read: never dead)
 
 
 @dataclass(frozen=True)
@@ -68,11 +76,54 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
     The command name may hold spaces and parentheses, so fields are counted after its last ')'.
     """
     try:
+        return stat_or_unknown(pid, proc_root)
+    except Unknown:
+        return None
+
+
+def stat_or_unknown(pid: int, proc_root: str = "/proc") -> ProcStat | None:
+    """``read_stat`` that tells gone (None) from unreadable (raises Unknown): only ENOENT/ESRCH mean gone."""
+    try:
         with open(f"{proc_root}/{pid}/stat", "rb") as f:
             data = f.read(4096)
         fields = data[data.rindex(b")") + 2 :].split()
         return ProcStat(state=fields[0].decode("ascii", "replace"), ppid=int(fields[1]), start_ticks=int(fields[19]))
-    except (OSError, ValueError, IndexError):
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except (OSError, ValueError, IndexError) as exc:
+        raise Unknown(f"/proc/{pid}/stat unreadable: {exc}") from None
+
+
+def proc_uids(pid: int) -> tuple[int, ...] | None:
+    """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``); None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f.read(8192).splitlines():
+                if line.startswith(b"Uid:"):
+                    return tuple(int(x) for x in line.split()[1:5])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def maps_inode(pid: int, dev: int, ino: int) -> bool | None:
+    """Whether ``pid`` maps the file with device ``dev`` and inode ``ino`` (True), provably not (False), or
+    cannot tell (None). Matched on the numbers, never on the path a job chose (a name proves nothing)."""
+    want = (os.major(dev), os.minor(dev))
+    want_ino = str(ino).encode()
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            for line in f:
+                # address perms offset major:minor(hex) inode [path]
+                parts = line.split(None, 5)
+                if len(parts) >= 5 and parts[4] == want_ino:
+                    major, _, minor = parts[3].partition(b":")
+                    if (int(major, 16), int(minor, 16)) == want:
+                        return True
+        return False
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
         return None
 
 
@@ -125,26 +176,29 @@ class ProcessTable:
         self._thread.start()
 
     # -- verification -----------------------------------------------------------------------------
-    def verify(self, pid: int, record_path: str) -> Identity | Unverified:
-        """A rank identity for ``pid`` once it is proven to write ``record_path``."""
+    def verify(self, pid: int, dev: int, ino: int, owner_uid: int) -> Identity | Unverified:
+        """A rank identity for ``pid`` once it is proven to map the record (device ``dev``, inode ``ino``)
+        and to run as ``owner_uid``, the job dir's owner. Every call checks anew: a pid already verified for
+        one record proves nothing about another (no per-pid shortcut)."""
         if pid in self._protected or pid <= 1:
             return Unverified(f"pid {pid} is init, rankwatch or one of its ancestors")
-        with self._lock:
-            known = next((i for i in self._fd if i.pid == pid and i in self._ranks), None)
-        if known is not None:
-            st = read_stat(pid)
-            if st is not None and st.start_ticks == known.start_ticks:
-                return known
         pinned = self._pin(pid)
         if isinstance(pinned, Unverified):
             return pinned
         ident, fd = pinned
-        owns = maps_file(pid, record_path)
+        uids = proc_uids(pid)
+        if uids is None or set(uids) != {owner_uid}:
+            os.close(fd)
+            if uids is None:
+                return Unverified("its /proc status is unreadable, so its owner is unknown")
+            return Unverified(f"it runs as uid {uids[1]}, not as the job dir's owner (uid {owner_uid})")
+        owns = maps_inode(pid, dev, ino)
         if owns is not True or _exited(fd):
             os.close(fd)
             if owns is None:
                 return Unverified("its memory maps are unreadable, so it cannot be proven to write the record")
             return Unverified("it does not map the record (another process holds this pid)")
+        ident = dataclasses.replace(ident, uid=owner_uid)
         self._register(ident, fd, rank=True)
         return ident
 
@@ -155,7 +209,10 @@ class ProcessTable:
             return Unverified(NO_PROCESS)
         except (OSError, AttributeError) as exc:
             return Unverified(f"no pidfd: {getattr(exc, 'strerror', exc)}")
-        st = read_stat(pid)
+        try:
+            st = stat_or_unknown(pid)
+        except Unknown:
+            st = None
         if st is None:
             os.close(fd)
             return Unverified("its /proc stat is unreadable")
@@ -214,10 +271,13 @@ class ProcessTable:
                 continue
             child, fd = pinned
             st = read_stat(pid)
-            # still in this rank's tree after the pidfd pinned it (not reparented, not a reused pid)
-            if st is None or _exited(fd) or st.ppid not in family:
+            uids = proc_uids(pid)
+            # still in this rank's tree after the pidfd pinned it (not reparented, not a reused pid), and of the
+            # rank's uid (a setuid helper the rank ran is not the owner's to kill)
+            if st is None or _exited(fd) or st.ppid not in family or uids is None or set(uids) != {rank.uid}:
                 os.close(fd)
                 continue
+            child = dataclasses.replace(child, uid=rank.uid)
             self._register(child, fd, rank=False)
             with self._lock:
                 self._children.setdefault(rank, set()).add(child)
@@ -233,7 +293,11 @@ class ProcessTable:
         """State of a verified rank; a changed start time means the pid now belongs to someone else."""
         if self.exit_ns(ident) is not None:
             return ProcInfo(alive=False, status="gone")
-        st = read_stat(ident.pid)
+        try:
+            st = stat_or_unknown(ident.pid)
+        except Unknown:
+            # EMFILE, EACCES...: the pidfd has not reported an exit, so the process is there; its state is not
+            return ProcInfo(alive=True, status="unknown")
         if st is None or st.start_ticks != ident.start_ticks:
             return ProcInfo(alive=False, status="gone")
         if st.state in ("Z", "X", "x"):
@@ -253,10 +317,15 @@ class ProcessTable:
 
     # -- action -----------------------------------------------------------------------------------
     def send_signal(self, ident: Identity, sig: int) -> bool:
-        """Signal exactly the verified process (through its pidfd); False when it is gone or unknown."""
+        """Signal exactly the verified process (through its pidfd), only while it still runs as the uid it was
+        verified with; False when it is gone, unknown or of another uid."""
         with self._lock:
             fd = self._fd.get(ident)
-        if fd is None or ident.pid in self._protected:
+        if fd is None or ident.pid in self._protected or ident.uid < 0:
+            return False
+        uids = proc_uids(ident.pid)
+        if uids is None or set(uids) != {ident.uid} or _exited(fd):
+            log.warning("signal_refused", pid=ident.pid, uid=ident.uid, now=uids)
             return False
         try:
             signal.pidfd_send_signal(fd, sig)

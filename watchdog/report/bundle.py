@@ -127,8 +127,9 @@ def remove_partial_bundles(incidents_dir: str) -> int:
     return removed
 
 
-def prune_bundles(incidents_dirs: Sequence[str], keep: int) -> list[str]:
-    """Remove all but the ``keep`` newest finished bundles across ``incidents_dirs``; returns what went.
+def prune_bundles(incidents_dirs: Sequence[str], keep: int | None, max_bytes: int | None = None) -> list[str]:
+    """Remove all but the ``keep`` newest finished bundles across ``incidents_dirs`` (and, with ``max_bytes``,
+    the older ones beyond that many bytes; the newest is always kept); returns what went.
 
     A finished bundle is a real directory holding a ``verdict.json``; nothing else is touched.
     """
@@ -148,7 +149,21 @@ def prune_bundles(incidents_dirs: Sequence[str], keep: int) -> list[str]:
                 continue
     bundles.sort(reverse=True)
     gone = []
-    for _, path in bundles[max(0, keep) :]:
+    total = 0
+    for i, (_, path) in enumerate(bundles):
+        if max_bytes is not None:
+            total += _tree_bytes(path)
+        if i == 0 or ((keep is None or i < keep) and (max_bytes is None or total <= max_bytes)):
+            continue
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
     return gone
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from rankwatch.hooks.files import atomic_write_in
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered, stalled_ranks
@@ -28,8 +29,10 @@ from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_n
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras_watch import RasWatch
-from ..observe.jobwatch import JobWatch, remove_stale_dumps
+from ..observe import jobdir
+from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
+from ..observe.reader import ReaderError, Readers, default_readers
 from ..report import bundle
 from .act import Killer
 from .alerts import Alerter
@@ -37,6 +40,8 @@ from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentReq
 from .state import StatePublisher, incident_ref, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
+
+OWNER_FILE = ".owner"  # <out>/<job>/.owner: the uid of the job's owner, for per-owner bundle budgets
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,12 @@ class Daemon:
         correlators: Mapping[str, Correlator] | None = None,
         correlator_factory: Callable[[JobWatch], Correlator | None] | None = None,
         alerts: Alerter | None = None,
+        readers: Readers | None = None,
     ) -> None:
         self.config = config
         self.jobs: dict[str, JobEntry] = {}
+        # the job owners' readers: started first, so the zygote is forked before this daemon has threads
+        self.readers = readers or default_readers()
         self.procs = procs or ProcessTable()
         self._incident_seq = 0
         self._stop = threading.Event()
@@ -134,6 +142,9 @@ class Daemon:
         self.correlators: dict[str, Correlator] = dict(correlators or {})
         self.correlator_factory = correlator_factory
         self._factory_tried: set[str] = set()
+        self._undiscoverable: set[str] = set()
+        self._in_flight: dict[int, int] = {}  # job owner uid -> incidents in the pipeline (under self._lock)
+        self._deferred_logged: set[str] = set()
         killer = Killer(self.procs, config.kill) if config.on_stall == "kill" else None
         # descendants are pinned only when they may have to be killed
         self._observe = dataclasses.replace(config.observe, track_descendants=killer is not None)
@@ -169,14 +180,28 @@ class Daemon:
             if corr is not None:
                 corr.close()
             self._factory_tried.discard(gone)
-        for name in names:
-            if name in self.jobs or name.startswith("."):
-                continue
-            path = os.path.join(self.config.shm_dir, name)
-            if not os.path.isdir(path) or os.path.islink(path):
-                continue
-            self.jobs[name] = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe))
-            log.info("job_discovered", job=name)
+        new = [n for n in names if n not in self.jobs and not n.startswith(".") and jobdir.SAFE_NAME.match(n)]
+        if not new:
+            return
+        try:
+            base = jobdir.open_dir(self.config.shm_dir)
+        except OSError:
+            return
+        try:
+            for name in new:
+                # opened once, never through a symlink, and held: a name swapped later is never followed
+                try:
+                    job = self.readers.open_job(base, name)
+                except (OSError, ReaderError) as exc:
+                    if name not in self._undiscoverable:
+                        self._undiscoverable.add(name)
+                        log.info("job_dir_skipped", job=name, error=str(exc)[:200])
+                    continue
+                self._undiscoverable.discard(name)
+                self.jobs[name] = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
+                log.info("job_discovered", job=name, owner_uid=job.uid)
+        finally:
+            os.close(base)
 
     # -- one poll ---------------------------------------------------------------------------------
     def poll_once(self) -> None:
@@ -242,6 +267,7 @@ class Daemon:
         self._live_stragglers(job_id, entry)
         correlator = self._correlator(job_id, watch)
         if correlator is not None:
+            correlator.fresh_after_unix = watch.generation_start_unix()
             correlator.publish_snapshot(watch.node, views)
         incident = entry.incident
         if incident is None and self._quiet:
@@ -307,7 +333,7 @@ class Daemon:
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
         )
         try:
-            self.state.publish(job_id, watch.job_dir, doc, force=force)
+            self.state.publish(job_id, watch.dir_path, doc, force=force)
         except Exception:  # a state file is a convenience: it never costs a poll
             log.exception("state_publish_failed", job=job_id)
 
@@ -366,7 +392,20 @@ class Daemon:
         correlator: Correlator | None,
         shared: SharedIncident | None = None,
     ) -> None:
-        """Hand the incident to the pipeline; the loop goes on polling."""
+        """Hand the incident to the pipeline; the loop goes on polling. An owner with
+        ``incidents_in_flight_per_owner`` incidents in the pipeline waits (the trigger is found again next poll)."""
+        owner = entry.watch.owner_uid
+        with self._lock:
+            busy = self._in_flight.get(owner, 0) >= self.config.serve.incidents_in_flight_per_owner
+            if not busy:
+                self._in_flight[owner] = self._in_flight.get(owner, 0) + 1
+        if busy:
+            if job_id not in self._deferred_logged:
+                self._deferred_logged.add(job_id)
+                log.warning("incident_deferred", job=job_id, owner_uid=owner,
+                            why="this user already has the most incidents in flight one user may have")
+            return
+        self._deferred_logged.discard(job_id)
         self._incident_seq += 1
         incident_id = new_incident_id(trigger.kind, self._incident_seq)
         watch = entry.watch
@@ -376,7 +415,7 @@ class Daemon:
             incident_id=incident_id,
             trigger=trigger,
             views=tuple(views),
-            job_dir=watch.job_dir,
+            job_dir=watch.dir_path,
             node=watch.node,
             world_size=world,
             incidents_dir=self.incidents_dir(job_id),
@@ -390,9 +429,11 @@ class Daemon:
             prior=prior_verdict(entry.verdicts[-1:], killed=self.config.on_stall == "kill"),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
+        self._mark_owner(job_id, watch.owner_uid)
 
         def done(result: IncidentResult) -> None:
             with self._lock:
+                self._in_flight[owner] = max(0, self._in_flight.get(owner, 0) - 1)
                 entry.incident = OpenIncident(result.incident_id, trigger, result.bundle_path, result.verdict)
                 entry.incidents.append(result.incident_id)
                 entry.verdicts.append(result.verdict)
@@ -422,12 +463,41 @@ class Daemon:
             return []
         return [os.path.join(self.config.out_dir, j, "incidents") for j in jobs if not j.startswith(".")]
 
-    def _prune_bundles(self) -> None:
-        keep = self.config.serve.keep_incidents
-        if keep is None:
+    def _owner_of(self, job_id: str) -> int:
+        """The uid whose job ``job_id`` was: from the watch, else from the marker this daemon wrote in the
+        job's out dir (root's own dir: never a job-controlled file); -1 when unknown."""
+        entry = self.jobs.get(job_id)
+        if entry is not None:
+            return entry.watch.owner_uid
+        try:
+            with open(os.path.join(self.config.out_dir, job_id, OWNER_FILE), "rb") as f:
+                return int(f.read(16))
+        except (OSError, ValueError):
+            return -1
+
+    def _mark_owner(self, job_id: str, uid: int) -> None:
+        if self.config.incidents_dir:
             return
-        for path in bundle.prune_bundles(self._incident_dirs(), keep):
-            log.info("bundle_pruned", path=path, keep=keep)
+        job_out = os.path.join(self.config.out_dir, job_id)
+        try:
+            os.makedirs(job_out, mode=0o700, exist_ok=True)
+            atomic_write_in(job_out, OWNER_FILE, str(uid).encode())
+        except OSError as exc:
+            log.warning("owner_mark_failed", job=job_id, error=str(exc))
+
+    def _prune_bundles(self) -> None:
+        """Bundles are kept per job owner (``--keep-incidents`` and a byte budget each): one user's incident
+        storm prunes only that user's bundles."""
+        serve = self.config.serve
+        if serve.keep_incidents is None and serve.keep_incident_bytes is None:
+            return
+        by_owner: dict[int, list[str]] = {}
+        for d in self._incident_dirs():
+            job = os.path.basename(os.path.dirname(d))
+            by_owner.setdefault(-2 if self.config.incidents_dir else self._owner_of(job), []).append(d)
+        for uid, dirs in by_owner.items():
+            for path in bundle.prune_bundles(dirs, serve.keep_incidents, serve.keep_incident_bytes):
+                log.info("bundle_pruned", path=path, keep=serve.keep_incidents, owner_uid=uid)
 
     def clean_leftovers(self) -> None:
         """What a daemon killed mid-incident left: half-written bundles and unanswered dump dirs."""
@@ -435,17 +505,12 @@ class Daemon:
             n = bundle.remove_partial_bundles(d)
             if n:
                 log.info("partial_bundles_removed", dir=d, count=n)
-        try:
-            jobs = os.listdir(self.config.shm_dir) if not self.config.job_filter else [self.config.job_filter]
-        except OSError:
-            jobs = []
-        for job in jobs:
-            job_dir = os.path.join(self.config.shm_dir, job)
-            if not os.path.isdir(job_dir) or os.path.islink(job_dir):
-                continue
-            n = remove_stale_dumps(job_dir, self.config.serve.stale_dump_age_s)
+        self.discover()  # every job dir is opened (never through a symlink) and handed to its owner's reader
+        for job_id, entry in self.jobs.items():
+            # by the owner's reader, through dir fds: a symlinked dumps dir is never followed
+            n = entry.watch.remove_stale_dumps(self.config.serve.stale_dump_age_s)
             if n:
-                log.info("stale_dumps_removed", job=job, files=n)
+                log.info("stale_dumps_removed", job=job_id, files=n)
 
     def killed(self, job_id: str) -> bool:
         """Whether ``--on-stall kill`` signalled this job's ranks."""

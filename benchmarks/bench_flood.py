@@ -1,0 +1,134 @@
+"""Detection latency of a real hang while another job floods the daemon (issue #20's target: at most 2x quiet).
+
+A real ``rankwatch daemon`` (``--stall-timeout 2``, 0.2 s polls) watches a victim rank (``tests/procs/rank.py``)
+that stalls after a few steps, and, beside it, one of:
+
+* ``quiet``:   nothing else;
+* ``records``: 1,100 valid records in another job, every one mapped by one live process (so each verifies);
+* ``torn``:    99 records held mid-update (odd seqlock) by a live process: every read of them is torn.
+
+Latency is stall onset to detection: the ``incident_detected`` log line's time minus the victim's last
+progress (on this host's clocks), the 2 s stall timeout included. Medians over ``--repeats``.
+
+    python benchmarks/bench_flood.py --quick
+    python benchmarks/bench_flood.py --repeats 5 --json flood.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RANK = str(REPO / "tests" / "procs" / "rank.py")
+STALL_S = 2.0
+
+FLOODER = """
+import mmap, os, sys, time
+from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
+job, count, torn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "torn"
+os.makedirs(job, mode=0o700, exist_ok=True)
+writers = []
+for r in range(count):
+    w = RecordWriter(os.path.join(job, f"rank-{r}.hb"))
+    write_identity(w, Identity(pid=os.getpid(), global_rank=r, local_rank=r, world_size=count,
+                               local_world_size=count, node_rank=0, device=-1, hostname="flood", job_id="flood",
+                               start_ns=time.monotonic_ns()), list(CANONICAL_PHASES))
+    if torn:
+        w.begin()  # seq odd from now on: a writer stuck mid-update
+    writers.append(w)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _wall(ts: str) -> float:
+    return datetime.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def one_run(mode: str, tmp: Path) -> float | None:
+    from rankwatch.hooks.record import read_record
+
+    shm, out, log = tmp / f"shm-{mode}", tmp / f"out-{mode}", tmp / f"daemon-{mode}.log"
+    shm.mkdir(mode=0o700, parents=True)
+    procs: list[subprocess.Popen] = []
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm))
+    try:
+        if mode != "quiet":
+            count = 1100 if mode == "records" else 99
+            flood = subprocess.Popen([sys.executable, "-c", FLOODER, str(shm / "flood"), str(count), mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            procs.append(flood)
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "ready"
+        with open(log, "w") as err:
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "rankwatch.watchdog.cli", "daemon", "--shm-dir", str(shm), "--out", str(out),
+                 "--stall-timeout", str(STALL_S), "--poll-interval", "0.2", "--json-logs"],
+                stdout=subprocess.DEVNULL, stderr=err, env=env)
+        procs.append(daemon)
+        time.sleep(3)  # the daemon has adopted the flood
+        victim = subprocess.Popen([sys.executable, RANK, "--stall-after", "20", "--step-s", "0.05"],
+                                  stdout=subprocess.PIPE, text=True,
+                                  env=dict(env, RANKWATCH_JOB_ID="victim", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                                           LOCAL_WORLD_SIZE="1"))
+        procs.append(victim)
+        deadline = time.monotonic() + 120
+        got = None
+        while time.monotonic() < deadline and got is None:
+            got = next((e for e in _events(log) if e.get("event") == "incident_detected"
+                        and e.get("job") == "victim"), None)
+            time.sleep(0.1)
+        if got is None:
+            return None
+        rec = read_record(str(shm / "victim" / "rank-0.hb"))
+        offset = time.time() - time.monotonic()
+        return _wall(got["timestamp"]) - (rec.last_progress_ns / 1e9 + offset)
+    finally:
+        for p in reversed(procs):
+            p.kill()
+            p.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one repeat per mode")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
+    args = p.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    raw: dict[str, list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="rw-flood-") as d:
+        for i in range(repeats):
+            for mode in ("quiet", "records", "torn"):  # interleaved: load drifts alike over the modes
+                raw.setdefault(mode, []).append(one_run(mode, Path(d) / f"{mode}-{i}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    quiet = statistics.median([x for x in raw["quiet"] if x is not None] or [float("nan")])
+    print(f"| flood | stall onset → detection, timeout {STALL_S:.0f} s (median s) | x quiet | missed |")
+    print("|---|---|---|---|")
+    for mode, xs in raw.items():
+        ok = [x for x in xs if x is not None]
+        med = statistics.median(ok) if ok else float("nan")
+        print(f"| {mode} | {med:.2f} | {med / quiet if quiet else float('nan'):.2f} | {len(xs) - len(ok)} |")
+
+
+if __name__ == "__main__":
+    main()

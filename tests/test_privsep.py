@@ -1,0 +1,462 @@
+# ruff: noqa: F811  (the users/world fixtures of test_multiuser are imported, then requested by name)
+"""A hostile local user against a root daemon: every case of issue #20's review, with real users, symlinks,
+ptys, fd limits and a store that never answers. The daemon is a real ``rankwatch daemon`` running as root
+(this test process); ranks are real processes of throwaway unprivileged users (``useradd``, removed after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, bundle_dirs, new_tracker, rankwatch_cmd, stalled_record, wait_for
+from test_multiuser import User, users, world  # noqa: F401  (fixtures: throwaway users, a world for them)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="real users, other uids' files and ptys need root"),
+]
+
+RANK = str(REPO / "tests" / "procs" / "rank.py")
+
+
+class DaemonProc:
+    """``rankwatch daemon`` as root, JSON logs into a file the test reads while it runs."""
+
+    def __init__(self, tmp: Path, shm: Path, *extra: str, prefix: tuple[str, ...] = (), env: dict | None = None,
+                 stall: str = "1", on_stall: str = "kill") -> None:
+        self.out = tmp / f"out-{time.monotonic_ns()}"
+        self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
+        cmd = [*prefix, *rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(self.out), "--stall-timeout",
+                                       stall, "--poll-interval", "0.2", "--on-stall", on_stall, "--json-logs", *extra)]
+        self._err = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._err, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if isinstance(doc, dict):
+                    out.append(doc)
+        return out
+
+    def wait(self, pred, timeout: float = 60) -> dict | None:
+        return wait_for(lambda: next((e for e in self.events() if pred(e)), None), timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # readers and py-spy children
+        self._err.close()
+
+
+@pytest.fixture
+def daemons():
+    made: list[DaemonProc] = []
+
+    def start(*a, **kw) -> DaemonProc:
+        d = DaemonProc(*a, **kw)
+        made.append(d)
+        return d
+
+    yield start
+    for d in made:
+        d.stop()
+
+
+@pytest.fixture
+def ranks():
+    """Rank processes of the test users: killed (SIGKILL, every one) at teardown."""
+    made: list[subprocess.Popen] = []
+
+    def start(user: User, world: dict, shm: Path, job: str, *args: str, rank: int = 0, size: int = 1):
+        env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID=job, RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
+        proc = user.popen([world["python"], RANK, *args], env, cwd=str(world["dir"]), start_new_session=True)
+        made.append(proc)
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), line + (proc.stderr.read() if proc.poll() is not None else "")
+        return proc
+
+    yield start
+    for proc in made:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def fresh_shm(world: dict) -> Path:
+    """A shared base dir like /dev/shm/rankwatch: world-writable and sticky."""
+    shm = world["devshm"] / f"rw-{time.monotonic_ns()}"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    return shm
+
+
+def give(path: Path, user: User) -> None:
+    """Everything at and below ``path`` becomes ``user``'s (as if they had made it), symlinks included."""
+    for p in [path, *path.rglob("*")] if path.is_dir() and not path.is_symlink() else [path]:
+        os.lchown(p, user.uid, user.gid)
+
+
+def discovered(d: DaemonProc, job: str, **match):
+    return d.wait(lambda e: e.get("event") == "rank_discovered" and e.get("job") == job
+                  and all(e.get(k) == v for k, v in match.items()))
+
+
+# -- 1. identity --------------------------------------------------------------------------------------
+def test_a_record_naming_another_users_verified_rank_is_rejected(users, world, daemons, ranks, tmp_path):
+    a, b = users
+    shm = fresh_shm(world)
+    victim = ranks(b, world, shm, "job-b")  # healthy, stepping
+    d = daemons(tmp_path, shm)
+    assert discovered(d, "job-b", verified=True, pid=victim.pid)
+    # A plants a record of their own naming B's verified rank, stalled: --on-stall kill would hit B
+    tracker = stalled_record(shm, "job-a", pid=victim.pid)
+    give(shm / "job-a", a)
+    seen = discovered(d, "job-a", pid=victim.pid)
+    assert seen is not None and seen["verified"] is False, seen
+    assert d.wait(lambda e: e.get("event") == "rank_unverified" and e.get("job") == "job-a", timeout=30)
+    # several stall timeouts later: nothing of B's was signalled, no incident names it
+    time.sleep(4)
+    assert victim.poll() is None, "B's healthy rank was killed through A's record"
+    assert not [e for e in d.events() if e.get("event") in ("killing_job", "incident_detected")]
+    del tracker
+
+
+# -- 2. job.json symlinked to a root-only file or a pty --------------------------------------------------
+def test_job_json_symlinked_to_a_root_only_file_is_never_read(users, world, daemons, tmp_path):
+    a, _ = users
+    shm = fresh_shm(world)
+    secret = tmp_path / "root-only.json"
+    secret.write_text(json.dumps({"schema": "rankwatch.job/1", "world_size": 2, "local_world_size": 1}))
+    secret.chmod(0o600)
+    os.utime(secret, (0, time.time()))  # atime far in the past: any read() moves it (relatime)
+    job = shm / "job-s"
+    job.mkdir(mode=0o700)
+    (job / "job.json").symlink_to(secret)
+    give(job, a)
+    d = daemons(tmp_path, shm)
+    assert d.wait(lambda e: e.get("event") == "job_discovered" and e.get("job") == "job-s")
+    time.sleep(2)  # ten polls: each one would have read job.json again
+    assert d.proc.poll() is None
+    assert os.stat(secret).st_atime == 0, "the root daemon read a root-only file through the user's symlink"
+
+
+def test_job_json_symlinked_to_a_pty_never_becomes_the_daemons_terminal(users, world, daemons, tmp_path):
+    a, _ = users
+    shm = fresh_shm(world)
+    master, slave = os.openpty()
+    tty = os.ttyname(slave)
+    os.chown(tty, a.uid, a.gid)  # the attacker's own terminal
+    os.close(slave)
+    try:
+        job = shm / "job-t"
+        job.mkdir(mode=0o700)
+        (job / "job.json").symlink_to(tty)
+        give(job, a)
+        d = daemons(tmp_path, shm)
+        assert d.wait(lambda e: e.get("event") == "job_discovered" and e.get("job") == "job-t")
+        time.sleep(2)  # ten polls
+        os.write(master, b"\x1c\x03")  # ^\ (SIGQUIT) and ^C to whoever has this terminal as its own
+        time.sleep(1)
+        assert d.proc.poll() is None, f"the daemon died (rc {d.proc.returncode}) from ^\\ typed on a user's pty"
+        tty_nr = int(Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
+        assert tty_nr == 0, "the daemon acquired a controlling terminal"
+    finally:
+        os.close(master)
+
+
+# -- 3. job dir swapped for a symlink after discovery -----------------------------------------------------
+def test_a_job_dir_swapped_for_a_symlink_after_discovery_is_not_followed(users, world, daemons, ranks, tmp_path):
+    a, b = users
+    # A's own base dir (not sticky): root would follow a symlink A puts there (no fs.protected_symlinks)
+    shm_a = world["dir"] / f"shm-a-{time.monotonic_ns()}"
+    shm_a.mkdir(mode=0o755)
+    give(shm_a, a)
+    shm_b = fresh_shm(world)
+    own = ranks(a, world, shm_a, "job-a")
+    victim = ranks(b, world, shm_b, "job-b", "--stall-after", "1")  # B's rank, stalled: an incident target
+    d = daemons(tmp_path, shm_a)
+    assert discovered(d, "job-a", verified=True, pid=own.pid)
+    os.rename(shm_a / "job-a", shm_a / "job-a.old")
+    (shm_a / "job-a").symlink_to(shm_b / "job-b")
+    os.lchown(shm_a / "job-a", a.uid, a.gid)
+    time.sleep(4)  # twenty polls, several stall timeouts
+    mine = [e for e in d.events() if e.get("job") == "job-a" and e.get("pid") == victim.pid]
+    assert not mine, f"B's rank was adopted into A's job through the swapped dir: {mine}"
+    assert victim.poll() is None
+    assert not bundle_dirs(d.out / "job-a" / "incidents") or all(
+        str(victim.pid) not in (p / "ranks.json").read_text() for p in bundle_dirs(d.out / "job-a" / "incidents"))
+
+
+# -- 4. leftover clean-up ----------------------------------------------------------------------------------
+def test_leftover_cleanup_never_follows_a_symlinked_dumps_dir(users, world, daemons, tmp_path):
+    a, b = users
+    shm = fresh_shm(world)
+    victim = world["dir"] / f"victim-{time.monotonic_ns()}"
+    (victim / "tok").mkdir(parents=True)
+    precious = victim / "tok" / "rank-0.stacks.json"
+    precious.write_text("B's file")
+    give(victim, b)
+    job = shm / "job-d"
+    job.mkdir(mode=0o700)
+    (job / "dumps").symlink_to(victim)
+    give(job, a)
+    # and a real leftover of a job of A's, which the clean-up must still remove
+    stale = shm / "job-e" / "dumps" / "tok"
+    stale.mkdir(parents=True)
+    (stale / "rank-0.fr.json").write_text("{}")
+    give(shm / "job-e", a)
+    for p in (victim / "tok", stale):
+        os.utime(p, (0, 0))
+    d = daemons(tmp_path, shm, "--once")
+    d.proc.wait(timeout=120)
+    assert precious.exists(), "the root daemon deleted another user's file through a symlinked dumps dir"
+    assert not (stale / "rank-0.fr.json").exists(), "a real stale dump was left behind"
+
+
+# -- 5. fd exhaustion --------------------------------------------------------------------------------------
+MAPPER = """
+import mmap, os, sys
+job, count, pid_off, rank_off = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+raw = bytearray(open(os.path.join(job, "template"), "rb").read())
+raw[pid_off:pid_off + 8] = os.getpid().to_bytes(8, "little")
+maps = []
+for r in range(count):
+    if r == 10:  # a few first, then the flood: the daemon has adopted the job before its fds run out
+        print("first", flush=True)
+        sys.stdin.readline()
+    raw[rank_off:rank_off + 4] = r.to_bytes(4, "little")
+    path = os.path.join(job, f"rank-{r}.hb")
+    with open(path + ".tmp", "wb") as f:
+        f.write(raw)
+    with open(path + ".tmp", "r+b") as f:
+        maps.append(mmap.mmap(f.fileno(), len(raw)))   # this process maps every record: each one verifies
+    os.rename(path + ".tmp", path)
+print("mapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/prlimit"), reason="prlimit (util-linux) not installed")
+def test_fd_exhaustion_makes_ranks_unreadable_never_dead(users, world, daemons, ranks, tmp_path):
+    from rankwatch.hooks.record import RecordLayout
+
+    a, b = users
+    shm = fresh_shm(world)
+    victim = ranks(b, world, shm, "job-b")  # healthy
+    d = daemons(tmp_path, shm, prefix=("prlimit", "--nofile=1024:1024", "--"))
+    assert discovered(d, "job-b", verified=True, pid=victim.pid)
+    # A's flood: 1,100 valid records, all mapped by one live process of A's (so each is a verified rank)
+    job = shm / "job-flood"
+    job.mkdir(mode=0o700)
+    # a fresh record (no step yet: the start-up budget keeps this job from an incident of its own)
+    t = new_tracker(job / "template")
+    give(job, a)
+    script = world["dir"] / "mapper.py"
+    script.write_text(MAPPER)
+    script.chmod(0o644)
+    mapper = a.popen([world["python"], str(script), str(job), "1100", str(RecordLayout.pid.offset),
+                      str(RecordLayout.global_rank.offset)], world["env"], stdin=subprocess.PIPE,
+                     cwd=str(world["dir"]), start_new_session=True)
+    try:
+        assert mapper.stdout.readline().strip() == "first", mapper.stderr.read()
+        assert d.wait(lambda e: e.get("job") == "job-flood" and e.get("event") == "rank_discovered"
+                      and e.get("verified") is True)
+        time.sleep(1)
+        mapper.stdin.write("more\n")
+        mapper.stdin.flush()
+        assert mapper.stdout.readline().strip() == "mapped", mapper.stderr.read()
+        time.sleep(6)  # 30 polls of the flood
+        assert victim.poll() is None, "B's healthy rank was killed"
+        bad = [e for e in d.events() if e.get("job") == "job-b" and e.get("event") in
+               ("incident_detected", "killing_job", "verdict")]
+        assert not bad, bad
+        assert d.proc.poll() is None
+    finally:
+        os.killpg(mapper.pid, signal.SIGKILL)
+        mapper.wait()
+        del t
+
+
+# -- 6. a store that never answers -----------------------------------------------------------------------
+STORE_SERVER = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30), use_libuv=True)
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_store_that_never_answers_does_not_stop_the_poll_loop(daemons, tmp_path, procs):
+    """A store that took the connection and then never answers (here: a real TCPStore server, stopped):
+    the kernel still accepts and buffers, nothing comes back."""
+    from conftest import free_port
+    from test_safety import start_rank
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    port = free_port()
+    server = procs.start([sys.executable, "-c", STORE_SERVER, str(port)], text=True)
+    assert server.stdout.readline().strip() == "ready", server.stderr.read()
+    mn = shm / "job-mn"
+    mn.mkdir(mode=0o700)
+    (mn / "job.json").write_text(json.dumps({"schema": "rankwatch.job/1", "job_id": "job-mn", "world_size": 2,
+                                             "local_world_size": 1, "node_rank": 1, "master_addr": "127.0.0.1"}))
+    start_rank(procs, shm, "job-mn", 1, 2)  # healthy, node 1 of 2
+    d = daemons(tmp_path, shm, "--store", f"127.0.0.1:{port}", stall="3", on_stall="report")
+    assert d.wait(lambda e: e.get("event") == "store_connected" and e.get("job") == "job-mn")
+    os.kill(server.pid, signal.SIGSTOP)  # from now on: accepted, never answered
+    try:
+        time.sleep(2)  # the correlator's calls are now waiting on it
+        start_rank(procs, shm, "job-x", 0, 1, "--stall-after", "1")  # another job hangs
+        got = d.wait(lambda e: e.get("event") == "incident_detected" and e.get("job") == "job-x", timeout=90)
+        assert got, "another job's hang went undetected while the store did not answer"
+        assert d.proc.poll() is None
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+# -- 7. replayed claims ------------------------------------------------------------------------------------
+def test_a_claim_from_before_the_job_restarted_is_rejected(tmp_path):
+    from conftest import free_port
+    from rankwatch.watchdog.cluster.correlate import Correlator
+
+    port = free_port()
+    secret = b"s" * 32
+    leader = Correlator("job", 0, "127.0.0.1", port, nnodes=2, secret=secret)
+    follower = None
+    try:
+        assert wait_for(lambda: leader.store is not None, timeout=60)
+        old = leader.claim("20260101T000000Z-001-stall", {"kind": "stall", "ranks": [1], "reason": "old run"})
+        assert old.gen == 1
+        # the job was killed and restarted, and node 1's daemon restarted with it: the sealed claim of the old
+        # run is still in the store
+        follower = Correlator("job", 1, "127.0.0.1", port, nnodes=2, secret=secret)
+        # the restarted job's ranks started after the claim (the kill's grace period, torchrun's restart)
+        follower.fresh_after_unix = time.time() + 2.0
+        assert wait_for(lambda: follower.store is not None, timeout=60)
+        replayed = [follower.poll_incident() for _ in range(20) if time.sleep(0.1) is None]
+        assert not any(replayed), "a claim of the previous run was replayed to the restarted job"
+        # a claim of this run still gets through
+        wait_for(lambda: time.time() > follower.fresh_after_unix, timeout=5)
+        leader.handled_gen = 1
+        new = leader.claim("20260101T000100Z-002-stall", {"kind": "stall", "ranks": [0], "reason": "this run"})
+        got = wait_for(lambda: follower.poll_incident(), timeout=10)
+        assert got is not None and got.incident_id == new.incident_id
+    finally:
+        leader.close()
+        if follower is not None:
+            follower.close()
+
+
+# -- 8. budgets per user -----------------------------------------------------------------------------------
+def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons, ranks, tmp_path):
+    a, b = users
+    shm = fresh_shm(world)
+    d = daemons(tmp_path, shm, "--keep-incidents", "1", on_stall="report")
+    ranks(b, world, shm, "job-b", "--stall-after", "1")
+    assert wait_for(lambda: bundle_dirs(d.out / "job-b" / "incidents"), timeout=90)
+    theirs = bundle_dirs(d.out / "job-b" / "incidents")
+    ranks(a, world, shm, "job-a", "--stall-after", "1")
+    ranks(a, world, shm, "job-a2", "--stall-after", "1")
+    assert wait_for(lambda: len(bundle_dirs(d.out / "job-a" / "incidents"))
+                    + len(bundle_dirs(d.out / "job-a2" / "incidents")) >= 1
+                    and d.wait(lambda e: e.get("event") == "verdict" and e.get("job") in ("job-a", "job-a2")
+                               and e.get("bundle"), timeout=0), timeout=90)
+    assert d.wait(lambda e: e.get("event") == "verdict" and e.get("job") == "job-a2" and e.get("bundle"), 90)
+    assert d.wait(lambda e: e.get("event") == "verdict" and e.get("job") == "job-a" and e.get("bundle"), 90)
+    time.sleep(1)
+    assert bundle_dirs(d.out / "job-b" / "incidents") == theirs, "A's incidents pruned B's bundle"
+    # and A's own are pruned to its own budget: one bundle kept of A's two
+    assert len(bundle_dirs(d.out / "job-a" / "incidents")) + len(bundle_dirs(d.out / "job-a2" / "incidents")) == 1
+
+
+# -- 9. SIGHUP, py-spy output -------------------------------------------------------------------------------
+def test_sighup_loses_no_incident_in_flight(daemons, tmp_path, procs):
+    from test_safety import start_rank
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    d = daemons(tmp_path, shm, on_stall="report")
+    start_rank(procs, shm, "job-h", 0, 1, "--stall-after", "1")
+    assert d.wait(lambda e: e.get("event") == "incident_detected" and e.get("job") == "job-h")
+    os.kill(d.proc.pid, signal.SIGHUP)
+    assert wait_for(lambda: bundle_dirs(d.out / "job-h" / "incidents") or d.proc.poll() is not None, timeout=60)
+    assert d.proc.poll() is None, "SIGHUP ended the daemon"
+    assert bundle_dirs(d.out / "job-h" / "incidents"), "the incident in flight was lost"
+    assert d.wait(lambda e: e.get("event") == "daemon_reloaded")
+
+
+FAKE_PYSPY = """#!/bin/sh
+# py-spy stand-in: rank {bad}'s dump is the wrong shape, rank {big}'s is 100 MB, the others are real
+for a in "$@"; do case "$prev" in --pid) pid="$a";; esac; prev="$a"; done
+if [ "$pid" = "{bad}" ]; then
+  echo '[{{"thread_name": "MainThread", "os_thread_id": {bad}, "frames": 5}}, 7]'; exit 0
+fi
+if [ "$pid" = "{big}" ]; then head -c 100000000 /dev/zero | tr '\\0' '['; exit 0; fi
+exec {real} "$@"
+"""
+
+
+def test_a_bad_pyspy_answer_costs_only_its_own_rank(daemons, tmp_path, procs):
+    from rankwatch.watchdog.evidence.capture import pyspy_available
+    from test_safety import start_rank
+
+    real = pyspy_available()
+    if real is None:
+        pytest.skip("py-spy not installed")
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    rs = [start_rank(procs, shm, "job-p", r, 3, "--stall-after", "1") for r in range(3)]
+    fake = tmp_path / "bin" / "py-spy"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_PYSPY.format(bad=rs[0].pid, big=rs[1].pid, real=os.path.realpath(real)))
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    d = daemons(tmp_path, shm, on_stall="report", env=env, stall="2")
+    got = wait_for(lambda: bundle_dirs(d.out / "job-p" / "incidents"), timeout=120)
+    assert got
+    stacks = got[0] / "stacks"
+    text = {r: (stacks / f"rank-{r}.txt").read_text() for r in range(3)}
+    assert "rank.py" in text[2], text[2]  # the healthy capture kept its stacks
+    assert "unexpected shape" in text[0] or "no stack" in text[0] or "responder" in text[0], text[0]
+    assert "cut, not parsed" in text[1], text[1]
+
+
+# -- a reader its own user kills ---------------------------------------------------------------------------
+def test_a_reader_killed_by_its_user_makes_ranks_unreadable_then_it_is_respawned(users, world, daemons, ranks,
+                                                                                  tmp_path):
+    _, b = users
+    shm = fresh_shm(world)
+    rank = ranks(b, world, shm, "job-b")  # healthy
+    d = daemons(tmp_path, shm)
+    assert discovered(d, "job-b", verified=True, pid=rank.pid)
+    started = d.wait(lambda e: e.get("event") == "reader_started" and e.get("uid") == b.uid)
+    assert started
+    reader = started["pid"]
+    assert os.stat(f"/proc/{reader}").st_uid == b.uid  # the reader runs as the job's owner
+    os.kill(reader, signal.SIGKILL)  # B may: it is B's process
+    assert d.wait(lambda e: e.get("event") == "record_unreadable" and e.get("job") == "job-b", timeout=30)
+    assert d.wait(lambda e: e.get("event") == "record_readable_again" and e.get("job") == "job-b", timeout=60)
+    assert rank.poll() is None and d.proc.poll() is None
+    assert not [e for e in d.events() if e.get("event") in ("incident_detected", "killing_job")]
+    assert len([e for e in d.events() if e.get("event") == "reader_started" and e.get("uid") == b.uid]) == 2

@@ -1,0 +1,215 @@
+"""The reader protocol: length-prefixed typed frames, and the validation of what a reader answers.
+
+A reader runs as the job owner, so the owner can kill it, and a bug in it could be made to answer
+anything: the root side treats every answer as hostile. A frame is a 4-byte big-endian length and a JSON
+object (``MAX_FRAME`` at most); file descriptors travel beside the length with SCM_RIGHTS. Snapshots are
+rebuilt field by field with types and ranges checked (``snapshot_from_doc``), never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import struct
+import time
+from typing import Any
+
+from rankwatch.hooks.record import RecordSnapshot
+
+from ..core.steps import StepTiming
+
+MAX_FRAME = 24 << 20  # the largest answer: a py-spy dump of many threads with locals stays below this
+MAX_FDS = 4
+_LEN = struct.Struct(">I")
+MAX_STR = 512
+MAX_STEPS = 4096  # steps per snapshot (the ring holds 512)
+MAX_PHASES = 64
+
+
+class WireError(Exception):
+    """A frame is malformed, oversized, late, or the peer is gone."""
+
+
+def send_frame(sock: socket.socket, doc: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise WireError(f"frame of {len(data)} bytes over {MAX_FRAME}")
+    head = _LEN.pack(len(data))
+    if fds:
+        sent = socket.send_fds(sock, [head], list(fds))
+        if sent != len(head):
+            sock.sendall(head[sent:])
+    else:
+        sock.sendall(head)
+    sock.sendall(data)
+
+
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """One frame, with any fds that came with it; WireError on EOF, a bad frame, or past ``deadline``."""
+    fds: list[int] = []
+    head = b""
+    while len(head) < _LEN.size:
+        _timeout(sock, deadline)
+        try:
+            chunk, got, _flags, _addr = socket.recv_fds(sock, _LEN.size - len(head), MAX_FDS)
+        except (TimeoutError, OSError) as exc:
+            _close_all(fds)
+            raise WireError(f"no answer: {exc}") from None
+        fds += got
+        if not chunk:
+            _close_all(fds)
+            raise WireError("peer closed")
+        head += chunk
+    (size,) = _LEN.unpack(head)
+    if size > MAX_FRAME:
+        _close_all(fds)
+        raise WireError(f"frame of {size} bytes over {MAX_FRAME}")
+    buf = bytearray()
+    while len(buf) < size:
+        _timeout(sock, deadline)
+        try:
+            chunk = sock.recv(min(size - len(buf), 1 << 20))
+        except (TimeoutError, OSError) as exc:
+            _close_all(fds)
+            raise WireError(f"answer cut: {exc}") from None
+        if not chunk:
+            _close_all(fds)
+            raise WireError("peer closed mid-frame")
+        buf += chunk
+    try:
+        doc = json.loads(bytes(buf))
+    except (ValueError, RecursionError):
+        _close_all(fds)
+        raise WireError("frame is not JSON") from None
+    if not isinstance(doc, dict):
+        _close_all(fds)
+        raise WireError("frame is not an object")
+    return doc, fds
+
+
+def _timeout(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise WireError("deadline passed")
+    sock.settimeout(left)
+
+
+def _close_all(fds: list[int]) -> None:
+    import os
+
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# -- values ---------------------------------------------------------------------------------------
+def w_int(v: Any, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise WireError(f"expected an integer in [{lo}, {hi}]")
+    return v
+
+
+def w_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise WireError("expected a finite number")
+    return float(v)
+
+
+def w_str(v: Any, limit: int = MAX_STR) -> str:
+    if not isinstance(v, str) or len(v) > limit:
+        raise WireError(f"expected a string of at most {limit} chars")
+    return v
+
+
+def w_opt_str(v: Any, limit: int = MAX_STR) -> str | None:
+    return None if v is None else w_str(v, limit)
+
+
+def _phases(v: Any) -> dict[str, float]:
+    if not isinstance(v, dict) or len(v) > MAX_PHASES:
+        raise WireError("expected a small phase table")
+    return {w_str(k, 64): w_float(x) for k, x in v.items()}
+
+
+I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def snapshot_to_doc(s: RecordSnapshot) -> dict[str, Any]:
+    return {
+        "pid": s.pid, "global_rank": s.global_rank, "local_rank": s.local_rank, "world_size": s.world_size,
+        "local_world_size": s.local_world_size, "node_rank": s.node_rank, "device": s.device,
+        "hostname": s.hostname, "job_id": s.job_id, "start_ns": s.start_ns, "flags": s.flags,
+        "phase_names": list(s.phase_names), "phase_budget_s": list(s.phase_budget_s), "step": s.step,
+        "step_start_ns": s.step_start_ns, "phase": s.phase, "phase_start_ns": s.phase_start_ns,
+        "last_progress_ns": s.last_progress_ns, "transitions": s.transitions,
+        "coll_seq_entered": s.coll_seq_entered, "coll_seq_completed": s.coll_seq_completed,
+        "coll_op": s.coll_op, "budget_s": s.budget_s, "budget_start_ns": s.budget_start_ns,
+        "exit_ns": s.exit_ns, "steps_done": s.steps_done, "crash_info": s.crash_info,
+        "gpu_phase_ms": s.gpu_phase_ms,
+        "steps": [
+            [t.step, t.start_ns, t.end_ns, t.phases_ms, t.input_ms, t.input_batches, t.input_workers]
+            for t in s.recent_steps
+        ],
+    }
+
+
+def snapshot_from_doc(d: Any, path: str) -> RecordSnapshot:
+    """A RecordSnapshot from a reader's answer, every field type- and range-checked (WireError)."""
+    if not isinstance(d, dict):
+        raise WireError("snapshot: expected an object")
+    steps = d.get("steps")
+    if not isinstance(steps, list) or len(steps) > MAX_STEPS:
+        raise WireError("snapshot: steps malformed")
+    timings = []
+    for t in steps:
+        if not isinstance(t, list) or len(t) != 7:
+            raise WireError("snapshot: step entry malformed")
+        timings.append(
+            StepTiming(
+                step=w_int(t[0]), start_ns=w_int(t[1]), end_ns=w_int(t[2]), phases_ms=_phases(t[3]),
+                input_ms=w_float(t[4]), input_batches=w_int(t[5], hi=1 << 32), input_workers=w_int(t[6], hi=1 << 16),
+            )
+        )
+    names = d.get("phase_names")
+    budgets = d.get("phase_budget_s")
+    if not isinstance(names, list) or not isinstance(budgets, list) or len(names) > MAX_PHASES:
+        raise WireError("snapshot: phase table malformed")
+    i32 = (-(1 << 31), (1 << 31) - 1)
+    return RecordSnapshot(
+        path=path,
+        pid=w_int(d.get("pid"), *I64),
+        global_rank=w_int(d.get("global_rank"), 0, i32[1]),
+        local_rank=w_int(d.get("local_rank"), *i32),
+        world_size=w_int(d.get("world_size"), 1, i32[1]),
+        local_world_size=w_int(d.get("local_world_size"), *i32),
+        node_rank=w_int(d.get("node_rank"), *i32),
+        device=w_int(d.get("device"), *i32),
+        hostname=w_str(d.get("hostname"), 128),
+        job_id=w_str(d.get("job_id"), 128),
+        start_ns=w_int(d.get("start_ns")),
+        flags=w_int(d.get("flags"), 0, (1 << 32) - 1),
+        phase_names=tuple(w_str(n, 64) for n in names),
+        phase_budget_s=tuple(w_float(b) for b in budgets),
+        step=w_int(d.get("step")),
+        step_start_ns=w_int(d.get("step_start_ns")),
+        phase=w_opt_str(d.get("phase"), 64),
+        phase_start_ns=w_int(d.get("phase_start_ns")),
+        last_progress_ns=w_int(d.get("last_progress_ns")),
+        transitions=w_int(d.get("transitions")),
+        coll_seq_entered=w_int(d.get("coll_seq_entered")),
+        coll_seq_completed=w_int(d.get("coll_seq_completed")),
+        coll_op=w_opt_str(d.get("coll_op"), 64),
+        budget_s=w_float(d.get("budget_s")),
+        budget_start_ns=w_int(d.get("budget_start_ns")),
+        exit_ns=w_int(d.get("exit_ns")),
+        steps_done=w_int(d.get("steps_done")),
+        crash_info=w_str(d.get("crash_info"), 1024),
+        gpu_phase_ms=_phases(d.get("gpu_phase_ms")),
+        recent_steps=tuple(timings),
+    )
