@@ -254,3 +254,20 @@ def test_after_a_kill_exits_of_a_restarted_generation_are_news():
     assert (v["initiating_ranks"], v.get("follows_incident")) == ([0], None)
     same = [rv(0, state="dead", exit_age_s=0.2), rv(1)]  # the process that was decided (pid 1000)
     assert verdict(same, prior=prior, killed=(1,))["follows_incident"] == "stopped-1"
+
+
+def test_a_weaker_rung_naming_a_proven_waiter_too_does_not_question_the_sink():
+    """TP groups of 2 (tpdp-tp2): rank 1 blocks before its TP all_reduce; its TP peer 0 waits in it with a
+    stack of its own, the others wait in DDP's backward. "A stack no other rank shares" names {0, 1}, but the
+    flight recorder shows rank 0 waiting for rank 1: no disagreement, the sink keeps its confidence."""
+    hints = hints_of(_tp_dp_dumps())
+    views = [
+        dataclasses.replace(v, stack_signature="spin" if v.rank == 1 else "tp_all_reduce" if v.rank == 0
+                            else "ddp_backward")
+        for v in _tp_dp_views()
+    ]
+    views[2] = dataclasses.replace(views[2], stack_signature="ddp_backward")
+    views[3] = dataclasses.replace(views[3], stack_signature="ddp_backward")
+    v = verdict(views, fr_hints=hints)
+    assert (v["initiating_ranks"], v["confidence"]) == ([1], "high"), v["evidence"]
+    assert "stacks" not in v["finding"]["data"].get("questioned_by", [])

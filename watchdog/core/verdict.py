@@ -327,11 +327,21 @@ def _weigh(
     # the wait-for graph already read groups, p2p peers and counters: their per-group "behind" is no
     # independent evidence against it (pipeline stages and subgroups make it disagree by design)
     subsumed = {"exits_consequence", "fr_behind", "counters", "waiting"} if rung.name == "wait_for" else set()
+    # ranks the graph shows waiting for a named peer: a weaker rung that names them beside the sinks (a TP
+    # peer waiting in its own collective has a stack nobody else shares) says nothing against the sinks
+    graph = finding.structured.data if rung.name == "wait_for" and finding.structured is not None else {}
+    named_waiters = set(graph.get("waiters", ())) - set(graph.get("via_anyone", ()))
     for r in below:
         other = found.get(r.name)
         if other is None or not other.initiators or _names_everyone(other, present):
             continue
         if r.name in subsumed and set(other.initiators) != chosen:
+            continue
+        if (extra := set(other.initiators) - chosen) and extra <= named_waiters and chosen <= set(other.initiators):
+            finding.evidence.append(
+                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}: "
+                f"{fmt_ranks(extra)} wait(s) for a named peer in the graph above"
+            )
             continue
         if set(other.initiators) == chosen:
             finding.data.setdefault("backed_by", []).append(r.name)
