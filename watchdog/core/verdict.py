@@ -300,8 +300,8 @@ def _finding_doc(finding: RuleFinding, decided_by: str) -> dict[str, Any]:
 def _wait_for_label(f: engine.Finding, found: Mapping[str, RuleFinding | None]) -> str:
     """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a per-group
     count that names the same ranks (the flight recorder's, then the counters')."""
-    if f.kind == "comm_hang":
-        return "missing_node"
+    if f.kind == "comm_hang" or f.data.get("peer_ended"):
+        return "missing_node"  # the sinks are a node that never answered (gone, when its peers saw it close)
     if f.kind == "stopped_rank":
         return "stopped"
     label = _RUNG_NAME.get(f.data.get("edge_strength", FactRung.WAITING), "waiting")
