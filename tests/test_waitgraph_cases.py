@@ -157,6 +157,8 @@ def test_ranks_that_exited_on_a_pg_timeout_point_at_the_alive_rank_waiting_for_n
     v = verdict(views)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [1], "forward"), v["reason"]
     assert v["finding"]["rule"] == "wait_for" and v["finding"]["data"]["via_anyone"] == [0, 2, 3]
+    # the one live rank busy is no "shared cause" backing it: the rule says so of every rank, not of one
+    assert "waiting" not in v["finding"]["data"].get("backed_by", []), v["evidence"]
 
 
 # -- a lost node: its ranks are the sinks ------------------------------------------------------------------

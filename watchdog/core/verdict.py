@@ -337,6 +337,8 @@ def _weigh(
             continue
         if r.name in subsumed and set(other.initiators) != chosen:
             continue
+        if other.data.get("shape") == "shared_cause":
+            continue  # "every live rank stuck alike" singles nobody out: not backing, even when one is live
         if (extra := set(other.initiators) - chosen) and extra <= named_waiters and chosen <= set(other.initiators):
             finding.evidence.append(
                 f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}: "
