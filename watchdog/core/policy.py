@@ -163,6 +163,9 @@ class CorrelationPolicy:
     # KiB for an FSDP coalesced op over 64 tensors; the leader parses every node's share (~15 ms per
     # 256 KiB on a loaded core), so 512 KiB keeps 64 nodes near a second (benchmarks/bench_fr_share.py)
     fr_shared_bytes: int = 512 << 10
+    # a value under a key the leader or a node publishes was rejected (hostile or torn): the store cannot
+    # wake anyone when it is replaced, so that key alone is re-read this often (valid values wake at once)
+    rejected_value_retry_s: float = 0.1
 
 
 @dataclass(frozen=True)
