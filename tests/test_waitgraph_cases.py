@@ -157,13 +157,15 @@ def test_ranks_that_exited_on_a_pg_timeout_point_at_the_alive_rank_waiting_for_n
     v = verdict(views)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [1], "forward"), v["reason"]
     assert v["finding"]["rule"] == "wait_for" and v["finding"]["data"]["via_anyone"] == [0, 2, 3]
+    # the one live rank busy is no "shared cause" backing it: the rule says so of every rank, not of one
+    assert "waiting" not in v["finding"]["data"].get("backed_by", []), v["evidence"]
 
 
 # -- a lost node: its ranks are the sinks ------------------------------------------------------------------
 
 
 def test_a_silent_nodes_ranks_are_named_when_every_answering_rank_waits_for_them():
-    lost = "DistNetworkError: Connection reset by peer"
+    lost = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 8000ms"
     views = [
         rv(0, state="crashed", exit_age_s=0.5, exit_cause=lost, coll_seq=50, coll_done=49),
         *(rv(r, coll_seq=50, coll_done=49) for r in (1, 2, 3)),
@@ -173,6 +175,25 @@ def test_a_silent_nodes_ranks_are_named_when_every_answering_rank_waits_for_them
     v = verdict(views)
     assert (v["kind"], v["initiating_ranks"]) == ("comm_hang", [4, 5]), v["reason"]
     assert v["finding"]["data"]["silent_nodes"] == ["n1"]
+
+
+def test_a_silent_node_whose_peers_saw_their_connections_closed_is_dead_not_hanging():
+    """node-loss: node n1 is SIGKILLed whole (ranks, agent, watchdog). Rank 1's gloo pair reads "Connection
+    reset by peer" — the peer's kernel closed it, so the peer's process is gone (a frozen or unreachable
+    node gives a timeout instead); rank 0 still waits in DDP's backward. The silent ranks are dead."""
+    reset = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+             "[127.0.0.1]:10420: Connection reset by peer. This is typically caused by a remote worker hanging")
+    views = [
+        rv(0, phase="backward", coll_seq=6, coll_done=6, waiting=None),
+        rv(1, state="crashed", exit_age_s=0.2, exit_cause=reset, phase="backward", coll_seq=6, coll_done=6),
+        rv(2, node="n1", state="missing", step=0, phase=None, coll_seq=0, coll_done=0),
+        rv(3, node="n1", state="missing", step=0, phase=None, coll_seq=0, coll_done=0),
+    ]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [2, 3]), v["reason"]
+    data = v["finding"]["data"]
+    assert (data["silent_nodes"], data["peer_ended"], v["decided_by"]) == (["n1"], [1], "missing_node")
+    assert v["confidence"] == "medium"  # silence: which of the node's ranks went first cannot be told
 
 
 # -- after rankwatch's own kill: no second incident blames a rank that lost its peer -------------------
@@ -254,3 +275,20 @@ def test_after_a_kill_exits_of_a_restarted_generation_are_news():
     assert (v["initiating_ranks"], v.get("follows_incident")) == ([0], None)
     same = [rv(0, state="dead", exit_age_s=0.2), rv(1)]  # the process that was decided (pid 1000)
     assert verdict(same, prior=prior, killed=(1,))["follows_incident"] == "stopped-1"
+
+
+def test_a_weaker_rung_naming_a_proven_waiter_too_does_not_question_the_sink():
+    """TP groups of 2 (tpdp-tp2): rank 1 blocks before its TP all_reduce; its TP peer 0 waits in it with a
+    stack of its own, the others wait in DDP's backward. "A stack no other rank shares" names {0, 1}, but the
+    flight recorder shows rank 0 waiting for rank 1: no disagreement, the sink keeps its confidence."""
+    hints = hints_of(_tp_dp_dumps())
+    views = [
+        dataclasses.replace(v, stack_signature="spin" if v.rank == 1 else "tp_all_reduce" if v.rank == 0
+                            else "ddp_backward")
+        for v in _tp_dp_views()
+    ]
+    views[2] = dataclasses.replace(views[2], stack_signature="ddp_backward")
+    views[3] = dataclasses.replace(views[3], stack_signature="ddp_backward")
+    v = verdict(views, fr_hints=hints)
+    assert (v["initiating_ranks"], v["confidence"]) == ([1], "high"), v["evidence"]
+    assert "stacks" not in v["finding"]["data"].get("questioned_by", [])

@@ -381,6 +381,21 @@ CLASSES: dict[str, Klass] = {
         offline_why="nothing printed before the kill",
         rw_args=("--startup-timeout", "10"),
     ),
+    "pre-init-default": Klass(
+        "loop.py",
+        ("--scenario", "pre-init-hang"),
+        nodes=1,
+        nproc=4,
+        fault_rank=3,
+        truth=(3,),
+        kinds=("hang", "dead_rank"),
+        phase=None,
+        why="pre-init under the default --startup-timeout (300 s): the others' rendezvous-store waits time out "
+        "first (60 s pg timeout, DistStoreError naming the key of rank 3 they waited for) and they exit; rank 3 "
+        "is the one they waited for",
+        offline=False,
+        offline_why="each survivor prints the store key it waited for (rank 3's): not read offline yet",
+    ),
     "ckpt-declared": Klass(
         "loop.py",
         ("--scenario", "checkpoint-declared", "--checkpoint-s", "12", "--checkpoint-budget-s", "60"),

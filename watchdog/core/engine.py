@@ -108,7 +108,8 @@ def blame(facts: FactSet) -> Finding | None:
     known_edges = bool(found.waiters - found.via_anyone)  # some waiter said whom it waits for
     strength = top if top >= Rung.STOPPED else max(top, edge_strength)
     confidence = "high" if len(chosen) < len(found.waiters) else "medium"
-    if kind == schema.COMM_HANG:
+    silent = {s.rank for s in facts.silent}
+    if chosen and set(chosen) <= silent:
         confidence = "medium"  # silence is the weakest evidence: a node can be slow to answer
     if len(chosen) > len(facts.ranks) / 2:
         confidence = "low"
@@ -126,6 +127,7 @@ def blame(facts: FactSet) -> Finding | None:
             "edge_strength": edge_strength,
             "phases": {r: busy[r].phase for r in chosen if r in busy},
             "silent_nodes": sorted({s.node for s in facts.silent if s.node and s.rank in chosen}),
+            "peer_ended": sorted(e.rank for e in facts.ended if e.peer_ended) if set(chosen) <= silent else [],
         },
     )
 
@@ -137,7 +139,9 @@ def _kind_of(facts: FactSet, chosen: list[int]) -> str:
     if ranks & {s.rank for s in facts.stopped}:
         return schema.STOPPED_RANK
     if ranks <= {s.rank for s in facts.silent}:
-        return schema.COMM_HANG
+        # a survivor's connection closed or reset by its peer: the silent node's processes are gone (dead),
+        # not hanging or cut off (a frozen or unreachable node gives timeouts, never a closed connection)
+        return schema.DEAD_RANK if any(e.peer_ended for e in facts.ended) else schema.COMM_HANG
     return schema.HANG
 
 

@@ -42,6 +42,7 @@ class Ended:
     lost: frozenset[int] | None = None
     strength: Rung = Rung.EXIT_CAUSE
     pid: int | None = None  # the process that ended (tells a restarted generation from the one decided)
+    peer_ended: bool = False  # a consequence whose cause says a peer's process closed the connection (gone)
 
 
 @dataclass(slots=True)

@@ -24,6 +24,9 @@ COMMUNICATION = re.compile(
     r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
     r"|Broken pipe|Connection refused"
 )
+# A peer's process is gone, not slow: its kernel closed or reset the connection (a frozen or unreachable peer
+# gives a timeout instead). What a survivor of a killed node prints (gloo's pair.cc, a TCPStore socket).
+PEER_ENDED = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe")
 # Errors that are the rank's own even when they mention NCCL (a CUDA fault surfaces through NCCL calls)
 OWN_FAULT = re.compile(r"out of memory|OutOfMemoryError|CUDA error|Cuda failure|illegal memory access|ECC")
 

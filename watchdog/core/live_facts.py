@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from .facts import Busy, Ended, FactSet, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
-from .failures import CONSEQUENCE, INITIATING, crash_role
+from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role
 from .fr_hints import FrHints
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
 
@@ -104,7 +104,12 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
     """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``)."""
     gone = [v for v in views if v.state in GONE_STATES or (v.state == EXITED and left_early(v, views))]
     roles = exit_roles(gone, exit_tolerance_s)
-    return [Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause, pid=v.pid) for v in gone]
+    out = []
+    for v in gone:
+        own = roles[v.rank] == INITIATING
+        peer_ended = not own and bool(v.exit_cause) and PEER_ENDED.search(v.exit_cause or "") is not None
+        out.append(Ended(v.rank, own=own, cause=v.exit_cause, pid=v.pid, peer_ended=peer_ended))
+    return out
 
 
 def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:

@@ -53,6 +53,13 @@ def reason(f: Finding, views: Mapping[int, RankView]) -> str:
         )
     if f.kind == "stopped_rank":
         return f"{who} is stopped (SIGSTOP or a debugger); {fmt_ranks(waiters)} wait for it"
+    if f.kind == "dead_rank" and f.data.get("silent_nodes"):
+        nodes = ", ".join(f.data["silent_nodes"])
+        return (
+            f"{who} on node(s) {nodes} never answered and {fmt_ranks(f.data.get('peer_ended', ()))} lost the "
+            f"connection to them (closed or reset by peer): their processes are gone; {fmt_ranks(waiters)} "
+            "wait for them"
+        )
     if f.kind == "dead_rank":
         return f"{who} ended by its own cause; {fmt_ranks(waiters)} wait for it"
     where = ""

@@ -300,8 +300,8 @@ def _finding_doc(finding: RuleFinding, decided_by: str) -> dict[str, Any]:
 def _wait_for_label(f: engine.Finding, found: Mapping[str, RuleFinding | None]) -> str:
     """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a per-group
     count that names the same ranks (the flight recorder's, then the counters')."""
-    if f.kind == "comm_hang":
-        return "missing_node"
+    if f.kind == "comm_hang" or f.data.get("peer_ended"):
+        return "missing_node"  # the sinks are a node that never answered (gone, when its peers saw it close)
     if f.kind == "stopped_rank":
         return "stopped"
     label = _RUNG_NAME.get(f.data.get("edge_strength", FactRung.WAITING), "waiting")
@@ -327,11 +327,23 @@ def _weigh(
     # the wait-for graph already read groups, p2p peers and counters: their per-group "behind" is no
     # independent evidence against it (pipeline stages and subgroups make it disagree by design)
     subsumed = {"exits_consequence", "fr_behind", "counters", "waiting"} if rung.name == "wait_for" else set()
+    # ranks the graph shows waiting for a named peer: a weaker rung that names them beside the sinks (a TP
+    # peer waiting in its own collective has a stack nobody else shares) says nothing against the sinks
+    graph = finding.structured.data if rung.name == "wait_for" and finding.structured is not None else {}
+    named_waiters = set(graph.get("waiters", ())) - set(graph.get("via_anyone", ()))
     for r in below:
         other = found.get(r.name)
         if other is None or not other.initiators or _names_everyone(other, present):
             continue
         if r.name in subsumed and set(other.initiators) != chosen:
+            continue
+        if other.data.get("shape") == "shared_cause":
+            continue  # "every live rank stuck alike" singles nobody out: not backing, even when one is live
+        if (extra := set(other.initiators) - chosen) and extra <= named_waiters and chosen <= set(other.initiators):
+            finding.evidence.append(
+                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}: "
+                f"{fmt_ranks(extra)} wait(s) for a named peer in the graph above"
+            )
             continue
         if set(other.initiators) == chosen:
             finding.data.setdefault("backed_by", []).append(r.name)

@@ -336,7 +336,8 @@ class JobWatch:
                     state=state,
                     step=snap.step,
                     phase=snap.phase,
-                    in_phase_s=max(0.0, (now - snap.phase_start_ns) / 1e9),
+                    # no phase entered yet (blocked before init): idle since the record was made, not since 0
+                    in_phase_s=max(0.0, (now - (snap.phase_start_ns or snap.start_ns)) / 1e9),
                     since_progress_s=max(0.0, (now - snap.last_progress_ns) / 1e9),
                     coll_seq=snap.coll_seq_entered,
                     coll_done=snap.coll_seq_completed,
