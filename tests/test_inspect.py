@@ -202,7 +202,8 @@ def test_native_frames_do_not_hide_a_wait():
     facts = [fact(0, "backward", frames=native + WAITING[1]), fact(1, "forward", frames=native + CASES["forward"])]
     v = verdict_of(facts)
     assert (v["initiating_ranks"], v["phase"], v["confidence"]) == ([1], "forward", "medium")
-    assert "rank 1 is stuck in compute (forward)" in v["reason"]
+    finding = v["finding"]
+    assert (finding["rule"], finding["ranks"], finding["data"]["waiters"]) == ("wait_for", [1], [0])
 
 
 def test_a_stopped_rank_is_named():
