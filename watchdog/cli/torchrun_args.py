@@ -75,6 +75,9 @@ class TorchrunCommand:
     nproc_per_node: str
     script: str = ""  # the training script, or the module with ``module``
     module: bool = False
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    standalone: bool = False
 
 
 # -- torchrun's option grammar (torch 2.13 torch/distributed/run.py get_args_parser) ---------------------
@@ -155,7 +158,12 @@ FIELDS = (
     "run_path",
     "training_script",
     "training_script_args",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "standalone",
 )
+# the torch release whose parser OPTIONS copies: there, an option no name starts with is certainly refused
+TABLE_TORCH = "2.13."
 
 
 @dataclass
@@ -192,6 +200,7 @@ def _hand_parse(args: list[str], environ: Mapping[str, str]) -> Parsed:
             name, inline = arg.split("=", 1)
             spec = _BY_NAME.get(name)
         if spec is None:
+            _refuse_if_unknown(arg)
             raise _Unsure(f"unknown option {arg!r}")
         if spec.kind == "flag":
             if inline is not None:
@@ -231,6 +240,26 @@ def _hand_parse(args: list[str], environ: Mapping[str, str]) -> Parsed:
             raise _Unsure(f"script argument {arg!r} abbreviates several torchrun options")
     values["training_script"], values["training_script_args"] = args[i], args[i + 1 :]
     return Parsed(values, head)
+
+
+def _installed_torch() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return ""
+
+
+def _refuse_if_unknown(arg: str) -> None:
+    """``--typo`` that no option string of this torch starts with: argparse refuses it whatever follows, so
+    say so at once instead of spending a torch import (seconds on a loaded node) to hear the same."""
+    name = arg.split("=", 1)[0]
+    if not name.startswith("--") or name == "--" or any(n.startswith(name) for n in _ALL_NAMES):
+        return
+    if not _installed_torch().startswith(TABLE_TORCH):
+        return  # another torch may have this option: its own parser decides
+    raise UserError(f"torchrun has no option {name!r} (torchrun --help lists them)")
 
 
 def _convert(opt: _Opt, raw: str) -> Any:
@@ -379,4 +408,7 @@ def inject_hooks(torchrun_args: list[str], environ: Mapping[str, str] | None = N
         nproc_per_node=str(v["nproc_per_node"]),
         script=str(v["training_script"]),
         module=bool(v["module"]) and not v["run_path"],
+        rdzv_backend=str(v.get("rdzv_backend") or "static"),
+        rdzv_endpoint=str(v.get("rdzv_endpoint") or ""),
+        standalone=bool(v.get("standalone")),
     )

@@ -27,7 +27,7 @@ from .failures import CONSEQUENCE, INITIATING, crash_role
 from .fr_analysis import Mismatch, MissingCollective
 from .policy import VerdictPolicy
 from .ranks import behind as ranks_behind
-from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority
+from .ranks import first_by_time, fmt_ranks, fold_rank_lines, majority, outside_majority, ranks_verb
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import CRASHED, DEAD, EXITED, GONE_STATES, MISSING, RUNNING, STEP_PHASE_ORDER, STOPPED, RankView
 
@@ -434,9 +434,9 @@ def _rule_not_waiting(live: Sequence[RankView]) -> _Finding | None:
             "hang",
             sorted(v.rank for v in culprits),
             confidence,
-            f"{fmt_ranks(v.rank for v in culprits)} is stuck in {phase_kind(lead.phase)} "
+            f"{ranks_verb((v.rank for v in culprits), 'is', 'are')} stuck in {phase_kind(lead.phase)} "
             f"({lead.phase or 'idle'}) at step {lead.step} for {lead.in_phase_s:.1f}s while "
-            f"{fmt_ranks(v.rank for v in waiting)} wait for it in "
+            f"{ranks_verb((v.rank for v in waiting), 'waits', 'wait')} for it in "
             f"{', '.join(sorted({w.phase or 'idle' for w in waiting}))}",
             [f"rank {v.rank}: {'waiting' if is_waiting(v) else 'not waiting'} in {v.phase or 'idle'}" for v in live],
         )
@@ -624,7 +624,7 @@ def _rule_fr(hints: FrHints, live: Sequence[RankView]) -> _Finding | None:
     reason = (
         f"{fmt_ranks(behind)} is behind in the flight recorder ({detail}); "
         f"it is in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}"
-        + (f" while {fmt_ranks(others)} wait for it" if others else "")
+        + (f" while {ranks_verb(others, 'waits', 'wait')} for it" if others else "")
     )
     evidence = [f"flight recorder: {detail}"]
     if not covered:
