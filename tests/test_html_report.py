@@ -122,9 +122,11 @@ def test_a_run_that_hung_leads_with_the_incident():
     verdict = verdict_doc()
     page = render_html([summary_doc([verdict["incident_id"]], (verdict,)), verdict], base_dir="/nonexistent")
     summary = page.split('<section class="doc summary"', 1)[1].split("</section>", 1)[0]
-    first = re.findall(r'<p class="headline (\w+)">(.*?)</p>', summary)
-    assert first[0][0] == "bad" and first[0][1].startswith("HANG — initiating rank 1")
-    assert first[1] == ("bad", "before the incident: COMPUTE STRAGGLER — rank 3 in <code>forward</code>")
+    first = re.findall(r'<p class="(headline \w+|context)">(.*?)</p>', summary)
+    assert first[0][0] == "headline bad" and first[0][1].startswith("HANG — initiating rank 1")
+    # what the steps did before the incident is context, in a calmer style than the incident's headline
+    assert first[1] == ("context", "before the incident: COMPUTE STRAGGLER — rank 3 in <code>forward</code>")
+    assert ".context{font-size:15px;font-weight:500;color:#444" in page
     text = summary_text(summary_doc([verdict["incident_id"]], (verdict,)))
     assert text.startswith("rankwatch: HANG — initiating rank 1") and "before the incident, diagnosis:" in text
 

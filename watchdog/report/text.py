@@ -79,6 +79,7 @@ def verdict_text(v: Mapping[str, Any], bundle: str | None = None) -> str:
     if evidence and isinstance(evidence, list):
         lines += ["", "evidence:"] + [f"  - {clean(e, PROSE)}" for e in evidence]
     table = v.get("ranks") or {}
+    fr_numbered = isinstance(v.get("flight_recorder"), dict)
     if table and isinstance(table, dict):
         lines += [
             "",
@@ -95,7 +96,10 @@ def verdict_text(v: Mapping[str, Any], bundle: str | None = None) -> str:
             coll = r.get("collective")
             phase_txt = clean(r.get("phase"), NAME)
             if isinstance(coll, dict) and r.get("phase") == "collective":
-                phase_txt = f"{clean(coll.get('op'), NAME)}#{clean(coll.get('seq'), NAME)}"
+                # one numbering: where the flight recorder's sequence numbers are quoted, the hook's own
+                # per-process call count (a different number for the same call) is left out
+                seq = "" if fr_numbered else f"#{clean(coll.get('seq'), NAME)}"
+                phase_txt = f"{clean(coll.get('op'), NAME)}{seq}"
             lines.append(
                 f"{mark}{clean(key, 8):>4} {clean(r.get('node'), 14):<14} {clean(r.get('pid'), 12):>8} "
                 f"{clean(r.get('state'), 16):<9} {clean(r.get('step'), 16):>6} {phase_txt[:12]:<12} "
