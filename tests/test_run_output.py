@@ -5,6 +5,7 @@ summary; nothing of the job stays in the shm dir."""
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -195,3 +196,30 @@ def test_a_torchrun_option_typo_is_refused_at_once_without_debug_noise(procs, tm
         "rankwatch run: torchrun has no option '--no-such-option' (torchrun --help lists them)"
     ]
     assert "[debug" not in result.stderr and not out.exists()
+
+
+PACED = str(REPO / "tests" / "procs" / "paced_job.py")
+
+
+def _paced(procs, tmp_path, scenario: str, job: str):
+    result, out, _ = _run(procs, tmp_path, *torchrun_args(2, job, PACED, "--scenario", scenario),
+                          options=("--quiet",), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_rank_slower_in_every_phase_is_named_a_rank_wide_straggler(procs, tmp_path):
+    result, summary = _paced(procs, tmp_path, "rank-wide", "wide")
+    assert (summary["diagnosis"], summary["straggler_ranks"]) == ("RANK-WIDE STRAGGLER", [1]), summary["why"]
+    # each phase alone is below the threshold: the time lost is summed over them
+    assert "s lost over" in summary["why"] and "slower across the phases" in summary["why"]
+    assert "diagnosis: RANK-WIDE STRAGGLER — rank 1" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_declared_checkpoint_is_reported_as_itself_not_as_communication(procs, tmp_path):
+    result, summary = _paced(procs, tmp_path, "checkpoint", "ckpt")
+    assert (summary["diagnosis"], summary["phase"]) == ("DECLARED-PHASE-BOUND", "checkpoint"), summary["why"]
+    assert "the declared phase 'checkpoint'" in summary["why"] and "on rank 0" in summary["why"]
+    assert "COMMUNICATION" not in result.stdout
