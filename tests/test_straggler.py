@@ -580,4 +580,4 @@ def test_a_rank_slightly_slower_in_every_phase_is_a_rank_wide_straggler():
         if r == 3:
             p["dataloader"] += 2.0
 
-    assert diagnose_stragglers(job(4, 40, one_phase)).label == "BALANCED"
+    assert "STRAGGLER" not in diagnose_stragglers(job(4, 40, one_phase)).label
