@@ -381,7 +381,8 @@ class JobWatch:
             except OSError:
                 continue
             fifo = _CTL_FILE.match(name) and (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode))
-            plain = (name == "job.json" or _FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
+            # the state file the watchdog itself published (watchdog.json) goes with the records
+            plain = (name in ("job.json", "watchdog.json") or _FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
             if fifo or plain:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
