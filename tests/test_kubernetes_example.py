@@ -83,10 +83,28 @@ def test_the_manifests_daemon_command_serves_the_probe(procs, tmp_path, daemonse
     """The DaemonSet's own command line, with only its paths and port moved here, answers the probe."""
     _, container, args = daemonset
     port = free_port()
-    swap = {args.shm_dir: str(tmp_path / "shm"), args.out: str(tmp_path / "out"), str(args.metrics_port): str(port)}
+    # the metrics token as a Kubernetes secret volume lays it out: a symlink into a 0400 file
+    secret = tmp_path / "secret"
+    (secret / "..data").mkdir(parents=True)
+    (secret / "..data" / "token").write_text("k8s-token\n")
+    (secret / "..data" / "token").chmod(0o400)
+    (secret / "token").symlink_to("..data/token")
+    swap = {args.shm_dir: str(tmp_path / "shm"), args.out: str(tmp_path / "out"), str(args.metrics_port): str(port),
+            args.metrics_token_file: str(secret / "token")}
     (tmp_path / "shm").mkdir(mode=0o700)
     cmd = rankwatch_cmd(*(swap.get(a, a) for a in container["command"][1:]))
     daemon = procs.start(cmd, text=True)
     probe = container["livenessProbe"]["httpGet"]["path"]
     ok = wait_for(lambda: get(f"http://127.0.0.1:{port}{probe}")[0] == 200, timeout=60)
     assert ok, daemon.stderr.read() if daemon.poll() is not None else "no answer"
+    # what the PodMonitor gets with the token: the per-job families; anyone else: node totals only
+    import urllib.request
+
+    def metrics(token: str | None) -> str:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read().decode()
+
+    assert "rankwatch_stalled" in metrics("k8s-token")
+    assert "rankwatch_stalled" not in metrics(None) and "rankwatch_open_incidents" in metrics(None)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import socket
+import statistics
 import threading
 import time
 import urllib.error
@@ -24,7 +25,13 @@ from rankwatch.watchdog.core.straggler_live import LiveStragglerPolicy, update_l
 from rankwatch.watchdog.errors import UserError
 from rankwatch.watchdog.observe.process import ProcessTable
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig, OpenIncident
-from rankwatch.watchdog.serve.metrics import METRIC_NAMES, serve_metrics
+from rankwatch.watchdog.serve.metrics import (
+    METRIC_NAMES,
+    SERIES_PER_RANK_BUDGET,
+    Exposure,
+    read_token,
+    serve_metrics,
+)
 
 JOB = "jobM"
 STEPS = 30
@@ -83,7 +90,7 @@ def daemon_setup(tmp_path, monkeypatch):
     # the records are written by this test process: let the daemon verify it as their rank
     daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out), procs=ProcessTable(protected={1}))
     daemon.poll_once()
-    server = serve_metrics(daemon, "127.0.0.1", 0)
+    server = serve_metrics(daemon, "127.0.0.1", 0, histograms=True)
     yield daemon, server
     server.close()
     daemon.close()
@@ -91,8 +98,10 @@ def daemon_setup(tmp_path, monkeypatch):
         w.close()
 
 
-def scrape(server) -> dict[str, dict[tuple, float]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as resp:
+def scrape(server, token: str | None = None) -> dict[str, dict[tuple, float]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = resp.read().decode()
@@ -123,7 +132,9 @@ def test_metrics_reflect_daemon_state(daemon_setup):
         assert value(m, "rankwatch_rank_up", job_id=JOB, rank=r) == 1
         assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="running") == 1
         assert value(m, "rankwatch_rank_state", job_id=JOB, rank=r, state="dead") == 0
-        assert value(m, "rankwatch_rank_info", job_id=JOB, rank=r, node="nodeA") == 1  # no pid: restarts keep it
+        # no pid: restarts keep it; the dcgm-exporter join labels (no NVML here: no gpu/UUID)
+        assert value(m, "rankwatch_rank_info", job_id=JOB, rank=r, node="nodeA", local_rank=r,
+                     Hostname=socket.gethostname(), gpu="", UUID="", pod="", namespace="") == 1
         assert value(m, "rankwatch_rank_pid", job_id=JOB, rank=r) == os.getpid()
         assert value(m, "rankwatch_rank_collectives_completed_total", job_id=JOB, rank=r) == STEPS
         # every step is 75 ms of wall time on every rank: the slow loader's peers wait in the all-reduce
@@ -285,3 +296,107 @@ def test_a_straggler_that_persists_is_logged_exported_and_named_in_the_incident(
         daemon.close()
         for t in trackers:
             t._writer.close()
+
+
+def series_per_rank(m: dict[str, dict[tuple, float]], ranks: int) -> float:
+    """Every series that names the job (per-rank and per-job ones), per rank."""
+    n = sum(1 for samples in m.values() for labels in samples if ("job_id", JOB) in labels)
+    return n / ranks
+
+
+def test_default_series_stay_within_the_budget_and_phase_histograms_are_opt_in(daemon_setup):
+    daemon, full = daemon_setup
+    default = serve_metrics(daemon, "127.0.0.1", 0)
+    try:
+        m = scrape(default)
+        assert series_per_rank(m, 3) <= SERIES_PER_RANK_BUDGET, series_per_rank(m, 3)
+        assert "rankwatch_phase_duration_seconds_bucket" not in m
+        assert value(m, "rankwatch_step_duration_seconds_count", job_id=JOB, rank="1") == STEPS
+        # the phase medians stay (one gauge per phase), the histograms come with --metrics-histograms
+        assert phase_s(m, "2", "dataloader") == pytest.approx(0.040)
+        with_hists = scrape(full)
+        assert value(with_hists, "rankwatch_phase_duration_seconds_count", job_id=JOB, rank="2",
+                     phase="dataloader") == STEPS
+        assert series_per_rank(with_hists, 3) > SERIES_PER_RANK_BUDGET
+    finally:
+        default.close()
+
+
+def test_aggregate_exposure_shows_no_job_and_the_token_shows_all(daemon_setup, tmp_path):
+    daemon, _ = daemon_setup
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    server = serve_metrics(daemon, "127.0.0.1", 0, exposure=Exposure("aggregate", read_token(str(token))))
+    try:
+        for presented in (None, "wrong"):
+            m = scrape(server, presented)
+            assert not [labels for samples in m.values() for labels in samples if ("job_id", JOB) in labels]
+            assert not [n for n in m if n.startswith("rankwatch_rank_")]
+            assert value(m, "rankwatch_jobs") == 1 and value(m, "rankwatch_ranks", state="running") == 3
+            assert value(m, "rankwatch_open_incidents") == 0
+            assert 0 <= value(m, "rankwatch_last_poll_age_seconds") < 600
+        m = scrape(server, "s3cret-token")
+        assert value(m, "rankwatch_rank_steps_total", job_id=JOB, rank="0") == STEPS
+    finally:
+        server.close()
+    token.chmod(0o644)
+    with pytest.raises(UserError, match="readable by others"):
+        read_token(str(token))
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding the rank."""
+    total = buckets[-1][1]
+    rank, prev_bound, prev_count = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / max(count - prev_count, 1e-9)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+@pytest.mark.parametrize("true_ms", [8, 12, 23, 38, 61, 90, 140, 230, 380, 700, 1300])
+def test_buckets_resolve_typical_step_and_dataloader_times(true_ms):
+    """Times spread ±15% around a median: the quantile Prometheus computes from the buckets lands within
+    20% of the true median (the old 50 -> 100 ms jump read a 61 ms median as 75 ms)."""
+    from rankwatch.watchdog.core.histogram import Histogram
+
+    h = Histogram()
+    times = [true_ms * (0.85 + 0.3 * i / 99) / 1e3 for i in range(100)]
+    for t in times:
+        h.add(t)
+    cumulative, _ = h.cumulative()
+    buckets = [(float(le), n) for le, n in cumulative if le != "+Inf"]
+    estimate = histogram_quantile(0.5, buckets)
+    assert estimate == pytest.approx(statistics.median(times), rel=0.2), (estimate, buckets)
+
+
+def test_rank_info_carries_nvmls_gpu_index_and_uuid_for_the_dcgm_join(tmp_path, monkeypatch):
+    """NVML from a recorded-format stand-in (no GPU here): the rank's pid has a context on GPU 0, so its
+    rank_info says gpu="0" and that device's UUID, the labels dcgm-exporter's series carry; Hostname is
+    NODE_NAME where set (the downward API in Kubernetes)."""
+    from rankwatch.watchdog.evidence.gpu import GpuWatch
+    from test_daemon_gpu import LiveNvml
+
+    monkeypatch.setenv("NODE_NAME", "gpu-node-7")
+    shm = str(tmp_path / "shm")
+    os.makedirs(shm, mode=0o700)
+    clock = FakeClock(time.monotonic_ns() - STEPS * 80 * MS)
+    monkeypatch.setattr(tracker_mod, "_now", clock)
+    writer = write_rank(shm, 0, clock)
+    gpu = GpuWatch(nvml=LiveNvml({os.getpid(): 40.0}))
+    daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=str(tmp_path / "out")), procs=ProcessTable(protected={1}),
+                    gpu=gpu)
+    daemon.poll_once()
+    server = serve_metrics(daemon, "127.0.0.1", 0)
+    try:
+        (labels,) = scrape(server)["rankwatch_rank_info"]
+        got = dict(labels)
+        assert (got["gpu"], got["UUID"], got["Hostname"]) == ("0", "GPU-00000000-0000-0000-0000-000000000000",
+                                                              "gpu-node-7")
+        assert (got["rank"], got["local_rank"], got["job_id"]) == ("0", "0", JOB)
+    finally:
+        server.close()
+        daemon.close()
+        writer.close()

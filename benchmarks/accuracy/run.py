@@ -10,6 +10,7 @@ each fault is in ``FAULTS`` below, with the reason; nothing there is tuned to wh
     python benchmarks/accuracy/run.py --quick --models ddp     # 17 runs, ~4 min (each fault once, rank 0 or 3)
     python benchmarks/accuracy/run.py --models ddp --faults input-hang dead-rank --positions first other-node \\
         --repeats 3 --hogs 0 3
+    python benchmarks/accuracy/run.py --quick --classes pp tpdp-tp4   # the verdict-v3 classes (CLASSES, jobs/)
 
 Matrix: fault × rank position (``first`` 0, ``middle`` 1, ``last`` 3, ``other-node`` 2 on the second of two
 simulated nodes — two ``rankwatch run`` agents, one TCPStore, same ``--run-name``) × model × hogs (0 or 3
@@ -230,6 +231,217 @@ FAULTS: dict[str, Expect] = {
 QUICK_POSITIONS = ("first", "last")
 
 
+@dataclass(frozen=True)
+class Klass:
+    """One v3 fault class (issue 19): a job of its own under ``jobs/``, its own layout and the right answer.
+
+    Selected with ``--classes``; each runs once at its own rank (the rank chosen where today's verdict is
+    known or suspected to go wrong, e.g. a middle pipeline stage, a TP rank on the second node)."""
+
+    script: str  # under jobs/
+    args: tuple[str, ...]  # the job's own arguments (scenario, layout)
+    nodes: int
+    nproc: int  # ranks per node
+    fault_rank: int  # --fault-rank of the job
+    truth: tuple[int, ...]  # the initiating ranks; () = no incident is right (the job must finish)
+    kinds: tuple[str, ...]  # verdict kinds that are right (ignored when truth is ())
+    phase: str | None  # the initiator's right phase; None: not scored
+    why: str
+    offline: bool  # does the console log hold the evidence that names truth?
+    offline_why: str
+    stall_timeout: str = STALL_TIMEOUT
+    action: str | None = None  # "node-kill" / "node-freeze": done by the runner to node action_node
+    action_node: int = 1
+    steps: int = 400
+    rw_args: tuple[str, ...] = ()  # extra `rankwatch run` options
+
+
+CLASSES: dict[str, Klass] = {
+    "pp": Klass(
+        "pipeline.py",
+        ("--scenario", "stage-spin", "--micro-batches", "4"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        truth=(1,),
+        kinds=("hang",),
+        phase="forward",
+        why="4 GPipe stages by send/recv + a logging all_reduce; stage 1 spins in its forward and never sends: "
+        "stages 2, 3 wait in recv (directly, or behind stage 2), stage 0 in the recv of its gradient. The "
+        "first and last stages issue fewer p2p ops by design: a per-group counter makes them look behind",
+        offline=False,
+        offline_why="the spinning stage prints nothing; --on-stall kill ends every rank with the same SIGTERM",
+    ),
+    "tpdp-tp4": Klass(
+        "tensor_data.py",
+        ("--scenario", "block-before-tp", "--tp", "4"),
+        nodes=2,
+        nproc=4,
+        fault_rank=5,
+        truth=(5,),
+        kinds=("hang",),
+        phase="forward",
+        why="TP groups {0-3} {4-7} (one per node), DP {0,4} {1,5} {2,6} {3,7}; rank 5 blocks before its TP "
+        "all_reduce: 4, 6, 7 wait in that TP all_reduce, node 0's ranks in DDP's all_reduce for their DP "
+        "peers on node 1. Only rank 5 waits for nobody",
+        offline=False,
+        offline_why="a blocked rank prints nothing; every rank ends by the same SIGTERM",
+    ),
+    "tpdp-tp2": Klass(
+        "tensor_data.py",
+        ("--scenario", "block-before-tp", "--tp", "2"),
+        nodes=2,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="TP groups {0,1} {2,3} {4,5} {6,7}, DP {0,2,4,6} {1,3,5,7}; rank 2 blocks before its TP all_reduce: "
+        "3 waits for it in TP, the other TP groups wait in DDP's all_reduce for 2 (DP) or for 3 (DP), which "
+        "waits for 2",
+        offline=False,
+        offline_why="as tpdp-tp4",
+    ),
+    "ep": Klass(
+        "experts.py",
+        ("--scenario", "expert-spin"),
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="MoE dispatch/combine by all_to_all_single; rank 2's expert spins between the two: everyone else "
+        "waits in the combine all_to_all",
+        offline=False,
+        offline_why="nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "pg-timeout": Klass(
+        "loop.py",
+        ("--scenario", "forward-hang", "--pg-timeout-s", "8"),
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        truth=(2,),
+        kinds=("hang",),
+        phase="forward",
+        why="init_process_group(timeout=8 s) under a 30 s stall timeout: rank 2 spins in forward, the other three "
+        "raise gloo's timeout in DDP's all_reduce after 8 s and exit (consequences); rank 2 is the one alive "
+        "and not waiting",
+        offline=True,
+        offline_why="ranks 0, 1, 3 each print gloo's timeout in the all_reduce; rank 2 alone prints no error of its "
+        "own",
+        stall_timeout="30",
+    ),
+    "node-loss": Klass(
+        "loop.py",
+        ("--scenario", "node-signal"),
+        nodes=2,
+        nproc=2,
+        fault_rank=2,
+        truth=(2, 3),
+        kinds=("dead_rank", "hang", "node_lost", "node_down", "unknown"),
+        phase=None,
+        why="2 nodes x 2; at step 5 the runner SIGKILLs node 1 whole (its ranks 2, 3, its torchrun agent and its "
+        "rankwatch watchdog together): ranks 0, 1 lose their peers; the silent node's ranks are the answer",
+        offline=False,
+        offline_why="node 1's console ends mid-run with no error; node 0 only shows lost peers (whole node gone: "
+        "which of 2, 3 went first cannot be told, and nothing names them as initiators but their absence)",
+        action="node-kill",
+    ),
+    "node-freeze": Klass(
+        "loop.py",
+        ("--scenario", "node-signal"),
+        nodes=2,
+        nproc=2,
+        fault_rank=2,
+        truth=(2, 3),
+        kinds=("stopped_rank",),
+        phase=None,
+        why="2 nodes x 2; at step 5 the runner SIGSTOPs node 1's ranks (2, 3; agent and watchdog keep running): "
+        "both stopped, 0 and 1 wait for them. After --on-stall kill no second incident may blame 0 or 1, "
+        "which only lost their peers",
+        offline=False,
+        offline_why="stopped processes write nothing; the kill ends every rank with the same SIGTERM",
+        action="node-freeze",
+    ),
+    "pre-init": Klass(
+        "loop.py",
+        ("--scenario", "pre-init-hang"),
+        nodes=1,
+        nproc=4,
+        fault_rank=3,
+        truth=(3,),
+        kinds=("hang",),
+        phase=None,
+        why="rank 3 blocks before init_process_group; ranks 0-2 wait in it (the rendezvous store) for rank 3. "
+        "--startup-timeout 10 (below the job's 60 s process-group timeout: with the default 300 s the others' "
+        "store timeouts end the job first)",
+        offline=False,
+        offline_why="nothing printed before the kill",
+        rw_args=("--startup-timeout", "10"),
+    ),
+    "ckpt-declared": Klass(
+        "loop.py",
+        ("--scenario", "checkpoint-declared", "--checkpoint-s", "12", "--checkpoint-budget-s", "60"),
+        nodes=1,
+        nproc=4,
+        fault_rank=0,
+        truth=(),
+        kinds=(),
+        phase=None,
+        why="rank 0 saves a 12 s checkpoint inside phase('checkpoint', budget_s=60) while ranks 1-3 wait in "
+        "dist.barrier(): declared and within its budget: no incident is right, and the job finishes",
+        offline=False,
+        offline_why="the job ends normally",
+        steps=30,
+    ),
+    "ckpt-undeclared": Klass(
+        "loop.py",
+        ("--scenario", "checkpoint-undeclared", "--checkpoint-s", "12"),
+        nodes=1,
+        nproc=4,
+        fault_rank=0,
+        truth=(0,),
+        kinds=("hang",),
+        phase="idle",
+        why="the same 12 s checkpoint, not declared: past the 3 s stall timeout the others wait in the barrier "
+        "for rank 0, which is busy outside every phase ('idle'): rank 0 is the one holding the job",
+        offline=False,
+        offline_why="nothing printed before the kill",
+        steps=30,
+    ),
+    "child-hang": Klass(
+        "loop.py",
+        ("--scenario", "child-hang"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        truth=(1,),
+        kinds=("hang",),
+        phase="idle",
+        why="rank 1 waits (subprocess.run) on a helper process that never exits, at the top of a step; the "
+        "others wait for it in DDP's all_reduce",
+        offline=False,
+        offline_why="nothing printed before the kill",
+    ),
+    "compile": Klass(
+        "loop.py",
+        ("--scenario", "compile-graph-break"),
+        nodes=1,
+        nproc=4,
+        fault_rank=3,
+        truth=(3,),
+        kinds=("hang",),
+        phase="forward",
+        why="DDP(torch.compile(model)) (inductor); the forward has a graph break and the Python run at the break "
+        "blocks on rank 3 at step 5: the others wait in DDP's all_reduce",
+        offline=False,
+        offline_why="nothing printed before the kill",
+    ),
+}
+
+
 # -- one run --------------------------------------------------------------------------------------------
 def job_args(model: str, fault: str, rank: int) -> list[str]:
     e = FAULTS[fault]
@@ -249,7 +461,96 @@ def job_args(model: str, fault: str, rank: int) -> list[str]:
     ]
 
 
-def torchrun_args(nodes: int, node_rank: int, run_id: str, rdzv_port: int, master_port: int) -> list[str]:
+@dataclass(frozen=True)
+class Plan:
+    """What one run starts and what is right: a model fault at a position, or a v3 class."""
+
+    model: str  # "ddp" / "transformer", or "v3" for a class of CLASSES
+    fault: str  # a key of FAULTS or of CLASSES
+    position: str
+    nodes: int
+    nproc: int  # ranks per node
+    rank: int  # the faulting rank (the job's --fault-rank)
+    truth: tuple[int, ...]  # the initiating ranks; () = no incident is right
+    job: tuple[str, ...]  # the script and its arguments
+    stall_timeout: str = STALL_TIMEOUT
+    action: str | None = None
+    action_node: int = 1
+    rw_args: tuple[str, ...] = ()
+
+
+def plan_fault(model: str, fault: str, position: str) -> Plan:
+    nodes, rank = POSITIONS[position]
+    truth = () if FAULTS[fault].straggler else (rank,)
+    return Plan(model, fault, position, nodes, WORLD // nodes, rank, truth, tuple(job_args(model, fault, rank)))
+
+
+def plan_class(name: str) -> Plan:
+    k = CLASSES[name]
+    job = (str(HERE / "jobs" / k.script), *k.args, "--fault-rank", str(k.fault_rank), "--fault-step",
+           str(FAULT_STEP), "--steps", str(k.steps))
+    if "--pg-timeout-s" not in k.args:
+        job += ("--pg-timeout-s", "60")
+    where = f"rank {k.fault_rank} of {k.nodes}x{k.nproc}"
+    return Plan(
+        "v3", name, where, k.nodes, k.nproc, k.fault_rank, k.truth, job, k.stall_timeout, k.action, k.action_node,
+        k.rw_args,
+    )
+
+
+def expect_of(r: dict[str, Any]) -> Expect | Klass:
+    return CLASSES[r["fault"]] if r.get("model") == "v3" else FAULTS[r["fault"]]
+
+
+def node_ranks(agent: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The rank processes under one node's agent: descendants with torchrun's RANK in their environment,
+    other than torchrun itself."""
+    found = []
+    try:
+        for q in psutil.Process(agent.pid).children(recursive=True):
+            try:
+                if "RANK" in q.environ() and "torch.distributed.run" not in " ".join(q.cmdline()):
+                    found.append(q)
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return found
+
+
+def read_marks(fault_log: Path) -> list[dict[str, Any]]:
+    marks = []
+    if fault_log.exists():
+        for line in fault_log.read_text().splitlines():
+            try:
+                marks.append(json.loads(line))
+            except ValueError:
+                pass
+    return marks
+
+
+def node_action(plan: Plan, agents: list[Any], fault_log: Path) -> str:
+    """Kill or freeze a whole node once the job marked "ready"; returns a note of what was done."""
+    agent = agents[plan.action_node][0]
+    t = time.time()
+    if plan.action == "node-kill":
+        kill_tree(agent)  # its watchdog (rankwatch run), torchrun agent and ranks, SIGKILL together
+        what = f"SIGKILLed node {plan.action_node} whole (watchdog, agent, ranks)"
+    else:
+        ranks = node_ranks(agent)
+        for q in ranks:
+            with contextlib.suppress(psutil.Error):
+                q.send_signal(signal.SIGSTOP)
+        what = f"SIGSTOPped node {plan.action_node}'s {len(ranks)} rank processes"
+    line = json.dumps({"fault": plan.action, "rank": plan.truth[0], "step": FAULT_STEP, "t": t}) + "\n"
+    with open(fault_log, "a") as f:
+        f.write(line)
+    return what
+
+
+def torchrun_args(
+    nodes: int, node_rank: int, run_id: str, rdzv_port: int, master_port: int, nproc: int | None = None
+) -> list[str]:
     if nodes == 1:
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}", "--rdzv-id", run_id]
     else:
@@ -259,7 +560,7 @@ def torchrun_args(nodes: int, node_rank: int, run_id: str, rdzv_port: int, maste
             "--master-addr=127.0.0.1",
             f"--master-port={master_port}",
         ]
-    return ["--nproc-per-node", str(WORLD // nodes), "--monitor-interval", "0.2", *rdzv]
+    return ["--nproc-per-node", str(nproc or WORLD // nodes), "--monitor-interval", "0.2", *rdzv]
 
 
 class Family:
@@ -376,11 +677,9 @@ def code_version() -> str:
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
-def run_one(
-    index: int, model: str, fault: str, position: str, hogs: int, repeat: int, work: Path, keep: bool
-) -> dict[str, Any]:
-    nodes, rank = POSITIONS[position]
-    e = FAULTS[fault]
+def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bool) -> dict[str, Any]:
+    model, fault, position, nodes, rank = plan.model, plan.fault, plan.position, plan.nodes, plan.rank
+    e = CLASSES[fault] if model == "v3" else FAULTS[fault]
     # Short names: AF_UNIX socket paths (108 bytes) live under these dirs — the hook's dump responder in
     # the shm job dir, multiprocessing's resource sharer (DataLoader workers passing tensors) under TMPDIR.
     run_id = f"acc{os.getpid() % 100000}-{index}"
@@ -396,7 +695,7 @@ def run_one(
     )
     env.pop("RANKWATCH_JOB_ID", None)
     rdzv_port, master_port, store_port = free_port(), free_port(), free_port()
-    common = ["--stall-timeout", STALL_TIMEOUT, "--on-stall", "kill", "--json-logs"]
+    common = ["--stall-timeout", plan.stall_timeout, "--on-stall", "kill", "--json-logs", *plan.rw_args]
     if nodes > 1:
         secret = d / "store.secret"
         fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -409,6 +708,7 @@ def run_one(
         "fault": fault,
         "position": position,
         "rank": rank,
+        "truth": list(plan.truth),
         "nodes": nodes,
         "hogs": hogs,
         "repeat": repeat,
@@ -435,16 +735,20 @@ def run_one(
                 str(shm),
                 *common,
                 "--",
-                *torchrun_args(nodes, k, run_id, rdzv_port, master_port),
-                *job_args(model, fault, rank),
+                *torchrun_args(nodes, k, run_id, rdzv_port, master_port, plan.nproc),
+                *plan.job,
             )
             so = files.enter_context(open(d / f"stdout{k}.txt", "wb"))  # noqa: SIM115
             se = files.enter_context(open(d / f"stderr{k}.txt", "wb"))  # noqa: SIM115
             agents.append((fam.start(cmd, stdout=so, stderr=se, env=env, cwd=str(d)), out, so, se))
         deadline = time.monotonic() + timeout
+        acted = plan.action is None
         while time.monotonic() < deadline and any(a[0].poll() is None for a in agents):
             fam.scan()
-            time.sleep(0.5)
+            if not acted and any(m.get("fault") == "ready" for m in read_marks(fault_log)):
+                record["notes"].append(node_action(plan, agents, fault_log))
+                acted = True
+            time.sleep(0.2 if not acted else 0.5)
         record["timed_out"] = any(a[0].poll() is None for a in agents)
     finally:
         fam.kill_all()
@@ -478,16 +782,11 @@ def run_one(
     except (OSError, ValueError, IndexError):
         pass
     record["summary"] = summary
-    marks = []
-    if fault_log.exists():
-        for line in fault_log.read_text().splitlines():
-            try:
-                marks.append(json.loads(line))
-            except ValueError:
-                pass
-    fault_t = min((m["t"] for m in marks if m.get("rank") == rank), default=None)
-    record["fault_fired"] = fault_t is not None or e.straggler
-    if fault_t is None and not e.straggler:
+    marks = [m for m in read_marks(fault_log) if m.get("fault") != "ready"]
+    fault_t = min((m["t"] for m in marks if m.get("rank") in (rank, *plan.truth)), default=None)
+    no_incident_right = not plan.truth
+    record["fault_fired"] = fault_t is not None or getattr(e, "straggler", False)
+    if fault_t is None and not getattr(e, "straggler", False):
         record["notes"].append("the fault never fired (no mark in RW_FAULT_LOG)")
     record["fault_to_verdict_s"] = round(scored["_mtime"] - fault_t, 2) if scored and fault_t else None
 
@@ -518,9 +817,9 @@ def run_one(
         }
     except (subprocess.TimeoutExpired, ValueError) as exc:
         record["offline"] = {"rc": None, "error": repr(exc)[:300]}
-    if record["verdict"] is None and not e.straggler:
+    if record["verdict"] is None and not getattr(e, "straggler", False) and not no_incident_right:
         record["stderr_tail"] = [(d / f"stderr{k}.txt").read_text(errors="replace")[-3000:] for k in range(nodes)]
-    record["score"] = score(record, e)
+    record["score"] = score_class(record, e) if isinstance(e, Klass) else score(record, e)
     if keep:
         record["dir"] = str(d)
     else:
@@ -556,6 +855,36 @@ def score(r: dict[str, Any], e: Expect) -> dict[str, Any]:
     return s
 
 
+def score_class(r: dict[str, Any], k: Klass) -> dict[str, Any]:
+    """As ``score`` for a v3 class: the truth may be several ranks (a whole node) or none (no incident is
+    right); ``later_wrong`` counts the incidents after the first (on any node) that name a rank outside
+    the truth — a second alert blaming a healthy rank is a wrong answer too."""
+    v, truth = r["verdict"], sorted(r["truth"])
+    off = r.get("offline") or {}
+    off_named = sorted(off.get("initiating_ranks") or [])
+    firsts = {inc.get("incident_id") for inc in r["incidents"][:1]}
+    later = [
+        inc
+        for inc in r["incidents"]
+        if inc.get("incident_id") not in firsts and set(inc.get("initiating_ranks") or []) - set(truth)
+    ]
+    named = sorted((v.get("initiating_ranks") or []) if v else [])
+    if not truth:
+        right = v is None and not r.get("timed_out") and all(rc == 0 for rc in r["rc"])
+        return {"named": named, "rank": right, "kind": right, "phase": None, "offline_named": off_named,
+                "offline": None, "later_wrong": len(later)}
+    return {
+        "named": named,
+        "rank": named == truth and not later,
+        "kind": bool(v) and v.get("kind") in k.kinds,
+        "phase": None if k.phase is None else bool(v) and v.get("phase") == k.phase,
+        "offline_named": off_named,
+        "offline": (off_named == truth) if k.offline else None,
+        "later_wrong": len(later),
+        "confidence": v.get("confidence") if v else None,
+    }
+
+
 # -- the report -----------------------------------------------------------------------------------------
 def frac(xs: list[bool | None]) -> str:
     ys = [x for x in xs if x is not None]
@@ -586,17 +915,24 @@ def pr(runs: list[dict[str, Any]], offline: bool) -> tuple[str, str]:
 
 def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     # a run whose fault never fired (the harness or the job failed before the fault step) measures nothing
-    runs = [r for r in all_runs if r["fault_fired"]]
+    runs = [r for r in all_runs if r["fault_fired"] and r["model"] != "v3"]
+    v3_runs = [r for r in all_runs if r["fault_fired"] and r["model"] == "v3"]
     invalid = [r for r in all_runs if not r["fault_fired"]]
     out = [
         f"### Localisation accuracy — {meta['date']}",
         "",
-        f"`{meta['command']}` — {len(runs)} runs"
+        f"`{meta['command']}` — {len(runs) + len(v3_runs)} runs"
         + (f" (+{len(invalid)} invalid, listed at the end)" if invalid else "")
-        + f", {meta['wall_min']:.1f} min; models {', '.join(meta['models'])}; "
-        f"positions {', '.join(meta['positions'])}; hogs {meta['hogs']}; repeats {meta['repeats']}; "
-        f"world size {WORLD}, fault at step {FAULT_STEP}, --stall-timeout {STALL_TIMEOUT}, --on-stall kill. "
-        f"{meta['machine']}"
+        + f", {meta['wall_min']:.1f} min; "
+        + (
+            f"models {', '.join(meta['models'])}; positions {', '.join(meta['positions'])}; "
+            f"world size {WORLD}, "
+            if runs
+            else ""
+        )
+        + (f"v3 classes {', '.join(dict.fromkeys(r['fault'] for r in v3_runs))}; " if v3_runs else "")
+        + f"hogs {meta['hogs']}; repeats {meta['repeats']}; fault at step {FAULT_STEP}, --stall-timeout "
+        f"{STALL_TIMEOUT} (unless a class says otherwise), --on-stall kill. {meta['machine']}"
         + (
             f" Load average (1 min) at each run's start: median {statistics.median(loads):.1f}, "
             f"{min(loads):.1f}–{max(loads):.1f}."
@@ -607,8 +943,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Code measured (last commit to watchdog/, hooks/, examples/ at the run's start; +dirty: uncommitted "
         "edits in watchdog/ or hooks/): "
         + ", ".join(
-            f"{c} ({sum(str(r.get('code')) == c for r in runs)} runs)"
-            for c in sorted({str(r.get("code")) for r in runs})
+            f"{c} ({sum(str(r.get('code')) == c for r in runs + v3_runs)} runs)"
+            for c in sorted({str(r.get("code")) for r in runs + v3_runs})
         )
         + ".",
         "",
@@ -708,6 +1044,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"- {r['model']} {r['fault']} {r['position']} (rank {r['rank']}) — named {o.get('initiating_ranks')} "
                 f"({o.get('kind')}): {o.get('reason')}"
             )
+    if v3_runs:
+        out += ["", *report_classes(v3_runs)]
     if invalid:
         out += ["", "Invalid runs (the fault never fired; not scored):", ""]
         for r in invalid:
@@ -715,6 +1053,56 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"- {r['model']} {r['fault']} {r['position']} hogs {r['hogs']} #{r['repeat']}: {'; '.join(r['notes'])}"
             )
     return "\n".join(out) + "\n"
+
+
+def report_classes(runs: list[dict[str, Any]]) -> list[str]:
+    """The v3 classes' table: one row per class, what was named against the truth, and the misses."""
+    out = [
+        "**v3 classes** (`--classes`)",
+        "",
+        "| class | runs | layout | truth | right rank | right kind | right phase | named (confidence) | later "
+        "incidents blaming others | offline named | median fault→verdict s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in CLASSES:
+        cr = [r for r in runs if r["fault"] == name]
+        if not cr:
+            continue
+        sc = [r["score"] for r in cr]
+        named = "; ".join(
+            f"{s['named'] or 'none'}" + (f" ({s.get('confidence')})" if s.get("confidence") else "") for s in sc
+        )
+        out.append(
+            f"| {name} | {len(cr)} | {cr[0]['position']} | {cr[0]['truth'] or 'no incident'} | "
+            f"{frac([s['rank'] for s in sc])} | {frac([s['kind'] for s in sc])} | {frac([s['phase'] for s in sc])} | "
+            f"{named} | {sum(s['later_wrong'] for s in sc)} | "
+            f"{'; '.join(str(s['offline_named'] or 'none') for s in sc)} | "
+            f"{med([r['fault_to_verdict_s'] for r in cr])} |"
+        )
+    out += ["", "**Misses (v3 classes)**", ""]
+    n = 0
+    for r in runs:
+        s = r["score"]
+        wrong = [k for k in ("rank", "kind", "phase") if s[k] is False]
+        if not wrong:
+            continue
+        n += 1
+        v = r["verdict"]
+        said = (
+            f"{v['kind']} {v['initiating_ranks']} phase {v['phase']} ({v['confidence']}): {v['reason']}"
+            if v
+            else "no incident (" + ("; ".join(r["notes"]) or f"job ended, rc {r['rc']}") + ")"
+        )
+        later = [
+            f"{i['kind']} {i['initiating_ranks']} (node {i['node']})" for i in r["incidents"][1:]
+        ]
+        out.append(
+            f"- {r['fault']} — wrong {', '.join(wrong)}; truth {r['truth'] or 'no incident'}; said {said}"
+            + (f"; later incidents: {', '.join(later)}" if later else "")
+        )
+    if not n:
+        out.append("- none")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -725,7 +1113,16 @@ def main(argv: list[str] | None = None) -> int:
         help="one repeat, no hogs, single node, each fault once per model "
         "at the first or the last rank alternately (with --positions: every fault at each of those)",
     )
-    p.add_argument("--faults", nargs="+", choices=list(FAULTS), default=list(FAULTS))
+    p.add_argument(
+        "--faults", nargs="+", choices=list(FAULTS), default=None, help="default: all (none when --classes is given)"
+    )
+    p.add_argument(
+        "--classes",
+        nargs="+",
+        choices=[*CLASSES, "all"],
+        default=None,
+        help="v3 fault classes (jobs/), each once at its own rank: " + " ".join(CLASSES),
+    )
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument(
         "--positions", nargs="+", choices=list(POSITIONS), default=None, help="default: all four (--quick: first last)"
@@ -743,6 +1140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="scratch dir for runs (default: a temp dir, removed unless --keep)")
     p.add_argument("--machine", default=None, help="machine note for the report (default: cores, load, versions)")
     a = p.parse_args(argv)
+    classes = list(CLASSES) if a.classes and "all" in a.classes else (a.classes or [])
+    if a.faults is None:
+        a.faults = [] if classes else list(FAULTS)
     # interruptible even when started in the background (where SIGINT is ignored): every run's processes
     # are killed by run_one's finally, then the runs so far are reported
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -776,6 +1176,7 @@ def main(argv: list[str] | None = None) -> int:
             for pos in positions
             for f in a.faults
         ]
+    matrix += [("v3", c, plan_class(c).position, h, rep) for h in hogs for rep in range(repeats) for c in classes]
     print(f"{len(matrix)} runs → {a.out}/{stamp}.json", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     t0 = time.time()
@@ -808,10 +1209,12 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "machine": machine,
         "expectations": {k: asdict(v) for k, v in FAULTS.items()},
+        "class_expectations": {k: asdict(v) for k, v in CLASSES.items() if k in classes},
     }
     try:
         for i, (m, f, pos, h, rep) in enumerate(matrix, 1):
-            r = run_one(i, m, f, pos, h, rep, work, a.keep)
+            plan = plan_class(f) if m == "v3" else plan_fault(m, f, pos)
+            r = run_one(i, plan, h, rep, work, a.keep)
             runs.append(r)
             s = r["score"]
             v = r["verdict"]
@@ -819,7 +1222,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{v['kind']} {v['initiating_ranks']} {v['phase']}"
                 if v
                 else (
-                    f"summary {(r['summary'] or {}).get('straggler_ranks')}" if FAULTS[f].straggler else "no incident"
+                    f"summary {(r['summary'] or {}).get('straggler_ranks')}"
+                    if getattr(expect_of(r), "straggler", False)
+                    else "no incident"
                 )
             )
             print(

@@ -59,6 +59,20 @@ def build_parser() -> Parser:
         metavar="N|all",
         help="keep only the N newest incident bundles under --out (default: %(default)s)",
     )
+    p.add_argument(
+        "--metrics-detail",
+        choices=("aggregate", "jobs"),
+        default="aggregate",
+        help="what every scraper of --metrics-port sees: node totals only (default: other users' job ids, "
+        "ranks and pids stay private on a shared node), or every job's series (a single-tenant node)",
+    )
+    p.add_argument(
+        "--metrics-token-file",
+        default=None,
+        metavar="PATH",
+        help="a scrape presenting this file's token (Authorization: Bearer) gets every job's series whatever "
+        "--metrics-detail says (file mode 0600/0400)",
+    )
     add_watch_options(p)
     return p
 
@@ -103,11 +117,20 @@ def correlator_factory(
     return build
 
 
+def metrics_exposure(args: Any) -> Any:
+    """Who sees per-job series on /metrics (``serve.metrics.Exposure``); a bad token file is a UserError here."""
+    from ..serve.metrics import Exposure, read_token
+
+    token = read_token(args.metrics_token_file) if args.metrics_token_file is not None else None
+    return Exposure(args.metrics_detail, token)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(env_defaults() + argv)
     logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
     stall, capture = policies_from_args(args)
     secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
+    exposure = metrics_exposure(args)
     alerts = alerter_from_args(args)
     try:
         os.makedirs(args.out, mode=0o700, exist_ok=True)
@@ -134,7 +157,8 @@ def main(argv: list[str]) -> int:
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
 
-        extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port))
+        extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
+                                    exposure=exposure))
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("daemon_stopping", signal=signal.Signals(signum).name)

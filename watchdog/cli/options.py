@@ -146,19 +146,32 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server (default: %(default)s)")
     p.add_argument(
+        "--metrics-histograms",
+        action="store_true",
+        help="also export a duration histogram per rank and phase (+21 series per rank and phase; default: the "
+        "step histogram and per-phase medians only)",
+    )
+    p.add_argument(
         "--notify",
         action="append",
         default=[],
         metavar="URL",
         help="POST each incident's verdict (JSON, with a one-line 'text' for Slack-style webhooks) to this "
-        "http(s) URL; repeatable",
+        "http(s) URL when it fires and when it resolves; a URL ending in /api/v2/alerts gets Alertmanager's "
+        "v2 format; repeatable",
+    )
+    p.add_argument(
+        "--notify-stragglers",
+        action="store_true",
+        help="also notify when a live straggler starts and ends (default: incidents only)",
     )
     p.add_argument(
         "--on-incident",
         default=None,
         metavar="CMD",
         help="run this executable (no shell; words split like a shell would) with the incident bundle's path "
-        "as its last argument",
+        "as its last argument and RANKWATCH_KIND, _INITIATING_RANKS, _PHASE, _CONFIDENCE, _REASON, ... in its "
+        "environment; everything it starts is killed when it exits or times out",
     )
 
 
@@ -167,7 +180,10 @@ def alerter_from_args(args: argparse.Namespace) -> Alerter | None:
     before anything starts."""
     urls = [check_url(u) for u in args.notify]
     command = check_command(args.on_incident) if args.on_incident is not None else None
-    return Alerter(urls, command) if urls or command else None
+    stragglers = bool(getattr(args, "notify_stragglers", False))
+    if stragglers and not urls:
+        raise UserError("--notify-stragglers needs a --notify URL")
+    return Alerter(urls, command, stragglers=stragglers) if urls or command else None
 
 
 def policies_from_args(args: argparse.Namespace) -> tuple[StallPolicy, CapturePolicy]:

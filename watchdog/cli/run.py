@@ -145,7 +145,7 @@ def _run_job(
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
 
-        metrics = serve_metrics(daemon, args.metrics_addr, args.metrics_port)
+        metrics = serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms)
     env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
     log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
     watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)

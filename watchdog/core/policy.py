@@ -115,9 +115,20 @@ class AlertPolicy:
     notify_backoff_s: float = 1.0
     # an --on-incident command is killed after this long (it runs off the watchdog loop, one at a time)
     command_timeout_s: float = 60.0
-    # alerts waiting to be sent; beyond this the oldest is dropped (logged): an incident storm must not grow
-    # memory without bound while a webhook is down
+    # alerts waiting to be sent, per target; beyond this the oldest is dropped (logged): an incident storm
+    # must not grow memory without bound while a webhook is down
     max_queued: int = 64
+    # one job's share of a target's queue: a job over it loses its own oldest alert, never another job's
+    max_queued_per_job: int = 16
+    # on shutdown, queued alerts get this long, then what is in flight is cut: SIGTERM is not held by a
+    # webhook that trickles (systemd's stop timeout is longer; a healthy webhook answers in milliseconds)
+    close_timeout_s: float = 5.0
+    # Alertmanager: a firing alert is re-sent this often, and ends this long after the last send unless
+    # re-sent (Prometheus' own rhythm: 1 min resend, 4x for endsAt), so a dead daemon's alerts expire
+    am_resend_s: float = 60.0
+    am_hold_s: float = 300.0
+    # incidents remembered for their resolved notice (a bounded map: the oldest expire in Alertmanager)
+    max_remembered: int = 1024
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ class GpuWatch:
         self._xid_total = 0
         self._devices: dict[int, DeviceSample] = {}
         self._device_ranks: dict[int, set[int]] = {}
+        # pid -> (NVML index, UUID) of the one GPU it has a context on (metrics' dcgm-exporter join labels)
+        self._pid_devices: dict[int, tuple[str, str]] = {}
         self.probe: NvmlProbe | None = probe
         if probe is None and enabled:
             try:
@@ -101,9 +103,14 @@ class GpuWatch:
             self._note_devices(sample.devices)
             ev = gpu_evidence(sample, pids)
             someone_fresh = any(g.util is not None for g in ev.values())
+            uuids = {d.index: d.uuid or "" for d in sample.devices}
+            pid_devices = {}
             for g in ev.values():
                 for d in g.devices:
                     self._device_ranks.setdefault(d, set()).add(g.rank)
+                if len(g.devices) == 1:
+                    pid_devices[g.pid] = (str(g.devices[0]), uuids.get(g.devices[0], ""))
+            self._pid_devices = pid_devices
             return [
                 dataclasses.replace(v, gpu_util=ev[v.rank].util, gpu_missing=ev[v.rank].missing and someone_fresh)
                 if v.rank in ev
@@ -113,6 +120,10 @@ class GpuWatch:
         except Exception:
             log.exception("gpu_watch.apply_failed")
             return out
+
+    def pid_devices(self) -> dict[int, tuple[str, str]]:
+        """pid -> (GPU index, UUID) as NVML saw it at the last sample, for ranks on exactly one GPU."""
+        return dict(self._pid_devices)
 
     def _note_devices(self, devices: Sequence[DeviceSample]) -> None:
         age = time.monotonic() - self._t0

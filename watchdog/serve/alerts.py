@@ -1,55 +1,56 @@
-"""Telling people: the verdict POSTed to webhooks (``--notify URL``) and a command run on the bundle
-(``--on-incident CMD``), once per incident, on a thread of their own.
+"""Telling people: incidents (and, opted in, live stragglers) POSTed to webhooks (``--notify URL``) as they
+fire and when they resolve, and a command run on each incident's bundle (``--on-incident CMD``).
 
-An alert must never cost detection: a webhook that hangs or refuses, or a command that never returns,
-only delays the next alert, never the poll loop or the incident pipeline (both just enqueue). Every
-failure is logged and dropped after the policy's retries. The command runs without a shell: its words
-come from the operator's command line, the bundle path and the ids are passed as an argument and in the
-environment, so nothing from a verdict can become shell syntax.
+An alert must never cost detection, nor one receiver another: every target (each URL, the command) has a
+sender thread and a bounded queue of its own, so a webhook that hangs, trickles or refuses delays only
+itself; each POST has a total deadline (``webhook``), each command a timeout and a subreaper that takes
+everything it started down with it (``reaper``). The poll loop and the incident pipeline only enqueue.
+A queue keeps every job its share: when one job floods it, that job's oldest notices are dropped, never
+another job's. A URL ending in ``/api/v2/alerts`` gets Alertmanager's v2 format (re-sent while firing, so
+an alert whose daemon died expires by itself); any other URL the JSON document (``alert_docs``).
+The command runs without a shell: its words come from the operator's command line, the bundle path and
+the verdict's gist come as an argument and in the environment, so nothing from a verdict becomes syntax.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
-import queue
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from ..core.policy import AlertPolicy
-from ..core.text import NAME, clean
+from ..core.text import clean
 from ..errors import UserError
-from ..report.text import headline
+from . import reaper
+from .alert_docs import (
+    FIRING,
+    RESOLVED,
+    Notice,
+    alertmanager_alert,
+    command_env,
+    incident_notice,
+    is_alertmanager,
+    straggler_notice,
+)
+from .webhook import USER_AGENT, Post, check_url
+
+__all__ = ["USER_AGENT", "Alerter", "check_command", "check_url"]
 
 log = structlog.get_logger("rankwatch.alerts")
-
-USER_AGENT = "rankwatch-alert/1"
-
-
-def check_url(url: str) -> str:
-    """An http(s) URL with a host, or a UserError naming what is wrong (for the option parser)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UserError(f"--notify wants an http:// or https:// URL, got {url!r}")
-    try:
-        parts.port  # noqa: B018 - raises on a port out of range
-    except ValueError:
-        raise UserError(f"--notify URL has a bad port: {url!r}") from None
-    return url
 
 
 def check_command(cmd: str) -> list[str]:
@@ -66,44 +67,253 @@ def check_command(cmd: str) -> list[str]:
     return [os.path.abspath(program), *words[1:]]
 
 
-def payload(verdict: dict[str, Any], bundle: str | None) -> bytes:
-    """The verdict document plus a one-line ``text`` (what Slack-style webhooks display) and the bundle."""
-    text = f"rankwatch [{clean(verdict.get('job_id'), NAME)}]: {headline(verdict)}"
-    return json.dumps({**verdict, "text": text, "bundle": bundle}, default=str).encode()
-
-
-@dataclass(frozen=True)
-class Alert:
-    verdict: dict[str, Any]
-    bundle: str | None
-    notify: bool  # POST to the webhooks
-    command: bool  # run --on-incident (once the bundle is written)
-
-
 Poster = Callable[[str, bytes, float], int]
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A webhook that redirects is misconfigured; following it would turn the POST into a GET elsewhere."""
+class FairQueue:
+    """A bounded queue of notices where each job keeps its share: a job over ``per_job`` loses its own
+    oldest notice; a full queue loses the oldest notice of the job holding the most."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, limit: int, per_job: int) -> None:
+        self.limit, self.per_job = max(1, limit), max(1, per_job)
+        self._items: collections.deque[Notice | None] = collections.deque()
+        self._cond = threading.Condition()
+
+    def put(self, n: Notice | None) -> Notice | None:
+        """Queue ``n`` (None: the end); returns the notice dropped to make room, if any."""
+        with self._cond:
+            lost = None
+            if n is not None:
+                mine = [x for x in self._items if x is not None and x.job_id == n.job_id]
+                if len(mine) >= self.per_job:
+                    lost = mine[0]
+                elif len(self._items) >= self.limit:
+                    counts = collections.Counter(x.job_id for x in self._items if x is not None)
+                    if counts:
+                        big = max(counts, key=lambda j: counts[j])
+                        lost = next(x for x in self._items if x is not None and x.job_id == big)
+                if lost is not None:
+                    self._items.remove(lost)
+            self._items.append(n)
+            self._cond.notify()
+            return lost
+
+    def get(self, timeout_s: float | None) -> tuple[bool, Notice | None]:
+        """(True, notice or None for the end) or (False, None) when nothing came within ``timeout_s``."""
+        with self._cond:
+            if not self._items and not self._cond.wait_for(lambda: bool(self._items), timeout_s):
+                return False, None
+            return True, self._items.popleft()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+class _Target:
+    """One receiver: a thread draining its own queue."""
+
+    name = "target"
+
+    def __init__(self, policy: AlertPolicy) -> None:
+        self.policy = policy
+        self.queue = FairQueue(policy.max_queued, policy.max_queued_per_job)
+        self.stop = threading.Event()  # set when sending must end now (shutdown past its deadline)
+        self.thread = threading.Thread(target=self._loop, name=f"rankwatch-alerts-{self.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def put(self, n: Notice) -> None:
+        lost = self.queue.put(n)
+        if lost is not None:
+            log.error("alert_dropped", target=self.label, job=lost.job_id, alert=list(lost.key),
+                      why="the job's share of the alert queue is full")
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def idle_timeout(self) -> float | None:
         return None
 
+    def idle(self) -> None:
+        """Called when nothing came within ``idle_timeout()``."""
 
-_OPENER = urllib.request.build_opener(_NoRedirect())
+    def handle(self, n: Notice) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        self.stop.set()
+
+    def _loop(self) -> None:
+        while True:
+            got, n = self.queue.get(self.idle_timeout())
+            if got and n is None:
+                return
+            try:
+                if n is None:
+                    self.idle()
+                else:
+                    self.handle(n)
+            except Exception:  # never the end of the sender
+                log.exception("alert_failed", target=self.label)
+            if self.stop.is_set():
+                return
 
 
-def http_post(url: str, body: bytes, timeout_s: float) -> int:
-    check_url(url)  # http(s) only: never file:// or ftp://
-    req = urllib.request.Request(  # noqa: S310 - scheme checked above
-        url, data=body, method="POST", headers={"Content-Type": "application/json", "User-Agent": USER_AGENT}
-    )
-    with _OPENER.open(req, timeout=timeout_s) as resp:
-        return int(resp.status)
+class _Webhook(_Target):
+    """A plain webhook: the JSON document, retried with backoff, every try under a total deadline."""
+
+    name = "webhook"
+
+    def __init__(self, url: str, policy: AlertPolicy, post: Poster | None) -> None:
+        self.url = url
+        self._post = post
+        self._current: Post | None = None
+        self._lock = threading.Lock()
+        super().__init__(policy)
+
+    @property
+    def label(self) -> str:
+        return _redact(self.url)
+
+    def abort(self) -> None:
+        super().abort()
+        with self._lock:
+            current = self._current
+        if current is not None:
+            current.abort()
+
+    def _send(self, body: bytes) -> int:
+        if self._post is not None:
+            return self._post(self.url, body, self.policy.notify_timeout_s)
+        post = Post(self.url, body, self.policy.notify_timeout_s)
+        with self._lock:
+            self._current = post
+        try:
+            return post.send()
+        finally:
+            with self._lock:
+                self._current = None
+
+    def deliver(self, body: bytes, what: Mapping[str, Any]) -> bool:
+        p = self.policy
+        for attempt in range(p.notify_attempts):
+            if self.stop.is_set():
+                return False
+            try:
+                status = self._send(body)
+                if 200 <= status < 300:
+                    log.info("notified", url=self.label, status=status, attempt=attempt, **what)
+                    return True
+                error = f"HTTP {status}"
+                if 400 <= status < 500 and status not in (408, 429):
+                    log.error("notify_failed", url=self.label, error=error, final=True, **what)
+                    return False  # the receiver refuses this request: trying again cannot help
+            except (OSError, ValueError) as exc:
+                error = clean(str(exc), 200)
+            last = attempt == p.notify_attempts - 1
+            log.warning("notify_failed", url=self.label, error=error, attempt=attempt, final=last, **what)
+            if not last and self.stop.wait(p.notify_backoff_s * (2**attempt)):
+                return False
+        return False
+
+    def handle(self, n: Notice) -> None:
+        self.deliver(n.body(), {"alert": n.key[0], "job": n.job_id, "alert_status": n.status})
+
+
+class _Alertmanager(_Webhook):
+    """Alertmanager's v2 API: firing alerts re-sent every ``am_resend_s`` (each ending ``am_hold_s`` later
+    unless re-sent), a resolved one sent with ``endsAt`` now and then forgotten."""
+
+    name = "alertmanager"
+
+    def __init__(self, url: str, policy: AlertPolicy, post: Poster | None) -> None:
+        self.firing: dict[tuple[str, ...], Notice] = {}
+        self._next_resend = time.monotonic() + policy.am_resend_s
+        super().__init__(url, policy, post)
+
+    def _post_alerts(self, notices: Sequence[Notice]) -> bool:
+        now = time.time()
+        body = json.dumps([alertmanager_alert(n, now, self.policy.am_hold_s) for n in notices]).encode()
+        first = notices[0]
+        return self.deliver(body, {"alert": first.key[0], "job": first.job_id, "alert_status": first.status,
+                                   "alerts": len(notices)})
+
+    def handle(self, n: Notice) -> None:
+        if n.status == FIRING:
+            self.firing[n.key] = n
+            if len(self.firing) > self.policy.max_queued:  # bounded: the oldest firing alert expires by itself
+                self.firing.pop(next(iter(self.firing)))
+        else:
+            self.firing.pop(n.key, None)
+        self._post_alerts([n])
+
+    def idle_timeout(self) -> float | None:
+        return max(0.0, self._next_resend - time.monotonic())
+
+    def idle(self) -> None:
+        self._next_resend = time.monotonic() + self.policy.am_resend_s
+        if self.firing:
+            self._post_alerts(list(self.firing.values()))
+
+
+class _Command(_Target):
+    """``--on-incident``: once per incident whose bundle exists, under the reaper, one at a time."""
+
+    name = "command"
+
+    def __init__(self, argv: Sequence[str], policy: AlertPolicy) -> None:
+        self.argv = list(argv)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        super().__init__(policy)
+
+    def abort(self) -> None:
+        super().abort()
+        with self._lock:
+            proc = self._proc
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.terminate()  # the reaper kills and reaps everything the command started
+
+    def handle(self, n: Notice) -> None:
+        incident = n.verdict.get("incident_id")
+        argv = [*self.argv, n.bundle or ""]
+        timeout_s = self.policy.command_timeout_s
+        env = {**os.environ, **command_env(n), reaper.PARENT_ENV: str(os.getpid())}
+        wrapped = [sys.executable, "-m", "rankwatch.watchdog.serve.reaper", f"{timeout_s:g}", "--", *argv]
+        # stderr to a file, not a pipe: a pipe would keep this thread waiting on whoever holds it open
+        with tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=err, start_new_session=True)
+            except OSError as exc:
+                log.error("on_incident_failed", command=argv[0], error=str(exc))
+                return
+            with self._lock:
+                self._proc = proc
+            try:
+                code = proc.wait(timeout=timeout_s + reaper.SWEEP_S + 5)
+            except subprocess.TimeoutExpired:  # the reaper itself is stuck: its group at least goes
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+            finally:
+                with self._lock:
+                    self._proc = None
+            err.seek(0)
+            tail = err.read()[-400:].decode(errors="replace")
+        if code == 124:
+            log.error("on_incident_timeout", command=argv[0], incident=incident, stderr=clean(tail))
+            return
+        level = log.info if code == 0 else log.error
+        level("on_incident_ran", command=argv[0], incident=incident, exit_code=code, stderr=clean(tail))
 
 
 class Alerter:
-    """One sender thread; ``submit`` never blocks."""
+    """Per-target sender threads; ``submit``, ``resolve`` and ``straggler`` never block."""
 
     def __init__(
         self,
@@ -111,15 +321,27 @@ class Alerter:
         command: Sequence[str] | None,
         policy: AlertPolicy | None = None,
         *,
-        post: Poster = http_post,
+        post: Poster | None = None,
+        stragglers: bool = False,
     ) -> None:
         self.urls = list(urls)
         self.command = list(command) if command else None
         self.policy = policy or AlertPolicy()
-        self._post = post
-        self._queue: queue.Queue[Alert | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="rankwatch-alerts", daemon=True)
-        self._thread.start()
+        self.stragglers = stragglers
+        self._hooks: list[_Webhook] = [
+            (_Alertmanager if is_alertmanager(u) else _Webhook)(u, self.policy, post) for u in self.urls
+        ]
+        self._command = _Command(self.command, self.policy) if self.command else None
+        self._lock = threading.Lock()
+        # incidents the webhooks were told of, with when they started: only these get a resolved notice
+        self._notified: collections.OrderedDict[tuple[str, ...], Notice] = collections.OrderedDict()
+        self._straggling: dict[tuple[str, ...], Notice] = {}
+        for t in self._targets:
+            t.start()
+
+    @property
+    def _targets(self) -> list[_Target]:
+        return [*self._hooks, *([self._command] if self._command else [])]
 
     @property
     def enabled(self) -> bool:
@@ -128,98 +350,65 @@ class Alerter:
     def submit(self, verdict: dict[str, Any], bundle: str | None, *, notify: bool = True, command: bool = True) -> None:
         """Queue the alerts of one incident; the caller decides which (webhooks once per job, the command
         once the bundle exists)."""
-        notify, command = notify and bool(self.urls), command and self.command is not None
-        if not (notify or command):
+        n = incident_notice(verdict, bundle, time.time())
+        if notify and self._hooks:
+            with self._lock:
+                self._notified[n.key] = n
+                while len(self._notified) > self.policy.max_remembered:
+                    self._notified.popitem(last=False)
+            for t in self._hooks:
+                t.put(n)
+        if command and self._command is not None:
+            self._command.put(n)
+
+    def resolve(self, job_id: str, incident_id: str, why: str) -> None:
+        """The incident is over (the job recovered, was killed or ended): tell the webhooks that heard of it."""
+        with self._lock:
+            fired = self._notified.pop(("incident", job_id, incident_id), None)
+        if fired is None:
             return
-        while self._queue.qsize() >= self.policy.max_queued:
-            try:
-                lost = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if lost is not None:
-                log.error("alert_dropped", incident=lost.verdict.get("incident_id"), why="alert queue full")
-        self._queue.put(Alert(verdict, bundle, notify, command))
+        n = incident_notice(fired.verdict, fired.bundle, fired.starts_unix, RESOLVED, why)
+        for t in self._hooks:
+            t.put(n)
+
+    def resolve_job(self, job_id: str, why: str) -> None:
+        """Every incident of ``job_id`` still firing is over (the job ended)."""
+        with self._lock:
+            ids = [k[2] for k in self._notified if k[1] == job_id]
+        for incident_id in ids:
+            self.resolve(job_id, incident_id, why)
+
+    def straggler(self, job_id: str, node: str, doc: Mapping[str, Any], started: bool) -> None:
+        """A live straggler started (``started``) or ended; sent only with ``stragglers`` (opt-in)."""
+        if not (self.stragglers and self._hooks):
+            return
+        fresh = straggler_notice(job_id, node, doc, time.time())
+        with self._lock:
+            if started:
+                self._straggling[fresh.key] = fresh
+                n = fresh
+            else:
+                first = self._straggling.pop(fresh.key, None)
+                if first is None:
+                    return
+                n = straggler_notice(job_id, node, doc, first.starts_unix, RESOLVED)
+        for t in self._hooks:
+            t.put(n)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Send what is queued (bounded by ``timeout_s``), then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():
-            log.error("alerts_unfinished", queued=self._queue.qsize())
-
-    def _loop(self) -> None:
-        while True:
-            alert = self._queue.get()
-            if alert is None:
-                return
-            for url in self.urls if alert.notify else []:
-                try:
-                    self._notify(url, alert)
-                except Exception:  # never the end of the sender
-                    log.exception("notify_failed", url=_redact(url))
-            if alert.command:
-                try:
-                    self._run(alert)
-                except Exception:
-                    log.exception("on_incident_failed", incident=alert.verdict.get("incident_id"))
-
-    def _notify(self, url: str, alert: Alert) -> None:
-        body, p = payload(alert.verdict, alert.bundle), self.policy
-        incident = alert.verdict.get("incident_id")
-        for attempt in range(p.notify_attempts):
-            try:
-                status = self._post(url, body, p.notify_timeout_s)
-                if 200 <= status < 300:
-                    log.info("notified", url=_redact(url), incident=incident, status=status, attempt=attempt)
-                    return
-                error = f"HTTP {status}"
-            except urllib.error.HTTPError as exc:
-                error = f"HTTP {exc.code}"
-                if 400 <= exc.code < 500 and exc.code not in (408, 429):
-                    log.error("notify_failed", url=_redact(url), incident=incident, error=error, final=True)
-                    return  # the receiver refuses this request: trying again cannot help
-            except (OSError, ValueError) as exc:
-                error = str(exc)[:200]
-            last = attempt == p.notify_attempts - 1
-            log.warning("notify_failed", url=_redact(url), incident=incident, error=error, attempt=attempt, final=last)
-            if not last:
-                time.sleep(p.notify_backoff_s * (2**attempt))
-
-    def _run(self, alert: Alert) -> None:
-        assert self.command is not None
-        v = alert.verdict
-        env = dict(
-            os.environ,
-            RANKWATCH_INCIDENT_ID=clean(v.get("incident_id"), NAME),
-            RANKWATCH_JOB_ID=clean(v.get("job_id"), NAME),
-            RANKWATCH_KIND=clean(v.get("kind"), NAME),
-            RANKWATCH_INITIATING_RANKS=",".join(str(r) for r in v.get("initiating_ranks") or [] if isinstance(r, int)),
-            RANKWATCH_BUNDLE=alert.bundle or "",
-        )
-        argv = [*self.command, alert.bundle or ""]
-        # stderr to a file, not a pipe: a grandchild the command left behind cannot keep the sender waiting
-        with tempfile.TemporaryFile() as err:
-            try:
-                proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                log.error("on_incident_failed", command=argv[0], error=str(exc))
-                return
-            try:
-                code = proc.wait(timeout=self.policy.command_timeout_s)
-            except subprocess.TimeoutExpired:
-                # the operator's own command, in a session of its own: its whole group goes
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                log.error("on_incident_timeout", command=argv[0], incident=v.get("incident_id"))
-                return
-            err.seek(0)
-            tail = err.read()[-400:].decode(errors="replace")
-        level = log.info if code == 0 else log.error
-        level("on_incident_ran", command=argv[0], incident=v.get("incident_id"), exit_code=code, stderr=clean(tail))
+        """Send what is queued within ``min(timeout_s, policy.close_timeout_s)``, then cut what is still
+        in flight (a trickling webhook, a command still running: the reaper takes its descendants)."""
+        end = time.monotonic() + min(timeout_s, self.policy.close_timeout_s)
+        for t in self._targets:
+            t.queue.put(None)
+        for t in self._targets:
+            t.thread.join(timeout=max(0.0, end - time.monotonic()))
+        late = [t for t in self._targets if t.thread.is_alive()]
+        for t in late:
+            t.abort()
+        for t in late:
+            t.thread.join(timeout=reaper.SWEEP_S)
+            log.error("alerts_unfinished", target=t.label, queued=len(t.queue))
 
 
 def _redact(url: str) -> str:

@@ -268,12 +268,14 @@ class Daemon:
         elif not incident.pending and recovered(views, self.config.stall, watch.longest_step_s):
             log.info("incident_closed", job=job_id, incident=incident.incident_id)
             entry.incident = None
+            self._resolved(job_id, "job recovered", incident.incident_id)
         retire = entry.gone_since is not None and time.monotonic() - entry.gone_since > self.config.serve.retire_after_s
         self.publish_state(job_id, entry, force=retire)
         if retire:
             watch.retired = True
             entry.retired_at = time.monotonic()
             log.info("job_retired", job=job_id, incidents=len(entry.incidents))
+            self._resolved(job_id, "job killed by --on-stall kill" if self.killed(job_id) else "job ended")
 
     def publish_state(self, job_id: str, entry: JobEntry, *, force: bool = False) -> None:
         """The job's state file for ``rankwatch status`` (never fatal: status falls back to the records)."""
@@ -334,6 +336,8 @@ class Daemon:
                 log.warning("straggler_detected", **fields)
             else:
                 log.info("straggler_ended", **fields)
+            if self.alerts is not None:  # sent only with --notify-stragglers
+                self.alerts.straggler(job_id, entry.watch.node, s.doc(), kind == "started")
 
     def _maybe_remove_files(self, job_id: str, entry: JobEntry) -> None:
         keep = self.config.serve.retain_finished_s
@@ -467,8 +471,20 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
+    def _resolved(self, job_id: str, why: str, incident_id: str | None = None) -> None:
+        """The alerts' resolved notice for this incident (None: every incident of the job that fired)."""
+        if self.alerts is None:
+            return
+        if incident_id is None:
+            self.alerts.resolve_job(job_id, why)
+        else:
+            self.alerts.resolve(job_id, incident_id, why)
+
     def close(self) -> None:
         self.pipeline.close()
+        job = self.config.job_filter
+        if job:  # rankwatch run: the job has ended with the run
+            self._resolved(job, "job killed by --on-stall kill" if self.killed(job) else "job ended")
         if self.alerts is not None:
             self.alerts.close(self.config.serve.drain_timeout_s)  # what the incidents queued is sent
         for correlator in self.correlators.values():

@@ -12,16 +12,30 @@ only when one of its ranks completed a step since the last scrape.
 Names follow Prometheus conventions: base units (seconds), ``_total`` on counters, and labels
 ``job_id``/``rank``/``phase``. Label values are bounded: ranks and declared phases (at most 16 per
 rank record), states from a fixed set.
+
+Series budget: at most ``SERIES_PER_RANK_BUDGET`` series per rank by default (a 1,024-node job is then
+~0.5 M series, what dcgm-exporter costs for the same GPUs), counted by ``benchmarks/bench_series.py``: the
+step histogram is always there, the per-phase histograms (21 series per phase) only with
+``--metrics-histograms``. ``rankwatch_rank_info`` carries the labels that join dcgm-exporter's series
+(``Hostname``, ``gpu``, ``UUID``, ``pod``, ``namespace``, ``local_rank``), once per rank, so no other series
+pays for them.
+
+Who sees what (``Exposure``): per-job series name jobs, ranks, pids and phases of every user on the node.
+``detail="aggregate"`` (the daemon's default) serves only node totals; ``detail="jobs"`` (``rankwatch
+run``: one user's own job) everything; with a token file, a scrape that presents the token as
+``Authorization: Bearer`` gets everything whatever the detail level.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,6 +63,9 @@ WINDOW_STEPS = StragglerPolicy().window_steps
 # ``WINDOW_STEPS`` common steps.
 DIAGNOSIS_COPY_STEPS = 2 * WINDOW_STEPS
 RANK_STATES = (RUNNING, STOPPED, DEAD, CRASHED, ZOMBIE, EXITED, UNKNOWN)
+# default series per rank must stay at or below this (tests/test_metrics.py, benchmarks/bench_series.py)
+SERIES_PER_RANK_BUDGET = 60
+DETAIL_LEVELS = ("aggregate", "jobs")
 
 
 def _recent(steps: Iterable[StepTiming], n: int) -> list[StepTiming]:
@@ -93,6 +110,19 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "1 for each rank the open incident's verdict names"),
     ("longest", "gauge", "rankwatch_longest_step_seconds", _J,
      "Longest completed step (sets the auto stall timeout)"),
+    ("timeout", "gauge", "rankwatch_stall_timeout_seconds", _J,
+     "No progress for this long is a stall (the job's current stall timeout)"),
+    # node totals: what every local user may see (served at every detail level)
+    ("open", "gauge", "rankwatch_open_incidents", (),
+     "Jobs on this node with an open incident"),
+    ("node_incidents", "counter", "rankwatch_node_incidents", (),
+     "Incidents opened on this node, over the jobs it watches now"),
+    ("ranks", "gauge", "rankwatch_ranks", ("state",),
+     "Ranks on this node in each process state"),
+    ("node_stragglers", "gauge", "rankwatch_live_stragglers", (),
+     "Live stragglers on this node"),
+    ("poll_age", "gauge", "rankwatch_last_poll_age_seconds", (),
+     "Time since the poll loop last completed a poll (a wedged loop still answers scrapes)"),
     ("diagnosis", "gauge", "rankwatch_diagnosis", (*_J, "label", "phase"),
      f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
     ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label"),
@@ -101,8 +131,10 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "1 for each rank the live diagnosis has named on consecutive looks at the recent steps"),
     ("live_since", "gauge", "rankwatch_live_straggler_since_timestamp_seconds", (*_R, "phase", "label"),
      "Unix time a live straggler was first seen"),
-    ("info", "gauge", "rankwatch_rank_info", (*_R, "node"),
-     "Identity of a rank (no pid label: a restarted rank keeps its series)"),
+    ("info", "gauge", "rankwatch_rank_info",
+     (*_R, "node", "local_rank", "Hostname", "gpu", "UUID", "pod", "namespace"),
+     "Identity of a rank, with the labels that join dcgm-exporter (gpu/UUID: NVML's, empty when unknown; "
+     "no pid label: a restarted rank keeps its series)"),
     ("pid", "gauge", "rankwatch_rank_pid", _R,
      "Process id of the rank's process"),
     ("up", "gauge", "rankwatch_rank_up", _R,
@@ -135,6 +167,8 @@ _HIST_SPEC: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("phase_hist", "rankwatch_phase_duration_seconds", (*_R, "phase"),
      "Time per step in each phase, over every step that spent time in it"),
 )
+# the families every scraper sees (no job, rank or pid in them)
+NODE_TOTALS = frozenset({"jobs", "polls", "errors", "open", "node_incidents", "ranks", "node_stragglers", "poll_age"})
 METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC) + tuple(
     name + "_count" for _, name, _, _ in _HIST_SPEC
 )
@@ -152,9 +186,13 @@ def _families() -> _Families:
 class DaemonCollector(Collector):
     """Builds every rankwatch metric family from the daemon's current state, on each scrape."""
 
-    def __init__(self, daemon: Daemon, policy: StragglerPolicy | None = None) -> None:
+    def __init__(
+        self, daemon: Daemon, policy: StragglerPolicy | None = None, *, jobs: bool = True, histograms: bool = False
+    ) -> None:
         self.daemon = daemon
         self.policy = policy or StragglerPolicy()
+        self.jobs = jobs  # per-job series (False: node totals only)
+        self.histograms = histograms  # per-phase histograms (opt-in: 21 series per rank and phase)
         self._cache: dict[str, tuple[tuple[tuple[int, int], ...], Diagnosis]] = {}
         self._lock = threading.Lock()  # concurrent scrapes share the diagnosis cache
         self._errors = 0
@@ -181,18 +219,37 @@ class DaemonCollector(Collector):
         hists: _Histograms = {key: HistogramMetricFamily(name, doc, labels=list(labels))
                               for key, name, labels, doc in _HIST_SPEC}
         m["polls"].add_metric([], float(self.daemon.polls))
-        n_jobs = 0
+        last = self.daemon.last_poll_ns
+        if last is not None:
+            m["poll_age"].add_metric([], (time.monotonic_ns() - last) / 1e9)
+        n_jobs = n_open = n_incidents = n_live = 0
+        states = dict.fromkeys(RANK_STATES, 0)
         for job_id, entry in list(self.daemon.jobs.items()):
             if entry.watch.retired:
                 continue
             n_jobs += 1
+            n_open += entry.incident is not None
+            n_incidents += len(entry.incidents)
+            n_live += len(reported(entry.live_stragglers))
+            for view in entry.last_views:
+                states[view.state if view.state in states else UNKNOWN] += 1
+            if not self.jobs:
+                continue
             try:
                 self._job(job_id, entry, m, hists)
             except Exception:  # one unreadable job never fails the scrape
                 self._errors += 1
                 log.exception("metrics_job_failed", job=job_id)
         m["jobs"].add_metric([], n_jobs)
+        m["open"].add_metric([], n_open)
+        m["node_incidents"].add_metric([], float(n_incidents))
+        m["node_stragglers"].add_metric([], n_live)
+        for state, n in states.items():
+            m["ranks"].add_metric([state], n)
         m["errors"].add_metric([], float(self._errors))
+        if not self.jobs:  # node totals only: not even the names of per-job families
+            yield from (fam for key, fam in m.items() if key in NODE_TOTALS)
+            return
         yield from m.values()
         yield from hists.values()
 
@@ -202,6 +259,7 @@ class DaemonCollector(Collector):
         m["stalled"].add_metric([job_id], 1.0 if open_incident is not None else 0.0)
         m["incidents"].add_metric([job_id], float(len(entry.incidents)))
         m["longest"].add_metric([job_id], watch.longest_step_s)
+        m["timeout"].add_metric([job_id], self.daemon.config.stall.timeout_for(watch.longest_step_s))
         if open_incident is not None:
             v = open_incident.verdict
             for r in v.get("initiating_ranks") or []:
@@ -209,14 +267,19 @@ class DaemonCollector(Collector):
                 m["initiator"].add_metric([job_id, str(r), kind, phase], 1.0)
 
         rank_states = dict(list(watch.ranks.items()))
+        devices = _rank_devices(self.daemon)
+        place = _placement()
         for view in entry.last_views:
             labels = [job_id, str(view.rank)]
-            m["info"].add_metric([*labels, view.node], 1.0)
+            rs = rank_states.get(view.rank)
+            local = getattr(rs.last, "local_rank", None) if rs is not None else None
+            gpu, uuid = devices.get(view.pid, ("", ""))
+            m["info"].add_metric([*labels, view.node, "" if local is None else str(local), place.hostname, gpu,
+                                  uuid, view.node if place.pods else "", place.namespace], 1.0)
             m["pid"].add_metric(labels, float(view.pid))
             m["up"].add_metric(labels, 1.0 if view.alive else 0.0)
             for s in RANK_STATES:
                 m["state"].add_metric([*labels, s], 1.0 if view.state == s else 0.0)
-            rs = rank_states.get(view.rank)
             names = list(rs.last.phase_names) if rs is not None else []
             if view.phase and view.phase not in names:
                 names.append(view.phase)
@@ -232,7 +295,7 @@ class DaemonCollector(Collector):
             labels = [job_id, str(rank)]
             buckets, total = rank_hists.step.cumulative()
             hists["step_hist"].add_metric(labels, buckets, total)
-            for p, h in sorted(list(rank_hists.phases.items())):
+            for p, h in sorted(list(rank_hists.phases.items())) if self.histograms else []:
                 buckets, total = h.cumulative()
                 hists["phase_hist"].add_metric([*labels, p], buckets, total)
         for live in reported(entry.live_stragglers):
@@ -260,6 +323,67 @@ class DaemonCollector(Collector):
                 m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label], 1.0)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this daemon runs, for the labels dcgm-exporter's series carry: its ``Hostname`` label is the
+    node name (``NODE_NAME`` from the downward API in Kubernetes, as dcgm-exporter reads it), and in
+    Kubernetes a rank's hostname is its pod's name."""
+
+    hostname: str
+    pods: bool  # rank hostnames are pod names (the daemon runs in Kubernetes)
+    namespace: str  # RANKWATCH_POD_NAMESPACE: the training pods' namespace, where one is set
+
+
+def _placement(env: Mapping[str, str] | None = None) -> Placement:
+    env = os.environ if env is None else env
+    return Placement(
+        hostname=env.get("NODE_NAME") or socket.gethostname(),
+        pods=bool(env.get("KUBERNETES_SERVICE_HOST")),
+        namespace=env.get("RANKWATCH_POD_NAMESPACE", ""),
+    )
+
+
+def _rank_devices(daemon: Daemon) -> dict[int, tuple[str, str]]:
+    """pid -> (NVML GPU index, UUID) of the one device it uses, where NVML said so; nothing without it."""
+    try:
+        return daemon.gpu.pid_devices()
+    except Exception:  # an older or failing probe: the labels stay empty
+        return {}
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """What a scrape may see: ``detail`` for everyone, everything for a bearer of the token (if any)."""
+
+    detail: str = "jobs"
+    token: bytes | None = None
+
+    def per_job(self, authorization: str | None) -> bool:
+        if self.detail == "jobs":
+            return True
+        if self.token is None or not authorization or not authorization.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(authorization[len("Bearer "):].strip().encode(), self.token)
+
+
+def read_token(path: str) -> bytes:
+    """The metrics token: a file only its owner can read (mode 0600/0400), one line, not empty."""
+    try:
+        # no O_NOFOLLOW: the operator names this path, and a Kubernetes secret volume's files are symlinks
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read(4097)
+    except OSError as exc:
+        raise UserError(f"--metrics-token-file {path}: {exc.strerror or exc}") from None
+    if st.st_mode & 0o077:
+        raise UserError(f"--metrics-token-file {path} is readable by others (chmod 600 it)")
+    token = raw.strip()
+    if not token or len(raw) > 4096 or b"\n" in token:
+        raise UserError(f"--metrics-token-file {path} must hold one line (the token), at most 4 KiB")
+    return token
+
+
 def health(daemon: Daemon, now_ns: int | None = None) -> tuple[bool, dict[str, Any]]:
     """Whether the poll loop made progress recently (``/healthz``, a Kubernetes liveness probe): a daemon
     whose loop is wedged still answers HTTP from this thread, so "the port answers" proves nothing."""
@@ -275,7 +399,9 @@ def health(daemon: Daemon, now_ns: int | None = None) -> tuple[bool, dict[str, A
 
 
 class _Handler(BaseHTTPRequestHandler):
-    registry: CollectorRegistry  # set on the per-server subclass
+    registry: CollectorRegistry  # set on the per-server subclass: every series
+    aggregate: CollectorRegistry  # node totals only
+    exposure: Exposure
     daemon: Daemon  # set on the per-server subclass
 
     def _healthz(self) -> None:
@@ -297,7 +423,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            body = encoder(self.registry)
+            full = self.exposure.per_job(self.headers.get("Authorization"))
+            body = encoder(self.registry if full else self.aggregate)
         except Exception:
             log.exception("metrics_scrape_failed")
             self.send_error(500, "scrape failed; see the daemon log")
@@ -338,21 +465,28 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def serve_metrics(daemon: Daemon, addr: str, port: int) -> MetricsServer:
+def serve_metrics(
+    daemon: Daemon, addr: str, port: int, *, histograms: bool = False, exposure: Exposure | None = None
+) -> MetricsServer:
     """Serve ``daemon``'s metrics on http://addr:port/metrics, and ``/healthz`` (200 while the poll loop
-    makes progress, else 503), from a background thread.
+    makes progress, else 503), from a background thread. ``histograms``: per-phase histograms too;
+    ``exposure``: who gets per-job series (default: everyone, as ``rankwatch run`` serves one user's job).
 
     The registry is private (not prometheus_client's global one) so that two daemons in one process, or
     a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon))
+    registry.register(DaemonCollector(daemon, histograms=histograms))
     ProcessCollector(registry=registry)  # the daemon's own CPU and memory: its overhead, observable
+    aggregate = CollectorRegistry(auto_describe=False)
+    aggregate.register(DaemonCollector(daemon, jobs=False))
+    ProcessCollector(registry=aggregate)
     try:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     except (socket.gaierror, UnicodeError) as exc:
         raise UserError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
-    handler = type("MetricsHandler", (_Handler,), {"registry": registry, "daemon": daemon})
+    handler = type("MetricsHandler", (_Handler,), {"registry": registry, "aggregate": aggregate, "daemon": daemon,
+                                                  "exposure": exposure or Exposure()})
     server_cls = type("MetricsServerSocket", (_Server,), {"address_family": family})
     try:
         server = server_cls((addr, port), handler)

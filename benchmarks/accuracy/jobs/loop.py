@@ -1,0 +1,152 @@
+"""A plain DDP training loop (an MLP, synthetic data, a logging ``all_reduce`` per step) with the faults
+of the v3 classes that are about *when and where* a rank stops rather than the parallel layout:
+
+==========================  ================================================================================
+scenario                    what ``--fault-rank`` does at ``--fault-step``
+==========================  ================================================================================
+forward-hang                spins in forward (with ``--pg-timeout-s 8`` under a 30 s stall timeout the
+                            healthy ranks' gloo timeouts fire first and they exit)
+node-signal                 marks "ready" and goes on: the runner then kills or freezes a whole node
+pre-init-hang               (before any step) blocks before ``init_process_group``; the others wait in it
+checkpoint-declared         a long checkpoint (``--checkpoint-s``) inside ``phase("checkpoint", budget_s=…)``,
+                            then every rank meets in ``dist.barrier()``: within its budget, no incident
+checkpoint-undeclared       the same checkpoint without declaring it: the others wait in the barrier
+child-hang                  waits on a child process that never exits (``subprocess.run`` of a hung helper)
+compile-graph-break         ``DDP(torch.compile(model))``; the forward has a graph break, and the Python
+                            code run at the break blocks on that rank
+==========================  ================================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import _common
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+HIDDEN = 64
+SCENARIOS = (
+    "forward-hang",
+    "node-signal",
+    "pre-init-hang",
+    "checkpoint-declared",
+    "checkpoint-undeclared",
+    "child-hang",
+    "compile-graph-break",
+    "none",
+)
+
+try:
+    from rankwatch.hooks import phase as rw_phase
+except ImportError:  # pragma: no cover
+    rw_phase = None
+
+STATE = {"step": 0, "rank": -1}
+
+
+def at_graph_break(args) -> None:  # type: ignore[no-untyped-def]
+    """Plain Python that dynamo cannot trace (it runs between the two compiled graphs)."""
+    if args.scenario == "compile-graph-break" and STATE["rank"] == args.fault_rank and STATE["step"] == args.fault_step:
+        _common.mark("compile-graph-break", STATE["rank"], STATE["step"])
+        _common.block_forever()
+
+
+class MLP(nn.Module):
+    def __init__(self, args) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.a = nn.Linear(HIDDEN, HIDDEN)
+        self.b = nn.Linear(HIDDEN, 1)
+        self.args = args
+        self.spin = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        if self.args.scenario == "compile-graph-break":
+            torch._dynamo.graph_break()
+            at_graph_break(self.args)
+        while self.spin:  # forward-hang
+            h = h * 1.0
+        return self.b(h)
+
+
+def save_checkpoint(model: nn.Module, seconds: float) -> None:
+    """A slow checkpoint: the state written in small pieces to slow storage, ``seconds`` in all."""
+    fd, path = tempfile.mkstemp(prefix="ckpt-")
+    blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    pieces = max(1, int(seconds / 0.25))
+    with os.fdopen(fd, "wb") as f:
+        for i in range(pieces):
+            f.write(blob[i * len(blob) // pieces : (i + 1) * len(blob) // pieces])
+            f.flush()
+            time.sleep(seconds / pieces)
+    os.unlink(path)
+
+
+def hung_child() -> None:
+    """A helper process (an eval, a tokenizer, a ``git`` call…) that never exits; the rank waits for it."""
+    subprocess.run([sys.executable, "-c", "import threading; threading.Event().wait()"], check=False)
+
+
+def main() -> int:
+    p = _common.parser(__doc__, SCENARIOS)
+    p.add_argument("--checkpoint-s", type=float, default=12.0)
+    p.add_argument("--checkpoint-budget-s", type=float, default=60.0)
+    args = p.parse_args()
+    env_rank = _common.rank_from_env()
+    if args.scenario == "pre-init-hang" and env_rank == args.fault_rank:
+        _common.mark("pre-init-hang", env_rank, 0)
+        _common.block_forever()
+    rank, _world = _common.init(args)
+    STATE["rank"] = rank
+    model = MLP(args)
+    if args.scenario == "compile-graph-break":
+        model = torch.compile(model, backend=os.environ.get("RW_COMPILE_BACKEND", "inductor"))  # type: ignore[assignment]
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    loss_sum = torch.zeros(1)
+    faulty = rank == args.fault_rank
+    for step in range(args.steps):
+        STATE["step"] = step
+        at_fault = faulty and step == args.fault_step
+        if at_fault and args.scenario == "forward-hang":
+            _common.mark("forward-hang", rank, step)
+            (model._orig_mod if hasattr(model, "_orig_mod") else model).spin = True
+        if at_fault and args.scenario == "node-signal":
+            _common.mark("ready", rank, step)
+        if at_fault and args.scenario == "child-hang":
+            _common.mark("child-hang", rank, step)
+            hung_child()
+        x, y = torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum.copy_(loss.detach())
+        dist.all_reduce(loss_sum)
+        if step == args.fault_step and args.scenario in ("checkpoint-declared", "checkpoint-undeclared"):
+            if faulty:  # one rank saves (rank-0-only checkpoints are the common case), the others wait
+                declared = args.scenario == "checkpoint-declared" and rw_phase is not None
+                with (
+                    rw_phase("checkpoint", budget_s=args.checkpoint_budget_s) if declared else contextlib.nullcontext()
+                ):
+                    _common.mark(args.scenario, rank, step)
+                    save_checkpoint(model, args.checkpoint_s)
+            dist.barrier()
+        if args.step_sleep_ms:
+            time.sleep(args.step_sleep_ms / 1000.0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""The verdict-v3 fault classes that today's verdict already names right, end to end (issue 19: "must stay right").
+
+Each is the real job of benchmarks/accuracy/jobs/ under `rankwatch run --on-stall kill` + torchrun (gloo,
+4 ranks, one node), with the layout, fault and truth taken from the one table the accuracy suite scores
+against (`CLASSES` in benchmarks/accuracy/run.py). The classes today's verdict gets wrong (pp, tpdp-*,
+pg-timeout, node-loss) are measured by the suite, not asserted here (benchmarks/README.md, "Verdict v3
+classes: baseline").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import bundle_dirs, rankwatch_cmd, torchrun_args
+
+
+def _accuracy_suite():  # type: ignore[no-untyped-def]
+    """benchmarks/accuracy/run.py, loaded by path under its own name (no package, a generic file name)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy" / "run.py"
+    spec = importlib.util.spec_from_file_location("rankwatch_accuracy_run", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+SUITE = _accuracy_suite()
+CLASSES, plan_class = SUITE.CLASSES, SUITE.plan_class
+
+STAY_RIGHT = ("ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init", "compile")
+
+
+def run_tracked(procs, cmd: list[str], logs: Path, timeout: float):  # type: ignore[no-untyped-def]
+    """Run ``cmd`` (output to files: nothing blocks on a full pipe) and kill, at the end, every process it
+    started — also those re-parented away when their parent was killed (child-hang's helper outlives its
+    rank)."""
+    with open(logs / "stdout.txt", "w") as so, open(logs / "stderr.txt", "w") as se:
+        proc = procs.start(cmd, stdout=so, stderr=se)
+    seen: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            for q in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(q.pid, q.create_time())
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    timed_out = proc.poll() is None
+    procs.kill(proc)
+    proc.wait(timeout=30)
+    out, err = (logs / "stdout.txt").read_text(), (logs / "stderr.txt").read_text()
+    for pid, created in seen.items():
+        try:
+            q = psutil.Process(pid)
+            if q.create_time() == created:
+                q.kill()
+        except psutil.Error:
+            pass
+    assert not timed_out, f"timed out after {timeout}s\n{out[-2000:]}\n{err[-3000:]}"
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STAY_RIGHT)
+def test_v3_class_right_today_stays_right(procs, tmp_path, name):
+    k, plan = CLASSES[name], plan_class(name)
+    assert plan.nodes == 1 and not plan.action
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    cmd = rankwatch_cmd(
+        "run", "--out", str(out), "--shm-dir", str(shm), "--stall-timeout", plan.stall_timeout,
+        "--on-stall", "kill", "--quiet", *plan.rw_args, "--",
+        *torchrun_args(plan.nproc, f"v3-{name}", *plan.job),
+    )
+    rc, stdout, stderr = run_tracked(procs, cmd, tmp_path, timeout=420)
+    found = bundle_dirs(out / "incidents")
+    if not k.truth:  # no incident is right: the job finishes
+        assert (rc, found) == (0, []), stdout[-2000:] + stderr[-3000:]
+        return
+    assert found, stdout[-2000:] + stderr[-3000:]
+    verdicts = [json.loads((d / "verdict.json").read_text()) for d in found]
+    first = verdicts[0]
+    why = "\n".join([first["reason"], *first["evidence"]])
+    assert sorted(first["initiating_ranks"]) == sorted(k.truth), why
+    assert first["kind"] in k.kinds, why
+    if k.phase is not None:
+        assert first["phase"] == k.phase, why
+    for v in verdicts[1:]:  # a later incident may repeat the truth, never blame another rank
+        assert set(v["initiating_ranks"]) <= set(k.truth), v["reason"]
