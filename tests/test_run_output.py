@@ -223,3 +223,16 @@ def test_a_declared_checkpoint_is_reported_as_itself_not_as_communication(procs,
     assert (summary["diagnosis"], summary["phase"]) == ("DECLARED-PHASE-BOUND", "checkpoint"), summary["why"]
     assert "the declared phase 'checkpoint'" in summary["why"] and "on rank 0" in summary["why"]
     assert "COMMUNICATION" not in result.stdout
+
+
+@pytest.mark.slow
+def test_the_same_error_on_every_rank_names_nobody(procs, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import time\ntime.sleep(2)\nraise ValueError('bad config: lr must be > 0')\n")
+    result, out, _ = _run(procs, tmp_path, *torchrun_args(2, "same-error", str(script)), options=("--quiet",))
+    assert result.returncode != 0
+    (bundle,) = bundle_dirs(out / "incidents")
+    verdict = json.loads((bundle / "verdict.json").read_text())
+    assert verdict["initiating_ranks"] == [] and verdict["kind"] == "dead_rank", verdict
+    assert "every rank (2) exited with the same error (ValueError: bad config" in verdict["reason"]
+    assert "initiating no single rank" in last_block(result.stdout)[0]
