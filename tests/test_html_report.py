@@ -138,6 +138,8 @@ def test_cli_renders_run_dir_with_bundle(tmp_path):
     (bundle / "stacks").mkdir(parents=True)
     (bundle / "verdict.json").write_text(json.dumps(verdict))
     (bundle / "stacks" / "groups.txt").write_text("2 distinct stack(s)\n[abc] ranks 1 (1)\n    f() <" + EVIL + ">\n")
+    whole = "rank 1 pid 7\nThread 7 (MainThread)\n" + "".join(f"    frame_{i} (/x/train.py:{i})\n" for i in range(12))
+    (bundle / "stacks" / "rank-1.txt").write_text(whole)
     (run / "summary.json").write_text(json.dumps(summary_doc([verdict["incident_id"]])))
     out = tmp_path / "out.html"
     out.write_text("old")
@@ -151,6 +153,9 @@ def test_cli_renders_run_dir_with_bundle(tmp_path):
     assert_self_contained(page)
     assert "COMPUTE STRAGGLER" in page and "HANG — initiating rank 1" in page
     assert "<h3>Stack groups</h3><pre>2 distinct stack(s)\n[abc] ranks 1 (1)" in page
+    # where the bundle is, and rank 1's whole stack (every frame, not five)
+    assert f"bundle: <code>{bundle}</code>" in page
+    assert all(f"frame_{i} (/x/train.py:{i})" in page for i in range(12))
     assert EVIL not in page
     assert len(polylines(page)) == 4
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
