@@ -18,6 +18,7 @@ for the Python comm hook it replaced.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -235,7 +236,11 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--mode", choices=("runs", "interleaved", "micro"), default="runs")
     p.add_argument("--repeats", type=int, default=3, help="interleaved mode: jobs")
+    p.add_argument("--quick", action="store_true", help="2 pairs of 120 steps")
+    p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = p.parse_args()
+    if args.quick:
+        args.pairs, args.steps = 2, 120
     if args.mode == "micro":
         for i in range(args.repeats):
             res = micro(args.steps)
@@ -280,6 +285,8 @@ def main() -> int:
         f"(median {statistics.median(pair_ratios):.4f}); {args.pairs} pairs, {args.steps} steps, "
         f"{args.nproc} ranks, {time.monotonic() - started:.0f} s"
     )
+    if args.json:
+        args.json.write_text(json.dumps({"on_ms": on, "off_ms": off, "ratio": m_on / m_off, "steps": args.steps}))
     return 0
 
 

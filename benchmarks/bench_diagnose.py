@@ -5,9 +5,11 @@ training-progress lines, 1% NCCL INFO lines, Python logging lines), ending in a 
 (rank 5 CUDA error, the others' NCCL watchdog timeouts, torch elastic's failure report). Then runs the
 installed `rankwatch diagnose --json` on it as a child process and reports wall time, MB/s and the
 child's peak RSS (os.wait4 rusage), for a small and a large size, so constant memory shows as equal RSS.
+Each round also times `grep -c` over the same file (the disk-speed reference; rounds interleaved, the
+machine is shared), and the figure is the median of the rounds and the ratio to grep's median.
 
-    python benchmarks/bench_diagnose.py                 # 100 MB and 1 GB
-    python benchmarks/bench_diagnose.py --sizes-mb 50   # quick
+    python benchmarks/bench_diagnose.py                 # 200 MB and 1 GB, 5 rounds
+    python benchmarks/bench_diagnose.py --quick         # 200 MB, 3 rounds
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,23 +109,56 @@ def measure(path: Path) -> dict[str, float]:
     return {"mb": size / 1e6, "s": wall, "mbps": size / 1e6 / wall, "rss_mb": usage.ru_maxrss / 1024}
 
 
+def grep_count(path: Path) -> float:
+    """MB/s of ``grep -c`` for a keyword of the failure (one pass in C: the reference speed)."""
+    t0 = time.perf_counter()
+    subprocess.run(["grep", "-c", "Error", str(path)], capture_output=True, check=False, timeout=600)
+    return path.stat().st_size / 1e6 / (time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=None, help="default 200 1000 (quick: 200)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per size (default 5, quick 3)")
     ap.add_argument("--dir", default=None, help="where to write the temp logs (default: $TMPDIR)")
     ap.add_argument("--worst-case", action="store_true", help="also time logs where every line is a candidate")
+    ap.add_argument("--quick", action="store_true", help="200 MB, 3 rounds")
+    ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = ap.parse_args()
+    sizes = args.sizes_mb or ([200] if args.quick else [200, 1000])
+    rounds = args.rounds or (3 if args.quick else 5)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
+    rows, raw = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        for mb in args.sizes_mb:
+        for mb in sizes:
             path = Path(d) / f"synthetic-{mb}MB.log"
             write_log(path, mb * 1_000_000)
-            r = measure(path)
-            print(f"{r['mb']:8.1f} MB  {r['s']:6.2f} s  {r['mbps']:6.1f} MB/s  peak RSS {r['rss_mb']:.1f} MB"
-                  f"  -> initiator rank 5 (correct)")
+            runs, greps = [], []
+            for i in range(rounds):
+                for which in (("grep", "rw") if i % 2 == 0 else ("rw", "grep")):
+                    if which == "grep":
+                        greps.append(grep_count(path))
+                    else:
+                        runs.append(measure(path))
+                print(f"  round {i + 1}/{rounds} {mb} MB: diagnose {runs[-1]['mbps']:6.1f} MB/s "
+                      f"(RSS {runs[-1]['rss_mb']:.1f} MB), grep -c {greps[-1]:6.1f} MB/s", flush=True)
+            mbps = statistics.median(r["mbps"] for r in runs)
+            gmbps = statistics.median(greps)
+            rss = max(r["rss_mb"] for r in runs)
+            raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps})
+            rows.append(f"| `rankwatch diagnose`, {runs[0]['mb']:.0f} MB synthetic 8-rank log, median of {rounds} "
+                        f"interleaved rounds | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
+                        f"(= {100 * mbps / gmbps:.0f} % of grep), peak RSS {rss:.1f} MB | >= 300 MB/s | "
+                        f"{'yes' if mbps >= 300 else 'NO (see grep: the machine)'} |")
+            print(f"{runs[0]['mb']:8.1f} MB  {mbps:6.1f} MB/s  grep -c {gmbps:6.1f} MB/s  peak RSS {rss:.1f} MB"
+                  f"  -> initiator rank 5 (correct)", flush=True)
             path.unlink()
         if args.worst_case:
             worst_case(d)
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+    print("\n| what | median | target | met? |\n|---|---|---|---|")
+    print("\n".join(rows))
     return 0
 
 

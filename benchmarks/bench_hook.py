@@ -12,6 +12,9 @@
     per-step time (each run's median step, robust to moments a shared core was taken away; the mean-step
     ratio and the training thread's CPU time per step are printed beside it). ``--extra-arms`` adds
     arms that separate costs (DDP comm hook, flight recorder). No daemon runs during (b).
+(c) Shares: py-spy samples of the training thread at ~3 ms steps, side by side: no tool, torch's flight
+    recorder alone, the hook, TraceML (``--traceml-python``; skipped without it): the share of samples in
+    each tool's own frames (``hook_shares.py``), and the hook's cost per step from it.
 
     python benchmarks/bench_hook.py            # ~5 min on 2 shared cores
     python benchmarks/bench_hook.py --quick    # ~1.5 min
@@ -241,6 +244,11 @@ def main() -> int:
         "off), base-fr (no hook, flight recorder on)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    p.add_argument("--no-e2e", action="store_true", help="skip (b), the wall-clock A/B")
+    p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
+    p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
+    p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
+    p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     args = p.parse_args()
     pairs = args.pairs or (3 if args.quick else 6)
     batches, calls = (100, 1000) if args.quick else (1000, 1000)
@@ -278,7 +286,7 @@ def main() -> int:
         f"{DEMO_MODULE_CALLS} module calls) | {est / 1000:.1f} µs = {est / 50_000:.2f} % of 5 ms, "
         f"{est / 500_000:.3f} % of 50 ms | — | — |",
     ]
-    if not args.micro_only:
+    if not args.micro_only and not args.no_e2e:
         arms = ["base", "hook", *args.extra_arms]
         print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
         e2e = end_to_end(pairs, steps, arms)
@@ -305,7 +313,46 @@ def main() -> int:
                     f"| … same runs, training-thread CPU time per step | {bc:.3f} → {hc:.3f} ms = "
                     f"**{slow_cpu:+.1f} %** (paired {paired_cpu:+.1f} %, +{(hc - bc) * 1000:.0f} µs) | — | — |"
                 )
+    if not args.micro_only:
+        rows += shares_rows(args, raw)
     return print_results(rows, raw, args.json)
+
+
+def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
+    import hook_shares
+
+    rounds = args.shares_rounds or (1 if args.quick else 4)
+    steps = args.shares_steps or (800 if args.quick else 3000)
+    arms = ["none", "fr", "hook"]
+    if args.traceml_python:
+        arms.append("traceml")
+    print(f"(c) shares: {rounds} interleaved rounds of {arms}, 2 ranks, py-spy 100 Hz"
+          f"{' --native' if args.native else ' (--native for fr)'}", flush=True)
+    res = hook_shares.shares(rounds, steps, arms, native=args.native, traceml_python=args.traceml_python)
+    summ = hook_shares.summary(res)
+    raw["shares"] = {"runs": res, "summary": summ}
+    arms = [a for a in arms if a in summ]
+    if "hook" not in summ or "none" not in summ:
+        return ["| training-thread sample shares | every hook or no-tool run failed | — | NO |"]
+    hook = summ["hook"]
+    # the hook's own CPU per step: its share of the training thread's active samples times that CPU time
+    per_step_us = hook["pooled_pct"] / 100 * hook["thread_cpu_ms"] * 1000
+    rows = []
+    others = [summ[o]["share_pct"] for o in arms[1:] if o != "hook"]
+    hook_met = "yes" if hook["share_pct"] <= 0.5 and all(hook["share_pct"] < o for o in others) else "NO"
+    for arm in arms[1:]:
+        a = summ[arm]
+        rows.append(
+            f"| training-thread samples in {arm}'s own frames, ~{summ['none']['median_step_ms']:.1f} ms steps, "
+            f"2 ranks, {rounds} interleaved rounds | **{a['share_pct']:.2f} %** (pooled {a['pooled_pct']:.2f} % of "
+            f"{a['samples']:.0f} samples); median step {a['median_step_ms']:.2f} ms, thread CPU "
+            f"{a['thread_cpu_ms']:.3f} ms/step (no tool: {summ['none']['thread_cpu_ms']:.3f}) | "
+            f"{'<= 0.5 %, below FR and TraceML' if arm == 'hook' else '—'} | "
+            f"{hook_met if arm == 'hook' else '—'} |"
+        )
+    rows.append(f"| hook CPU per step from its sample share (pooled share × thread CPU per step) | "
+                f"**{per_step_us:.1f} µs** | <= 20 µs | {'yes' if per_step_us <= 20 else 'NO'} |")
+    return rows
 
 
 if __name__ == "__main__":

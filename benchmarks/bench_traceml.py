@@ -130,15 +130,24 @@ def cell_traceml(r: dict[str, Any]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traceml-demo", required=True, help="path to TraceML's ddp_rank_straggler_demo.py")
+    p.add_argument("--traceml-demo", default=None,
+                   help="path to TraceML's ddp_rank_straggler_demo.py (without it: the ddp_demo cases only)")
     p.add_argument("--python", default=sys.executable, help="a Python with traceml-ai, torch and rankwatch")
     p.add_argument("--baseline-rev", default=None, help="also diagnose with straggler.py at this git revision")
     p.add_argument("--quick", action="store_true", help="the two issue cases and TraceML's periodic case only")
     p.add_argument("--repeats", type=int, default=1, help="runs of each case (diagnoses can vary run to run)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    probe = subprocess.run([args.python, "-c", "import traceml_ai"], capture_output=True, text=True)
+    if probe.returncode != 0 or not (Path(args.python).parent / "traceml").exists():
+        why = f"traceml-ai is not installed for {args.python} (pip install traceml-ai; pass --python)"
+        print(f"SKIP: {why}")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": why}))
+        return 0
     base = baseline_module(args.baseline_rev) if args.baseline_rev else None
     cases = [c for c in CASES if not args.quick or "every 4th" in c[0] or "case 2" in c[0]]
+    cases = [c for c in cases if c[1] != "traceml" or args.traceml_demo]
     rows, raw = [], []
     with Procs() as procs:
         for i, (name, which, case_args, truth) in enumerate(c for c in cases for _ in range(args.repeats)):

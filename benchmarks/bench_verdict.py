@@ -11,7 +11,8 @@ Shapes:
   mismatch     every rank in collective #N, one called all_gather while the others called all_reduce
   comm_hang    every rank in the same all_reduce (no single initiator)
   all_stuck    worst case: every rank stuck in the dataloader (shared cause: every rank is an initiator)
-  split_op     worst case: collective mismatch with no majority (half all_reduce, half all_gather)
+  split_op     worst case: collective mismatch with no majority (half all_reduce, half all_gather): no
+               rank named
 
     python benchmarks/bench_verdict.py            # 64, 1024, 8192 ranks
     python benchmarks/bench_verdict.py --quick    # fewer repeats
@@ -27,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from rankwatch.watchdog.core.snapshot import DEAD, RUNNING, RankView
 from rankwatch.watchdog.core.verdict import decide
@@ -120,7 +122,9 @@ def shape_all_stuck(n: int) -> tuple[list[RankView], str, list[int]]:
 def shape_split_op(n: int) -> tuple[list[RankView], str, list[int]]:
     views = [base(r, coll_seq=4937, phase="collective", coll_op="all_gather" if r % 2 else "all_reduce")
              for r in range(n)]
-    return views, "collective_mismatch", list(range(n))
+    # no majority op: the mismatch is certain, who deviated is not, so no rank is named (naming half the
+    # job would be a guess; the verdict says so)
+    return views, "collective_mismatch", []
 
 
 SHAPES: dict[str, Callable[[int], tuple[list[RankView], str, list[int]]]] = {
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, 3 s per case at most")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     repeats, budget = (9, 3.0) if args.quick else (args.repeats, 10.0)
 
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = rs[0], rs[-1]
         print(f"  {shape:<11} ×{hi['us_per_rank'] / lo['us_per_rank']:.1f} ({lo['ranks']}→{hi['ranks']} ranks)")
     if args.json:
-        print(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["as_expected"] for r in rows) else 1
 
 

@@ -8,10 +8,13 @@ and of the whole process (mean over ranks). examples/ddp_demo.py is not edited: 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -32,12 +35,22 @@ def main() -> int:
         i = argv.index("--warmup")
         warmup = int(argv[i + 1])
         del argv[i : i + 2]
+    traceml = "--traceml" in argv  # bench_hook.py's TraceML arm: its step context around each step
+    if traceml:
+        argv.remove("--traceml")
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
     rank = dist.get_rank()
+    traced: Any = contextlib.nullcontext
+    if traceml:  # before any DataLoader iterator exists, as TraceML's own demo does
+        import traceml_ai
+
+        traceml_ai.init(mode="auto")
     torch.manual_seed(0)
     ddp = DistributedDataParallel(Model(args.hidden, args.layers))
+    if traceml:
+        traced = functools.partial(traceml_ai.trace_step, ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     loader = DataLoader(
         SyntheticData(args, rank), batch_size=args.batch_size, num_workers=0, collate_fn=SlowCollate(args, rank, [0])
@@ -53,10 +66,11 @@ def main() -> int:
             t0 = marks[0]
             c0, p0 = time.thread_time(), time.process_time()
         x, y = next(batches)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        with traced():
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
         loss_sum.copy_(loss.detach())
         dist.all_reduce(loss_sum)
         if args.step_sleep_ms:

@@ -289,6 +289,8 @@ def main() -> int:
     ap.add_argument("--ras", default="localhost:28028", help="NCCL RAS address (NCCL_RAS_ADDR)")
     ap.add_argument("--keep", default=None, help="directory to keep the dumps in")
     ap.add_argument("--worker", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="accepted for symmetry with the benchmarks (one pass)")
+    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.ras)
@@ -302,6 +304,12 @@ def main() -> int:
     run_check("nccl.ras", lambda: check_ras(keep))
     counts = {s: sum(1 for _, st, _ in RESULTS if st == s) for s in ("PASS", "FAIL", "SKIP")}
     print(f"summary: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP", flush=True)
+    if args.json:
+        import json
+
+        doc = {"counts": counts, "checks": [{"check": c, "status": st, "detail": d} for c, st, d in RESULTS]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
     return 1 if counts["FAIL"] else 0
 
 

@@ -165,8 +165,11 @@ class DDPTiming:
 
 
 def _grad_enabled() -> bool:
+    global _grad_enabled
     import torch
 
+    # bound once: the forward pre-hook asks on every DDP forward (an import statement per call is ~0.2 µs)
+    _grad_enabled = torch.is_grad_enabled
     return bool(torch.is_grad_enabled())
 
 

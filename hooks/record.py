@@ -382,6 +382,11 @@ class RecordWriter:
         self.rec = RecordLayout.from_buffer(self._map)
         self._tmp: str | None = tmp
 
+    @property
+    def map(self) -> mmap.mmap:
+        """The shared mapping, for the tracker's typed views (indexed stores instead of ctypes fields)."""
+        return self._map
+
     def publish(self) -> None:
         """Make the record visible under its final name (after the identity is written)."""
         if self._tmp is not None:

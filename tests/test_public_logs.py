@@ -27,7 +27,7 @@ import pytest
 
 PUBLIC = Path(__file__).parent / "fixtures" / "logs" / "public"
 TRUTH: dict[str, dict[str, Any]] = json.loads((PUBLIC / "TRUTH.json").read_text())["files"]
-V3_TARGETS_ENABLED = False  # switch on when the v3 engine reads every format in the corpus (issue 19)
+V3_TARGETS_ENABLED = True  # switch on when the v3 engine reads every format in the corpus (issue 19)
 
 HELD_NOW = sorted(n for n, t in TRUTH.items() if t["today"] in ("right", "safe", "abstains"))
 RIGHT_NOW = sorted(n for n, t in TRUTH.items() if t["today"] == "right")

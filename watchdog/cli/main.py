@@ -1,4 +1,4 @@
-"""``rankwatch`` command line: run, daemon, status, report, diagnose.
+"""``rankwatch`` command line: run, daemon, status, report, diagnose, inspect.
 
 Each subcommand lives in its own module and is imported only when used, so ``rankwatch status`` does
 not pay for torch. Bad input is one line on stderr and exit code 2, never a traceback.
@@ -19,6 +19,7 @@ commands:
   status    live per-rank table for the jobs on this node
   report    render an incident bundle or a run summary
   diagnose  name the initiating rank from logs a job already wrote
+  inspect   name the rank a job that is hung right now waits for (no hook, no restart)
 
 'rankwatch COMMAND --help' describes each command; 'rankwatch --version' prints the version."""
 
@@ -41,7 +42,7 @@ def _load(name: str) -> Callable[[list[str]], int]:
     return entry
 
 
-COMMANDS = ("run", "daemon", "status", "report", "diagnose")
+COMMANDS = ("run", "daemon", "status", "report", "diagnose", "inspect")
 
 
 def main(argv: list[str] | None = None) -> int:

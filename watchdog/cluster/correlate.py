@@ -144,6 +144,10 @@ class Correlator:
                 self._stop.wait(delay)
                 delay = min(delay * 2, 10.0)
                 continue
+            try:
+                store.prepare_waits()  # incidents then wake on store changes without holding up the polls
+            except StoreError as exc:
+                log.warning("store_wait_connection", job=self.job_id, error=str(exc))
             self.store = store
             self.error = None
             log.info(
@@ -328,23 +332,25 @@ class Correlator:
             return out
         pending = {k for k in range(self.nnodes) if k != self.node_rank}
         deadline = time.monotonic() + wait_s
-        while pending and time.monotonic() < deadline:
-            for k in sorted(pending):
-                key = f"history/{k}"
-                try:
-                    raw = store.get_raw(key)
-                except StoreError as exc:
-                    self._lost(exc)
-                    return out
+        while pending:
+            keys = {k: f"history/{k}" for k in sorted(pending)}
+            try:
+                # woken by the store when the last node's ring arrives, not polled
+                store.wait_for(list(keys.values()), deadline - time.monotonic())
+                raws = {k: store.get_raw(key) for k, key in keys.items()}
+            except StoreError as exc:
+                self._lost(exc)
+                return out
+            for k, raw in raws.items():
                 if raw is None:
                     continue
                 pending.discard(k)
                 try:
-                    out.update(parse_history(store.unseal(key, raw)))
+                    out.update(parse_history(store.unseal(keys[k], raw)))
                 except ValueRejected as exc:
-                    self._reject(key, exc)
-            if pending:
-                time.sleep(0.2)
+                    self._reject(keys[k], exc)
+            if time.monotonic() >= deadline:
+                break
         if pending:
             log.warning("summary_missing_nodes", job=self.job_id, nodes=sorted(pending))
         return out
@@ -393,43 +399,45 @@ class Correlator:
                 self._lost(exc)
             return verdict, how, True
         deadline = time.monotonic() + self.policy.verdict_timeout_s
+        key = f"verdict/{inc.gen}"
         rejected = False  # a bad value may still be overwritten by the leader's: keep waiting for it
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                raw = store.get_raw(f"verdict/{inc.gen}")
+                # the store wakes every follower when the leader sets the key (no sleep-poll)
+                raw = store.get_raw(key) if store.wait_for([key], left) else None
             except StoreError as exc:
                 self._lost(exc)
                 break
-            if raw is not None:
-                key = f"verdict/{inc.gen}"
-                try:
-                    verdict = validate_verdict(store.unseal(key, raw))
-                except ValueRejected as exc:
-                    self._reject(key, exc)
-                    rejected = True
-                    time.sleep(0.1)
-                    continue
-                healthy = (
-                    progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
-                    if not self.authenticated and stall_timeout_s is not None
-                    else []
-                )
-                if not healthy:
-                    return verdict, str(verdict.get("correlation", "leader")), False
-                why = (
-                    f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
-                    f"as initiating but this node sees it making progress"
-                )
-                log.warning(
-                    "remote_verdict_refused",
-                    job=self.job_id,
-                    key=key,
-                    initiating_ranks=verdict["initiating_ranks"][:16],
-                    progressing_here=healthy[:16],
-                    stall_timeout_s=stall_timeout_s,
-                )
-                return decide(local_views, [why], why, {}), why, True
-            time.sleep(0.1)
+            if raw is None:
+                continue
+            try:
+                verdict = validate_verdict(store.unseal(key, raw))
+            except ValueRejected as exc:
+                self._reject(key, exc)
+                rejected = True
+                # the key exists, so waiting for it returns at once: poll, until the leader replaces it
+                time.sleep(self.policy.rejected_value_retry_s)
+                continue
+            healthy = (
+                progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
+                if not self.authenticated and stall_timeout_s is not None
+                else []
+            )
+            if not healthy:
+                return verdict, str(verdict.get("correlation", "leader")), False
+            why = (
+                f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
+                f"as initiating but this node sees it making progress"
+            )
+            log.warning(
+                "remote_verdict_refused",
+                job=self.job_id,
+                key=key,
+                initiating_ranks=verdict["initiating_ranks"][:16],
+                progressing_here=healthy[:16],
+                stall_timeout_s=stall_timeout_s,
+            )
+            return decide(local_views, [why], why, {}), why, True
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
             if rejected
@@ -453,15 +461,15 @@ class Correlator:
         expected = self.nnodes or 0
         deadline = time.monotonic() + wait_s
         while True:
-            for k in self._candidate_nodes(world_size, len(local_views)):
-                if k in heard:
-                    continue
-                key = f"evidence/{inc.gen}/{k}"
-                try:
-                    raw = store.get_raw(key)
-                except StoreError as exc:
-                    self._lost(exc)
-                    raw = None
+            pending = [k for k in self._candidate_nodes(world_size, len(local_views)) if k not in heard]
+            keys = [f"evidence/{inc.gen}/{k}" for k in pending]
+            try:
+                raws = self._read_evidence(store, keys, deadline - time.monotonic())
+            except StoreError as exc:
+                self._lost(exc)
+                raws = {}
+            for k, key in zip(pending, keys, strict=True):
+                raw = raws.get(key)
                 if raw is None:
                     continue
                 try:
@@ -480,7 +488,9 @@ class Correlator:
             covered = all(r in by_rank for r in range(world_size)) and len(heard) >= expected
             if covered or time.monotonic() >= deadline:
                 break
-            time.sleep(0.1)
+            # every key there but not every rank covered (a rejected value, or fewer nodes than guessed):
+            # the store cannot wake us for a replaced value, so poll until the deadline
+            time.sleep(self.policy.rejected_value_retry_s)
         notes = [f"flight recorder: {n}" for n in fr_notes[:16]]
         missing = [r for r in range(world_size) if r not in by_rank]
         if missing:
@@ -507,6 +517,17 @@ class Correlator:
                 + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
             )
         return [by_rank[r] for r in sorted(by_rank)], notes, remote_fr
+
+    @staticmethod
+    def _read_evidence(store: JobStore, keys: list[str], wait_s: float) -> dict[str, bytes]:
+        """The values under ``keys`` that exist: waits up to ``wait_s`` for all of them (the store wakes
+        the leader when the last one is set), then reads them in one round trip; after a timeout, the
+        ones there, one by one."""
+        if not keys:
+            return {}
+        if wait_s > 0 and store.wait_for(keys, wait_s):
+            return dict(zip(keys, store.get_many(keys), strict=True))
+        return {key: raw for key in keys if (raw := store.get_raw(key)) is not None}
 
     def _candidate_nodes(self, world_size: int, local_ranks: int) -> range:
         n = self.nnodes or max(1, -(-world_size // max(1, local_ranks)))

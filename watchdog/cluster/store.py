@@ -14,7 +14,7 @@ import dataclasses
 import datetime
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -309,3 +309,44 @@ class JobStore:
             return int(self._store.add(self._k(key), amount))
         except Exception as exc:
             raise StoreError(f"store add {key} failed: {exc}") from exc
+
+    # -- waking on changes (cluster/correlate.py): the server answers when the keys exist ----------------
+    def prepare_waits(self) -> None:
+        """Open the second connection that ``wait_for`` blocks on: a client serialises its requests, so a
+        wait of seconds on the shared one would hold up every other call (the poll loop's snapshots).
+        Called once from the connecting thread; ``wait_for`` falls back to the shared one without it."""
+        if getattr(self, "_waiter", None) is not None:
+            return
+        import torch.distributed as dist
+
+        host, _, port = self.address.rpartition(":")
+        try:
+            self._waiter = dist.TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=10.0), use_libuv=True,
+            )
+        except Exception as exc:
+            raise StoreError(f"cannot open a waiting connection to {self.address}: {exc}") from exc
+
+    def wait_for(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """True once every key exists, False when ``timeout_s`` passed first: the server wakes the caller
+        the moment the last key is set, instead of the caller polling."""
+        if not keys:
+            return True
+        full = [self._k(k) for k in keys]
+        waiter = getattr(self, "_waiter", None) or self._store
+        try:
+            waiter.wait(full, datetime.timedelta(seconds=max(0.001, timeout_s)))
+            return True
+        except Exception as wait_exc:
+            try:  # a timeout, or the connection: tell them apart with one bounded call
+                return bool(self._store.check(full))
+            except Exception as exc:
+                raise StoreError(f"store wait for {keys[0]}… failed: {wait_exc}; {exc}") from exc
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of keys that all exist (``wait_for`` returned True), in one round trip."""
+        try:
+            return [bytes(v) for v in self._store.multi_get([self._k(k) for k in keys])]
+        except Exception as exc:
+            raise StoreError(f"store multi_get of {len(keys)} keys failed: {exc}") from exc

@@ -3,6 +3,7 @@ missing or mismatched (pure: traces in, findings out; the same odd-one-out rule 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,6 +88,15 @@ class PgAnalysis:
     completion_lag: tuple[int, ...]
     missing: tuple[MissingCollective, ...]
     mismatches: tuple[Mismatch, ...]
+    # members' p2p ops still in flight (send/recv): the rank waits for its peer, not for the group
+    p2p_in_flight: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    # members' peers (global ranks) of those p2p ops, where the op names them: NCCL's "nccl:send 0->1",
+    # "nccl:recv 0<-1" (group ranks, mapped through pg_config)
+    p2p_peers: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    # False when the group's sequence numbers count p2p ops too (pipeline stages issue different numbers
+    # of them by design): then seqs and counters are not compared across members
+    comparable: bool = True
+    declared: tuple[int, ...] = ()  # members by pg_config (global ranks), traced or not
 
 
 @dataclass(frozen=True)
@@ -205,11 +215,12 @@ def _compare_at_seq(pg: str, seq: int, by_rank: Mapping[int, FrEntry]) -> list[M
     return out
 
 
-def _progress(trace: RankTrace, pg: str, entries: list[FrEntry]) -> PgProgress:
+def _progress(trace: RankTrace, pg: str, entries: list[FrEntry], use_status: bool = True) -> PgProgress:
     entered = max((e.collective_seq_id for e in entries), default=-1)
     completed = max((e.collective_seq_id for e in entries if e.finished), default=-1)
     # pg_status is keyed by the local pg id; it survives ring-buffer wrap-around, so prefer it when higher
-    local_ids = {e.pg_id for e in entries}
+    # (not in a group with p2p traffic: its counters count the p2p ops too)
+    local_ids = {e.pg_id for e in entries} if use_status else set()
     for pid in local_ids:
         st = trace.pg_status.get(pid)
         if st is not None:
@@ -236,18 +247,23 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
 
     # pg name → rank → collective entries; pg name → desc
     per_pg: dict[str, dict[int, list[FrEntry]]] = {}
+    p2p: dict[str, dict[int, list[FrEntry]]] = {}
     descs: dict[str, str] = {}
     declared: dict[str, set[int]] = {}
+    order: dict[str, tuple[int, ...]] = {}  # pg → its global ranks in group-rank order
     for r in ranks:
         t = traces[r]
         for e in t.entries:
+            descs.setdefault(e.pg_name, e.pg_desc)
             if e.is_p2p:
+                p2p.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
+                per_pg.setdefault(e.pg_name, {}).setdefault(r, [])
                 continue
             per_pg.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
-            descs.setdefault(e.pg_name, e.pg_desc)
         for name, cfg in t.pg_config.items():
             if name and cfg.ranks:
                 declared.setdefault(name, set()).update(cfg.ranks)
+                order.setdefault(name, cfg.ranks)
 
     groups: list[PgAnalysis] = []
     for pg in sorted(per_pg, key=lambda n: (len(n), n)):
@@ -258,9 +274,13 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
         if descs.get(pg) == "default_pg":
             members |= set(ranks)
         members_t = tuple(sorted(members))
-        progress = {r: _progress(traces[r], pg, by_rank.get(r, [])) for r in members_t}
+        pg_p2p = p2p.get(pg, {})
+        # a p2p entry with a collective seq: the group has one counter for both, so members that issue
+        # different numbers of sends/recvs (pipeline stages) have incomparable collective seqs
+        comparable = not any(e.collective_seq_id > 0 for es in pg_p2p.values() for e in es)
+        progress = {r: _progress(traces[r], pg, by_rank.get(r, []), use_status=not pg_p2p) for r in members_t}
         top = max(p.entered for p in progress.values())
-        behind = tuple(r for r in members_t if progress[r].entered < top)
+        behind = tuple(r for r in members_t if progress[r].entered < top) if comparable else ()
         top_completed = max(p.completed for p in progress.values())
         completion_lag = tuple(
             r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed
@@ -272,6 +292,8 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
             for e in es:
                 at_seq.setdefault(e.collective_seq_id, {})[r] = e
 
+        if not comparable:
+            at_seq = {}
         missing: list[MissingCollective] = []
         for seq in sorted(at_seq):
             joined = tuple(sorted(at_seq[seq]))
@@ -297,6 +319,14 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
                 completion_lag=completion_lag,
                 missing=tuple(missing),
                 mismatches=tuple(mismatches),
+                p2p_in_flight={
+                    r: tuple(e.op for e in es if not e.finished and not e.timed_out)
+                    for r, es in sorted(pg_p2p.items())
+                    if any(not e.finished and not e.timed_out for e in es)
+                },
+                comparable=comparable,
+                declared=tuple(sorted(declared.get(pg, set()))),
+                p2p_peers=_p2p_peers(pg_p2p, order.get(pg), descs.get(pg) == "default_pg"),
             )
         )
 
@@ -316,6 +346,35 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
     return FrAnalysis(
         ranks=ranks, empty_ranks=empty, groups=tuple(groups), per_rank=per_rank, notes=tuple(notes)
     )
+
+
+_P2P_PEER = re.compile(r"(?:send|recv) (\d{1,7})(?:->|<-)(\d{1,7})")
+
+
+def _p2p_peers(
+    by_rank: Mapping[int, list[FrEntry]], order: tuple[int, ...] | None, default: bool
+) -> dict[int, frozenset[int]]:
+    """Per rank, the global ranks its in-flight sends/recvs wait for, where the op names the peer (a group
+    rank: the default group's is global; another group's maps through its pg_config ranks)."""
+    out: dict[int, frozenset[int]] = {}
+    for r, es in by_rank.items():
+        peers: set[int] = set()
+        for e in es:
+            if e.finished or e.timed_out:
+                continue
+            m = _P2P_PEER.search(e.profiling_name)
+            if m is None:
+                return {}  # an op that does not name its peer: whom this group's ranks wait for is unknown
+            peer = int(m.group(2))
+            if order is not None and peer < len(order):
+                peers.add(order[peer])
+            elif default:
+                peers.add(peer)
+            else:
+                return {}
+        if peers:
+            out[r] = frozenset(peers)
+    return out
 
 
 def _ref(e: FrEntry) -> CollectiveRef:

@@ -163,6 +163,9 @@ class CorrelationPolicy:
     # KiB for an FSDP coalesced op over 64 tensors; the leader parses every node's share (~15 ms per
     # 256 KiB on a loaded core), so 512 KiB keeps 64 nodes near a second (benchmarks/bench_fr_share.py)
     fr_shared_bytes: int = 512 << 10
+    # a value under a key the leader or a node publishes was rejected (hostile or torn): the store cannot
+    # wake anyone when it is replaced, so that key alone is re-read this often (valid values wake at once)
+    rejected_value_retry_s: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,11 @@ class OfflinePolicy:
     max_evidence: int = 24
     # A rank that dies by one of these, unasked, failed by itself (SIGTERM is torchrun's closing signal).
     fatal_signals: frozenset[str] = frozenset({"SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"})
+    # SeqNums of no stated process group (the old "[Rank N]" prefix every group printed alike) are compared
+    # only this close: in one group a rank stuck in a hang is a few collectives behind (DDP: a handful of
+    # buckets per step, and every rank stops within a step of the initiator), while counters of different
+    # groups drift apart by thousands (a real log's 32k gap between a TP and a DP group)
+    unknown_pg_max_gap: int = 64
 
 
 @dataclass(frozen=True)

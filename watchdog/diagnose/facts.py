@@ -14,6 +14,7 @@ from . import events as ev
 
 MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
 MAX_SEEN_FILES = 10_000
+MAX_OP_GROUPS = 16  # NCCL communicators (by size) whose last op is kept per rank
 MAX_REPORTS = 1024  # failure reports (file, host) whose entries are kept to find absent workers
 
 
@@ -31,6 +32,7 @@ class RankFacts:
     own_dump: bool = False  # a DUMP_SIGNAL from its own watchdog ("from this local rank"): it timed out
     told: ev.Event | None = None  # first DUMP_SIGNAL naming a peer: another rank timed out and told it
     agent_terminated: bool = False  # torchrun sent it a closing signal: its death is downstream
+    ops: dict[str, ev.Event] = field(default_factory=dict)  # last NCCL op line per group (bounded)
 
     def has(self, families: frozenset[str]) -> bool:
         return any(self.counts[f] for f in families)
@@ -52,7 +54,8 @@ class RankFacts:
         self.own_dump = self.own_dump or other.own_dump
         if other.told is not None:
             self._fold(other.told)
-        for last in (other.exit, other.slurm, other.finished, other.status, other.nccl_timeout, other.traceback):
+        for last in (other.exit, other.slurm, other.finished, other.status, other.nccl_timeout, other.traceback,
+                     *other.ops.values()):
             if last is not None:
                 self._fold(last)
         self.agent_terminated = self.agent_terminated or other.agent_terminated
@@ -85,6 +88,8 @@ class RankFacts:
             self.slurm = self.slurm or e
         elif e.family == ev.FINISHED:
             self.finished = e
+        elif e.family == ev.NCCL_OP and (e.pg in self.ops or len(self.ops) < MAX_OP_GROUPS):
+            self.ops[e.pg or ""] = e
 
 
 @dataclass
@@ -122,17 +127,17 @@ class Collector:
         self._reported: dict[tuple[str, str | None], dict[int, ev.Event]] = {}
 
     def add(self, e: ev.Event) -> None:
-        E = self.evidence
+        logs = self.evidence
         if e.family == ev.DUMP_WRITTEN:
-            if len(E.dump_paths) < 32 and e.detail not in E.dump_paths:
-                E.dump_paths.append(e.detail)
+            if len(logs.dump_paths) < 32 and e.detail not in logs.dump_paths:
+                logs.dump_paths.append(e.detail)
             return
         if e.family == ev.AGENT_TERM:
             if e.pid is not None and len(self._agent_pids) < 1_000_000:
                 self._agent_pids.add(e.pid)
             return
         if e.family == ev.SLURM and e.rank is None:
-            E.slurm_cancel = E.slurm_cancel or e
+            logs.slurm_cancel = logs.slurm_cancel or e
             return
         if e.rank is not None and e.local_rank is not None and len(self._local_any) < 100_000:
             # "[default3]:[rank11]:" prefixes, report entries and per-rank files with [rankN] lines
@@ -147,7 +152,7 @@ class Collector:
             if len(report) < MAX_PENDING:
                 report[e.local_rank] = e
         if e.rank is not None:
-            E.facts(e.rank).add(e)
+            logs.facts(e.rank).add(e)
             return
         if len(self._pending) < MAX_PENDING:
             self._pending.append(e)
@@ -157,17 +162,17 @@ class Collector:
     def merge(self, other: Collector) -> None:
         """Take in another (unfinished) collector's events, as if its sources had been read after ours:
         sources are parsed one collector each, then the ones of one job are merged (diagnose/jobs.py)."""
-        E, theirs = self.evidence, other.evidence
+        logs, theirs = self.evidence, other.evidence
         for r, f in theirs.ranks.items():
-            E.facts(r).merge(f)
+            logs.facts(r).merge(f)
         for p in theirs.dump_paths:
-            if len(E.dump_paths) < 32 and p not in E.dump_paths:
-                E.dump_paths.append(p)
+            if len(logs.dump_paths) < 32 and p not in logs.dump_paths:
+                logs.dump_paths.append(p)
         for name in theirs.files:
             self.note_file(name)
-        E.slurm_cancel = E.slurm_cancel or theirs.slurm_cancel
-        E.bytes += theirs.bytes
-        E.lines += theirs.lines
+        logs.slurm_cancel = logs.slurm_cancel or theirs.slurm_cancel
+        logs.bytes += theirs.bytes
+        logs.lines += theirs.lines
         for e in theirs.unattributed:
             self._unattributed(e)
         for e in other._pending:
@@ -216,24 +221,24 @@ class Collector:
         return None
 
     def finish(self) -> Evidence:
-        E = self.evidence
+        logs = self.evidence
         for e in self._pending:
             r = self._resolve(e)
             if r is None:
                 self._unattributed(e)
             else:
-                E.facts(r).add(replace(e, rank=r))
+                logs.facts(r).add(replace(e, rank=r))
         self._pending.clear()
         for pid in self._agent_pids:
             r = self._pid_to_rank.get(pid)
             if r is not None:
-                E.facts(r).agent_terminated = True
-        for e in self._absent_workers(E):
-            if e.rank is not None and (e.rank not in E.ranks or E.ranks[e.rank].exit is None):
-                E.facts(e.rank).add(e)
-        return E
+                logs.facts(r).agent_terminated = True
+        for e in self._absent_workers(logs):
+            if e.rank is not None and (e.rank not in logs.ranks or logs.ranks[e.rank].exit is None):
+                logs.facts(e.rank).add(e)
+        return logs
 
-    def _absent_workers(self, E: Evidence) -> list[ev.Event]:
+    def _absent_workers(self, logs: Evidence) -> list[ev.Event]:
         """Workers missing from their agent's failure report: they had exited 0. Its local ranks are
         0 … nproc-1 with global rank = local rank + the node's offset, so a local rank below the highest
         listed one is a worker that did not end non-zero. That it had *exited 0*, and was not merely still
@@ -249,7 +254,8 @@ class Collector:
             offsets = {e.rank - lr for lr, e in report.items() if e.rank is not None}
             terminated = any(e.signal == "SIGTERM" for e in report.values())
             victims = all(
-                e.rank in E.ranks and E.ranks[e.rank].counts[ev.PEER_LOST] and not E.ranks[e.rank].has(ev.PRIMARY)
+                e.rank is not None and (f := logs.ranks.get(e.rank)) is not None
+                and f.counts[ev.PEER_LOST] > 0 and not f.has(ev.PRIMARY)
                 for e in report.values()
             )
             if len(offsets) != 1 or not (terminated or victims):

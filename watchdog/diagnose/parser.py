@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.schema import HEADLINES
 from . import events as ev
 from . import patterns as pt
 
@@ -46,6 +47,9 @@ class _ReportEntry:
     exitcode: int | None = None
     pid: int | None = None
     signal: str | None = None
+
+
+_KIND_OF_HEADLINE = {v: k for k, v in HEADLINES.items()}
 
 
 class SourceParser:
@@ -194,6 +198,50 @@ class SourceParser:
     def _classify(self, s: str, mk: Any, rank: int | None) -> list[ev.Event]:
         """Single-line messages. Order matters: the most specific family wins per line."""
         out: list[ev.Event] = []
+        if "rankwatch: " in s and (m := pt.RANKWATCH_HEADLINE.search(s)):
+            kind = _KIND_OF_HEADLINE.get(m.group(1).strip(), "unknown")
+            detail = f"{kind}|{m.group(4)}|{m.group(3) or ''}"
+            named = [] if m.group(2) == "no single rank" else pt.rank_list(m.group(2), limit=4096)
+            if not named:
+                out.append(mk(ev.RANKWATCH, rank=None, local_rank=None, pid=None, detail=detail))
+            out.extend(mk(ev.RANKWATCH, rank=r, local_rank=None, pid=None, detail=detail) for r in named)
+            return out
+        if ("collective #" in s or "lagging ranks" in s) and (m := pt.DESYNC.search(s)):
+            lagging = pt.rank_list(m.group(1), limit=4096)
+            seq = int(m.group(3) or m.group(5) or 0) or None
+            how = ("finished collective #{0}, but didn't join the next" if m.group(2) else
+                   "joined but didn't finish collective #{0}" if m.group(4) else "never joined any collective")
+            detail = how.format(seq)
+            out.extend(mk(ev.DESYNC, rank=r, local_rank=None, pid=None, host=None, seq=seq, detail=detail)
+                       for r in lagging)
+            return out
+        if "opCount" in s and (m := pt.NCCL_OPCOUNT.search(s)):
+            hp = pt.NCCL_HOST_PID.search(s)
+            where = {"host": hp.group(1), "pid": int(hp.group(2))} if hp else {}
+            out.append(mk(ev.NCCL_OP, seq=int(m.group(2), 16), op=m.group(1), numel=int(m.group(3)),
+                          pg=f"nranks={m.group(4)}", **where))
+            return out
+        if "pirun noticed" in s and (m := pt.MPIRUN_NOTICED.search(s)):
+            code = -int(m.group(4))
+            pid = int(m.group(2)) if m.group(2).isdigit() and m.group(2) != "0" else None
+            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, pid=pid, host=m.group(3).rstrip(".,"),
+                          exitcode=code, signal=pt.signal_name(code), detail="mpirun noticed it exit"))
+            return out
+        if "sigkill_handler" in s:
+            if m := pt.DS_EXIT.search(s):
+                code = int(m.group(2))
+                out.append(mk(ev.EXIT, rank=None, local_rank=int(m.group(1)), exitcode=code,
+                              signal=pt.signal_name(code), detail="DeepSpeed's launcher saw it exit first"))
+                return out
+            if m := pt.DS_KILLING.search(s):
+                out.append(mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal="SIGKILL"))
+                return out
+        if "exitcode" in s and (m := pt.REPORT_FLAT.search(s)):
+            code = int(m.group(3))
+            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=int(m.group(2)), pid=int(m.group(4)),
+                          exitcode=code, signal=pt.signal_name(code), root_cause=self._section == "root",
+                          detail="failure report (flattened)"))
+            return out
         if "Watchdog caught" in s and (m := pt.NCCL_WATCHDOG.search(s)):
             out.append(
                 mk(
@@ -357,16 +405,16 @@ class SourceParser:
 
     @staticmethod
     def _pg_rank(s: str, known: int | None) -> dict[str, Any]:
-        """ProcessGroupNCCL's "[PG ID 0 … Rank N]": a global rank only for the default group."""
-        if known is not None:
-            return {}
+        """ProcessGroupNCCL's "[PG ID 0 … Rank N]": the group its SeqNums count in (None for the old "[Rank N]"
+        form, which every group printed alike), and a global rank only for the default group."""
         m = pt.PG_PREFIX.search(s)
         if not m:
             return {}
         pg_id, guid = m.group(1), m.group(2) or ""
-        if pg_id in (None, "0") or "default_pg" in guid:
-            return {"rank": int(m.group(3))}
-        return {}
+        out: dict[str, Any] = {"pg": pg_id} if pg_id is not None else {}
+        if known is None and (pg_id in (None, "0") or "default_pg" in guid):
+            out["rank"] = int(m.group(3))
+        return out
 
     def _finish_traceback(
         self, tb: _Traceback, em: re.Match[str], found: list[ev.Event], mk: Any

@@ -33,6 +33,10 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     b": error", b"exitcode", b"closing signal", b"enforce fail",
     # a rank that finished (FINISHED below): "Training finished/complete", "Finished training", "… done"
     b"inished", b"omplete", b"raining done", b"one training",
+    # PyTorch's desync report, NCCL's per-op INFO lines, mpirun's exit notice, rankwatch's own verdict
+    b"didn't finish collective", b"lagging ranks", b"opCount", b"pirun noticed", b"rankwatch: ",
+    # DeepSpeed's launcher (deepspeed/launcher/launch.py sigkill_handler)
+    b"exits with return code", b"Killing subprocess",
 )
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -58,6 +62,10 @@ _MPI_TAG = re.compile(r"\[(?:\d{1,7},)?(\d{1,7})\]<(?:stdout|stderr|stddiag)>:[ 
 # a wrapper that tags each line with the worker's pid: "[80749] " or "[80749]: " (3+ digits, so the
 # failure report's "[1]:" entry numbers and other small indices are not taken for pids)
 _PID_BRACKET = re.compile(r"\[(\d{3,8})\]:?[ ]")
+# Determined.ai: "[rank=3] "
+_DET_RANK = re.compile(r"\[rank=(\d{1,7})\][ ]?")
+# pdsh (DeepSpeed's multi-node launcher): "worker-1: " before another prefix
+_PDSH_HOST = re.compile(r"([A-Za-z][\w.\-]{0,63}): (?=\[|\d{4}-)")
 # "[host:pid:n] " (host, pid, thread or local index): the host and pid are kept, the last number is not a rank
 _HOST_PID = re.compile(r"\[([A-Za-z][\w.\-]{0,63}):(\d{1,8}):\d{1,8}\]:?[ ]?")
 # wall-clock prefixes a wrapper or Python logging adds: "2024-01-01 12:00:00,123 - INFO - ",
@@ -118,7 +126,9 @@ def split_prefix(line: str) -> tuple[Prefix, str]:
         c = line[pos : pos + 1]
         m: re.Match[str] | None = None
         if c == "[":
-            if m := _BRACKET_PREFIX.match(line, pos):
+            if m := _DET_RANK.match(line, pos):
+                rank = int(m.group(1))
+            elif m := _BRACKET_PREFIX.match(line, pos):
                 if m.group(1) == "rank":
                     rank = int(m.group(2))
                 else:
@@ -138,8 +148,15 @@ def split_prefix(line: str) -> tuple[Prefix, str]:
                 ts = stamp_time(m) if ts is None else ts
             elif rank is None and local is None and (m := _SLURM_LABEL.match(line, pos)):
                 rank = int(m.group(1))
-        elif c in "DIWEFC":
-            m = _PYLOG_PREFIX.match(line, pos)
+        elif c in "DIWEFC" and (m := _PYLOG_PREFIX.match(line, pos)):
+            pass
+        elif pos == 0 and c.isalpha() and (m := _PDSH_HOST.match(line, pos)):
+            nxt = m.end()
+            if not (_TORCHRUN_PREFIX.match(line, nxt) or _BRACKET_PREFIX.match(line, nxt) or _DET_RANK.match(line, nxt)
+                    or _TS_PREFIX.match(line, nxt)):
+                m = None
+            else:
+                host = m.group(1)
         if m is None or m.end() == pos:
             break
         pos = m.end()
@@ -220,6 +237,54 @@ OP_MISMATCH = re.compile(
     r"but Rank (\d+) is running collective: (.*)"
 )
 FINGERPRINT_OP = re.compile(r"OpType=(\w+)")
+# PyTorch's desync report (torch/csrc/distributed/c10d/TraceUtils.h analyzeLaggingRanks / analyzeMissingRanks):
+# "[1] finished collective #182, but didn't join collective #183 (count from 1)",
+# "[0, 2] joined but didn't finish collective #183", "[3] are the lagging ranks that caused this timeout"
+DESYNC = re.compile(
+    r"\[([\d, \-]{1,2000})\] (?:(finished) collective #(\d+), but didn't join collective #\d+"
+    r"|(joined) but didn't finish collective #(\d+)|(are the lagging ranks) that caused this timeout)"
+)
+# NCCL's per-op INFO (src/enqueue.cc): "NCCL INFO AllReduce: opCount 2f sendbuff 0x… recvbuff 0x… count 1024
+# datatype 7 op 0 root 0 comm 0x… [nranks=8] stream 0x…" (opCount in hex; the comm pointer is per process)
+# (gaps bounded: a hostile 64 KiB line of "count " must not cost a quadratic search)
+NCCL_OPCOUNT = re.compile(
+    r"NCCL INFO (\w{1,40}): opCount ([0-9a-fA-F]{1,16}) .{0,300}?\bcount (\d{1,20}).{0,300}?\[nranks=(\d{1,7})\]"
+)
+NCCL_HOST_PID = re.compile(r"([^\s:\[\]]+):(\d+):\d+ \[\d+\] NCCL INFO")
+# Open MPI: "mpirun noticed that process rank 1 with PID 4242 on node n2 exited on signal 9 (Killed)."
+# (also pasted as prose, "Mpirun noticed …", with the pid and node blanked out: "PID xxxxxx on node xxxx")
+MPIRUN_NOTICED = re.compile(
+    r"[Mm]pirun noticed that process rank (\d+) with PID (\S+) on node (\S+) exited on signal (\d+)"
+)
+# DeepSpeed's launcher: "[ERROR] [launch.py:434:sigkill_handler] ['/usr/bin/python3', '-u', 'main.py',
+# '--local_rank=0', …] exits with return code = -9", after "Killing subprocess 13266" for the others
+DS_EXIT = re.compile(
+    r"sigkill_handler\] \[[^\]]{0,8000}?'--local_rank=(\d{1,7})'[^\]]{0,8000}\] exits with return code = (-?\d{1,4})"
+)
+DS_KILLING = re.compile(r"sigkill_handler\] Killing subprocess (\d+)")
+# torch elastic's failure report pasted with its table flattened into one line:
+# "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>"
+REPORT_FLAT = re.compile(r"rank\s*:?\s*(\d+) \(local[ _]rank: (\d+)\)\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+# rankwatch's own verdict line (report/text.py ``headline``): "rankwatch: HANG — initiating rank 2 in phase
+# 'dataloader' (confidence high)"
+RANKWATCH_HEADLINE = re.compile(
+    r"rankwatch: ([A-Z][A-Z ]{0,40}?(?:\(cause unknown\))?) — initiating (no single rank|ranks? [\d, –\-]{1,4000})"
+    r"(?: in phase '([^']{0,64})')? \(confidence (high|medium|low)\)"
+)
+
+
+def rank_list(text: str, limit: int = 65_536) -> list[int]:
+    """"0, 2-4" or "ranks 0–2, 5" (the desync report's and ``fmt_ranks``' forms) as ranks, bounded."""
+    out: list[int] = []
+    for part in text.replace("ranks", "").replace("rank", "").replace("–", "-").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            continue
+        start, end = int(lo), int(hi) if hi else int(lo)
+        if end < start or end > MAX_RANK or end - start + len(out) > limit:
+            continue
+        out.extend(range(start, end + 1))
+    return out
 
 # --- NCCL (src/debug.cc ncclDebugLogV): "[ts] host:pid:tid [dev] file:line (func) NCCL WARN msg" ---
 NCCL_WARN = re.compile(

@@ -36,15 +36,18 @@ rank's "dump signal … from rank N" about N. "Observed flight recorder dump sig
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import engine
 from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
 from ..core.ranks import behind as ranks_behind
 from ..core.ranks import first_by_time, fmt_ranks, majority, outside_majority
 from ..core.schema import VERDICT_SCHEMA
 from . import events as ev
+from . import log_facts
 from .facts import Evidence, RankFacts
 
 __all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
@@ -67,6 +70,7 @@ class Diagnosis:
     would_decide: str = ""  # when undecided: what evidence would decide
     notes: list[str] = field(default_factory=list)
     ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rule: str = "none"  # which rule decided (the document's ``finding``)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +90,7 @@ class Diagnosis:
             "next_action": self.next_action,
             "would_decide": self.would_decide or None,
             "notes": self.notes,
+            "finding": {"rule": self.rule, "ranks": list(self.initiating_ranks), "data": {"decided": self.decided}},
         }
 
 
@@ -140,10 +145,15 @@ def _last_seq(f: RankFacts) -> int | None:
     return max(vals) if vals else None
 
 
-def _aborted_with_timed_out_peers(E: Evidence, f: RankFacts, p: Policy) -> bool:
+def _last_pg(f: RankFacts) -> str | None:
+    """The group ``_last_seq`` counts in, when its lines say."""
+    return (f.status.pg if f.status else None) or (f.nccl_timeout.pg if f.nccl_timeout else None)
+
+
+def _aborted_with_timed_out_peers(logs: Evidence, f: RankFacts, p: Policy) -> bool:
     """Another rank whose NCCL watchdog fired aborted too, at the same time (when both times are known)."""
     me = f.exit.ts if f.exit is not None else None
-    for o in E.ranks.values():
+    for o in logs.ranks.values():
         if o is f or o.exit is None or o.exit.signal != "SIGABRT" or not o.has(ev.WATCHDOG):
             continue
         if me is None or o.exit.ts is None or abs(o.exit.ts - me) <= p.tie_s:
@@ -151,40 +161,40 @@ def _aborted_with_timed_out_peers(E: Evidence, f: RankFacts, p: Policy) -> bool:
     return False
 
 
-def _unowned_size_mismatch(E: Evidence) -> ev.Event | None:
+def _unowned_size_mismatch(logs: Evidence) -> ev.Event | None:
     """A gloo size enforcement that no rank prefix claims. Gloo raises it in its own thread as a C++
     ``EnforceNotMet`` that nothing catches: ``std::terminate`` prints it without torchrun's or torch's
     ``[rankN]:`` prefix and the process dies by SIGABRT, so it belongs to a rank that died by SIGABRT."""
-    return next((e for e in E.unattributed if e.family == ev.SIZE_MISMATCH), None)
+    return next((e for e in logs.unattributed if e.family == ev.SIZE_MISMATCH), None)
 
 
-def _enforce_aborted(E: Evidence | None, f: RankFacts) -> bool:
+def _enforce_aborted(logs: Evidence | None, f: RankFacts) -> bool:
     """Died by SIGABRT while the log holds an unclaimed gloo size enforcement: gloo's abort of a
     mismatched collective on the receiving rank, a consequence of the mismatch, not its own crash."""
     return (
-        E is not None
+        logs is not None
         and f.exit is not None
         and f.exit.signal == "SIGABRT"
         and not f.has(ev.PRIMARY)
-        and _unowned_size_mismatch(E) is not None
+        and _unowned_size_mismatch(logs) is not None
     )
 
 
-def _unexplained_death(f: RankFacts, p: Policy, E: Evidence | None = None) -> bool:
+def _unexplained_death(f: RankFacts, p: Policy, logs: Evidence | None = None) -> bool:
     """Died by a fatal signal nobody sent, with no peer trouble of its own to explain it. A SIGABRT is
     judged by ``core.failures.abort_role``: NCCL's watchdog aborts after a timeout, gloo after a size
     enforcement."""
     if f.exit is None or f.exit.signal not in p.fatal_signals or f.agent_terminated:
         return False
     if f.exit.signal == "SIGABRT":
-        own = f.has(ev.WATCHDOG) or _is_waiting(f) or f.has(ev.MISMATCH) or _enforce_aborted(E, f)
-        peers = E is not None and _aborted_with_timed_out_peers(E, f, p)
+        own = f.has(ev.WATCHDOG) or _is_waiting(f) or f.has(ev.MISMATCH) or _enforce_aborted(logs, f)
+        peers = logs is not None and _aborted_with_timed_out_peers(logs, f, p)
         return abort_role(own, peers) == INITIATING
     return not _is_waiting(f)
 
 
-def _is_primary(f: RankFacts, p: Policy, E: Evidence | None = None) -> bool:
-    return f.has(ev.PRIMARY) or _unexplained_death(f, p, E)
+def _is_primary(f: RankFacts, p: Policy, logs: Evidence | None = None) -> bool:
+    return f.has(ev.PRIMARY) or _unexplained_death(f, p, logs)
 
 
 def _primary_events(f: RankFacts, p: Policy) -> list[ev.Event]:
@@ -281,19 +291,28 @@ def _rank_doc(f: RankFacts) -> dict[str, Any]:
 
 
 # -- the rules -----------------------------------------------------------------------------------------
-def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
-    known = sorted(E.ranks)
-    facts = E.ranks
-    d = (
-        _rule_primary(E, known, p)
-        or _rule_mismatch(E, known)
-        or _rule_lone_collective(E, known)
-        or _rule_behind(E, known)
-        or _rule_outside(E, known, p)
-        or _rule_same_collective(E, known)
-        or _rule_report_only(E, known)
-        or _nothing(E, known)
+def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
+    known = sorted(logs.ranks)
+    facts = logs.ranks
+    rules: tuple[tuple[str, Callable[[], Diagnosis | None]], ...] = (
+        ("rankwatch_verdict", lambda: _rule_rankwatch(logs)),
+        ("exit_cause", lambda: _rule_primary(logs, known, p)),
+        ("mismatch", lambda: _rule_mismatch(logs, known)),
+        ("wait_for", lambda: _rule_waited_for(logs)),
+        ("lone_collective", lambda: _rule_lone_collective(logs, known)),
+        ("behind", lambda: _rule_behind(logs, known, p)),
+        ("outside", lambda: _rule_outside(logs, known, p)),
+        ("same_collective", lambda: _rule_same_collective(logs, known)),
+        ("report_only", lambda: _rule_report_only(logs, known)),
     )
+    d = None
+    for name, rule in rules:
+        d = rule()
+        if d is not None:
+            d.rule = name
+            break
+    if d is None:
+        d = _nothing(logs, known)
     d.ranks = {str(r): _rank_doc(facts[r]) for r in known}
     d.others = {r: _activity(facts[r]) for r in known if r not in d.initiating_ranks}
     # back the verdict with each initiator's own lines, then a few from the others
@@ -314,7 +333,7 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
             q = quote(e)
             if q not in quoted:
                 quoted.append(q)
-    for e in E.unattributed[:3]:
+    for e in logs.unattributed[:3]:
         quoted.append(quote(e))
     d.evidence = quoted[: p.max_evidence]
     root = [r for r in known if facts[r].exit is not None and facts[r].exit.root_cause]  # type: ignore[union-attr]
@@ -323,26 +342,85 @@ def diagnose_evidence(E: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
             f"torchrun's 'Root Cause (first observed failure)' names {fmt_ranks(root)}: that is only the "
             "first exit torchrun noticed, and that rank was a victim, not the cause."
         )
-    if E.local_only:
+    if logs.local_only:
         d.notes.append(
             "some ranks are named by local rank only (per-rank log paths or [defaultN] prefixes, no "
             "failure report to map them): they equal global ranks only on a single-node job."
         )
-    if E.slurm_cancel is not None:
-        d.notes.append(f"Slurm: {E.slurm_cancel.detail} ({quote(E.slurm_cancel)})")
-    if E.dump_paths:
-        d.notes.append("flight-recorder dumps were written to: " + ", ".join(E.dump_paths[:4]))
+    if logs.slurm_cancel is not None:
+        d.notes.append(f"Slurm: {logs.slurm_cancel.detail} ({quote(logs.slurm_cancel)})")
+    if logs.dump_paths:
+        d.notes.append("flight-recorder dumps were written to: " + ", ".join(logs.dump_paths[:4]))
     return d
 
 
-def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
-    prim = [r for r in known if _is_primary(E.ranks[r], p, E)]
+def _rule_rankwatch(logs: Evidence) -> Diagnosis | None:
+    """rankwatch's own verdict line in the log (``rankwatch run``'s console): it saw stacks, records and the
+    flight recorder that the log does not hold, so its first verdict is the answer."""
+    lines = [e for f in logs.ranks.values() if (e := f.first.get(ev.RANKWATCH)) is not None]
+    lines += [e for e in logs.unattributed if e.family == ev.RANKWATCH]
+    if not lines:
+        return None
+    first = min(lines, key=lambda e: (e.file, e.line))
+    named = sorted({e.rank for e in lines if e.rank is not None and (e.file, e.line) == (first.file, first.line)})
+    kind, confidence, phase = [*first.detail.split("|"), "", "", ""][:3]
+    return Diagnosis(
+        kind=kind or "unknown",
+        initiating_ranks=named,
+        confidence=confidence if confidence in ("high", "medium", "low") else "low",
+        phase=phase or None,
+        decided=bool(named),
+        reason=f"rankwatch's own verdict, printed in this log: {first.text}",
+        next_action="read that incident's bundle (rankwatch report DIR/incidents/<id>): it holds the stacks and "
+        "the flight-recorder analysis the verdict rests on",
+        evidence=[quote(first)],
+    )
+
+
+def _rule_waited_for(logs: Evidence) -> Diagnosis | None:
+    """The sinks of the wait-for graph the lines describe (``diagnose.log_facts``): the ranks PyTorch's
+    desync report names as lagging, else the ranks whose NCCL op count is behind their communicator's."""
+    graphs = ((log_facts.DESYNC, log_facts.desync_facts(logs)), (log_facts.NCCL_OPS, log_facts.op_count_facts(logs)))
+    for rule, facts in graphs:
+        if facts is None:
+            continue
+        found = engine.blame(facts)
+        if found is None or not found.ranks:
+            continue
+        who = fmt_ranks(found.ranks)
+        lead = logs.ranks.get(found.ranks[0])
+        line = (lead.first.get(ev.DESYNC) or next(iter(lead.ops.values()), None)) if lead is not None else None
+        if rule == log_facts.DESYNC:
+            reason = (f"PyTorch's desync report names {who} as the lagging rank(s)"
+                      f" ({line.detail if line else 'lagging'}): every other rank waited for it")
+        else:
+            reason = (f"{who} enqueued fewer NCCL operations than its communicator's other members "
+                      "(NCCL INFO opCount): they waited for it")
+        return Diagnosis(
+            kind="hang",
+            initiating_ranks=list(found.ranks),
+            # the desync report is torch's own analysis of every rank's trace in the store
+            confidence="high" if rule == log_facts.DESYNC and found.confidence != "low" else "medium",
+            phase="collective" if line is not None and "joined" in line.detail else None,
+            reason=reason,
+            next_action=(
+                f"find what {who} was doing instead of the next collective: a stack during the hang (rankwatch run "
+                "captures it), data loading / I/O / rank-specific work"
+            ),
+            evidence=[quote(line)] if line is not None else [],
+            notes=[f"decided by the wait-for graph ({rule})"],
+        )
+    return None
+
+
+def _rule_primary(logs: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
+    prim = [r for r in known if _is_primary(logs.ranks[r], p, logs)]
     if not prim:
         return None
-    waiting = [r for r in known if _is_waiting(E.ranks[r]) and r not in prim]
-    evs = {r: _primary_events(E.ranks[r], p) for r in prim}
+    waiting = [r for r in known if _is_waiting(logs.ranks[r]) and r not in prim]
+    evs = {r: _primary_events(logs.ranks[r], p) for r in prim}
     if len(prim) == len(known) and len(known) > 1 and not waiting:
-        kinds = Counter(_failure_label(E.ranks[r], evs[r]) for r in prim)
+        kinds = Counter(_failure_label(logs.ranks[r], evs[r]) for r in prim)
         label, _ = kinds.most_common(1)[0]
         return Diagnosis(
             kind="unknown",
@@ -365,13 +443,19 @@ def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     ts = {r: _first_ts(evs[r]) for r in prim}
     if len(prim) > 1 and all(t is not None for t in ts.values()):
         first = sorted(first_by_time(prim, key=lambda r: ts[r] or 0.0, tolerance=p.tie_s))
-    lead = E.ranks[first[0]]
+    lead = logs.ranks[first[0]]
     lead_events = evs[first[0]]
     label = _failure_label(lead, lead_events)
     conf = "high" if (lead.has(ev.PRIMARY) or waiting) and len(first) == 1 else "medium"
     reason = f"{fmt_ranks(first)} failed first: {label}"
     if waiting:
         reason += f"; {fmt_ranks(waiting)} then waited on it (timeouts / lost peer) — downstream"
+    bare_abort = not waiting and not lead.has(ev.PRIMARY) and lead.exit is not None and lead.exit.signal == "SIGABRT"
+    if bare_abort:
+        # its own abort and NCCL's watchdog abort after a timed-out collective (a consequence) end alike
+        conf = "low"
+        reason += (": a SIGABRT with no message of its own — the rank's own abort and ProcessGroupNCCL's "
+                   "watchdog abort after a timed-out collective end the same way")
     phase = next((e.phase for e in lead_events if e.phase), None)
     if phase is None and lead.traceback is not None:
         phase = lead.traceback.phase
@@ -383,6 +467,8 @@ def _rule_primary(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
         next_action=_primary_action(lead, lead_events, first),
         phase=phase,
         evidence=[quote(e) for e in lead_events[:3]],
+        decided=not bare_abort,
+        would_decide="the rank's own stderr (a watchdog timeout line, or its own crash message)" if bare_abort else "",
     )
 
 
@@ -456,8 +542,8 @@ def _minority(groups: dict[str, list[int]]) -> tuple[list[int], str, str] | None
     return list(odd), odd_key, big_key
 
 
-def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
-    facts = E.ranks
+def _rule_mismatch(logs: Evidence, known: list[int]) -> Diagnosis | None:
+    facts = logs.ranks
     # c10d DETAIL fingerprints name ops directly
     fp: dict[str, list[int]] = {}
     for r in known:
@@ -518,9 +604,9 @@ def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
                 would_decide="the expected call order (code review) or flight-recorder dumps from each rank",
             )
     det = [r for r in known if facts[r].counts[ev.SIZE_MISMATCH]]
-    unowned = _unowned_size_mismatch(E)
+    unowned = _unowned_size_mismatch(logs)
     if not det and unowned is not None:
-        det = [r for r in known if _enforce_aborted(E, facts[r])]  # the receiver(s) gloo aborted
+        det = [r for r in known if _enforce_aborted(logs, facts[r])]  # the receiver(s) gloo aborted
     e = facts[det[0]].first.get(ev.SIZE_MISMATCH) or unowned if det else None
     if e is not None:
         return Diagnosis(
@@ -547,9 +633,9 @@ def _rule_mismatch(E: Evidence, known: list[int]) -> Diagnosis | None:
     return None
 
 
-def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
+def _rule_lone_collective(logs: Evidence, known: list[int]) -> Diagnosis | None:
     """Ranks in a collective against ranks in none (finished, or idle when the store told them)."""
-    facts = E.ranks
+    facts = logs.ranks
     fin = [r for r in known if _finished(facts[r])]
     idle = [r for r in known if _idle(facts[r])]
     inside = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
@@ -632,22 +718,40 @@ def _rule_lone_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
     )
 
 
-def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
-    facts = E.ranks
-    enq = {r: facts[r].status.enqueued for r in known if facts[r].status is not None}  # type: ignore[union-attr]
-    vals = {v for v in enq.values() if v is not None}
-    seqs = {r: facts[r].nccl_timeout.seq for r in known if facts[r].nccl_timeout is not None}  # type: ignore[union-attr]
+def _one_group(values: dict[int, tuple[str | None, int]], p: Policy) -> dict[int, int]:
+    """Sequence numbers that count in one process group. SeqNums count per group: never compared across
+    groups. Of several known groups the one most ranks report is kept; numbers of no stated group (the old
+    "[Rank N]" prefix every group printed alike) only when they lie close (``Policy.unknown_pg_max_gap``)."""
+    groups: dict[str | None, dict[int, int]] = {}
+    for r, (pg, v) in values.items():
+        groups.setdefault(pg, {})[r] = v
+    known = {pg: vs for pg, vs in groups.items() if pg is not None}
+    if known:
+        best = max(known.values(), key=len)
+        return best if len(best) > 1 else {}
+    vals = groups.get(None, {})
+    if vals and max(vals.values()) - min(vals.values()) > p.unknown_pg_max_gap:
+        return {}
+    return vals
+
+
+def _rule_behind(logs: Evidence, known: list[int], p: Policy = DEFAULT_POLICY) -> Diagnosis | None:
+    facts = logs.ranks
+    enq = _one_group({r: (s.pg, s.enqueued) for r in known if (s := facts[r].status) is not None
+                      and s.enqueued is not None}, p)
+    seqs = _one_group({r: (t.pg, t.seq) for r in known if (t := facts[r].nccl_timeout) is not None
+                       and t.seq is not None}, p)
     key: dict[int, int] = {}
     how = ""
-    if len(vals) > 1:
-        key = {r: v for r, v in enq.items() if v is not None}
+    if len(set(enq.values())) > 1:
+        key = enq
         how = "last enqueued collective"
-    elif len({s for s in seqs.values() if s is not None}) > 1:
-        key = {r: s for r, s in seqs.items() if s is not None}
+    elif len(set(seqs.values())) > 1:
+        key = seqs
         how = "collective sequence number at the timeout"
     else:
         # one rank's timeout number against another's status (torch without the PG status line)
-        last = {r: v for r in known if (v := _last_seq(facts[r])) is not None}
+        last = _one_group({r: (_last_pg(facts[r]), v) for r in known if (v := _last_seq(facts[r])) is not None}, p)
         if len(set(last.values())) > 1:
             key, how = last, "last collective entered"
     if not key:
@@ -685,10 +789,12 @@ def _rule_behind(E: Evidence, known: list[int]) -> Diagnosis | None:
     )
 
 
-def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
-    facts = E.ranks
+def _rule_outside(logs: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
+    facts = logs.ranks
     waiting = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
-    outside = [r for r in known if r not in waiting]
+    # the sinks of the waiters (who wait for someone they cannot name): the ranks that printed no wait
+    found = engine.blame(log_facts.waiting_facts(known, waiting))
+    outside = list(found.ranks) if found is not None else []
     if not waiting or not outside:
         return None
     told = [r for r in outside if _signalled(facts[r])]
@@ -744,8 +850,8 @@ def _rule_outside(E: Evidence, known: list[int], p: Policy) -> Diagnosis | None:
     )
 
 
-def _rule_same_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
-    facts = E.ranks
+def _rule_same_collective(logs: Evidence, known: list[int]) -> Diagnosis | None:
+    facts = logs.ranks
     waiting = [r for r in known if _waited(facts[r]) or (_signalled(facts[r]) and _in_collective(facts[r]))]
     if not waiting or len(waiting) != len(known):
         return None
@@ -776,12 +882,12 @@ def _rule_same_collective(E: Evidence, known: list[int]) -> Diagnosis | None:
     )
 
 
-def _rule_report_only(E: Evidence, known: list[int]) -> Diagnosis | None:
-    exits = [r for r in known if E.ranks[r].exit is not None]
+def _rule_report_only(logs: Evidence, known: list[int]) -> Diagnosis | None:
+    exits = [r for r in known if logs.ranks[r].exit is not None]
     # a rank that ended by SIGTERM was stopped (by torchrun, a scheduler or a watchdog's --on-stall kill),
     # even when torchrun's report calls it the first observed failure: it names nobody
-    failed = [r for r in exits if E.ranks[r].exit.signal != "SIGTERM"]  # type: ignore[union-attr]
-    root = [r for r in failed if E.ranks[r].exit.root_cause]  # type: ignore[union-attr]
+    failed = [r for r in exits if logs.ranks[r].exit.signal != "SIGTERM"]  # type: ignore[union-attr]
+    root = [r for r in failed if logs.ranks[r].exit.root_cause]  # type: ignore[union-attr]
     cands = root or failed
     if not cands:
         return None
@@ -792,14 +898,14 @@ def _rule_report_only(E: Evidence, known: list[int]) -> Diagnosis | None:
         decided=False,
         reason=(
             f"only torchrun's exit report says anything: {fmt_ranks(cands)} exited first "
-            f"({_activity(E.ranks[cands[0]])}); without the ranks' own messages that is a guess"
+            f"({_activity(logs.ranks[cands[0]])}); without the ranks' own messages that is a guess"
         ),
         next_action="look at that rank's own output; rerun with torchrun --log-dir DIR --tee 3 to keep it",
         would_decide="each rank's stderr (Python tracebacks, NCCL/gloo errors)",
     )
 
 
-def _nothing(E: Evidence, known: list[int]) -> Diagnosis:
+def _nothing(logs: Evidence, known: list[int]) -> Diagnosis:
     seen = f" ({fmt_ranks(known)} seen)" if known else ""
     return Diagnosis(
         kind="unknown",

@@ -19,6 +19,7 @@ from typing import BinaryIO
 from ..errors import UserError
 from .parser import PathRank
 from .patterns import BLOCK_END, BLOCK_START, PREFILTER, PREFILTER_EXTRA
+from .prefilter import candidates as grep_candidates
 
 CHUNK = 4 << 20  # bytes per read: large enough that per-chunk overhead vanishes
 MAX_LINE = 64 << 10  # longest line kept; the rest of a longer line is dropped
@@ -165,6 +166,14 @@ def scan(
     since its field lines carry no keyword of their own. ``prefixes`` collects the rank prefixes at
     line starts of the first chunk, ``head`` receives that chunk's first ``HEAD`` bytes (job keys).
     """
+    if prefilter is PREFILTER and extra is PREFILTER_EXTRA:  # large regular files: grep -F (prefilter.py)
+        fast = grep_candidates(
+            stream, stats, chunk=chunk, max_line=max_line, max_block_lines=MAX_BLOCK_LINES, prefixes=prefixes,
+            head=head, discover=discover_prefixes, head_bytes=HEAD,
+        )
+        if fast is not None:
+            yield from fast
+            return
     base = 0  # newlines before the start of the current buffer
     carry = b""
     first = True

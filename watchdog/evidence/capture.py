@@ -69,13 +69,17 @@ def pyspy_available() -> str | None:
     return shutil.which("py-spy")
 
 
-def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool) -> tuple[Any, str | None]:
+def pyspy_dump(
+    pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False
+) -> tuple[Any, str | None]:
     exe = pyspy_available()
     if exe is None:
         return None, "py-spy not installed"
     cmd = [exe, "dump", "--pid", str(pid), "--json"]
     if nonblocking:
         cmd.append("--nonblocking")
+    elif native:  # native frames need the process paused
+        cmd.append("--native")
     if include_locals:
         cmd.append("--locals")
     try:

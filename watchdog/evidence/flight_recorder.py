@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from ..core.fr_analysis import FrAnalysis, analyze_fr
+from ..core.fr_hints import FrBehind, FrGroup, FrHints
 from ..core.fr_trace import FlightRecorderFormatError, RankTrace, parse_dump
-from ..core.verdict import FrBehind, FrHints
 from .capture import RankCapture
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -88,6 +88,22 @@ def fr_hints(analysis: FrAnalysis) -> FrHints:
         behind=tuple(behind),
         missing=analysis.missing,
         mismatches=analysis.mismatches,
+        groups=tuple(
+            FrGroup(
+                pg=g.name,
+                members=g.members,
+                declared=g.declared,
+                entered={r: p.entered for r, p in g.progress.items()},
+                # its newest entered collective not finished (an older one still open is gloo's lazy retiring)
+                in_flight={r: p.entered for r, p in g.progress.items()
+                           if p.in_flight and max(p.in_flight) >= p.entered},
+                p2p_in_flight=frozenset(g.p2p_in_flight),
+                p2p_peers=g.p2p_peers,
+                comparable=g.comparable,
+                default=g.desc == "default_pg",
+            )
+            for g in analysis.groups
+        ),
     )
 
 

@@ -20,6 +20,7 @@ import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered, stalled_ranks
+from ..core.engine import prior_verdict
 from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
 from ..core.straggler import StragglerPolicy, diagnose_stragglers
@@ -386,6 +387,7 @@ class Daemon:
             # this node's own detection, or a claim authenticated by the store secret: may be acted upon
             trusted=shared is None or (correlator is not None and correlator.authenticated),
             notes=tuple(incident_notes(entry.live_stragglers)),
+            prior=prior_verdict(entry.verdicts[-1:], killed=self.config.on_stall == "kill"),
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
 

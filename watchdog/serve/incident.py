@@ -24,6 +24,7 @@ import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
+from ..core.facts import PriorVerdict
 from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
 from ..core.snapshot import RUNNING, STOPPED, RankView
@@ -71,6 +72,7 @@ class IncidentRequest:
     trusted: bool = True
     # what the loop saw before the stall (live stragglers), added to the evidence as it stands
     notes: tuple[str, ...] = ()
+    prior: PriorVerdict | None = None  # the job's last verdict when rankwatch killed for it (engine.after_kill)
 
 
 @dataclass
@@ -203,7 +205,8 @@ class IncidentPipeline:
         req = dataclasses.replace(req, incident_id=incident_id, shared=shared)
         ev = self.evidence(req, self.capture(req))
         verdict, decided_here = self.decide(req, ev)
-        path = self.publish(req, verdict, ev, notify=decided_here)
+        # exits that follow rankwatch's own kill are that incident's consequences: no second alert
+        path = self.publish(req, verdict, ev, notify=decided_here and not verdict.get("follows_incident"))
         self.act(req)
         return IncidentResult(incident_id, verdict, path, ev.views)
 
@@ -276,6 +279,8 @@ class IncidentPipeline:
                 detected_after_s=req.trigger.detected_after_s,
                 extra_evidence=[*fr.lines, *notes, *ev.outside],
                 fr_hints=fr.hints,
+                prior=req.prior,
+                killed=req.prior.ranks if req.prior is not None else (),
             ).to_json()
             return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
 

@@ -1,0 +1,102 @@
+"""Every benchmark still runs at the current code: each script in benchmarks/ (the accuracy suite aside,
+it has its own tests) with ``--quick --json FILE`` exits 0 and writes the raw figures it promises. No
+timing is asserted here (targets live in benchmarks/README.md); what is checked is that the run worked:
+its own correctness checks passed (a benchmark exits non-zero when its verdict or diagnosis is wrong) and
+the JSON holds the measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(doc: Any) -> None:
+    assert isinstance(doc, list) and doc and all(isinstance(r, dict) for r in doc)
+
+
+def _hook(doc: Any) -> None:
+    assert doc["micro"]["phase_pair_ns"] > 0 and doc["micro"]["step_ns"] > 0
+    shares = doc["shares"]["summary"]
+    assert set(shares) >= {"none", "fr", "hook"}
+    assert all(s["samples"] > 0 for s in shares.values())
+
+
+def _store(doc: Any) -> None:
+    _rows(doc)
+    assert all(r["complete"] for r in doc)
+    assert all(r["correlate"]["held_after_last_evidence_ms_median"] is not None for r in doc)
+
+
+def _verdict(doc: Any) -> None:
+    _rows(doc)
+    assert all(r["as_expected"] for r in doc)
+
+
+def _diagnose(doc: Any) -> None:
+    _rows(doc)
+    assert all(r["diagnose"] and r["grep_c_mbps"] for r in doc)
+
+
+def _traceml(doc: Any) -> None:
+    assert "skipped" in doc or (isinstance(doc, list) and doc)
+
+
+def _gpu(doc: Any) -> None:
+    assert doc["counts"]["FAIL"] == 0 and doc["checks"]
+
+
+def _inspect(doc: Any) -> None:
+    assert doc["timing"] and doc["classes"]
+
+
+def _nonempty(doc: Any) -> None:
+    assert doc
+
+
+# script → (extra arguments, what its JSON must hold)
+CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
+    "bench_hook.py": (["--no-e2e"], _hook),
+    "bench_detection.py": ([], _nonempty),
+    "bench_capture.py": ([], _nonempty),
+    "bench_daemon.py": ([], _nonempty),
+    "bench_footprint.py": ([], _nonempty),
+    "bench_diagnose.py": ([], _diagnose),
+    "bench_verdict.py": ([], _verdict),
+    "bench_store.py": (["--nodes", "8", "32"], _store),
+    "bench_fr_share.py": ([], _nonempty),
+    "bench_ddp_timing.py": ([], _nonempty),
+    "bench_traceml.py": ([], _traceml),
+    "bench_inspect.py": ([], _inspect),
+    "bench_series.py": ([], _nonempty),
+    "gpu_check.py": ([], _gpu),
+}
+
+
+def test_every_benchmark_is_listed() -> None:
+    scripts = {p.name for p in BENCH.glob("bench_*.py")} | {"gpu_check.py"}
+    assert scripts == set(CASES), "a benchmark without a --quick run here"
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_quick_run(script: str, tmp_path: Path) -> None:
+    extra, check = CASES[script]
+    out = tmp_path / "result.json"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=1500, env=env,
+    )
+    assert res.returncode == 0, f"{script} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    check(json.loads(out.read_text()))

@@ -1,0 +1,146 @@
+"""Live sources → facts: rank views (records, process states, stacks, other nodes' evidence, silent nodes)
+and the flight recorder's per-group progress become the ``core.facts`` the engine reads. Pure.
+
+Edges, strongest first: the flight recorder (a rank with collective N of group G in flight waits for the
+members of G that have not entered N; a send/recv in flight waits for its peer), the hook's counters (a
+rank in Python-level collective N waits for ranks whose count is below N; never for p2p ops, whose count
+differs by design across pipeline stages), and waiting without a known target (a stack blocked in a
+wait, DDP's sync in backward, a consequence exit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from .facts import Busy, Ended, FactSet, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
+from .failures import CONSEQUENCE, INITIATING, crash_role
+from .fr_hints import FrHints
+from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
+
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list"})
+"""Ops that wait for one peer, not for a group: their counts differ by design across pipeline stages."""
+
+
+def is_waiting(v: RankView) -> bool:
+    """Blocked on peers: in a Python collective, a stack blocked in a wait, or DDP's sync in backward."""
+    if v.in_collective or v.waiting:
+        return True
+    return v.waiting is None and v.phase == "backward"
+
+
+def left_early(v: RankView, views: Sequence[RankView]) -> bool:
+    """A normal exit while a peer that did not exit was still inside a step at least as far along: the peer
+    still needed it (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``)."""
+    return v.state == EXITED and any(
+        o.state != EXITED and o.state in (RUNNING, STOPPED, *GONE_STATES) and o.phase not in (None, "idle")
+        and o.step >= v.step
+        for o in views
+    )
+
+
+def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
+    """Initiating or consequence, per gone rank (``core.failures``).
+
+    A crash is judged by its exception (a communication error is a peer's fault). A rank killed without
+    any mark is initiating unless another rank *of its node* ended clearly (beyond the tolerance) before
+    it: then it is the launcher tearing the node's workers down after that first failure.
+    """
+    roles: dict[int, str] = {}
+    for v in gone:
+        if v.state == EXITED:  # only early leavers get here (``left_early``): their peers still needed them
+            roles[v.rank] = INITIATING
+            continue
+        if v.state == CRASHED:
+            roles[v.rank] = crash_role(v.exit_cause)
+            continue
+        age = v.exit_age_s or 0.0
+        # clearly earlier: a launcher notices a failure at its next monitor tick, so its teardown comes
+        # after the tolerance; a kill and a peer's crash milliseconds apart are a tie, decided by cause
+        earlier = any(
+            o.node_key == v.node_key and o is not v and (o.exit_age_s or 0.0) - age > tolerance_s for o in gone
+        )
+        roles[v.rank] = CONSEQUENCE if earlier else INITIATING
+    return roles
+
+
+def live_facts(
+    views: Sequence[RankView],
+    fr: FrHints | None,
+    *,
+    exit_tolerance_s: float,
+    prior: PriorVerdict | None = None,
+    killed: Collection[int] = (),
+) -> FactSet:
+    """Every view (all nodes) and the flight recorder as one fact set."""
+    facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
+    facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
+    facts.ended = ended_facts(views, exit_tolerance_s)
+    live: list[RankView] = []
+    for v in views:
+        if v.state == RUNNING:
+            live.append(v)
+        elif v.state == STOPPED:
+            facts.stopped.append(Stopped(v.rank))
+        elif v.state == MISSING:
+            facts.silent.append(Silent(v.rank, v.node))
+    by_fr = _fr_waits(fr, views) if fr is not None else {}
+    counted = _counter_targets(views)
+    busy, waits = facts.busy, facts.waits
+    for v in live:
+        inside = v.coll_seq > v.coll_done
+        if not (inside or v.waiting or (v.waiting is None and v.phase == "backward")):  # ``is_waiting``
+            busy.append(Busy(v.rank, v.phase))
+        elif v.rank in by_fr:
+            waits.extend(by_fr[v.rank])
+        elif inside and v.coll_seq in counted:
+            waits.append(Waits(v.rank, counted[v.coll_seq], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
+        else:
+            how = Rung.WAITING if inside or v.waiting is None else Rung.STACKS
+            waits.append(Waits(v.rank, None, "", v.coll_seq or None, v.coll_op, how))
+    return facts
+
+
+def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ended]:
+    """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``)."""
+    gone = [v for v in views if v.state in GONE_STATES or (v.state == EXITED and left_early(v, views))]
+    roles = exit_roles(gone, exit_tolerance_s)
+    return [Ended(v.rank, own=roles[v.rank] == INITIATING, cause=v.exit_cause, pid=v.pid) for v in gone]
+
+
+def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
+    """Per collective count a rank is inside: the ranks whose count is below it (one shared set per count)."""
+    counted = [v for v in views if v.state != EXITED]
+    seqs: set[int] = set()
+    for v in counted:
+        if v.coll_seq > v.coll_done:
+            if (v.coll_op or "") in P2P_OPS:
+                return {}  # p2p counts differ by design: counters say nothing about who is behind
+            seqs.add(v.coll_seq)
+    # a silent rank's counts are its last snapshot before it went quiet: a waiter may wait for it
+    silent = frozenset(v.rank for v in counted if v.state == MISSING)
+    return {n: frozenset(v.rank for v in counted if v.coll_seq < n) | silent for n in seqs}
+
+
+def _fr_waits(fr: FrHints, views: Sequence[RankView]) -> dict[int, list[Waits]]:
+    """Per rank, what its flight recorder has in flight, per group: whom it waits for."""
+    everyone = {v.rank for v in views}
+    out: dict[int, list[Waits]] = {}
+    for g in fr.groups:
+        declared = set(g.declared) | (everyone if g.default else set())
+        untraced = frozenset((declared & everyone) - set(g.members))
+        shared: dict[int, frozenset[int]] = {}
+        for r in g.members:
+            n = g.in_flight.get(r)
+            if n is None:
+                if r in g.p2p_in_flight:  # a send waits for its receiver, a recv for its sender
+                    peers = g.p2p_peers.get(r)
+                    out.setdefault(r, []).append(Waits(r, peers, g.pg, None, "p2p", Rung.FLIGHT_RECORDER))
+                continue
+            if not g.comparable:
+                out.setdefault(r, []).append(Waits(r, None, g.pg, n, None, Rung.FLIGHT_RECORDER))
+                continue
+            targets = shared.get(n)
+            if targets is None:
+                targets = shared[n] = frozenset(m for m in g.members if g.entered.get(m, -1) < n) | untraced
+            out.setdefault(r, []).append(Waits(r, targets, g.pg, n, None, Rung.FLIGHT_RECORDER))
+    return out

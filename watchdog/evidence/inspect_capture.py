@@ -1,0 +1,166 @@
+"""Evidence of a job that runs without the hook: py-spy stacks of every rank (and of its DataLoader workers),
+CPU use over the capture, and the flight-recorder dumps the job itself wrote — all in parallel, each under
+a timeout. There is no dump responder to ask, so py-spy (``capture.pyspy_dump``) is the only stack source.
+
+py-spy pauses the process it reads (blocking mode) for a consistent stack; a stopped rank is read without
+pausing (``--nonblocking``), since detaching could resume a process someone stopped on purpose. Nothing is
+signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..core.stack_phase import phase_from_frames
+from ..observe.discover import Job, read_proc
+from .capture import RankCapture, pyspy_dump
+
+MAX_WORKERS_PER_RANK = 4
+"""DataLoader workers read per rank: one stuck worker shows the cause, eight identical ones add nothing."""
+MAX_FR_FILE_BYTES = 64 << 20
+DEFAULT_FR_PREFIX = "/tmp/nccl_trace_rank_"  # torch's default TORCH_FR_DUMP_TEMP_FILE
+
+
+@dataclass
+class JobCapture:
+    ranks: dict[int, RankCapture]
+    workers: dict[int, list[RankCapture]]  # rank -> its workers' captures
+    cpu_pct: dict[int, float]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _one(pid: int, label: int, stopped: bool, timeout_s: float, native: bool) -> RankCapture:
+    cap = RankCapture(rank=label, pid=pid)
+    threads, err = pyspy_dump(pid, timeout_s, nonblocking=stopped, include_locals=False, native=native and not stopped)
+    if threads is None and not stopped:
+        # a process that cannot be paused can still be read without pausing it
+        threads, err2 = pyspy_dump(pid, timeout_s, nonblocking=True, include_locals=False)
+        if threads is None:
+            err = f"{err}; nonblocking: {err2}"
+    cap.pyspy_threads = threads if isinstance(threads, list) else None
+    cap.pyspy_error = err if cap.pyspy_threads is None else None
+    return cap
+
+
+def _parallel(todo: Sequence[tuple[int, int]], timeout_s: float, native: bool) -> list[RankCapture]:
+    """(label rank, pid) → captures, all at once; one failing capture never costs the others."""
+    if not todo:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(todo)), thread_name_prefix="rankwatch-inspect") as pool:
+        futs = []
+        for rank, pid in todo:
+            current = read_proc(pid)
+            stopped = current is not None and current.state == "T"
+            futs.append((rank, pid, pool.submit(_one, pid, rank, stopped, timeout_s, native)))
+        out = []
+        for rank, pid, fut in futs:
+            try:
+                out.append(fut.result())
+            except Exception as exc:
+                out.append(RankCapture(rank=rank, pid=pid, pyspy_error=f"capture failed: {exc!r}"))
+        return out
+
+
+def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCapture:
+    """Stacks of every live rank at once (CPU use over the same interval), then of the DataLoader workers
+    of the ranks that wait for a batch: only there does a worker's stack say more than its rank's."""
+    t0 = time.monotonic()
+    live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
+    before = {r.pid: r.proc.utime_ticks for r in live}
+    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native)}
+    seconds = time.monotonic() - t0
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    cpu: dict[int, float] = {}
+    for r in live:
+        now = read_proc(r.pid)
+        if now is not None and now.start_ticks == r.proc.start_ticks and seconds > 0:
+            cpu[r.rank] = 100.0 * (now.utime_ticks - before[r.pid]) / ticks / seconds
+    feeding = [r for r in live if r.workers and phase_from_frames(ranks[r.rank].main_frames()).phase == "dataloader"]
+    workers: dict[int, list[RankCapture]] = {}
+    for cap in _parallel([(r.rank, w) for r in feeding for w in r.workers[:MAX_WORKERS_PER_RANK]], timeout_s, False):
+        workers.setdefault(cap.rank, []).append(cap)
+    return JobCapture(ranks, workers, cpu, seconds)
+
+
+def fr_enabled(env: Mapping[str, str]) -> bool:
+    """The job keeps a flight recorder (a positive trace buffer size)."""
+    return any(
+        env.get(k, "").isdigit() and int(env[k]) > 0 for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    )
+
+
+def fr_dump_path(env: Mapping[str, str], rank: int) -> str:
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or DEFAULT_FR_PREFIX
+    return f"{prefix}{rank}"
+
+
+def read_owned_file(path: str, owner_uid: int, max_bytes: int) -> bytes | str:
+    """The file's bytes, or why not: never through a symlink, only a regular file the job's owner owns,
+    bounded. (A dump path comes from the job's environment: it may point anywhere.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "no dump written (the recorder dumps on a collective timeout, which has not come)"
+    except OSError as exc:
+        return f"cannot open: {exc.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_uid != owner_uid:
+            return f"owned by uid {st.st_uid}, not by the job's owner (uid {owner_uid})"
+        if st.st_size > max_bytes:
+            return f"{st.st_size} bytes, over the {max_bytes}-byte limit"
+        chunks, size = [], 0
+        while size <= max_bytes and (chunk := os.read(fd, 1 << 20)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)[: max_bytes + 1]
+    finally:
+        os.close(fd)
+
+
+def attach_fr_dumps(job: Job, captures: dict[int, RankCapture], extra_ranks: Sequence[int] = ()) -> list[str]:
+    """Put each rank's flight-recorder dump, where the job enabled one and wrote it, into its capture (read
+    what exists, never trigger a dump); returns notes on what was not there."""
+    notes: list[str] = []
+    envs: dict[int, Mapping[str, str]] = {r.rank: r.env for r in job.ranks}
+    any_env = job.ranks[0].env if job.ranks else {}
+    for rank in sorted({*envs, *extra_ranks}):
+        env = envs.get(rank, any_env)
+        if not fr_enabled(env):
+            continue
+        path = fr_dump_path(env, rank)
+        got = read_owned_file(path, job.owner_uid, MAX_FR_FILE_BYTES)
+        if isinstance(got, str):
+            notes.append(f"rank {rank}: flight recorder {path}: {got}")
+            continue
+        cap = captures.setdefault(rank, RankCapture(rank=rank, pid=-1))
+        if got[:1] == b"\x80":
+            notes.append(
+                f"rank {rank}: flight recorder {path} is pickled (not read: unpickling runs code); "
+                "analyse it with torch's fr_trace"
+            )
+            continue
+        cap.fr_json = got
+    if not any(fr_enabled(r.env) for r in job.ranks):
+        notes.append("no flight recorder: the job did not set TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE)")
+    return notes
+
+
+def worker_lines(workers: Mapping[int, list[RankCapture]]) -> list[str]:
+    """One evidence line per worker with a stack: where a rank's DataLoader worker is."""
+    lines = []
+    for rank, caps in sorted(workers.items()):
+        for cap in caps:
+            frames = cap.main_frames()
+            if frames:
+                top = " < ".join(f.short() for f in frames[:3])
+                lines.append(f"rank {rank}'s worker pid {cap.pid}: {top}")
+    return lines
