@@ -62,6 +62,7 @@ def _same_failure_everywhere(views: Sequence[RankView]) -> RuleFinding | None:
         "(its code, data or environment), not of one rank",
         [f"{fmt_ranks(v.rank for v in views)} exited with: {cause}", f"phase of rank {first.rank}: "
          f"{first.phase or 'idle'}"],
+        data={"same_failure": True, "cause": cause},
     )
 
 
