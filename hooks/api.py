@@ -63,12 +63,23 @@ def _write_job_json(job_dir: str, job: str, ident: dict[str, int]) -> None:
     atomic_write(path, json.dumps(info).encode())
 
 
+RECORDING_ENV = "RANKWATCH_RECORDING_PID"
+
+
+def _run_path_worker() -> bool:
+    """torchrun --run-path starts each rank as a multiprocessing child of its agent: a rank, unlike the
+    children of a rank (dataloader workers), which inherit the recording rank's ``RECORDING_ENV``."""
+    return "RANK" in os.environ and "LOCAL_RANK" in os.environ and RECORDING_ENV not in os.environ
+
+
 def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
     """Create this rank's record and start recording; True when recording. Safe to call twice."""
     global _tracker, _init_attempted
     if _tracker is not None:
         return True
-    if os.environ.get("RANKWATCH_DISABLE") == "1" or multiprocessing.parent_process() is not None:
+    if os.environ.get("RANKWATCH_DISABLE") == "1" or (
+        multiprocessing.parent_process() is not None and not _run_path_worker()
+    ):
         return False
     if _init_attempted:  # an earlier call failed and warned (once), or this is a fork of the recording process
         return False
@@ -103,6 +114,7 @@ def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
         )
         return False
     _tracker = tracker
+    os.environ[RECORDING_ENV] = str(os.getpid())  # inherited: this rank's own children are not ranks
     atexit.register(tracker.mark_exit)
     _chain_excepthook(tracker)
     try:

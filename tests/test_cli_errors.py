@@ -136,11 +136,11 @@ def test_report_renders_valid_documents(tmp_path, doc):
 def test_torchrun_root_cause_note():
     from rankwatch.watchdog.cli.run import torchrun_root_cause_note
 
-    note = torchrun_root_cause_note([VERDICT], torchrun_code=1)
-    assert "torchrun's 'Root Cause (first observed failure)'" in note and "rankwatch: rank 2 initiated" in note
-    assert "rank 2 is stuck" in note
-    assert "often one that failed because of the initiator" in note
-    killed = torchrun_root_cause_note([VERDICT], torchrun_code=1, killed=True)
-    assert "--on-stall kill sent SIGTERM" in killed and "rankwatch: rank 2 initiated" in killed
-    assert torchrun_root_cause_note([VERDICT], torchrun_code=0) == ""  # torchrun printed no Root Cause
-    assert torchrun_root_cause_note([{**VERDICT, "initiating_ranks": []}], torchrun_code=1) == ""
+    note = torchrun_root_cause_note([VERDICT], root_cause_printed=True)
+    assert "torchrun's 'Root Cause (first observed failure)'" in note and "rankwatch names rank 2" in note
+    assert VERDICT["reason"] not in note  # the why is said with the verdict, not again here
+    assert "often one that failed because of the initiator" in note and note.count("\n") == 1
+    killed = torchrun_root_cause_note([VERDICT], root_cause_printed=True, killed=True)
+    assert "--on-stall kill stopped" in killed and "rankwatch names rank 2" in killed
+    assert torchrun_root_cause_note([VERDICT], root_cause_printed=False) == ""  # torchrun printed no Root Cause
+    assert torchrun_root_cause_note([{**VERDICT, "initiating_ranks": []}], root_cause_printed=True) == ""

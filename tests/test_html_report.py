@@ -122,9 +122,11 @@ def test_a_run_that_hung_leads_with_the_incident():
     verdict = verdict_doc()
     page = render_html([summary_doc([verdict["incident_id"]], (verdict,)), verdict], base_dir="/nonexistent")
     summary = page.split('<section class="doc summary"', 1)[1].split("</section>", 1)[0]
-    first = re.findall(r'<p class="headline (\w+)">(.*?)</p>', summary)
-    assert first[0][0] == "bad" and first[0][1].startswith("HANG — initiating rank 1")
-    assert first[1] == ("bad", "before the incident: COMPUTE STRAGGLER — rank 3 in <code>forward</code>")
+    first = re.findall(r'<p class="(headline \w+|context)">(.*?)</p>', summary)
+    assert first[0][0] == "headline bad" and first[0][1].startswith("HANG — initiating rank 1")
+    # what the steps did before the incident is context, in a calmer style than the incident's headline
+    assert first[1] == ("context", "before the incident: COMPUTE STRAGGLER — rank 3 in <code>forward</code>")
+    assert ".context{font-size:15px;font-weight:500;color:#444" in page
     text = summary_text(summary_doc([verdict["incident_id"]], (verdict,)))
     assert text.startswith("rankwatch: HANG — initiating rank 1") and "before the incident, diagnosis:" in text
 
@@ -136,6 +138,8 @@ def test_cli_renders_run_dir_with_bundle(tmp_path):
     (bundle / "stacks").mkdir(parents=True)
     (bundle / "verdict.json").write_text(json.dumps(verdict))
     (bundle / "stacks" / "groups.txt").write_text("2 distinct stack(s)\n[abc] ranks 1 (1)\n    f() <" + EVIL + ">\n")
+    whole = "rank 1 pid 7\nThread 7 (MainThread)\n" + "".join(f"    frame_{i} (/x/train.py:{i})\n" for i in range(12))
+    (bundle / "stacks" / "rank-1.txt").write_text(whole)
     (run / "summary.json").write_text(json.dumps(summary_doc([verdict["incident_id"]])))
     out = tmp_path / "out.html"
     out.write_text("old")
@@ -149,6 +153,9 @@ def test_cli_renders_run_dir_with_bundle(tmp_path):
     assert_self_contained(page)
     assert "COMPUTE STRAGGLER" in page and "HANG — initiating rank 1" in page
     assert "<h3>Stack groups</h3><pre>2 distinct stack(s)\n[abc] ranks 1 (1)" in page
+    # where the bundle is, and rank 1's whole stack (every frame, not five)
+    assert f"bundle: <code>{bundle}</code>" in page
+    assert all(f"frame_{i} (/x/train.py:{i})" in page for i in range(12))
     assert EVIL not in page
     assert len(polylines(page)) == 4
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]

@@ -41,8 +41,9 @@ def stop(proc: subprocess.Popen) -> str:
 def test_a_daemon_over_finished_jobs_logs_each_once_and_removes_their_files(procs, tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
-    for job in ("done-a", "done-b"):
+    for job in ("done-a", "done-b", "done-c"):
         run_ranks_to_completion(shm, job, 2)
+    (shm / "done-c" / "watchdog.json").write_text("{}")  # as a watchdog that watched it to the end left it
     (shm / "done-a" / "notes.txt").write_text("not rankwatch's")
     (shm / "done-b" / "rank-7.hb").symlink_to("/etc/hostname")
     d = daemon(procs, shm, out, "--retain-finished", "3")
@@ -57,6 +58,7 @@ def test_a_daemon_over_finished_jobs_logs_each_once_and_removes_their_files(proc
         assert counts[("job_files_removed", job)] == 1, counts
         assert not (shm / job / "rank-0.hb").exists() and not (shm / job / "rank-1.hb").exists()
     assert not (shm / "done-a" / "job.json").exists() and not (shm / "done-a" / "rank-0.ctl").exists()
+    assert wait_for(lambda: not (shm / "done-c").exists(), timeout=30)  # nothing else there: the dir goes too
     # what is not provably rankwatch's stays, and so does the job.json beside a record nobody verified
     assert (shm / "done-a" / "notes.txt").read_text() == "not rankwatch's"
     assert (shm / "done-b" / "rank-7.hb").is_symlink() and Path("/etc/hostname").exists()

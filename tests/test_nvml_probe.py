@@ -225,13 +225,28 @@ def test_every_call_failing_never_raises():
     assert [c for c in fake.calls if c[0] == "free"]  # event set freed when no device registered
 
 
-def test_absent_nvml_returns_none_and_warns_once(monkeypatch):
+@pytest.mark.parametrize("expected", [True, False])
+def test_absent_nvml_returns_none_and_warns_once_where_a_gpu_was_expected(monkeypatch, expected):
     monkeypatch.setattr(nvml_probe, "_warned_absent", False)
     warnings: list[str] = []
+    infos: list[str] = []
     monkeypatch.setattr(nvml_probe.log, "warning", lambda event, **kw: warnings.append(event))
-    assert NvmlProbe.open(nvml=FakeNvml(script(), absent=True)) is None
-    assert NvmlProbe.open(nvml=FakeNvml(script(), absent=True)) is None
-    assert warnings == ["nvml.unavailable"]
+    monkeypatch.setattr(nvml_probe.log, "info", lambda event, **kw: infos.append(event))
+    assert NvmlProbe.open(nvml=FakeNvml(script(), absent=True), gpu_expected=expected) is None
+    assert NvmlProbe.open(nvml=FakeNvml(script(), absent=True), gpu_expected=expected) is None
+    assert (warnings, infos) == ((["nvml.unavailable"], []) if expected else ([], ["nvml.unavailable"]))
+
+
+def test_a_gpu_is_expected_where_the_driver_or_a_device_node_is(tmp_path):
+    proc, dev = tmp_path / "proc", tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").touch()  # the control node alone is no GPU
+    assert not nvml_probe.nvidia_devices_present(str(proc), str(dev))
+    (dev / "nvidia0").touch()
+    assert nvml_probe.nvidia_devices_present(str(proc), str(dev))
+    (dev / "nvidia0").unlink()
+    (proc / "driver" / "nvidia").mkdir(parents=True)
+    assert nvml_probe.nvidia_devices_present(str(proc), str(dev))
 
 
 def test_real_pynvml_without_driver_returns_none():

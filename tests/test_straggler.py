@@ -585,3 +585,22 @@ def test_live_straggler_is_logged_shown_in_status_and_named_when_it_hangs(procs,
     # the run's summary leads with the hang, not with a diagnosis of the steps before it
     text = (out / "summary.txt").read_text()
     assert text.startswith("rankwatch: HANG — initiating rank 1"), text
+
+
+def test_a_rank_slightly_slower_in_every_phase_is_a_rank_wide_straggler():
+    def tweak(r, s, p, rng):
+        p["forward"] += rng.uniform(-0.3, 0.3)
+        if r == 3:  # each phase below the threshold alone, together above it
+            p["dataloader"] += 2.0
+            p["forward"] += 2.0
+            p["optimizer"] += 2.0
+
+    d = diagnose_stragglers(job(4, 40, tweak))
+    assert (d.label, d.straggler_ranks, d.phase) == ("RANK-WIDE STRAGGLER", [3], None), d.why
+    assert d.time_lost_ms > 0 and "slower across the phases" in d.why
+
+    def one_phase(r, s, p, rng):  # a little slower in one phase only: below the threshold, nobody
+        if r == 3:
+            p["dataloader"] += 2.0
+
+    assert "STRAGGLER" not in diagnose_stragglers(job(4, 40, one_phase)).label

@@ -190,7 +190,12 @@ def test_pet_environment_defaults_as_torch_applies_them(pet):
     env = clean_env(**pet)
     lines = (["train.py", "--x"], ["--node-rank", "0", "--master-port=1234", "-m", "pkg"], ["--standalone", "t.py"])
     for args in lines:
-        ours, theirs = hand(args, env), torch_parse(args, env)
+        theirs = torch_parse(args, env)
+        try:
+            ours = hand(args, env)
+        except UserError:  # refused at once, as torch's parser refuses it
+            assert theirs is None, (pet, args)
+            continue
         if theirs is None:  # e.g. PET_NODE_RANK="" is not an int: the hand parser must not vouch for it
             assert ours is None
             continue
@@ -209,10 +214,6 @@ UNSURE = [
     ["--", "t.py"],
     ["t.py", "--", "x"],
     ["--master-port", "-1", "t.py"],
-    ["--max-restarts", "x", "t.py"],
-    ["--monitor-interval", "soon", "t.py"],
-    ["--start-method", "thread", "t.py"],
-    ["--numa-binding", "bogus", "t.py"],
     ["--standalone=1", "t.py"],
     ["--nproc-per-node", "2"],
     ["--log-dir"],
@@ -220,9 +221,39 @@ UNSURE = [
     ["t.py", "--no", "1"],
     ["t.py", "--master=1"],
     ["t.py", "--local"],
-    ["--some-option-of-a-newer-torch", "t.py"],
     ["-1", "t.py"],
 ]
+
+
+def test_an_option_this_torch_lacks_is_refused_by_hand_and_left_to_another_torch():
+    """torch's own parser, in this torch, refuses an option no option string starts with: so does the hand
+    parser, at once; under another torch (which may have added it) torch's parser decides."""
+    args = ["--some-option-of-a-newer-torch", "t.py"]
+    child = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 2 and "unrecognized arguments: --some-option-of-a-newer-torch" in child.stderr
+    with pytest.raises(UserError, match="torchrun has no option '--some-option-of-a-newer-torch'"):
+        ta._hand_parse(args, clean_env())
+    with mock.patch.object(ta, "_installed_torch", return_value="2.14.0"):
+        assert hand(args, clean_env()) is None
+    assert hand(["--nnode", "1", "t.py"], clean_env()) is None  # an abbreviation: argparse decides
+
+
+REFUSED = [
+    ["--max-restarts", "x", "t.py"],
+    ["--monitor-interval", "soon", "t.py"],
+    ["--start-method", "thread", "t.py"],
+    ["--numa-binding", "bogus", "t.py"],
+]
+
+
+def test_a_value_this_torch_refuses_is_refused_at_once():
+    for args in REFUSED:
+        assert torch_parse(args, clean_env()) is None, args
+        with pytest.raises(UserError, match="torchrun rejected the arguments: "):
+            ta._hand_parse(args, clean_env())
+        with mock.patch.object(ta, "_installed_torch", return_value="2.14.0"):
+            assert hand(args, clean_env()) is None, args  # another torch's parser decides
 
 
 def test_the_hand_parser_declines_what_it_cannot_vouch_for():
@@ -270,10 +301,14 @@ def command_lines(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
 @given(command_lines())
 def test_generated_command_lines_hand_parser_is_never_wrong(case):
     """Whenever the hand parser answers, torch's parser accepts the line and reads it the same way, and the
-    rewrite means the same to torchrun."""
+    rewrite means the same to torchrun; whenever it refuses the line, so does torch's parser."""
     args, pet = case
     env = clean_env(**pet)
-    ours = hand(args, env)
+    try:
+        ours = hand(args, env)
+    except UserError:
+        assert torch_parse(args, env) is None, args
+        return
     if ours is None:
         return
     assert ours.values == torch_parse(args, env), args

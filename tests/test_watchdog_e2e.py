@@ -74,7 +74,11 @@ def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, ran
     assert f"initiating rank {rank}" in result.stdout
     # torchrun failed and printed its own "Root Cause": the final output says what that is
     assert "torchrun's 'Root Cause (first observed failure)' above" in result.stdout
-    assert f"rankwatch: rank {rank} initiated the failure" in result.stdout
+    assert f"rankwatch names rank {rank} as the initiator" in result.stdout
+    # the verdict is the last thing printed, after torchrun's report
+    tail = result.stdout.rstrip().splitlines()
+    head = max(i for i, ln in enumerate(tail) if ln.startswith("rankwatch: "))
+    assert f"initiating rank {rank}" in tail[head] and tail[-1].startswith("bundle: "), tail[head:]
     # stacks of every rank are in the bundle; a rank still alive at capture has real frames
     for r in range(4):
         stack = json.loads((found[0] / "stacks" / f"rank-{r}.json").read_text())

@@ -79,7 +79,9 @@ def main(argv: list[str]) -> int:
     if args.json:
         sys.stdout.write(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2) + "\n")
         return 0
-    for doc in docs:
-        text = verdict_text(doc) if doc["schema"] == VERDICT_SCHEMA else summary_text(doc)
+    for path, doc in zip(paths, docs, strict=True):
+        # a bundle's verdict: its stacks name each rank's first frame of user code and the stack file
+        bundle = os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "verdict.json" else None
+        text = verdict_text(doc, bundle=bundle) if doc["schema"] == VERDICT_SCHEMA else summary_text(doc)
         sys.stdout.write(text + "\n")
     return 0

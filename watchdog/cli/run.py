@@ -21,13 +21,15 @@ from ..cluster.auth import load_secret
 from ..core.ranks import fmt_ranks
 from ..core.steps import StepTiming
 from ..core.straggler import diagnose_stragglers
-from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
-from ..report.text import headline, int_ranks, summary_text, verdict_text
+from ..report.text import final_block, int_ranks, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
+from ..serve.job_files import remove_job_files
+from .launch import check_launch
 from .options import add_shm_dir, add_watch_options, alerter_from_args, policies_from_args
 from .parser import Parser
+from .tee import StderrTee
 from .torchrun_args import TorchrunCommand, inject_hooks
 
 log = structlog.get_logger("rankwatch.run")
@@ -81,9 +83,11 @@ def main(argv: list[str]) -> int:
         raise UserError("missing torchrun arguments: rankwatch run [OPTIONS] -- --nproc-per-node N train.py ...")
     secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
     alerts = alerter_from_args(args)
+    # before parsing torchrun's line, so its parser's debug notes follow --log-level like every other line
+    logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
     cmd = inject_hooks(torchrun_args)
     check_script(cmd)
-    logs.configure(json_output=args.json_logs, level="error" if args.quiet else args.log_level)
+    check_launch(cmd)
     job_id = sanitize_job_id(args.run_name or cmd.rdzv_id or _default_job_id(cmd))
     out = os.path.abspath(args.out)
     try:
@@ -94,7 +98,8 @@ def main(argv: list[str]) -> int:
         raise UserError(str(exc)) from exc
     except OSError as exc:
         raise UserError(f"cannot create {exc.filename}: {exc.strerror}") from exc
-    _clear_stale_records(os.path.join(args.shm_dir, job_id))
+    job_dir = os.path.join(args.shm_dir, job_id)
+    _clear_stale_records(job_dir)
     stall, capture = policies_from_args(args)
     config = DaemonConfig(
         shm_dir=args.shm_dir,
@@ -106,13 +111,11 @@ def main(argv: list[str]) -> int:
         job_filter=job_id,
         incidents_dir=os.path.join(out, "incidents"),
     )
-    printed: list[str] = []
 
     def on_incident(verdict: dict[str, Any], path: str | None) -> None:
-        text = verdict_text(verdict)
+        text = verdict_text(verdict, bundle=path)
         sys.stdout.write("\n" + text + (f"bundle: {path}\n" if path else "bundle: NOT WRITTEN (see log)\n"))
         sys.stdout.flush()
-        printed.append(str(verdict.get("incident_id")))
 
     correlator = None
     if args.store is not None or cmd.nnodes not in ("1", "1:1"):
@@ -124,6 +127,20 @@ def main(argv: list[str]) -> int:
     daemon = Daemon(
         config, on_incident=on_incident, correlators={job_id: correlator} if correlator else None, alerts=alerts
     )
+    try:
+        return _run_job(args, cmd, job_id, out, daemon, correlator)
+    finally:
+        # the records, state file and sockets live in RAM (/dev/shm): none outlives the run, however it ends
+        removed, live = remove_job_files(job_dir)
+        if live:
+            log.warning("records_kept_for_live_ranks", job=job_id, ranks=sorted(live), pids=sorted(live.values()))
+        log.info("job_files_removed", job=job_id, entries=removed)
+
+
+def _run_job(
+    args: Any, cmd: TorchrunCommand, job_id: str, out: str, daemon: Daemon, correlator: Any
+) -> int:
+    config = daemon.config
     daemon.clean_leftovers()
     metrics = None
     if args.metrics_port is not None:
@@ -134,20 +151,42 @@ def main(argv: list[str]) -> int:
     log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
     watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)
     watcher.start()
+    tee = StderrTee()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd.args], env=env)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", *cmd.args]
+        proc = subprocess.Popen(torchrun, env=env, stderr=tee.child_fd)
     except OSError as exc:
         daemon.stop()
         raise UserError(f"cannot start torchrun: {exc}") from exc
+    finally:
+        tee.started()
+    interrupted: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
         daemon.quiesce()  # the user stops the job: the ranks torchrun now stops are not dead ranks
         if proc.poll() is None:
             proc.send_signal(signum)
 
+    def on_interrupt() -> None:
+        interrupted.append(signal.SIGINT)
+        daemon.quiesce()
+
+    started = time.monotonic()
+    startup_s = config.stall.startup_for()
+    seen: list[bool] = []
+
+    def still_starting() -> bool:
+        """False once the startup timeout passed without a single rank record (a stuck rendezvous)."""
+        if not seen:
+            entry = daemon.jobs.get(job_id)
+            if entry is not None and (entry.last_views or entry.watch.ranks):
+                seen.append(True)
+        return bool(seen) or time.monotonic() - started < startup_s
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = _wait(proc, on_interrupt=daemon.quiesce)
+        code, timed_out = _wait(proc, on_interrupt=on_interrupt, keep_waiting=still_starting)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -163,9 +202,13 @@ def main(argv: list[str]) -> int:
         if all(v.state in ("exited",) for v in entry.last_views):
             break
         time.sleep(args.poll_interval)
+    entry = daemon.jobs.get(job_id)
+    if entry is not None and (entry.last_views or entry.watch.history):
+        seen.append(True)
     # incidents run off the poll loop: their bundles and verdicts belong in the summary
     if not daemon.drain(config.serve.drain_timeout_s):
         log.error("incidents_unfinished", job=job_id)
+    tee.close(timeout_s=5.0)  # torchrun's last words come before rankwatch's
     entry = daemon.jobs.get(job_id)
     history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
     if correlator is not None:
@@ -178,8 +221,32 @@ def main(argv: list[str]) -> int:
     if metrics is not None:
         metrics.close()
     daemon.close()  # finishes incidents in flight and retries bundles the disk refused
-    _write_summary(daemon, job_id, out, history, torchrun_code=code)
+    if not seen:
+        # no rank ever ran the hook: an empty summary ("0 ranks") would read like a run; say what failed
+        sys.stdout.flush()
+        sys.stderr.write(f"rankwatch run: {launch_failure(cmd, code, timed_out, startup_s, bool(interrupted))}\n")
+        sys.stderr.flush()
+        return code if code != 0 else 1
+    _write_summary(
+        daemon, job_id, out, history, torchrun_code=code, root_cause_printed=tee.root_cause_seen
+    )
     return code
+
+
+def launch_failure(cmd: TorchrunCommand, code: int, timed_out: bool, startup_s: float, interrupted: bool) -> str:
+    """One line for a launch in which no rank ever started rankwatch's hook."""
+    if timed_out:
+        nodes = f"all {cmd.nnodes.split(':')[-1]} nodes started, " if cmd.nnodes not in ("1", "1:1") else ""
+        return (
+            f"no rank started within the startup timeout ({startup_s:g} s): torchrun's rendezvous did not complete "
+            f"(are {nodes}the rendezvous endpoint and its port reachable?); torchrun was stopped"
+        )
+    if interrupted:
+        return "stopped before any rank started"
+    return (
+        f"torchrun exited with code {code} before any rank started rankwatch's hook: "
+        "the cause is in torchrun's output above (nothing was watched, no summary written)"
+    )
 
 
 def _default_job_id(cmd: TorchrunCommand) -> str:
@@ -198,95 +265,93 @@ def _max_nodes(nnodes: str) -> int | None:
 
 
 def _clear_stale_records(job_dir: str) -> None:
-    """Remove records an earlier run left under this job id; refuse if a live rank still owns one."""
-    from ..observe.process import maps_file
-
-    try:
-        names = os.listdir(job_dir)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(job_dir, name)
-        if name.endswith(".hb"):
-            try:
-                pid = read_record(path).pid
-            except (RecordFormatError, OSError):
-                pid = 0
-            if pid > 0 and maps_file(pid, path):
-                raise UserError(
-                    f"job id {os.path.basename(job_dir)!r} is in use by a running rank (pid {pid}); "
-                    "pass another --run-name"
-                )
-        if name.endswith((".hb", ".ctl", ".faulthandler")) or name == "job.json":
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    """Remove what an earlier run left under this job id; refuse if a live rank still owns a record."""
+    _, live = remove_job_files(job_dir)
+    if live:
+        raise UserError(
+            f"job id {os.path.basename(job_dir)!r} is in use by a running rank (pid {min(live.values())}); "
+            "pass another --run-name"
+        )
 
 
-def _wait(proc: subprocess.Popen[bytes], on_interrupt: Callable[[], None]) -> int:
+def _wait(
+    proc: subprocess.Popen[bytes], on_interrupt: Callable[[], None], keep_waiting: Callable[[], bool]
+) -> tuple[int, bool]:
+    """torchrun's exit code, and whether it was stopped because ``keep_waiting`` said so."""
     while True:
         try:
-            return proc.wait()
+            while True:
+                try:
+                    return proc.wait(timeout=0.5), False
+                except subprocess.TimeoutExpired:
+                    if not keep_waiting():
+                        return _stop(proc), True
         except KeyboardInterrupt:
             on_interrupt()
             # the terminal sent SIGINT to torchrun too; give it time to stop its ranks
             try:
-                return proc.wait(timeout=30)
+                return proc.wait(timeout=30), False
             except subprocess.TimeoutExpired:
                 proc.kill()
             except KeyboardInterrupt:
                 proc.kill()
 
 
-def torchrun_root_cause_note(verdicts: list[dict[str, Any]], torchrun_code: int, *, killed: bool = False) -> str:
-    """When torchrun failed it prints its own "Root Cause (first observed failure)": the failed rank with
-    the earliest exit it observed, in whole seconds, ties in rank order — usually a rank that failed
-    *because of* the initiator (a lost peer, a collective timeout), and never a rank that hung and was
-    stopped. Said next to rankwatch's answer, so the two are not read as a contradiction."""
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    """SIGTERM (torchrun stops its workers), then SIGKILL if it does not exit."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return 1  # whatever torchrun answered, the job did not run
+
+
+def torchrun_root_cause_note(
+    verdicts: list[dict[str, Any]], *, root_cause_printed: bool, killed: bool = False
+) -> str:
+    """When torchrun's workers failed it prints its own "Root Cause (first observed failure)": the failed
+    rank with the earliest exit it observed, in whole seconds, ties in rank order — usually a rank that
+    failed *because of* the initiator, and never a rank that hung and was stopped. One line says so next
+    to rankwatch's answer, and only when torchrun really printed that block (not after Ctrl-C)."""
     decided = [v for v in verdicts if int_ranks(v.get("initiating_ranks"))]
-    if torchrun_code == 0 or not decided:
+    if not root_cause_printed or not decided:
         return ""
-    v = decided[0]
-    which = (
-        "and here rankwatch's --on-stall kill sent SIGTERM to the ranks still running, which torchrun counts "
-        "as failures"
-        if killed
-        else "often one that failed because of the initiator"
-    )
+    which = "here a rank --on-stall kill stopped" if killed else "often one that failed because of the initiator"
     return (
-        "note: torchrun's 'Root Cause (first observed failure)' above is the first failed rank torchrun saw "
-        f"exit (exit times in whole seconds, ties in rank order), {which}; rankwatch: "
-        f"{fmt_ranks(int_ranks(v.get('initiating_ranks')))} initiated the failure — {clean(v.get('reason'), PROSE)}\n"
+        "note: torchrun's 'Root Cause (first observed failure)' above is the first failed rank it saw exit "
+        f"({which}); rankwatch names {fmt_ranks(int_ranks(decided[0].get('initiating_ranks')))} as the initiator\n"
     )
 
 
 def _write_summary(
-    daemon: Daemon, job_id: str, out: str, history: dict[int, list[StepTiming]], *, torchrun_code: int = 0
+    daemon: Daemon,
+    job_id: str,
+    out: str,
+    history: dict[int, list[StepTiming]],
+    *,
+    torchrun_code: int = 0,
+    root_cause_printed: bool = False,
 ) -> None:
+    """summary.json/txt, then on stdout the phase table and diagnosis, and last each incident's verdict
+    (headline, why, where the initiating rank stands, bundle): what a person reads when the run ends."""
     entry = daemon.jobs.get(job_id)
     incidents = entry.incidents if entry else []
+    verdicts = entry.verdicts if entry else []
     diag = diagnose_stragglers(history)
-    doc = diag.summary_doc(job_id, incidents, history, entry.verdicts if entry else ())
+    doc = diag.summary_doc(job_id, incidents, history, verdicts)
     doc["details"] = diag.details
-    text = summary_text(doc)
     summary_path: str | None = os.path.join(out, "summary.json")
     try:
         atomic_json(os.path.join(out, "summary.json"), doc)
-        atomic_text(os.path.join(out, "summary.txt"), text)
+        atomic_text(os.path.join(out, "summary.txt"), summary_text(doc))
     except OSError as exc:
         log.error("summary_write_failed", out=out, error=str(exc))
         summary_path = None
     bundles = entry.bundles if entry else {}
-    recap = "".join(
-        f"incident {clean(v.get('incident_id'), NAME)}: {headline(v)}\n    why: {clean(v.get('reason'), PROSE)}\n"
-        "    bundle: "
-        + (bundles.get(str(v.get("incident_id"))) or "NOT WRITTEN (the disk refused it; the verdict is in the log)")
-        + "\n"
-        for v in (entry.verdicts if entry else [])
-    )
     where = f"summary: {summary_path}\n" if summary_path else "summary: NOT WRITTEN (see the log)\n"
-    # the summary text starts with the incidents' headlines; the recap adds where each bundle is
-    note = torchrun_root_cause_note(entry.verdicts if entry else [], torchrun_code, killed=daemon.killed(job_id))
-    sys.stdout.write("\n" + text + where + recap + note)
+    note = torchrun_root_cause_note(verdicts, root_cause_printed=root_cause_printed, killed=daemon.killed(job_id))
+    blocks = "".join("\n" + final_block(v, bundles.get(str(v.get("incident_id")))) for v in verdicts)
+    sys.stdout.write("\n" + summary_text(doc, incidents=False) + where + (f"\n{note}" if note else "") + blocks)
     sys.stdout.flush()

@@ -34,6 +34,8 @@ from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, incident_
 from .options import add_shm_dir, positive_float
 from .parser import Parser
 
+PIPE_WIDTH = 400  # columns when stdout is not a terminal: wide enough that no phase or why is cut
+
 
 def build_parser() -> Parser:
     p = Parser(prog="rankwatch status", description="The jobs on this node: open incidents, stalled ranks, a "
@@ -176,7 +178,8 @@ def render(jobs: list[dict[str, Any]], shm_dir: str) -> Any:
     parts: list[Any] = []
     for job in jobs:
         inc = job["open_incident"]
-        initiating = set(inc["initiating_ranks"]) if inc else set()
+        # until the verdict is decided nobody is named: the trigger's ranks are only those seen stalled
+        initiating = set(inc["initiating_ranks"]) if inc and inc["decided"] else set()
         stalled = set(job["stalled_ranks"])
         title = Text(f"job {job['job_id']}", style="bold")
         wd = job["watchdog"]
@@ -188,8 +191,11 @@ def render(jobs: list[dict[str, Any]], shm_dir: str) -> Any:
         else:
             title.append(f"  · watched by {wd['mode']} (pid {wd['pid']}, on stall: {wd['on_stall']})", style="dim")
         parts.append(title)
-        if inc:
-            what = headline_of(inc["kind"]) if inc["decided"] else f"incident open ({inc['kind']}), deciding"
+        if inc and not inc["decided"]:
+            parts.append(Text(f"OPEN INCIDENT {inc['incident_id']}: deciding… (evidence being captured; "
+                              f"trigger: {inc['kind']})", style="bold red"))
+        elif inc:
+            what = headline_of(inc["kind"])
             who = fmt_ranks(inc["initiating_ranks"]) if inc["initiating_ranks"] else "no single rank"
             line = Text(f"OPEN INCIDENT {inc['incident_id']}: {what} — initiating {who}", style="bold red")
             if inc["phase"]:
@@ -277,7 +283,8 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
 
-    console = Console()
+    # to a pipe or file: nothing is cut to a terminal's 80 columns (rich's default when it cannot ask)
+    console = Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH, soft_wrap=True)
     if not args.watch:
         console.print(render(snapshot(), args.shm_dir))
         return 0
@@ -287,6 +294,15 @@ def main(argv: list[str]) -> int:
     # inherits SIGINT ignored, or blocked, and would then never stop on it
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not sys.stdout.isatty():  # no cursor to redraw in place: each refresh is printed whole, at once
+        try:
+            while True:
+                console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+                console.print(render(snapshot(), args.shm_dir))
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        except (KeyboardInterrupt, BrokenPipeError):
+            return 0
     try:
         with Live(render(snapshot(), args.shm_dir), console=console, auto_refresh=False, screen=False) as live:
             while True:

@@ -32,8 +32,11 @@ versions, are left to argparse). What remains is a known option changing its ari
 future torch: tests/test_torchrun_args.py compares the table with the installed torch's parser option by
 option (and fails on options the table lacks, which cost only the child's start-up), and the hand
 parser with torch's on many realistic and generated command lines, so such drift fails the tests on the
-torch upgrade instead of misplacing the script at run time. Parse errors always come from torch's
-parser, so the message is torchrun's own.
+torch upgrade instead of misplacing the script at run time. Errors torch's parser certainly gives — under
+the torch release the table copies (``TABLE_TORCH``) — are given at once in argparse's words (a value
+of the wrong type or outside its choices) or as "no such option" (one that no option string starts
+with), instead of after a torch import that takes seconds on a loaded node; every other error comes from
+torch's parser, in torchrun's own words.
 
 The rewrite: ``HEAD -m rankwatch.hooks [-m] SCRIPT ARGS…`` (the user's ``-m``/``--module`` flags move
 after the hook, which runs the module). Where torch's reading involved a bare ``--`` before the script's
@@ -75,6 +78,9 @@ class TorchrunCommand:
     nproc_per_node: str
     script: str = ""  # the training script, or the module with ``module``
     module: bool = False
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    standalone: bool = False
 
 
 # -- torchrun's option grammar (torch 2.13 torch/distributed/run.py get_args_parser) ---------------------
@@ -155,7 +161,12 @@ FIELDS = (
     "run_path",
     "training_script",
     "training_script_args",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "standalone",
 )
+# the torch release whose parser OPTIONS copies: there, an option no name starts with is certainly refused
+TABLE_TORCH = "2.13."
 
 
 @dataclass
@@ -192,6 +203,7 @@ def _hand_parse(args: list[str], environ: Mapping[str, str]) -> Parsed:
             name, inline = arg.split("=", 1)
             spec = _BY_NAME.get(name)
         if spec is None:
+            _refuse_if_unknown(arg)
             raise _Unsure(f"unknown option {arg!r}")
         if spec.kind == "flag":
             if inline is not None:
@@ -215,6 +227,10 @@ def _hand_parse(args: list[str], environ: Mapping[str, str]) -> Parsed:
             i += 1
         values[spec.dest] = _convert(spec, raw)
         if spec.choices is not None and values[spec.dest] not in spec.choices:
+            _refuse_if_this_torch(
+                f"argument {'/'.join(spec.names)}: invalid choice: {raw!r} "
+                f"(choose from {', '.join(repr(c) for c in spec.choices)})"
+            )
             raise _Unsure(f"{arg} {raw!r} not in {spec.choices}")
         given.add(spec.dest)
     if i >= len(args):
@@ -233,10 +249,37 @@ def _hand_parse(args: list[str], environ: Mapping[str, str]) -> Parsed:
     return Parsed(values, head)
 
 
+def _installed_torch() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return ""
+
+
+def _refuse_if_this_torch(why: str) -> None:
+    """A value torch's parser (in the torch OPTIONS copies) certainly refuses: said at once."""
+    if _installed_torch().startswith(TABLE_TORCH):
+        raise UserError(f"torchrun rejected the arguments: {why}")
+
+
+def _refuse_if_unknown(arg: str) -> None:
+    """``--typo`` that no option string of this torch starts with: argparse refuses it whatever follows, so
+    say so at once instead of spending a torch import (seconds on a loaded node) to hear the same."""
+    name = arg.split("=", 1)[0]
+    if not name.startswith("--") or name == "--" or any(n.startswith(name) for n in _ALL_NAMES):
+        return
+    if not _installed_torch().startswith(TABLE_TORCH):
+        return  # another torch may have this option: its own parser decides
+    raise UserError(f"torchrun has no option {name!r} (torchrun --help lists them)")
+
+
 def _convert(opt: _Opt, raw: str) -> Any:
     try:
         return _CONVERT[opt.kind](raw)
     except (TypeError, ValueError):
+        _refuse_if_this_torch(f"argument {'/'.join(opt.names)}: invalid {opt.kind} value: {raw!r}")  # argparse's words
         raise _Unsure(f"{opt.names[0]} {raw!r} is not {opt.kind}") from None
 
 
@@ -379,4 +422,7 @@ def inject_hooks(torchrun_args: list[str], environ: Mapping[str, str] | None = N
         nproc_per_node=str(v["nproc_per_node"]),
         script=str(v["training_script"]),
         module=bool(v["module"]) and not v["run_path"],
+        rdzv_backend=str(v.get("rdzv_backend") or "static"),
+        rdzv_endpoint=str(v.get("rdzv_endpoint") or ""),
+        standalone=bool(v.get("standalone")),
     )

@@ -70,6 +70,12 @@ def first_by_time(items: Iterable[T], key: Callable[[T], float], tolerance: floa
     return [x for x in ordered if key(x) - t0 <= tolerance]
 
 
+def ranks_verb(ranks: Iterable[int], singular: str, plural: str) -> str:
+    """``fmt_ranks`` with its verb agreeing: 'rank 0 waits', 'ranks 0, 1 wait'."""
+    items = set(ranks)
+    return f"{fmt_ranks(items)} {singular if len(items) == 1 else plural}"
+
+
 def fmt_ranks(ranks: Iterable[int]) -> str:
     """A set of ranks as text, the one format every report uses: 'rank 3', 'ranks 0, 1, 3', runs of 3 or
     more folded for big jobs: 'ranks 0–2046, 2048' (en dash). Duplicates are dropped, order is numeric;

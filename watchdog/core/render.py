@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from .engine import AFTER_KILL, WAIT_FOR, Finding
 from .facts import Rung
-from .ranks import fmt_ranks
+from .ranks import fmt_ranks, ranks_verb
 from .snapshot import RankView
 
 _PHASE_KIND = {"dataloader": "input", "forward": "compute", "backward": "compute", "optimizer": "compute",
@@ -52,20 +52,20 @@ def reason(f: Finding, views: Mapping[int, RankView]) -> str:
             f"{who} are the likeliest cause"
         )
     if f.kind == "stopped_rank":
-        return f"{who} is stopped (SIGSTOP or a debugger); {fmt_ranks(waiters)} wait for it"
+        return f"{who} is stopped (SIGSTOP or a debugger); {ranks_verb(waiters, 'waits', 'wait')} for it"
     if f.kind == "dead_rank" and f.data.get("silent_nodes"):
         nodes = ", ".join(f.data["silent_nodes"])
         return (
             f"{who} on node(s) {nodes} never answered and {fmt_ranks(f.data.get('peer_ended', ()))} lost the "
-            f"connection to them (closed or reset by peer): their processes are gone; {fmt_ranks(waiters)} "
-            "wait for them"
+            f"connection to them (closed or reset by peer): their processes are gone; {ranks_verb(waiters, 'waits', 'wait')} "
+            "for them"
         )
     if f.kind == "dead_rank":
-        return f"{who} ended by its own cause; {fmt_ranks(waiters)} wait for it"
+        return f"{who} ended by its own cause; {ranks_verb(waiters, 'waits', 'wait')} for it"
     where = ""
     if lead is not None:
         where = f" in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step} for {lead.in_phase_s:.1f}s"
-    return f"{who} waits for nobody{where} while {fmt_ranks(waiters)} wait for it"
+    return f"{who} waits for nobody{where} while {ranks_verb(waiters, 'waits', 'wait')} for it"
 
 
 def evidence(f: Finding) -> list[str]:

@@ -18,6 +18,10 @@ _HOOK_DIR = os.path.abspath(next(iter(_HOOK_SPEC.submodule_search_locations or (
 _NOISE_FILES = ("<frozen runpy>", "runpy.py", "c10d_logger.py")
 _PEER_WAIT_DIRS = ("torch/distributed/", "torch/nn/parallel/distributed.py")
 _AMBIGUOUS_DIRS = ("torch/autograd/",)
+# the watchdog's own package (a rank's stack never runs it, but a dump of the watchdog would)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# where library code lives: a frame there is not where the user's code stands
+_LIBRARY_MARKS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/lib64/python3")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,23 @@ def signature(frames: Sequence[Frame], depth: int) -> str | None:
 
 def stack_top(frames: Sequence[Frame], n: int) -> tuple[str, ...]:
     return tuple(f.short() for f in meaningful(frames)[:n])
+
+
+def is_user_frame(frame: Frame) -> bool:
+    """A frame of the user's own code: not the standard library (threading, queue, selectors…), not an
+    installed package (torch, numpy…), not rankwatch, not a frozen or synthetic module."""
+    path = frame.filename.replace(os.sep, "/")
+    if not path or path.startswith("<") or path == "<string>":
+        return False
+    if (_HOOK_DIR and frame.filename.startswith(_HOOK_DIR)) or frame.filename.startswith(_OWN_DIR):
+        return False
+    return not any(mark in path for mark in _LIBRARY_MARKS)
+
+
+def user_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost frame of the user's code: where a person starts reading a stuck rank's stack
+    (``SlowCollate.__call__ (train.py:111)``, not ``Condition.wait (threading.py:327)``)."""
+    return next((f for f in frames if is_user_frame(f)), None)
 
 
 def waiting_on_peers(frames: Sequence[Frame]) -> bool | None:

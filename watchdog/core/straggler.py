@@ -89,6 +89,9 @@ class StragglerPolicy:
     co_straggler_share: float = 0.5
     # a phase family (or the input pipeline) taking this share of the step makes the job "<family>-BOUND"
     bound_share: float = 0.5
+    # a rank-wide straggler is slower by at least this share of the threshold in two or more phases (below
+    # it a phase is noise), and the excess summed over all its own phases clears the threshold
+    rank_wide_phase_share: float = 0.2
 
 
 @dataclass
@@ -435,7 +438,43 @@ def diagnose_stragglers(
         return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
                       time_lost_ms=lost, input_pipeline=on_pipe)
 
+    wide = _rank_wide(ranks, own, compared, per_step_excess, threshold, policy)
+    if wide is not None:
+        rank, best, by_phase = wide
+        per_step = [math.fsum(per_step_excess[(rank, p)][i] for p in own if p != "idle") for i in range(len(steps))]
+        lost = math.fsum(per_step)
+        pattern = describe_pattern(steps, per_step, threshold, policy)
+        parts = ", ".join(f"{p} {e:+.1f}" for p, e in sorted(by_phase.items(), key=lambda kv: -kv[1]))
+        why = (
+            f"rank {rank} is slower across the phases of its own work, none enough to stand out alone ({parts} "
+            f"ms/step), together +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean "
+            f"step), {pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks "
+            "wait for it (a whole-process slowdown: CPU contention, a busy thread of its own, a slower host)"
+        )
+        details = [f"rank {r}: own work excess {sum(excess(r, p) for p in by_phase):+.1f} ms/step" for r in ranks]
+        return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost)
+
     no_straggler = f"no straggler (largest per-rank excess below {threshold:.1f} ms/step)"
+    # a declared phase (a checkpoint, an evaluation) is named as itself: the other ranks' wait for it in
+    # the next collective is its consequence, not a communication problem
+    declared = [p for p in phase_names if p not in sync and _family(p) == "COMPUTE" and p not in COMPUTE_PHASES
+                and p != "idle"]
+    if declared and overall > 0:
+        top = max(declared, key=lambda p: max(mean[r][p] for r in ranks))
+        holder = max(ranks, key=lambda r: mean[r][top])
+        took = mean[holder][top]
+        comm = _median([sum(mean[r][p] for p in phase_names if p in sync) for r in ranks])
+        if took / overall >= policy.bound_share or (took >= comm and took / overall >= policy.rel_threshold):
+            on_all = all(mean[r][top] >= 0.5 * took for r in ranks)
+            who_txt = "every rank" if on_all else fmt_ranks([r for r in ranks if mean[r][top] >= 0.5 * took])
+            return result(
+                "DECLARED-PHASE-BOUND",
+                [],
+                top,
+                f"{no_straggler}; the declared phase '{top}' takes {took:.1f} ms/step on {who_txt} "
+                f"({100 * took / overall:.0f}% of the {overall:.1f} ms mean step)"
+                + ("" if on_all else f"; the other ranks wait for it ({comm:.1f} ms/step in communication)"),
+            )
     if has_pipeline and overall > 0:
         need = _median([pipe_doc[r]["per_step_ms"] for r in ranks])
         if need / overall >= policy.bound_share:
@@ -473,6 +512,34 @@ def diagnose_stragglers(
             "on every rank",
         )
     return result("BALANCED", [], None, f"no straggler and no dominant phase ({overall:.1f} ms mean step)")
+
+
+def _rank_wide(
+    ranks: Sequence[int],
+    own: Sequence[str],
+    compared: Mapping[str, Mapping[int, Sequence[float]]],
+    per_step_excess: Mapping[tuple[int, str], list[float]],
+    threshold: float,
+    policy: StragglerPolicy,
+) -> tuple[int, float, dict[str, float]] | None:
+    """The rank slower in *every* phase of its own work by a little (each phase below the threshold) whose
+    excess summed over those phases clears it: (rank, summed excess ms/step, excess by phase)."""
+    phases = [p for p in own if p in compared and p != "idle"]
+    if len(ranks) < 2 or len(phases) < 2:
+        return None
+    best: tuple[int, float, dict[str, float]] | None = None
+    for r in ranks:
+        by_phase = {p: trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in phases}
+        slower = {p: e for p, e in by_phase.items() if e >= policy.rank_wide_phase_share * threshold}
+        if len(slower) < 2:
+            continue  # one phase: that phase's own straggler check already answered
+        n = len(per_step_excess[(r, phases[0])])
+        summed = [math.fsum(per_step_excess[(r, p)][i] for p in phases) for i in range(n)]
+        total = trimmed_mean(summed, policy.trim_share)
+        slow = sum(1 for e in summed if e >= threshold)
+        if total >= threshold and slow >= policy.min_slow_steps and (best is None or total > best[1]):
+            best = (r, total, slower)
+    return best
 
 
 def _batch_text(pipe: Mapping[str, float]) -> str:

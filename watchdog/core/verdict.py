@@ -209,6 +209,8 @@ def decide(
         fr.rule = "fr_behind"
     # an own exit or a stop decides and is never weighed: the graph and the weaker rungs are not needed
     decisive = any((f := found.get(n)) is not None and f.initiators for n in ("exits", "stopped"))
+    # ... and so does the same error on every rank, which names nobody (the job's own failure)
+    decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
     if prior is not None or not decisive:
         facts = live_facts(
             views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed

@@ -127,6 +127,16 @@ def map_pids(nvml_pids: Iterable[int], wanted: Iterable[int], proc_root: str = "
     return out
 
 
+def nvidia_devices_present(proc_root: str = "/proc", dev_root: str = "/dev") -> bool:
+    """Whether this node has NVIDIA GPUs (the kernel driver is loaded or a device node exists)."""
+    if os.path.isdir(os.path.join(proc_root, "driver", "nvidia")):
+        return True
+    try:
+        return any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir(dev_root))
+    except OSError:
+        return False
+
+
 class NvmlProbe:
     """Open once, ``sample()`` at the daemon's poll rate, ``close()`` at exit."""
 
@@ -159,8 +169,11 @@ class NvmlProbe:
         proc_root: str = "/proc",
         wall_clock: Callable[[], float] = time.time,
         initial_window_s: float = INITIAL_WINDOW_S,
+        gpu_expected: bool | None = None,
     ) -> NvmlProbe | None:
-        """Initialise NVML; None (and one warning per process) when the library or driver is absent."""
+        """Initialise NVML; None when the library or driver is absent — with one warning per process where
+        this node has NVIDIA devices (``gpu_expected``, default: ``nvidia_devices_present()``), else a
+        plain info line: a CPU node is not a problem to warn about on every start."""
         global _warned_absent
         try:
             if nvml is None:
@@ -173,7 +186,9 @@ class NvmlProbe:
         except Exception as exc:  # ImportError, NVMLError (library/driver missing), anything odd
             if not _warned_absent:
                 _warned_absent = True
-                log.warning("nvml.unavailable", error=f"{type(exc).__name__}: {exc}")
+                expected = nvidia_devices_present(proc_root) if gpu_expected is None else gpu_expected
+                (log.warning if expected else log.info)("nvml.unavailable", error=f"{type(exc).__name__}: {exc}",
+                                                        gpu_expected=expected)
             return None
         return cls(
             nvml, handles, proc_root=proc_root, wall_clock=wall_clock, initial_window_s=initial_window_s

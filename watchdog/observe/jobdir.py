@@ -234,7 +234,7 @@ def remove_finished(job_fd: int, finished_inodes: Iterable[int]) -> tuple[int, b
         if st is None:
             continue
         fifo = CTL_FILE.match(name) and (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode))
-        plain = (name == "job.json" or FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
+        plain = (name in ("job.json", "watchdog.json") or FAULT_FILE.match(name)) and stat.S_ISREG(st.st_mode)
         if fifo or plain:
             removed += _unlink_at(job_fd, name)
         elif name == "dumps" and stat.S_ISDIR(st.st_mode):

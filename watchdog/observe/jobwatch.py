@@ -336,9 +336,10 @@ class JobWatch:
                     state=state,
                     step=snap.step,
                     phase=snap.phase,
-                    # no phase entered yet (blocked before init): idle since the record was made, not since 0
-                    in_phase_s=max(0.0, (now - (snap.phase_start_ns or snap.start_ns)) / 1e9),
-                    since_progress_s=max(0.0, (now - snap.last_progress_ns) / 1e9),
+                    # a rank that never entered a phase (waiting before init_process_group) has 0 there:
+                    # measured from when the rank started, never from the machine's boot
+                    in_phase_s=max(0.0, (now - max(snap.phase_start_ns, snap.start_ns)) / 1e9),
+                    since_progress_s=max(0.0, (now - max(snap.last_progress_ns, snap.start_ns)) / 1e9),
                     coll_seq=snap.coll_seq_entered,
                     coll_done=snap.coll_seq_completed,
                     coll_op=snap.coll_op,

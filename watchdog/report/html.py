@@ -24,7 +24,7 @@ from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_
 from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
 from ..core.text import BLOCK, PROSE, clean
 from ..errors import UserError
-from .text import NEXT_STEPS
+from .text import next_step
 
 # Canonical phases keep one colour in every report, so readers learn them; input warm, compute cool,
 # the two kinds of waiting for peers muted but told apart (purple: a collective the script called, pink:
@@ -55,7 +55,8 @@ main{max-width:1040px;margin:0 auto;padding:24px}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}h3{font-size:15px;margin:20px 0 6px}
 section.doc{background:#fff;border:1px solid #ddd;border-radius:8px;padding:18px 22px;margin:18px 0}
 .headline{font-size:19px;font-weight:650;margin:4px 0}
-.bad{color:#b3141b}.ok{color:#1b7a2f}.meta{color:#666;font-size:13px}
+.bad{color:#b3141b}.ok{color:#1b7a2f}.slow{color:#8a5a00}
+.context{font-size:15px;font-weight:500;color:#444;margin:4px 0}.meta{color:#666;font-size:13px}
 .why{background:#fbf7e8;border-left:4px solid #e0c34b;padding:8px 12px;margin:10px 0}
 .badge{display:inline-block;border-radius:10px;padding:1px 9px;font-size:12px;font-weight:600;margin-left:6px}
 .conf-high{background:#d9f2de;color:#145c25}.conf-medium{background:#fbeccb;color:#7a5300}
@@ -299,7 +300,10 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     colours = phase_colours(names)
     verdicts = [v for v in doc.get("incident_verdicts") or [] if isinstance(v, dict)]
     # a run with an incident is that incident first; the straggler diagnosis describes the steps before it
-    bad = bool(who) or "STRAGGLER" in label or bool(verdicts) or bool(doc.get("incidents"))
+    # a straggler is a slowdown, an incident a stopped job: the steps before an incident are told in a
+    # calmer style than its headline ("before the incident: COMMUNICATION-BOUND" is context, not alarm)
+    slow = bool(who) or "STRAGGLER" in label
+    tone = "before" if verdicts or doc.get("incidents") else "slow" if slow else "ok"
     headline = esc(label)
     if who:
         headline += f" — {esc(fmt_ranks(who))}"
@@ -320,7 +324,7 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
         out.append(f'<p class="headline bad">{v_head}'
                    + (f' · <a href="#{esc(link)}">incident</a>' if link else "") + "</p>")
     out += [
-        f'<p class="headline {"bad" if bad else "ok"}">'
+        f'<p class="{"context" if tone == "before" else "headline " + tone}">'
         + ("before the incident: " if verdicts else "") + f"{headline}</p>",
         '<p class="meta">' + (f"{esc(total)} steps · " if total is not None else "")
         + f'the last {esc(doc.get("steps"))} common steps compared · {len(ranks)} ranks · mean step '
@@ -393,24 +397,30 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
 
 
 # -- verdict --------------------------------------------------------------------------------------------
-def _groups_text(doc: Mapping[str, Any], base_dir: str) -> str | None:
-    """stacks/groups.txt of this incident's bundle, when the report was made from the bundle or run dir."""
+def bundle_dir(doc: Mapping[str, Any], base_dir: str) -> str | None:
+    """This incident's bundle, when the report was made from the bundle or from its run dir."""
     incident = str(doc.get("incident_id") or "")
-    candidates = []
     if os.path.isfile(os.path.join(base_dir, "verdict.json")):
-        candidates.append(os.path.join(base_dir, "stacks", "groups.txt"))
+        return os.path.abspath(base_dir)
     # the id comes from a file: only a plain name may become a path component
     if incident and incident == os.path.basename(incident) and incident not in (".", ".."):
-        candidates.append(os.path.join(base_dir, "incidents", incident, "stacks", "groups.txt"))
-    for path in candidates:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(GROUPS_MAX_BYTES + 1)
-        except OSError:
-            continue
-        text = clean(raw[:GROUPS_MAX_BYTES].decode("utf-8", "replace"), BLOCK, multiline=True)
-        return text + ("\n… (cut)\n" if len(raw) > GROUPS_MAX_BYTES else "")
+        candidate = os.path.join(base_dir, "incidents", incident)
+        if os.path.isfile(os.path.join(candidate, "verdict.json")):
+            return os.path.abspath(candidate)
     return None
+
+
+def _bundle_text(bundle: str | None, *parts: str) -> str | None:
+    """A text file of the bundle, cleaned and bounded (its frames came from the training processes)."""
+    if bundle is None:
+        return None
+    try:
+        with open(os.path.join(bundle, *parts), "rb") as f:
+            raw = f.read(GROUPS_MAX_BYTES + 1)
+    except OSError:
+        return None
+    text = clean(raw[:GROUPS_MAX_BYTES].decode("utf-8", "replace"), BLOCK, multiline=True)
+    return text + ("\n… (cut)\n" if len(raw) > GROUPS_MAX_BYTES else "")
 
 
 def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
@@ -438,9 +448,14 @@ def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
     evidence = doc.get("evidence") or []
     if evidence:
         out.append("<h3>Evidence</h3><ul>" + "".join(f"<li>{esc(e)}</li>" for e in evidence) + "</ul>")
-    out.append(f"<p><b>next:</b> {esc(NEXT_STEPS.get(kind, NEXT_STEPS['unknown']))}</p>")
+    bundle = bundle_dir(doc, base_dir)
+    out.append(f"<p><b>next:</b> {esc(next_step(doc, bundle))}</p>")
+    if bundle:
+        out.append(f'<p class="meta">bundle: <code>{esc(bundle)}</code> · <code>rankwatch report '
+                   f"{esc(bundle)}</code></p>")
 
     table = _dict(doc, "ranks")
+    fr_numbered = isinstance(doc.get("flight_recorder"), dict)
     if table:
         out.append("<h3>Ranks</h3>")
         out.append('<table><tr><th>rank</th><th class="l">node</th><th>pid</th><th class="l">state</th>'
@@ -449,9 +464,17 @@ def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
         for key in sorted(table, key=_int_key):
             r = table[key] if isinstance(table[key], dict) else {}
             coll = r.get("collective")
-            coll_txt = f"{coll.get('op') or '?'} #{coll.get('seq')}" if isinstance(coll, dict) else "–"
+            coll_txt = "–"
+            if isinstance(coll, dict):  # one numbering: the flight recorder's, where the evidence quotes it
+                coll_txt = f"{coll.get('op') or '?'}" + ("" if fr_numbered else f" #{coll.get('seq')}")
             stack = [str(f) for f in r.get("stack_top") or []]
-            if len(stack) > 1:
+            rank_no = _int_key(key)[0]
+            whole = _bundle_text(bundle, "stacks", f"rank-{rank_no}.txt") if rank_no < 1 << 30 else None
+            if whole is not None:  # every thread, every frame, with full paths: the bundle's stack file
+                first = stack[0] if stack else "stack"
+                stack_html = (f"<details><summary><code>{esc(first)}</code></summary><pre>"
+                              f"{html.escape(whole, quote=True)}</pre></details>")
+            elif len(stack) > 1:
                 stack_html = (f"<details><summary><code>{esc(stack[0])}</code></summary><code>"
                               + "<br>".join(esc(f) for f in stack[1:]) + "</code></details>")
             else:
@@ -466,7 +489,7 @@ def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
                 f"<td>{'–' if gpu is None else f'{gpu:.0f}'}</td><td class=\"l\">{stack_html}</td></tr>"
             )
         out.append("</table>")
-    groups = _groups_text(doc, base_dir)
+    groups = _bundle_text(bundle, "stacks", "groups.txt")
     if groups is not None:
         out.append(f"<h3>Stack groups</h3><pre>{html.escape(groups, quote=True)}</pre>")
     out.append("</section>")

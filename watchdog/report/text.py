@@ -8,9 +8,10 @@ from typing import Any
 from ..core.ranks import fmt_ranks
 from ..core.schema import headline_of
 from ..core.text import NAME, PROSE, clean
+from .stackfiles import read_rank_stack
 
 NEXT_STEPS = {
-    "hang": "Read the initiating rank's stack (stacks/rank-<g>.txt): it shows where it is stuck. "
+    "hang": "Read the initiating rank's stack ({stack}): it shows where it is stuck. "
     "The other ranks only wait for it.",
     "dead_rank": "Check the initiating rank's own log and the host (dmesg for OOM kills, XID errors).",
     "stopped_rank": "Something sent SIGSTOP (a debugger, a job scheduler suspend, Ctrl-Z): resume with "
@@ -41,9 +42,23 @@ def headline(v: Mapping[str, Any]) -> str:
     )
 
 
-def verdict_text(v: Mapping[str, Any]) -> str:
+def next_step(v: Mapping[str, Any], bundle: str | None = None) -> str:
+    """What to do next; the stack file named by its real path when the bundle is known."""
+    ranks = int_ranks(v.get("initiating_ranks") or [])
+    stack = "stacks/rank-<g>.txt in the bundle"
+    if bundle and ranks:
+        stack = read_rank_stack(bundle, ranks[0]).text_path or stack
+    elif ranks:
+        stack = f"stacks/rank-{ranks[0]}.txt in the bundle"
+    return NEXT_STEPS.get(str(v.get("kind")), NEXT_STEPS["unknown"]).format(stack=stack)
+
+
+def verdict_text(v: Mapping[str, Any], bundle: str | None = None) -> str:
     """Every value comes from a document (records, stacks, the store, a hand-edited file): each one is
-    cleaned (``core.text``) and bounded, so no escape sequence or 10 MB field reaches a terminal."""
+    cleaned (``core.text``) and bounded, so no escape sequence or 10 MB field reaches a terminal.
+
+    With the ``bundle`` dir, each rank's first frame of user code (from its full stack) is shown, and the
+    next step names the initiating rank's stack file by its path."""
     ranks = int_ranks(v.get("initiating_ranks") or [])
     lines = [
         f"rankwatch: {headline(v)}",
@@ -64,26 +79,52 @@ def verdict_text(v: Mapping[str, Any]) -> str:
     if evidence and isinstance(evidence, list):
         lines += ["", "evidence:"] + [f"  - {clean(e, PROSE)}" for e in evidence]
     table = v.get("ranks") or {}
+    fr_numbered = isinstance(v.get("flight_recorder"), dict)
     if table and isinstance(table, dict):
         lines += [
             "",
-            f"{'rank':>5} {'node':<14} {'pid':>8} {'state':<9} {'step':>6} {'phase':<12} {'in phase':>9}  top of stack",
+            f"{'rank':>5} {'node':<14} {'pid':>8} {'state':<9} {'step':>6} {'phase':<12} {'in phase':>9}  "
+            + ("first frame of user code" if bundle else "top of stack"),
         ]
         for key in sorted(table, key=_rank_key):
             r = table[key] if isinstance(table[key], dict) else {}
             mark = "*" if _rank_key(key)[0] in ranks else " "
             stack = r.get("stack_top") if isinstance(r.get("stack_top"), list) else None
             top = clean(stack[0] if stack else "-")
+            if bundle and _rank_key(key)[0] < 1 << 30:
+                top = read_rank_stack(bundle, _rank_key(key)[0]).user_frame_text() or top
             coll = r.get("collective")
             phase_txt = clean(r.get("phase"), NAME)
             if isinstance(coll, dict) and r.get("phase") == "collective":
-                phase_txt = f"{clean(coll.get('op'), NAME)}#{clean(coll.get('seq'), NAME)}"
+                # one numbering: where the flight recorder's sequence numbers are quoted, the hook's own
+                # per-process call count (a different number for the same call) is left out
+                seq = "" if fr_numbered else f"#{clean(coll.get('seq'), NAME)}"
+                phase_txt = f"{clean(coll.get('op'), NAME)}{seq}"
             lines.append(
                 f"{mark}{clean(key, 8):>4} {clean(r.get('node'), 14):<14} {clean(r.get('pid'), 12):>8} "
                 f"{clean(r.get('state'), 16):<9} {clean(r.get('step'), 16):>6} {phase_txt[:12]:<12} "
                 f"{clean(r.get('in_phase_s'), 16):>8}s  {top}"
             )
-    lines += ["", f"next: {NEXT_STEPS.get(str(v.get('kind')), NEXT_STEPS['unknown'])}"]
+    lines += ["", f"next: {next_step(v, bundle)}"]
+    return "\n".join(lines) + "\n"
+
+
+def final_block(v: Mapping[str, Any], bundle: str | None) -> str:
+    """The verdict as the last thing ``rankwatch run`` prints: headline, why, where the initiating rank
+    stands in the user's code and the file with its whole stack, and the bundle."""
+    ranks = int_ranks(v.get("initiating_ranks") or [])
+    lines = [f"rankwatch: {headline(v)}", f"why: {clean(v.get('reason'), PROSE)}"]
+    if ranks and bundle:
+        st = read_rank_stack(bundle, ranks[0])
+        frame = st.user_frame_text()
+        if frame:  # a dead rank has no stack: its own log says where it failed
+            stack = f" — whole stack: {st.text_path}" if st.text_path else ""
+            lines.append(f"rank {ranks[0]} is at: {frame}{stack}")
+    lines.append(
+        f"bundle: {bundle}  (rankwatch report {bundle})"
+        if bundle
+        else "bundle: NOT WRITTEN (the disk refused it; the verdict is in the log)"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +146,7 @@ def _ms(value: object) -> float:
     return 0.0
 
 
-def summary_text(doc: Mapping[str, Any]) -> str:
+def summary_text(doc: Mapping[str, Any], *, incidents: bool = True) -> str:
     """The end-of-run text: the run's incidents first (a hang outranks any straggler diagnosis), then the
     phase table (mean and median per step, worst, worst rank, skew), the diagnosis and why.
 
@@ -115,8 +156,9 @@ def summary_text(doc: Mapping[str, Any]) -> str:
     ranks_doc = doc.get("ranks")
     total = doc.get("steps_total")
     verdicts = [v for v in doc.get("incident_verdicts") or [] if isinstance(v, dict)]
-    lines = [f"rankwatch: {headline(v)}\n    why: {clean(v.get('reason'), PROSE)}" for v in verdicts[:8]]
-    if len(verdicts) > 8:
+    shown = verdicts[:8] if incidents else []  # rankwatch run prints its incidents after the summary
+    lines = [f"rankwatch: {headline(v)}\n    why: {clean(v.get('reason'), PROSE)}" for v in shown]
+    if incidents and len(verdicts) > 8:
         lines.append(f"… and {len(verdicts) - 8} more incident(s)")
     if lines:
         lines.append("")
@@ -148,7 +190,7 @@ def summary_text(doc: Mapping[str, Any]) -> str:
         + (f" in {clean(doc.get('phase'), NAME)}" if doc.get("phase") else ""),
         f"why: {clean(doc.get('why', ''), PROSE)}",
     ]
-    incidents = doc.get("incidents") or []
-    if incidents and isinstance(incidents, list):
-        lines.append(f"incidents: {clean(', '.join(clean(i, NAME) for i in incidents), PROSE)}")
+    ids = doc.get("incidents") or []
+    if incidents and ids and isinstance(ids, list):
+        lines.append(f"incidents: {clean(', '.join(clean(i, NAME) for i in ids), PROSE)}")
     return "\n".join(lines) + "\n"

@@ -45,6 +45,27 @@ def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView])
     )
 
 
+def _same_failure_everywhere(views: Sequence[RankView]) -> RuleFinding | None:
+    """Every rank crashed with the same error (a SyntaxError, a bad config): the job's own failure, which
+    no rank started — whichever exited a millisecond first is named by nobody."""
+    causes = {v.exit_cause for v in views if v.state == CRASHED}
+    if len(views) < 2 or any(v.state != CRASHED for v in views) or len(causes) != 1 or not next(iter(causes)):
+        return None
+    cause, first = next(iter(causes)), views[0]
+    steps = sorted({v.step for v in views})
+    at = f"at step {steps[0]}" if len(steps) == 1 else f"at steps {steps[0]}–{steps[-1]}"
+    return RuleFinding(
+        "dead_rank",
+        [],
+        "high",
+        f"every rank ({len(views)}) exited with the same error ({cause}) {at}: a failure of the job itself "
+        "(its code, data or environment), not of one rank",
+        [f"{fmt_ranks(v.rank for v in views)} exited with: {cause}", f"phase of rank {first.rank}: "
+         f"{first.phase or 'idle'}"],
+        data={"same_failure": True, "cause": cause},
+    )
+
+
 def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding | None:
     early = [v for v in views if left_early(v, views)]
     if (finished := _rule_finished_but_one(views, early)) is not None:
@@ -52,6 +73,8 @@ def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding |
     gone = [v for v in views if v.state in GONE_STATES] + early
     if not gone:
         return None
+    if (same := _same_failure_everywhere(views)) is not None:
+        return same
     # larger exit age = exited earlier; node-local order breaks ties within a node
     ordered = sorted(gone, key=lambda v: (-(v.exit_age_s or 0.0), v.exit_order if v.exit_order is not None else 0))
     roles = exit_roles(gone, policy.exit_order_tolerance_s)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ..fr_analysis import Mismatch
 from ..fr_hints import FrHints
-from ..ranks import fmt_ranks, majority
+from ..ranks import fmt_ranks, majority, ranks_verb
 from ..render import phase_kind
 from ..snapshot import RankView
 from .finding import RuleFinding
@@ -104,7 +104,7 @@ def rule_fr(hints: FrHints, live: Sequence[RankView]) -> RuleFinding | None:
     reason = (
         f"{fmt_ranks(behind)} is behind in the flight recorder ({detail}); "
         f"it is in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}"
-        + (f" while {fmt_ranks(others)} wait for it" if others else "")
+        + (f" while {ranks_verb(others, 'waits', 'wait')} for it" if others else "")
     )
     evidence = [f"flight recorder: {detail}"]
     if not covered:
