@@ -13,7 +13,6 @@ from typing import Any
 
 import structlog
 from rankwatch.hooks.jobinfo import sanitize_job_id
-from rankwatch.hooks.record import RecordFormatError, read_record
 from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs

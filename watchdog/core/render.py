@@ -57,8 +57,8 @@ def reason(f: Finding, views: Mapping[int, RankView]) -> str:
         nodes = ", ".join(f.data["silent_nodes"])
         return (
             f"{who} on node(s) {nodes} never answered and {fmt_ranks(f.data.get('peer_ended', ()))} lost the "
-            f"connection to them (closed or reset by peer): their processes are gone; {ranks_verb(waiters, 'waits', 'wait')} "
-            "for them"
+            f"connection to them (closed or reset by peer): their processes are gone; "
+            f"{ranks_verb(waiters, 'waits', 'wait')} for them"
         )
     if f.kind == "dead_rank":
         return f"{who} ended by its own cause; {ranks_verb(waiters, 'waits', 'wait')} for it"
