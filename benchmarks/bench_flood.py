@@ -33,13 +33,13 @@ STALL_S = 2.0
 
 FLOODER = """
 import mmap, os, sys, time
-from rankwatch.hooks.record import CANONICAL_PHASES, Identity, RecordWriter, write_identity
+from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, write_identity
 job, count, torn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "torn"
 os.makedirs(job, mode=0o700, exist_ok=True)
 writers = []
 for r in range(count):
     w = RecordWriter(os.path.join(job, f"rank-{r}.hb"))
-    write_identity(w, Identity(pid=os.getpid(), global_rank=r, local_rank=r, world_size=count,
+    write_identity(w, RankIdentity(pid=os.getpid(), global_rank=r, local_rank=r, world_size=count,
                                local_world_size=count, node_rank=0, device=-1, hostname="flood", job_id="flood",
                                start_ns=time.monotonic_ns()), list(CANONICAL_PHASES))
     if torn:

@@ -80,6 +80,7 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_traceml.py": ([], _traceml),
     "bench_inspect.py": ([], _inspect),
     "bench_series.py": ([], _nonempty),
+    "bench_flood.py": ([], _nonempty),
     "gpu_check.py": ([], _gpu),
 }
 
