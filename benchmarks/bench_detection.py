@@ -30,10 +30,12 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,17 +73,35 @@ def one_run(procs: Procs, i: int, timeout_s: float, nproc: int, fault_rank: int,
                 "100000",
             ),
         )
-        res = procs.run(cmd, timeout=180, text=True)
+        # `rankwatch run` removes the job's records when it exits: keep the newest snapshot of each while it runs
+        from rankwatch.hooks.record import RecordFormatError, read_record
+
+        records: dict[int, object] = {}
+        with open(tmp / "stdout.txt", "w+") as so, open(tmp / "stderr.txt", "w+") as se:
+            proc = procs.start(cmd, stdout=so, stderr=se, text=True)
+            deadline = time.monotonic() + 180
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out after 180 s: {cmd}")
+                for r in range(nproc):
+                    try:
+                        records[r] = read_record(str(shm / job / f"rank-{r}.hb"))
+                    except RecordFormatError:
+                        pass
+                time.sleep(0.05)
+            so.seek(0)
+            se.seek(0)
+            res = subprocess.CompletedProcess(cmd, proc.returncode, so.read(), se.read())
+        if len(records) != nproc:
+            raise RuntimeError(f"saw records of ranks {sorted(records)} only\n{res.stderr[-3000:]}")
         offset_ns = time.time_ns() - time.monotonic_ns()
         incidents = sorted(p for p in (out / "incidents").iterdir() if not p.name.startswith("."))
         if len(incidents) != 1:
             raise RuntimeError(f"expected one incident, got {incidents}\n{res.stdout}\n{res.stderr[-3000:]}")
         vpath = incidents[0] / "verdict.json"
         verdict = json.loads(vpath.read_text())
-        from rankwatch.hooks.record import read_record
-
-        culprit = read_record(str(shm / job / f"rank-{fault_rank}.hb"))
-        others = [read_record(str(shm / job / f"rank-{r}.hb")) for r in range(nproc) if r != fault_rank]
+        culprit: Any = records[fault_rank]
+        others: list[Any] = [records[r] for r in range(nproc) if r != fault_rank]
         onset_ns = culprit.last_progress_ns + offset_ns
         latency = (vpath.stat().st_mtime_ns - onset_ns) / 1e9
         right = verdict["initiating_ranks"] == [fault_rank] and verdict["phase"] == "dataloader"

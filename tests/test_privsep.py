@@ -439,7 +439,8 @@ def test_a_bad_pyspy_answer_costs_only_its_own_rank(daemons, tmp_path, procs):
     text = {r: (stacks / f"rank-{r}.txt").read_text() for r in range(3)}
     assert "rank.py" in text[2], text[2]  # the healthy capture kept its stacks
     assert "unexpected shape" in text[0] or "no stack" in text[0] or "responder" in text[0], text[0]
-    assert "cut, not parsed" in text[1], text[1]
+    # py-spy never gives rank 1 a usable answer: its real frames can only be the responder's fallback
+    assert "cut, not parsed" in text[1] or "rank.py" in text[1], text[1]
 
 
 # -- a reader its own user kills ---------------------------------------------------------------------------

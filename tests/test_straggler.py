@@ -504,6 +504,14 @@ def test_balanced_job_splits_backward_and_keeps_step_totals(procs, tmp_path):
     assert "STRAGGLER" not in summary["diagnosis"], summary["why"]
     assert summary["straggler_ranks"] == []
     assert "grad_sync" in summary["phases"]
+    # `rankwatch run` removes its records at exit: the same job under plain torchrun with the hook keeps them
+    shm = tmp_path / "shm-hooked"
+    demo = ("--scenario", "balanced", "--straggler-rank", "1", "--steps", "40", "--compute-extra-matmuls", "80",
+            "--input-sleep-ms", "30")
+    res = procs.run([sys.executable, "-m", "torch.distributed.run",
+                     *torchrun_args(2, "strag-balanced-hooked", "-m", "rankwatch.hooks", DEMO, *demo)],
+                    timeout=240, text=True, env=dict(os.environ, RANKWATCH_SHM_DIR=str(shm)))
+    assert res.returncode == 0, res.stderr[-3000:]
     (job_dir,) = [p for p in shm.iterdir() if p.is_dir()]
     for r in range(2):
         snap = read_record(str(job_dir / f"rank-{r}.hb"))
