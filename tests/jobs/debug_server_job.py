@@ -4,7 +4,8 @@
 Each rank starts the worker server exactly as ``torch.distributed.debug.start_debug_server`` does on a
 non-zero rank (its rank-0 frontend needs tabulate/aiohttp/jinja2, which are not test dependencies): a
 ``_WorkerServer`` on an ephemeral port, registered in the job's store under ``debug_server/rank<N>``.
-Marks: ``rank-<r>.ready`` (pid) once the rank's last collective was enqueued or its hang begun.
+Marks: ``rank-<r>.ready`` ("PID PORT", PORT: its worker server's) once the rank's last collective was
+enqueued or its hang begun.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def main() -> None:
         dist.all_reduce(t)
     mark = Path(args.mark_dir) / f"rank-{rank}.ready"
     if rank == args.hang_rank:
-        mark.write_text(str(os.getpid()))
+        mark.write_text(f"{os.getpid()} {server.port}")
         compute()
     work = dist.all_reduce(t, async_op=True)  # recorded by the flight recorder once enqueued
-    mark.write_text(str(os.getpid()))
+    mark.write_text(f"{os.getpid()} {server.port}")
     work.wait()
 
 

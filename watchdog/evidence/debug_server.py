@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from .flight_recorder import MAX_DUMP_BYTES
@@ -82,7 +82,7 @@ def parse_listeners(text: str) -> list[Listener]:
 def socket_inodes(pid: int, proc_root: str = "/proc") -> set[int]:
     """The socket inodes among the process's open fds (reading them needs the caller's ptrace right)."""
     base = f"{proc_root}/{pid}/fd"
-    out = set()
+    out: set[int] = set()
     try:
         names = os.listdir(base)
     except OSError:
@@ -210,15 +210,19 @@ def fr_from_debug_server(
     if not listeners:
         return DebugServerDump(None, "no loopback listener of its own found")
     deadline = time.monotonic() + policy.total_timeout_s
-    with ThreadPoolExecutor(max_workers=len(listeners), thread_name_prefix="rankwatch-dbgsrv") as pool:
-        futs = [
-            (lst, pool.submit(http_post, lst.host, lst.port, FR_HANDLER, deadline, policy.max_bytes))
-            for lst in listeners
-        ]
+    # the first answer ends the wait: the listeners that are not HTTP servers stay silent until the deadline
+    # (their threads end by it on their own)
+    pool = ThreadPoolExecutor(max_workers=len(listeners), thread_name_prefix="rankwatch-dbgsrv")
+    try:
+        futs = {
+            pool.submit(http_post, lst.host, lst.port, FR_HANDLER, deadline, policy.max_bytes): lst for lst in listeners
+        }
         whys = []
-        for lst, fut in futs:
-            got = fut.result()
+        for fut in as_completed(futs):
+            lst, got = futs[fut], fut.result()
             if isinstance(got, bytes) and got[:1] == b"{":
                 return DebugServerDump(got, f"{lst.host}:{lst.port}")
             whys.append(f"{lst.port}: {got if isinstance(got, str) else 'not a JSON dump'}")
-    return DebugServerDump(None, "no listener answered " + FR_HANDLER + " (" + "; ".join(whys)[:200] + ")")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return DebugServerDump(None, "no listener answered " + FR_HANDLER + " (" + "; ".join(sorted(whys))[:200] + ")")
