@@ -148,6 +148,26 @@ def test_the_dump_comes_from_the_listener_that_answers_and_parses(child):
     assert small is not None and small.body is None and "limit" in small.source
 
 
+def test_a_served_dump_is_kept_and_files_fill_in_the_rest(tmp_path):
+    from rankwatch.watchdog.evidence.capture import RankCapture
+    from rankwatch.watchdog.evidence.inspect_capture import attach_fr_dumps
+    from rankwatch.watchdog.observe.discover import Job, Proc, RankProc
+
+    prefix = str(tmp_path / "trace_rank_")
+    env = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    uid = os.geteuid()
+    job = Job("j", 2, [RankProc(100 + r, r, r, 2, Proc(100 + r, 99, "S", 1, (uid,) * 4), env) for r in (0, 1)],
+              owner_uid=uid)
+    for r in (0, 1):
+        Path(f"{prefix}{r}").write_bytes(FIXTURE.read_bytes())
+    served = b'{"version": "2.10", "pg_config": {}, "pg_status": {}}'
+    captures = {0: RankCapture(rank=0, pid=100, fr_json=served)}
+    sources: dict = {0: {"from": "debug_server", "address": "127.0.0.1:1"}}
+    attach_fr_dumps(job, captures, sources=sources)
+    assert captures[0].fr_json == served and captures[1].fr_json == FIXTURE.read_bytes()
+    assert sources == {0: {"from": "debug_server", "address": "127.0.0.1:1"}, 1: {"from": "file", "path": f"{prefix}1"}}
+
+
 # -- a real worker server --------------------------------------------------------------------------------
 JOB = str(Path(__file__).resolve().parent / "jobs" / "debug_server_job.py")
 
@@ -189,5 +209,8 @@ def test_inspect_reads_the_flight_recorder_from_the_debug_server(tmp_path):
         }
         assert "flight recorder: pg 0 (default_pg): behind (others entered seq 4): rank 1 at seq 3" in v["evidence"]
         assert not Path(f"{tmp_path}/never_0").exists()  # nothing triggered a dump
+        fr = Path(v["bundle"]) / "fr"
+        assert sorted(p.name for p in fr.iterdir()) == ["rank-0.json", "rank-1.json"]
+        assert load_dump(fr.joinpath("rank-1.json").read_bytes(), rank=1).entries
     finally:
         hung.kill_job(agent)

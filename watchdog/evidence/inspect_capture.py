@@ -186,7 +186,7 @@ def attach_fr_dumps(
         cap.fr_json = got
         if sources is not None:
             sources[rank] = {"from": "file", "path": path}
-    if not any(fr_enabled(r.env) for r in job.ranks):
+    if not any(fr_enabled(r.env) for r in job.ranks) and not any(c.fr_json for c in captures.values()):
         notes.append("no flight recorder: the job did not set TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE)")
     return notes
 
