@@ -15,9 +15,10 @@ unpickled.
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from .flight_recorder import MAX_DUMP_BYTES
@@ -210,19 +211,22 @@ def fr_from_debug_server(
     if not listeners:
         return DebugServerDump(None, "no loopback listener of its own found")
     deadline = time.monotonic() + policy.total_timeout_s
-    # the first answer ends the wait: the listeners that are not HTTP servers stay silent until the deadline
-    # (their threads end by it on their own)
-    pool = ThreadPoolExecutor(max_workers=len(listeners), thread_name_prefix="rankwatch-dbgsrv")
-    try:
-        futs = {
-            pool.submit(http_post, lst.host, lst.port, FR_HANDLER, deadline, policy.max_bytes): lst for lst in listeners
-        }
-        whys = []
-        for fut in as_completed(futs):
-            lst, got = futs[fut], fut.result()
-            if isinstance(got, bytes) and got[:1] == b"{":
-                return DebugServerDump(got, f"{lst.host}:{lst.port}")
-            whys.append(f"{lst.port}: {got if isinstance(got, str) else 'not a JSON dump'}")
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    # the first answer ends the wait: the listeners that are not HTTP servers stay silent until the deadline,
+    # and their (daemon) threads end by it on their own without holding up this process's exit
+    answers: queue.Queue[tuple[Listener, bytes | str]] = queue.Queue()
+    for lst in listeners:
+        threading.Thread(
+            target=lambda lst=lst: answers.put((lst, http_post(lst.host, lst.port, FR_HANDLER, deadline,
+                                                               policy.max_bytes))),
+            name="rankwatch-dbgsrv", daemon=True,
+        ).start()
+    whys = []
+    for _ in listeners:
+        try:
+            lst, got = answers.get(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        except queue.Empty:
+            break
+        if isinstance(got, bytes) and got[:1] == b"{":
+            return DebugServerDump(got, f"{lst.host}:{lst.port}")
+        whys.append(f"{lst.port}: {got if isinstance(got, str) else 'not a JSON dump'}")
     return DebugServerDump(None, "no listener answered " + FR_HANDLER + " (" + "; ".join(sorted(whys))[:200] + ")")
