@@ -32,11 +32,11 @@ from .parser import Parser
 DESCRIPTION = """Name the rank a hung job waits for, without the hook and without a restart: find this node's
 torch distributed ranks in the process table (torchrun's RANK/LOCAL_RANK/WORLD_SIZE in their environment,
 the torchrun agent as their parent; DataLoader workers told apart), read every rank's stack with py-spy in
-parallel, its /proc state and exit, and the flight-recorder dumps the job wrote; decide with the live
-verdict's rules; print the verdict and write a bundle. Multi-node: run it on every node with the same
---store HOST:PORT (HOST: node 0's address; node 0's inspect hosts it) and every node prints one verdict.
-Nothing is signalled. Exit code 0 when a rank is named, 1 when no ranks are found or no rank can be named,
-2 on bad input."""
+parallel, its /proc state and exit, and the flight-recorder dumps the job wrote or its torch debug server
+(start_debug_server) serves; decide with the live verdict's rules; print the verdict and write a bundle.
+Multi-node: run it on every node with the same --store HOST:PORT (HOST: node 0's address; node 0's
+inspect hosts it) and every node prints one verdict. Nothing is signalled. Exit code 0 when a rank is
+named, 1 when no ranks are found or no rank can be named, 2 on bad input."""
 
 # store exchange: every node's inspect starts within this of the others (srun/kubectl exec on each node)
 STORE_TIMEOUT_S = 60.0
@@ -115,7 +115,7 @@ def _decide(
 
 
 def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
-    from ..evidence.inspect_capture import attach_fr_dumps, capture_job, worker_lines
+    from ..evidence.inspect_capture import attach_debug_server_dumps, attach_fr_dumps, capture_job, worker_lines
 
     node = clean(socket.gethostname(), NAME)
     incident_id = "inspect-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
@@ -123,12 +123,17 @@ def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str
     facts = facts_of(job, cap.ranks, cap.cpu_pct, node)
     views, lines = views_from_facts(facts)
     gone = [f.rank for f in facts if f.pid < 0]
-    fr_notes = attach_fr_dumps(job, cap.ranks, gone)
+    fr_sources: dict[int, dict[str, str]] = {}
+    fr_notes = attach_debug_server_dumps(job, cap.ranks, fr_sources)
+    fr_notes += attach_fr_dumps(job, cap.ranks, gone, fr_sources)
     notes = [*lines, *worker_lines(cap.workers), *fr_notes]
     notes.append(f"stacks of {len(cap.ranks)} rank(s) read in {cap.seconds:.2f}s")
     verdict, fr = _decide(job, incident_id, views, cap.ranks, {}, notes)
     if args.store is not None:
         verdict = _shared_verdict(job, args, node, views, cap.ranks, fr.traces, notes, incident_id)
+    # where this node's flight-recorder dumps came from, by rank: {"from": "debug_server", "address": ...}
+    # or {"from": "file", "path": ...}; only the ones that parsed
+    verdict["flight_recorder_sources"] = {str(r): fr_sources[r] for r in sorted(fr.traces) if r in fr_sources}
     path = _write_bundle(args.out, job, verdict, views, cap.ranks)
     return verdict, path
 

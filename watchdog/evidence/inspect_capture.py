@@ -1,5 +1,6 @@
 """Evidence of a job that runs without the hook: py-spy stacks of every rank (and of its DataLoader workers),
-CPU use over the capture, and the flight-recorder dumps the job itself wrote — all in parallel, each under
+CPU use over the capture, and the flight-recorder dumps the job itself wrote or its torch debug server
+serves (``debug_server``) — all in parallel, each under
 a timeout. There is no dump responder to ask, so py-spy (``capture.pyspy_dump``) is the only stack source.
 
 py-spy pauses the process it reads (blocking mode) for a consistent stack; a stopped rank is read without
@@ -126,15 +127,49 @@ def read_owned_file(path: str, owner_uid: int, max_bytes: int) -> bytes | str:
         os.close(fd)
 
 
-def attach_fr_dumps(job: Job, captures: dict[int, RankCapture], extra_ranks: Sequence[int] = ()) -> list[str]:
+def attach_debug_server_dumps(
+    job: Job, captures: dict[int, RankCapture], sources: dict[int, dict[str, str]]
+) -> list[str]:
+    """Put each live rank's flight-recorder dump from its torch debug server (where it runs one) into its
+    capture, all ranks at once; ``sources`` gets where each came from. Returns notes on servers that did not
+    answer; a rank without a debug server adds nothing."""
+    from .debug_server import fr_from_debug_server
+
+    live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
+    if not live:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(live)), thread_name_prefix="rankwatch-dbgsrv") as pool:
+        got = [(r, pool.submit(fr_from_debug_server, r.pid, job.owner_uid)) for r in live]
+        notes = []
+        for r, fut in got:
+            try:
+                dump = fut.result()
+            except Exception as exc:  # one rank's probe never costs the others
+                notes.append(f"rank {r.rank}: debug server: probe failed: {type(exc).__name__}"[:300])
+                continue
+            if dump is None:
+                continue
+            if dump.body is None:
+                notes.append(f"rank {r.rank}: debug server: {dump.source}"[:300])
+                continue
+            captures.setdefault(r.rank, RankCapture(rank=r.rank, pid=r.pid)).fr_json = dump.body
+            sources[r.rank] = {"from": "debug_server", "address": dump.source}
+    return notes
+
+
+def attach_fr_dumps(
+    job: Job, captures: dict[int, RankCapture], extra_ranks: Sequence[int] = (),
+    sources: dict[int, dict[str, str]] | None = None,
+) -> list[str]:
     """Put each rank's flight-recorder dump, where the job enabled one and wrote it, into its capture (read
-    what exists, never trigger a dump); returns notes on what was not there."""
+    what exists, never trigger a dump) unless it already holds one (from the debug server); ``sources``
+    gets the file each came from. Returns notes on what was not there."""
     notes: list[str] = []
     envs: dict[int, Mapping[str, str]] = {r.rank: r.env for r in job.ranks}
     any_env = job.ranks[0].env if job.ranks else {}
     for rank in sorted({*envs, *extra_ranks}):
         env = envs.get(rank, any_env)
-        if not fr_enabled(env):
+        if not fr_enabled(env) or (rank in captures and captures[rank].fr_json):
             continue
         path = fr_dump_path(env, rank)
         got = read_owned_file(path, job.owner_uid, MAX_FR_FILE_BYTES)
@@ -149,7 +184,9 @@ def attach_fr_dumps(job: Job, captures: dict[int, RankCapture], extra_ranks: Seq
             )
             continue
         cap.fr_json = got
-    if not any(fr_enabled(r.env) for r in job.ranks):
+        if sources is not None:
+            sources[rank] = {"from": "file", "path": path}
+    if not any(fr_enabled(r.env) for r in job.ranks) and not any(c.fr_json for c in captures.values()):
         notes.append("no flight recorder: the job did not set TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE)")
     return notes
 
