@@ -407,21 +407,9 @@ class Readers:
             if time.monotonic() < self._down_until.get(uid, 0.0):
                 raise ReaderError(f"reader of uid {uid} written off; respawned later")
             self._down_until[uid] = time.monotonic() + self.policy.respawn_backoff_s
-            zyg = self._zygote
-            if zyg is None:
-                raise ReaderError("no zygote")
-            try:
-                send_frame(zyg, {"op": "spawn", "uid": uid, "gid": _owner_gid(uid, gid)})
-                out, fds = recv_frame(zyg, time.monotonic() + 10.0)
-            except WireError as exc:
-                raise ReaderError(f"cannot spawn a reader for uid {uid}: {exc}") from None
-            if len(fds) != 1 or not isinstance(out.get("pid"), int):
-                for fd in fds:
-                    jobdir.close_quietly(fd)
-                raise ReaderError(f"cannot spawn a reader for uid {uid}: {out.get('error')}")
-            ch = ChildChannel(socket.socket(fileno=fds[0]), out["pid"], uid, self.policy)
+            ch = self._spawn(uid, gid)
             self._channels[uid] = ch
-            log.info("reader_started", uid=uid, pid=out["pid"])
+            log.info("reader_started", uid=uid, pid=ch.pid)
             return ch
 
     def open_job(self, base_fd: int, name: str) -> JobDir:
@@ -463,19 +451,23 @@ class Readers:
         return threads, err if isinstance(err, str) else None
 
     def _one_shot(self, uid: int, gid: int) -> ChildChannel:
+        with self._lock:
+            return self._spawn(uid, gid)
+
+    def _spawn(self, uid: int, gid: int) -> ChildChannel:
+        """A new reader of ``uid`` from the zygote (the caller holds ``_lock``: one exchange at a time)."""
         zyg = self._zygote
         if zyg is None:
             raise ReaderError("no zygote")
-        with self._lock:
-            try:
-                send_frame(zyg, {"op": "spawn", "uid": uid, "gid": _owner_gid(uid, gid)})
-                out, fds = recv_frame(zyg, time.monotonic() + 10.0)
-            except WireError as exc:
-                raise ReaderError(f"cannot spawn a reader for uid {uid}: {exc}") from None
+        try:
+            send_frame(zyg, {"op": "spawn", "uid": uid, "gid": _owner_gid(uid, gid)})
+            out, fds = recv_frame(zyg, time.monotonic() + 10.0)
+        except WireError as exc:
+            raise ReaderError(f"cannot spawn a reader for uid {uid}: {exc}") from None
         if len(fds) != 1 or not isinstance(out.get("pid"), int):
             for fd in fds:
                 jobdir.close_quietly(fd)
-            raise ReaderError(f"cannot spawn a reader for uid {uid}")
+            raise ReaderError(f"cannot spawn a reader for uid {uid}: {out.get('error')}")
         return ChildChannel(socket.socket(fileno=fds[0]), out["pid"], uid, self.policy)
 
     def close(self) -> None:
