@@ -271,18 +271,21 @@ class RecordReader:
     """Reads one rank's record consistently (seqlock) with pread: a file truncated or replaced under us
     yields a short read and a clear error, never a SIGBUS as a mapping would."""
 
-    def __init__(self, path: str, retries: int = 200) -> None:
+    def __init__(self, path: str, retries: int = 200, *, dir_fd: int | None = None) -> None:
+        """``dir_fd``: ``path`` is a name in that dir (the watchdog's readers open records only that way)."""
         self.path = path
         self._retries = retries
         try:
-            # O_NONBLOCK: a FIFO planted as a record must not block the (root) daemon's poll loop in open()
-            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            # O_NONBLOCK: a FIFO planted as a record must not block the (root) daemon's poll loop in open();
+            # O_NOCTTY: a tty planted there never becomes the reader's controlling terminal
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK
+            self._fd = os.open(path, flags, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise RecordFormatError(f"{path}: is a symlink, refusing to read it") from exc
             raise RecordFormatError(f"{path}: cannot open record: {exc.strerror}") from exc
         st = os.fstat(self._fd)
-        self.inode = st.st_ino
+        self.inode, self.dev, self.uid = st.st_ino, st.st_dev, st.st_uid
         if not stat.S_ISREG(st.st_mode):
             os.close(self._fd)
             raise RecordFormatError(f"{path}: not a regular file")

@@ -19,7 +19,7 @@ import stat
 import time
 from collections.abc import Iterable
 
-from rankwatch.hooks.record import RECORD_SIZE, RecordFormatError, RecordReader, decode
+from rankwatch.hooks.record import RecordFormatError, RecordReader, decode
 
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
@@ -122,25 +122,8 @@ class AtRecordReader(RecordReader):
     the same dir, not the path, so a swapped dir is never followed."""
 
     def __init__(self, dir_fd: int, name: str, retries: int) -> None:
-        self.path = name
-        self._retries = retries
+        super().__init__(name, retries, dir_fd=dir_fd)
         self._dir_fd = dir_fd
-        try:
-            self._fd = os.open(name, OPEN_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RecordFormatError(f"{name}: is a symlink, refusing to read it") from exc
-            raise RecordFormatError(f"{name}: cannot open record: {exc.strerror}") from exc
-        st = os.fstat(self._fd)
-        self.inode, self.dev, self.uid = st.st_ino, st.st_dev, st.st_uid
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self._fd)
-            raise RecordFormatError(f"{name}: not a regular file")
-        try:
-            decode(os.pread(self._fd, RECORD_SIZE, 0), name)  # validate now: a foreign file fails at open
-        except RecordFormatError:
-            os.close(self._fd)
-            raise
 
     def replaced(self) -> bool:
         try:
