@@ -183,8 +183,8 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
         if t is not None and t.seq is not None and t.op:
             facts.in_op.append(InOp(r, t.op, "watchdog", seq=t.seq))
         tb = f.traceback
-        if tb is not None and tb.op and is_waiting(f):
-            facts.in_op.append(InOp(r, tb.op, "stack", site=tb.detail or None))
+        if tb is not None and (tb.op or tb.detail) and is_waiting(f):
+            facts.in_op.append(InOp(r, tb.op or "", "stack", site=tb.detail or None))  # "": a call site, no op
         if f.status is not None and f.status.enqueued is not None:
             facts.reached.append(Reached(r, f.status.enqueued, f.status.pg, "enqueued"))
         if t is not None and t.seq is not None:

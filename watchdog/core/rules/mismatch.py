@@ -24,7 +24,7 @@ def _groups(facts: FactSet) -> list[tuple[str, int | None, Rung, str, dict[str, 
     for source, strength, confidence in _SOURCES:
         by_seq: dict[int | None, dict[str, list[int]]] = {}
         for i in facts.in_op:
-            if i.source == source:
+            if i.source == source and i.op:
                 by_seq.setdefault(i.seq if source == "watchdog" else None, {}).setdefault(i.op, []).append(i.rank)
         if source != "watchdog" and not by_seq:
             by_seq[None] = {}
