@@ -86,9 +86,9 @@ def test_every_fixture_is_covered() -> None:
 
 def test_root_cause_that_was_a_victim_is_called_out() -> None:
     d, _ = diagnose_logs([str(LOGS / "torchrun_tee/input_hang_r1.log")])
-    assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
+    assert d.to_json()["finding"]["data"]["root_cause_victims"] == [0]
     d, _ = diagnose_logs([str(LOGS / "logdir_dead_rank_r1")])
-    assert any("Root Cause" in n and "rank 0" in n for n in d.notes)
+    assert d.to_json()["finding"]["data"]["root_cause_victims"] == [0]
 
 
 def test_evidence_points_at_the_initiators_lines() -> None:

@@ -108,7 +108,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     known = sorted(logs.ranks)
     facts = logs.ranks
     found = decide(log_facts.facts_of(logs, p), p)
-    quoted, notes = _backing(found, logs, p)
+    backing, notes = _backing(found, logs, p)
     w = words(found)
     d = Diagnosis(
         kind=found.kind,
@@ -117,7 +117,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
         reason=w.reason,
         next_action=w.next_action,
         phase=found.data.get("phase"),
-        evidence=quoted,
+        evidence=backing,
         decided=bool(found.data.get("decided", True)),
         would_decide=w.would_decide,
         notes=notes,
@@ -147,12 +147,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     for e in logs.unattributed[:3]:
         quoted.append(quote(e))
     d.evidence = quoted[: p.max_evidence]
-    root = [r for r in known if facts[r].exit is not None and facts[r].exit.root_cause]  # type: ignore[union-attr]
-    if root and d.initiating_ranks and not set(root) & set(d.initiating_ranks):
-        d.notes.append(
-            f"torchrun's 'Root Cause (first observed failure)' names {fmt_ranks(root)}: that is only the "
-            "first exit torchrun noticed, and that rank was a victim, not the cause."
-        )
+    d.notes.extend(w.notes)
     if logs.local_only:
         d.notes.append(
             "some ranks are named by local rank only (per-rank log paths or [defaultN] prefixes, no "

@@ -8,7 +8,7 @@ it and the text renderer (``diagnose.render``) cleans it before it reaches a ter
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.engine import Finding
@@ -21,6 +21,7 @@ class Words:
     reason: str
     next_action: str
     would_decide: str = ""
+    notes: list[str] = field(default_factory=list)
 
 
 _CAUSE = {"cuda_oom": "CUDA out of memory", "host_oom": "killed by the host OOM killer"}
@@ -276,4 +277,8 @@ _WORDS: dict[str, Callable[[Finding, str, Mapping[str, Any]], Words]] = {
 def words(f: Finding) -> Words:
     """The words of a fact-rule finding."""
     render = _WORDS.get(f.rule, _none)
-    return render(f, fmt_ranks(f.ranks), f.data)
+    out = render(f, fmt_ranks(f.ranks), f.data)
+    if victims := f.data.get("root_cause_victims"):
+        out.notes.append(f"torchrun's 'Root Cause (first observed failure)' names {fmt_ranks(victims)}: that is "
+                         "only the first exit torchrun noticed, and that rank was a victim, not the cause.")
+    return out

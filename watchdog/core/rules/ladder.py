@@ -46,5 +46,14 @@ def decide(facts: FactSet, policy: OfflinePolicy) -> Finding:
             found.rule = name
             found.data.setdefault("decided", True)
             found.data.setdefault("phase", None)
+            _root_cause_victims(facts, found)
             return found
     return Finding(NONE, UNKNOWN, [], Rung.SILENCE, "low", {"decided": False, "phase": None})
+
+
+def _root_cause_victims(facts: FactSet, found: Finding) -> None:
+    """torchrun's "Root Cause (first observed failure)" names only the first exit it noticed: where that
+    rank is not the initiator, it was a victim (``root_cause_victims``), which the report says."""
+    root = sorted({x.rank for x in facts.exited if x.root_cause})
+    if root and found.ranks and not set(root) & set(found.ranks):
+        found.data["root_cause_victims"] = root
