@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.phases import COLLECTIVE, IDLE
 from ..core.schema import HEADLINES
+from ..core.stack_phase import phase_from_frames
+from ..core.stacks import Frame
 from . import events as ev
 from . import patterns as pt
 
@@ -247,16 +250,10 @@ class SourceParser:
                 op, phase = func, "collective"
                 at = {"line": lno, "text": txt}
                 break
-        funcs = {f[2] for f in frames}
         if phase is None:
-            if "_engine_run_backward" in funcs or "backward" in funcs:
-                phase = "backward"
-            elif "__next__" in funcs:
-                phase = "dataloader"
-            elif any(f[2] == "step" and "/optim/" in f[0] for f in frames):
-                phase = "optimizer"
-            elif "forward" in funcs or "_call_impl" in funcs:
-                phase = "forward"
+            # the innermost library boundary, as for a live stack (one reading of phases: core.stack_phase)
+            inner = phase_from_frames([Frame(f[2], f[0], f[1]) for f in reversed(frames)]).phase
+            phase = None if inner in (IDLE, COLLECTIVE) else inner
         site = ""
         for path, line, func, lno, txt in reversed(frames):
             if not pt.TORCH_PATH.search(path):
