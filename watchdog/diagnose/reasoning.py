@@ -24,6 +24,7 @@ from .facts import Evidence, RankFacts
 from .log_facts import finished as _finished
 from .log_facts import is_waiting as _is_waiting
 from .log_facts import primary_events
+from .render import activity
 
 __all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
 
@@ -125,7 +126,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
         finding=found,
     )
     d.ranks = {str(r): _rank_doc(facts[r]) for r in known}
-    d.others = {r: _activity(facts[r]) for r in known if r not in d.initiating_ranks}
+    d.others = {r: activity(facts[r]) for r in known if r not in d.initiating_ranks}
     # back the verdict with each initiator's own lines, then a few from the others
     quoted: list[str] = list(d.evidence)
     for r in d.initiating_ranks + [r for r in known if r not in d.initiating_ranks]:
@@ -158,54 +159,6 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     if logs.dump_paths:
         d.notes.append("flight-recorder dumps were written to: " + ", ".join(logs.dump_paths[:4]))
     return d
-
-
-def _activity(f: RankFacts) -> str:
-    """One line: what this rank was doing / how it ended, from its own messages."""
-    parts: list[str] = []
-    for fam, what in (
-        (ev.NCCL_TIMEOUT, "NCCL watchdog timeout"),
-        (ev.GLOO_TIMEOUT, "gloo timeout"),
-        (ev.PEER_LOST, "lost its peer"),
-        (ev.TIMEOUT_REPORTED, "timed out"),
-        (ev.DUMP_SIGNAL, "told to dump by another rank"),
-        (ev.HEARTBEAT, "heartbeat monitor abort"),
-        (ev.WATCHDOG_ABORT, "taken down by its NCCL watchdog"),
-        (ev.SIZE_MISMATCH, "received a wrong-sized message"),
-        (ev.OP_MISMATCH, "collective fingerprint mismatch"),
-        (ev.COMM_ERROR, "communication error"),
-        (ev.CUDA_ERROR, "CUDA error"),
-        (ev.CUDA_OOM, "CUDA out of memory"),
-        (ev.HW_FAULT, "GPU hardware fault"),
-        (ev.HOST_OOM, "killed by the OOM killer"),
-        (ev.PY_ERROR, "Python exception"),
-        (ev.FINISHED, "finished"),
-    ):
-        e = f.first.get(fam)
-        if e is None:
-            continue
-        extra = ""
-        if fam == ev.DUMP_SIGNAL:
-            if f.told is None:
-                what = "its own watchdog signalled a flight-recorder dump"
-            else:
-                what = f"told that {f.told.detail} timed out (not its own timeout)"
-        elif fam == ev.NCCL_TIMEOUT and e.seq is not None:
-            extra = f" in {e.op} #{e.seq}"
-        elif e.detail and fam != ev.FINISHED:
-            extra = f" ({e.detail[:80]})"
-        parts.append(what + extra)
-    if f.status is not None and f.status.enqueued is not None:
-        parts.append(f"last enqueued #{f.status.enqueued}, completed #{f.status.completed}")
-    tb = f.traceback
-    if tb is not None and (tb.op or tb.detail):
-        where = tb.op or tb.phase or "?"
-        parts.append(f"stack in {where}" + (f" at {tb.detail}" if tb.detail else ""))
-    if f.exit is not None:
-        how = f.exit.signal or f"exit code {f.exit.exitcode}"
-        by = " from torchrun" if f.agent_terminated and f.exit.signal == "SIGTERM" else ""
-        parts.append(f"ended by {how}{by}")
-    return "; ".join(parts) if parts else "no messages from this rank"
 
 
 def _rank_doc(f: RankFacts) -> dict[str, Any]:
