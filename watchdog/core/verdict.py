@@ -1,6 +1,7 @@
 """Naming the initiating rank: a pure function from rank views to a ``rankwatch.verdict/1`` document.
 
-The evidence is a ladder, kept as data (``EVIDENCE_LADDER``), strongest first: exits (by cause, then time,
+The evidence is one ladder shared with offline ``diagnose``, kept as data (``core.rules.ladder.LADDER``;
+its live rows are ``EVIDENCE_LADDER``), strongest first: exits (by cause, then time,
 ``core.failures``; early normal exits while peers are mid-step) → stopped ranks → the flight recorder
 (per process group: a mismatch at one seq, ranks behind or missing; it sees DDP's gradient all-reduces,
 which Python-level counters do not) → Python-level counters (steps, collective seq and ops) → waiting vs
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import engine, render
+from . import engine
 from .facts import PriorVerdict
 from .facts import Rung as FactRung
 from .fr_hints import FrBehind, FrGroup, FrHints
@@ -30,11 +31,10 @@ from .live_facts import ended_facts, is_waiting, live_facts
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
 from .render import phase_kind
-from .rules.counters import rule_behind, rule_collective, rule_not_waiting
-from .rules.exits import abort_on_mismatch, abort_with_odd_counts, rule_gone, rule_stopped
+from .rules.exits import abort_on_mismatch, abort_with_odd_counts
 from .rules.finding import RuleFinding
-from .rules.recorder import rule_fr
-from .rules.weak import apply_gpu, rule_same_collective, rule_stacks, stack_backing, stack_groups
+from .rules.ladder import LADDER, LIVE_LADDER, LadderRung, LiveCase
+from .rules.weak import apply_gpu, stack_backing, stack_groups
 from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import MISSING, RUNNING, RankView
 
@@ -107,41 +107,10 @@ def _phase_of(views: Sequence[RankView]) -> str | None:
     return phases.pop() if len(phases) == 1 else None
 
 
-def _engine_finding(f: engine.Finding | None, views: Sequence[RankView]) -> RuleFinding | None:
-    """An engine finding in the ladder's shape (rendered by ``core.render``)."""
-    if f is None:
-        return None
-    by_rank = {v.rank: v for v in views}
-    rule = "after_kill" if f.rule == engine.AFTER_KILL else "wait_for"
-    out = RuleFinding(f.kind, list(f.ranks), f.confidence, render.reason(f, by_rank), render.evidence(f), rule=rule,
-                   structured=f)
-    return out
-
-
-@dataclass(frozen=True)
-class Rung:
-    """One kind of evidence; stronger rungs decide, weaker ones back or question the decision."""
-
-    name: str
-    what: str
-    strong: bool  # may name a majority of ranks
-
-
-EVIDENCE_LADDER: tuple[Rung, ...] = (
-    Rung("after_kill", "exits that follow rankwatch's own kill of an earlier incident's initiators", True),
-    Rung("exits", "own-failure exits, by cause then time; early normal exits while peers are mid-step", True),
-    Rung("stopped", "ranks stopped by SIGSTOP or a debugger", True),
-    Rung("flight_recorder", "per process group: a mismatch (op/size/dtype) at one seq", True),
-    Rung("wait_for", "sinks of the wait-for graph over groups, p2p peers, exits and silent nodes", True),
-    Rung("exits_consequence", "every exit a consequence and no sink: the first exit", False),
-    Rung("fr_behind", "per process group: ranks behind or missing", True),
-    Rung("counters", "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops", False),
-    Rung("waiting", "every rank busy and none waiting: the one earliest in the step", False),
-    Rung("stacks", "a stack no other rank shares", False),
-    Rung("gpu", "every rank in one collective, one with no GPU activity", False),
-)
+EVIDENCE_LADDER = LIVE_LADDER
+"""The rungs the live verdict weighs, strongest first: the live rows of the one ladder (``core.rules.ladder``)."""
 # what ``decided_by`` says for a rung (the names documents and dashboards already know)
-_DECIDED_BY = {"exits_consequence": "exits", "fr_behind": "flight_recorder"}
+_DECIDED_BY = {r.name: r.decided_by for r in LADDER if r.decided_by}
 # which ladder name an engine edge strength stands for
 _RUNG_NAME = {
     FactRung.EXIT_CAUSE: "exits",
@@ -152,7 +121,6 @@ _RUNG_NAME = {
     FactRung.STACKS: "waiting",
     FactRung.SILENCE: "missing_node",
 }
-"""The evidence ladder, strongest first (README "How the initiating rank is named")."""
 
 
 def _names_everyone(f: RuleFinding, present: Sequence[RankView]) -> bool:
@@ -186,11 +154,8 @@ def decide(
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    found: dict[str, RuleFinding | None] = {
-        "exits": rule_gone(present, policy),
-        "stopped": rule_stopped(present),
-        "flight_recorder": rule_fr(fr_hints, live) if fr_hints is not None else None,
-    }
+    case = LiveCase(views, present, live, fr_hints, policy)
+    found: dict[str, RuleFinding | None] = {r.name: r.live(case) for r in LIVE_LADDER if r.first and r.live}
     for name, f in found.items():
         if f is not None:
             f.rule = name
@@ -212,19 +177,14 @@ def decide(
     # ... and so does the same error on every rank, which names nobody (the job's own failure)
     decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
     if prior is not None or not decisive:
-        facts = live_facts(
+        case.facts = live_facts(
             views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed
         )
-        found["after_kill"] = _engine_finding(engine.after_kill(facts), views)
-        if not decisive:
-            found["wait_for"] = _engine_finding(engine.blame(facts), views)
-            found["counters"] = (rule_behind(live) or rule_collective(live)) if live else None
-            found["waiting"] = rule_not_waiting(live) if live and not any(is_waiting(v) for v in live) else None
-            found["stacks"] = rule_stacks(present)
-            found["gpu"] = rule_same_collective(live, policy)
-        for name in ("after_kill", "wait_for", "counters", "waiting", "stacks", "gpu"):
-            if (f := found.get(name)) is not None:
-                f.rule = name
+        for r in LIVE_LADDER:
+            if r.live is not None and not r.first and (r.after_decision or not decisive):
+                if (f := r.live(case)) is not None:
+                    f.rule = r.name
+                found[r.name] = f
     # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
     ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
     singling = [
@@ -321,7 +281,7 @@ def _fr_role(fr: RuleFinding | None, finding: RuleFinding) -> str:
 
 
 def _weigh(
-    finding: RuleFinding, rung: Rung, found: Mapping[str, RuleFinding | None], present: Sequence[RankView]
+    finding: RuleFinding, rung: LadderRung, found: Mapping[str, RuleFinding | None], present: Sequence[RankView]
 ) -> None:
     """Back or question the decision with every weaker rung; refuse to blame a majority on weak evidence."""
     chosen = set(finding.initiators)

@@ -1,46 +1,166 @@
-"""The rules over a ``FactSet``, strongest first, as data: the first that concludes decides.
+"""The one evidence ladder, as data, strongest first: every rung the live verdict (``core.verdict.decide``)
+and the offline diagnosis (``diagnose.reasoning``) ask, with the rule each source runs for it.
 
-What logs can show, in the order of the evidence (``core.facts.Rung``): rankwatch's own verdict (it saw
-more than the log) → an end by its own cause → a collective mismatch → the wait-for graph of the desync
-report / NCCL op counts → a lone collective → behind → outside (the sinks of ranks that cannot name whom
-they wait for) → everyone in the same collective → a launcher's exit report alone. A new bug class is one
-fact extractor (``diagnose.log_facts``) or one rule here. Pure.
+A rung is one kind of evidence; a source has its rule for a rung or does not (live-only facts: a stopped
+process, GPU use, stacks; log-only facts: rankwatch's own line, a launcher's report). Where both sources
+hold the evidence they ask the same rung: an end by its own cause (``exits`` live, ``exit_cause`` offline),
+a collective mismatch, the wait-for graph (``core.engine.blame`` over either source's facts), ranks behind
+in one process group, everyone in the same collective. Live weighs every rung (the strongest that singles
+ranks out decides, weaker ones back or question it); offline the first rung that concludes decides.
+A new bug class is one fact extractor (``core.live_facts``, ``diagnose.log_facts``) or one rung here. Pure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from .. import engine, render
 from ..engine import Finding
 from ..facts import FactSet, Rung
-from ..policy import OfflinePolicy
+from ..fr_hints import FrHints
+from ..live_facts import is_waiting
+from ..policy import OfflinePolicy, VerdictPolicy
 from ..schema import UNKNOWN
+from ..snapshot import RankView
+from .counters import rule_behind as counters_behind
+from .counters import rule_collective, rule_not_waiting
 from .ended import rule_exit_cause, rule_report_only
+from .exits import rule_gone, rule_stopped
+from .finding import RuleFinding
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
-from .waits import rule_outside, rule_same_collective, rule_wait_for
+from .recorder import rule_fr
+from .waits import rule_outside, rule_wait_for
+from .waits import rule_same_collective as facts_same_collective
+from .weak import rule_same_collective, rule_stacks
 
 NONE = "none"
 
-Rule = Callable[[FactSet, OfflinePolicy], Finding | None]
 
-FACT_LADDER: tuple[tuple[str, Rule], ...] = (
-    ("rankwatch_verdict", lambda f, p: rule_logged_verdict(f)),
-    ("exit_cause", rule_exit_cause),
-    ("mismatch", lambda f, p: rule_mismatch(f)),
-    ("wait_for", lambda f, p: rule_wait_for(f)),
-    ("lone_collective", lambda f, p: rule_lone_collective(f)),
-    ("behind", rule_behind),
-    ("outside", lambda f, p: rule_outside(f)),
-    ("same_collective", lambda f, p: rule_same_collective(f)),
-    ("report_only", lambda f, p: rule_report_only(f)),
+@dataclass
+class LiveCase:
+    """What the live rules read: every rank's view, the flight recorder, the policy, and the engine's facts
+    (``core.live_facts``, built by ``core.verdict`` only when a rung needs them)."""
+
+    views: Sequence[RankView]
+    present: Sequence[RankView]
+    live: Sequence[RankView]
+    fr_hints: FrHints | None
+    policy: VerdictPolicy
+    facts: FactSet | None = None
+
+
+OfflineRule = Callable[[FactSet, OfflinePolicy], Finding | None]
+LiveRule = Callable[[LiveCase], RuleFinding | None]
+
+
+@dataclass(frozen=True)
+class LadderRung:
+    """One kind of evidence and the rule each source runs for it (None: that source never holds it).
+    ``strong``: may name a majority of ranks. ``offline_name``: the rule name offline documents carry."""
+
+    name: str
+    what: str
+    strong: bool
+    live: LiveRule | None = None
+    offline: OfflineRule | None = None
+    offline_name: str = ""
+    decided_by: str = ""  # what the live ``decided_by`` says for it (the names dashboards already know)
+    first: bool = False  # live: asked before the graph (an own exit or a stop decides without it)
+    after_decision: bool = False  # live: asked even when an own exit or a stop decided (the job's prior kill)
+
+    @property
+    def label(self) -> str:
+        return self.decided_by or self.name
+
+
+def engine_finding(f: Finding | None, views: Sequence[RankView]) -> RuleFinding | None:
+    """An engine finding in the live ladder's shape (rendered by ``core.render``)."""
+    if f is None:
+        return None
+    by_rank = {v.rank: v for v in views}
+    rule = "after_kill" if f.rule == engine.AFTER_KILL else "wait_for"
+    return RuleFinding(f.kind, list(f.ranks), f.confidence, render.reason(f, by_rank), render.evidence(f),
+                       rule=rule, structured=f)
+
+
+def _live_after_kill(c: LiveCase) -> RuleFinding | None:
+    return engine_finding(engine.after_kill(c.facts), c.views) if c.facts is not None else None
+
+
+def _live_wait_for(c: LiveCase) -> RuleFinding | None:
+    return engine_finding(engine.blame(c.facts), c.views) if c.facts is not None else None
+
+
+def _live_fr(c: LiveCase) -> RuleFinding | None:
+    return rule_fr(c.fr_hints, c.live) if c.fr_hints is not None else None
+
+
+def _live_counters(c: LiveCase) -> RuleFinding | None:
+    return (counters_behind(c.live) or rule_collective(c.live)) if c.live else None
+
+
+def _live_waiting(c: LiveCase) -> RuleFinding | None:
+    return rule_not_waiting(c.live) if c.live and not any(is_waiting(v) for v in c.live) else None
+
+
+LADDER: tuple[LadderRung, ...] = (
+    LadderRung("rankwatch_verdict", "rankwatch's own verdict line in a log (it saw more than the log)", True,
+               offline=lambda f, p: rule_logged_verdict(f), offline_name="rankwatch_verdict"),
+    LadderRung("after_kill", "exits that follow rankwatch's own kill of an earlier incident's initiators", True,
+               live=_live_after_kill, after_decision=True),
+    LadderRung("exits", "ends by their own cause, by cause then time (early normal exits while peers are "
+               "mid-step); every rank failing alike names nobody", True,
+               live=lambda c: rule_gone(c.present, c.policy), offline=rule_exit_cause, offline_name="exit_cause",
+               first=True),
+    LadderRung("stopped", "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.present),
+               first=True),
+    LadderRung("flight_recorder", "a collective mismatch (op/size/dtype) at one seq: the flight recorder live; "
+               "fingerprints, watchdog SeqNums, stacks offline", True,
+               live=_live_fr, offline=lambda f, p: rule_mismatch(f), offline_name="mismatch", first=True),
+    LadderRung("wait_for", "sinks of the wait-for graph over groups, p2p peers, exits, silent nodes (live); the "
+               "desync report's and NCCL op counts' edges (offline)", True,
+               live=_live_wait_for, offline=lambda f, p: rule_wait_for(f), offline_name="wait_for"),
+    LadderRung("exits_consequence", "every exit a consequence and no sink: the first exit", False,
+               decided_by="exits"),
+    LadderRung("lone_collective", "ranks in a collective nobody else issued, or that left early", False,
+               offline=lambda f, p: rule_lone_collective(f), offline_name="lone_collective"),
+    LadderRung("fr_behind", "per process group: ranks behind or missing (the flight recorder live; one group's "
+               "SeqNums offline)", True, offline=rule_behind, offline_name="behind", decided_by="flight_recorder"),
+    LadderRung("counters", "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops",
+               False, live=_live_counters),
+    LadderRung("outside", "the sinks of ranks whose lines wait for someone they cannot name", False,
+               offline=lambda f, p: rule_outside(f), offline_name="outside"),
+    LadderRung("waiting", "every rank busy and none waiting: the one earliest in the step", False,
+               live=_live_waiting),
+    LadderRung("stacks", "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
+    LadderRung("gpu", "every rank in one collective: a communication hang, unless one has no GPU activity", False,
+               live=lambda c: rule_same_collective(c.live, c.policy),
+               offline=lambda f, p: facts_same_collective(f), offline_name="same_collective"),
+    LadderRung("report_only", "only a launcher's exit report: the rank it says exited first, as a guess", False,
+               offline=lambda f, p: rule_report_only(f), offline_name="report_only"),
 )
+"""The ladder, strongest first (docs/verdict-engine.md). ``exits_consequence`` and ``fr_behind`` (live) are
+split off ``exits`` and ``flight_recorder`` by ``core.verdict`` and have no rule of their own there."""
+
+LIVE_LADDER: tuple[LadderRung, ...] = tuple(
+    r for r in LADDER if r.live is not None or r.name in ("exits_consequence", "fr_behind")
+)
+"""The rungs the live verdict weighs."""
+
+OFFLINE_LADDER: tuple[tuple[str, OfflineRule], ...] = tuple(
+    (r.offline_name, r.offline) for r in LADDER if r.offline is not None
+)
+"""The rungs offline asks, first match decides, by the rule names offline documents carry."""
+
+FACT_LADDER = OFFLINE_LADDER  # the old name
 
 
 def decide(facts: FactSet, policy: OfflinePolicy) -> Finding:
-    """The first rule of ``FACT_LADDER`` that concludes, else a finding that nothing was found."""
-    for name, rule in FACT_LADDER:
+    """The first rung of ``OFFLINE_LADDER`` that concludes, else a finding that nothing was found."""
+    for name, rule in OFFLINE_LADDER:
         found = rule(facts, policy)
         if found is not None:
             found.rule = name
