@@ -166,6 +166,76 @@ def module_call_cost(batches: int, calls: int, tr) -> dict[str, float]:  # type:
     }
 
 
+# -- (a2) per step, one process ------------------------------------------------------------------
+STEP_ARMS = {"fr": [], "hook": ["-m", "rankwatch.hooks"]}  # the hook switches FR on: compare like with like
+
+
+def step_child(steps: int) -> None:
+    """The demo's small-step loop (ddp_timed.py's pieces) in one process (gloo, world size 1): the
+    training thread's CPU time of every step, printed as JSON. Run with and without the hook."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import torch
+    import torch.distributed as dist
+    from ddp_demo import Model, SlowCollate, SyntheticData, parse_args
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    args = parse_args(["--hidden", "128", "--layers", "3", "--batch-size", "32"])
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="rw-bench-store-")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Model(args.hidden, args.layers))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    batches = iter(DataLoader(SyntheticData(args, 0), batch_size=32, collate_fn=SlowCollate(args, 0, [0])))
+    loss_sum = torch.zeros(1)
+    clock = time.thread_time_ns
+    cpu = []
+    for _ in range(steps):
+        c = clock()
+        x, y = next(batches)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_sum.copy_(loss.detach())
+        dist.all_reduce(loss_sum)
+        cpu.append(clock() - c)
+    dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
+    cpu = sorted(cpu[steps // 5 :])
+    print(json.dumps({"median_us": cpu[len(cpu) // 2] / 1e3, "p10_us": cpu[len(cpu) // 10] / 1e3}), flush=True)
+
+
+def per_step(rounds: int, steps: int) -> dict[str, list[dict[str, float]]]:
+    """Interleaved single-process runs per arm: per-step training-thread CPU (median and 10th percentile
+    over the steps; the low percentile is the least disturbed by the other jobs on shared cores)."""
+    out: dict[str, list[dict[str, float]]] = {a: [] for a in STEP_ARMS}
+    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    try:
+        with Procs() as procs:
+            for i in range(rounds):
+                arms = list(STEP_ARMS) if i % 2 == 0 else list(STEP_ARMS)[::-1]
+                for arm in arms:
+                    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", RANKWATCH_SHM_DIR=shm,
+                               RANKWATCH_JOB_ID=f"step-{i}-{arm}")
+                    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING"):
+                        env.pop(key, None)
+                    cmd = [sys.executable, *STEP_ARMS[arm], __file__, "--step-child", str(steps)]
+                    res = procs.run(cmd, timeout=300, text=True, env=env)
+                    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+                    if res.returncode != 0 or line is None:
+                        raise RuntimeError(f"per-step {arm} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+                    r = json.loads(line)
+                    out[arm].append(r)
+                    print(f"  round {i + 1}/{rounds} {arm:<5} step CPU median {r['median_us']:7.1f} µs, "
+                          f"p10 {r['p10_us']:7.1f} µs", flush=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
 # -- (b) end to end -------------------------------------------------------------------------------
 ARM_ENV = {
     "base": {},
@@ -249,7 +319,12 @@ def main() -> int:
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
+    p.add_argument("--step-rounds", type=int, default=None, help="(a2) interleaved rounds (default 6, quick 3)")
+    p.add_argument("--step-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.step_child:
+        step_child(args.step_child)
+        return 0
     pairs = args.pairs or (3 if args.quick else 6)
     batches, calls = (100, 1000) if args.quick else (1000, 1000)
     steps = {"5ms": 300, "50ms": 60} if args.quick else {"5ms": 600, "50ms": 120}
@@ -286,6 +361,14 @@ def main() -> int:
         f"{DEMO_MODULE_CALLS} module calls) | {est / 1000:.1f} µs = {est / 50_000:.2f} % of 5 ms, "
         f"{est / 500_000:.3f} % of 50 ms | — | — |",
     ]
+    if not args.micro_only:
+        rounds = args.step_rounds or (3 if args.quick else 6)
+        n_steps = 1500 if args.quick else 4000
+        print(f"(a2) per step, one process: {rounds} interleaved rounds of {list(STEP_ARMS)}, {n_steps} steps",
+              flush=True)
+        ps = per_step(rounds, n_steps)
+        raw["per_step"] = ps
+        rows += per_step_rows(ps, rounds)
     if not args.micro_only and not args.no_e2e:
         arms = ["base", "hook", *args.extra_arms]
         print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
@@ -316,6 +399,21 @@ def main() -> int:
     if not args.micro_only:
         rows += shares_rows(args, raw)
     return print_results(rows, raw, args.json)
+
+
+def per_step_rows(ps: dict[str, list[dict[str, float]]], rounds: int) -> list[str]:
+    rows = []
+    for key, label in (("p10_us", "10th percentile"), ("median_us", "median")):
+        fr = median([r[key] for r in ps["fr"]])
+        hook = median([r[key] for r in ps["hook"]])
+        paired = median([h[key] - f[key] for f, h in zip(ps["fr"], ps["hook"], strict=False)])
+        rows.append(
+            f"| hook CPU per step, one process (DDP world size 1, DataLoader, SGD, 1 all_reduce; ~{fr:.0f} µs "
+            f"steps), {rounds} interleaved rounds, {label} of the per-step training-thread CPU: FR alone → hook "
+            f"(which switches FR on) | {fr:.1f} → {hook:.1f} µs = **{hook - fr:+.1f} µs** (paired {paired:+.1f}) "
+            f"| <= 20 µs | {'yes' if hook - fr <= 20 else 'NO'} |"
+        )
+    return rows
 
 
 def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
