@@ -167,20 +167,52 @@ def module_call_cost(batches: int, calls: int, tr) -> dict[str, float]:  # type:
 
 
 # -- (a2) per step, one process ------------------------------------------------------------------
-STEP_ARMS = {"fr": [], "hook": ["-m", "rankwatch.hooks"]}  # the hook switches FR on: compare like with like
+class HookSwitch:
+    """Switches ``instrument()``'s installed points off and on again in this process (benchmark only):
+    the same loop, interleaved block by block with and without the hook, so the load of other jobs on
+    shared cores drifts equally over both. Swaps the wrapped functions for their originals and empties /
+    refills the hook dicts torch reads on each call (global optimizer hooks, the DDP instance's forward
+    hooks, the parameters' post-accumulate-grad hooks)."""
+
+    def __init__(self, ddp) -> None:  # type: ignore[no-untyped-def]
+        import torch
+        import torch.distributed as dist
+        import torch.optim.optimizer as optim_mod
+        import torch.utils.data.dataloader as dl
+        from rankwatch.hooks.instrument import COLLECTIVES
+
+        owners = [(dl._BaseDataLoaderIter, "__next__"), (dl._SingleProcessDataLoaderIter, "_next_data"),
+                  (torch.autograd, "backward"), *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
+        self.attrs = [(o, n, getattr(o, n)) for o, n in owners]
+        dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks,
+                 ddp._forward_pre_hooks, ddp._forward_hooks, ddp._forward_hooks_always_called]
+        dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]
+        self.dicts = [(d, dict(d)) for d in dicts]
+        assert all(hasattr(f, "__rankwatch_wrapped__") for _, _, f in self.attrs[:3]), "instrument() not installed"
+
+    def set(self, on: bool) -> None:
+        for owner, name, fn in self.attrs:
+            setattr(owner, name, fn if on else getattr(fn, "__rankwatch_wrapped__", fn))
+        for d, saved in self.dicts:
+            d.clear()
+            if on:
+                d.update(saved)
 
 
 def step_child(steps: int) -> None:
-    """The demo's small-step loop (ddp_timed.py's pieces) in one process (gloo, world size 1): the
-    training thread's CPU time of every step, printed as JSON. Run with and without the hook."""
+    """The demo's small-step loop (ddp_timed.py's pieces) in one process (gloo, world size 1) under
+    ``instrument()``, in blocks of steps alternately with the hook switched off and on (HookSwitch);
+    prints the training thread's CPU time per step of each block, as JSON."""
     sys.path.insert(0, str(REPO / "examples"))
     import torch
     import torch.distributed as dist
     from ddp_demo import Model, SlowCollate, SyntheticData, parse_args
+    from rankwatch.hooks import ddp_timing, instrument
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
+    assert instrument(), "the hook did not start"
     args = parse_args(["--hidden", "128", "--layers", "3", "--batch-size", "32"])
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="rw-bench-store-")
@@ -191,49 +223,57 @@ def step_child(steps: int) -> None:
     batches = iter(DataLoader(SyntheticData(args, 0), batch_size=32, collate_fn=SlowCollate(args, 0, [0])))
     loss_sum = torch.zeros(1)
     clock = time.thread_time_ns
-    cpu = []
-    for _ in range(steps):
+
+    def block(n: int) -> float:
         c = clock()
-        x, y = next(batches)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        cpu.append(clock() - c)
+        for _ in range(n):
+            x, y = next(batches)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum.copy_(loss.detach())
+            dist.all_reduce(loss_sum)
+        return (clock() - c) / n / 1e3
+
+    block(30)  # warm-up, hooked: the forward hooks move onto the model at the first optimizer step
+    switch = HookSwitch(ddp)
+    timing = ddp_timing.active()
+    splits = timing.split_count if timing else 0
+    per = 10
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(steps // (2 * per)):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            switch.set(on)
+            out["on" if on else "off"].append(block(per))
+    switch.set(True)
     dist.destroy_process_group()
     shutil.rmtree(tmp, ignore_errors=True)
-    cpu = sorted(cpu[steps // 5 :])
-    print(json.dumps({"median_us": cpu[len(cpu) // 2] / 1e3, "p10_us": cpu[len(cpu) // 10] / 1e3}), flush=True)
+    out["splits"] = [float((timing.split_count if timing else 0) - splits)]
+    print(json.dumps(out), flush=True)
 
 
-def per_step(rounds: int, steps: int) -> dict[str, list[dict[str, float]]]:
-    """Interleaved single-process runs per arm: per-step training-thread CPU (median and 10th percentile
-    over the steps; the low percentile is the least disturbed by the other jobs on shared cores)."""
-    out: dict[str, list[dict[str, float]]] = {a: [] for a in STEP_ARMS}
+def per_step(steps: int) -> dict[str, float]:
+    """One child (step_child): per-step training-thread CPU with the hook off / on, medians over the
+    blocks, and the median of the paired (adjacent) block differences."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000")
     shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-step")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
+        env.pop(key, None)
     try:
         with Procs() as procs:
-            for i in range(rounds):
-                arms = list(STEP_ARMS) if i % 2 == 0 else list(STEP_ARMS)[::-1]
-                for arm in arms:
-                    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", RANKWATCH_SHM_DIR=shm,
-                               RANKWATCH_JOB_ID=f"step-{i}-{arm}")
-                    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING"):
-                        env.pop(key, None)
-                    cmd = [sys.executable, *STEP_ARMS[arm], __file__, "--step-child", str(steps)]
-                    res = procs.run(cmd, timeout=300, text=True, env=env)
-                    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
-                    if res.returncode != 0 or line is None:
-                        raise RuntimeError(f"per-step {arm} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
-                    r = json.loads(line)
-                    out[arm].append(r)
-                    print(f"  round {i + 1}/{rounds} {arm:<5} step CPU median {r['median_us']:7.1f} µs, "
-                          f"p10 {r['p10_us']:7.1f} µs", flush=True)
+            res = procs.run([sys.executable, __file__, "--step-child", str(steps)], timeout=600, text=True, env=env)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    return out
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    if res.returncode != 0 or line is None:
+        raise RuntimeError(f"per-step run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    r = json.loads(line)
+    off, on = r["off"], r["on"]
+    paired = median([b - a for a, b in zip(off, on, strict=True)])
+    return {"off_us": median(off), "on_us": median(on), "paired_us": paired,
+            "blocks": float(len(on)), "splits": r["splits"][0], "steps_on": float(len(on) * 10)}
 
 
 # -- (b) end to end -------------------------------------------------------------------------------
@@ -319,7 +359,6 @@ def main() -> int:
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
-    p.add_argument("--step-rounds", type=int, default=None, help="(a2) interleaved rounds (default 6, quick 3)")
     p.add_argument("--step-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.step_child:
@@ -362,13 +401,12 @@ def main() -> int:
         f"{est / 500_000:.3f} % of 50 ms | — | — |",
     ]
     if not args.micro_only:
-        rounds = args.step_rounds or (3 if args.quick else 6)
-        n_steps = 1500 if args.quick else 4000
-        print(f"(a2) per step, one process: {rounds} interleaved rounds of {list(STEP_ARMS)}, {n_steps} steps",
-              flush=True)
-        ps = per_step(rounds, n_steps)
+        n_steps = 2000 if args.quick else 8000
+        print(f"(a2) per step, one process: {n_steps} steps in blocks of 10, hook off / on alternately", flush=True)
+        ps = per_step(n_steps)
+        print("  " + ", ".join(f"{k} {v:.1f}" for k, v in ps.items()), flush=True)
         raw["per_step"] = ps
-        rows += per_step_rows(ps, rounds)
+        rows += per_step_rows(ps)
     if not args.micro_only and not args.no_e2e:
         arms = ["base", "hook", *args.extra_arms]
         print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
@@ -401,19 +439,15 @@ def main() -> int:
     return print_results(rows, raw, args.json)
 
 
-def per_step_rows(ps: dict[str, list[dict[str, float]]], rounds: int) -> list[str]:
-    rows = []
-    for key, label in (("p10_us", "10th percentile"), ("median_us", "median")):
-        fr = median([r[key] for r in ps["fr"]])
-        hook = median([r[key] for r in ps["hook"]])
-        paired = median([h[key] - f[key] for f, h in zip(ps["fr"], ps["hook"], strict=False)])
-        rows.append(
-            f"| hook CPU per step, one process (DDP world size 1, DataLoader, SGD, 1 all_reduce; ~{fr:.0f} µs "
-            f"steps), {rounds} interleaved rounds, {label} of the per-step training-thread CPU: FR alone → hook "
-            f"(which switches FR on) | {fr:.1f} → {hook:.1f} µs = **{hook - fr:+.1f} µs** (paired {paired:+.1f}) "
-            f"| <= 20 µs | {'yes' if hook - fr <= 20 else 'NO'} |"
-        )
-    return rows
+def per_step_rows(ps: dict[str, float]) -> list[str]:
+    split = "every hooked step split into backward/grad_sync" if ps["splits"] == ps["steps_on"] else (
+        f"{ps['splits']:.0f} of {ps['steps_on']:.0f} hooked steps split")
+    return [
+        f"| hook CPU per step, one process (DDP world size 1, DataLoader, SGD, 1 all_reduce, FR on in both; "
+        f"{ps['blocks']:.0f} blocks of 10 steps, hook switched off/on alternately; {split}): training-thread CPU "
+        f"per step | {ps['off_us']:.1f} → {ps['on_us']:.1f} µs, **{ps['paired_us']:+.1f} µs** (median of paired "
+        f"blocks) | <= 20 µs | {'yes' if ps['paired_us'] <= 20 else 'NO'} |"
+    ]
 
 
 def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:

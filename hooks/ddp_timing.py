@@ -95,15 +95,15 @@ class DDPTiming:
             if not self.enabled or getattr(ddp, "_use_python_reducer", False):
                 return
             param = None
-            for p in ddp.module.parameters():
-                if p.requires_grad:
+            ignored = getattr(ddp, "parameters_to_ignore", ())  # DDP never all-reduces these: no signal
+            for name, p in ddp.module.named_parameters():
+                if p.requires_grad and name not in ignored:
                     param = p
             if param is None:
                 return
             if self.grad_sync_slot < 0 and self.tracker.on_thread():
                 self.grad_sync_slot = self.tracker.slot(GRAD_SYNC)
-            ref = weakref.ref(ddp)  # the parameter outlives no model it belongs to, but never keep one alive
-            param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, ref))
+            param.register_post_accumulate_grad_hook(self._accumulated_hook(weakref.ref(ddp)))
             self.models.add(ddp)
         except Exception as exc:
             self._fail(exc)
@@ -112,16 +112,22 @@ class DDPTiming:
     def _stamp(self) -> None:
         self.ready_ns = _now()
 
-    def _accumulated(self, ref: Any, param: Any) -> None:
-        # only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce
-        if self.waiting and self.depth == 1:
-            try:
-                ddp = ref()
-                if ddp is not None and ddp.require_forward_param_sync:
-                    self.waiting = False
-                    self._queue_callback(self._stamp)
-            except Exception as exc:
-                self._error = exc
+    def _accumulated_hook(self, ref: Any) -> Any:
+        """The parameter's hook (a weak reference: the hook never keeps its model alive)."""
+        queue, stamp = self._queue_callback, self._stamp
+
+        def accumulated(param: Any) -> None:
+            # only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce
+            if self.waiting and self.depth == 1:
+                try:
+                    ddp = ref()
+                    if ddp is not None and ddp.require_forward_param_sync:
+                        self.waiting = False
+                        queue(stamp)
+                except Exception as exc:
+                    self._error = exc
+
+        return accumulated
 
     # -- called around torch.autograd.backward on the training thread ------------------------------
     def begin(self) -> None:
