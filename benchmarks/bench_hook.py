@@ -5,6 +5,9 @@
     loop is *not* subtracted, so the numbers are an upper bound). Also measured: what a plain
     ``nn.Module`` call costs once ``instrument()`` has installed its global forward hooks (every module
     call then runs the pre/post hook), and the hook-only per-step cost of the demo's loop.
+(a2) Per step, one process: the demo's small-step loop (DDP world size 1) under ``instrument()``, in blocks
+    of 10 steps with the hook switched off and on alternately (``HookSwitch``): the median paired
+    difference of the training thread's CPU time per step is the hook's cost inside real steps.
 (b) End-to-end: ``benchmarks/ddp_timed.py`` (the demo's balanced loop — same model, data, DDP,
     optimizer and per-step all_reduce as examples/ddp_demo.py, imported from it — plus a timer around
     the steps after a warm-up) under ``torchrun --nproc-per-node 2``, with and without
