@@ -22,13 +22,13 @@ import re
 import shutil
 import stat
 import subprocess
-import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from .patterns import BLOCK_END, BLOCK_START, PREFILTER, PREFILTER_EXTRA, prefilter_accepts
 
 GREP_MIN_BYTES = 16 << 20  # below this the chunked scanner is as quick (grep's start-up ~2 ms)
+WC_MIN_BYTES = 8 << 20  # a tail after grep's last line longer than this is counted by wc -l (~4x Python)
 _PIECE = 1 << 20  # bytes per read of a failure report or of the line count
 
 
@@ -51,6 +51,21 @@ def _branches(pattern: re.Pattern[bytes]) -> list[Any]:
     return [items]
 
 
+def _parsed(prefilter: re.Pattern[bytes]) -> list[Any] | None:
+    """The alternatives of the prefilter as the stdlib parser sees them; None where grep cannot stand in for it
+    (case-insensitive, or an alternative without a leading literal)."""
+    if prefilter.flags & re.IGNORECASE:
+        return None
+    try:
+        branches = _branches(prefilter)
+    except Exception:
+        return None
+    lits = [_leading_literal(b) for b in branches]
+    if not lits or any(not lit or b"\n" in lit or b"\0" in lit for lit in lits):
+        return None
+    return branches
+
+
 @functools.cache
 def needles(
     prefilter: re.Pattern[bytes] = PREFILTER,
@@ -59,33 +74,109 @@ def needles(
 ) -> tuple[bytes, ...] | None:
     """Fixed strings such that every line the prefilter accepts holds one; None when an alternative has no
     leading literal (or the pattern is case-insensitive), so only the exact scanner is safe."""
-    if prefilter.flags & re.IGNORECASE:
+    branches = _parsed(prefilter)
+    if branches is None:
         return None
-    try:
-        lits = [_leading_literal(b) for b in _branches(prefilter)]
-    except Exception:
+    return tuple(dict.fromkeys((*map(_leading_literal, branches), *extra, *blocks)))
+
+
+_ERE_SPECIAL = frozenset(b".[]()*+?{}|^$\\")
+
+
+def _ere_literal(lit: bytes) -> bytes:
+    return b"".join(b"\\" + bytes([c]) if c in _ERE_SPECIAL else bytes([c]) for c in lit)
+
+
+def _ere_not_followed(lit: bytes) -> bytes:
+    """ERE for "then not ``lit``" at the end of an alternative, as ``(?!lit)`` reads within one line: the line
+    ends, or differs from ``lit`` at some byte. (?! INFO) -> ($|[^ ]| ($|[^I])| I($|[^N])|…)."""
+    alts = []
+    for i, c in enumerate(lit):
+        other = b"[^]]" if c == ord("]") else b"[^" + bytes([c]) + b"]"  # one byte: no range, no class
+        alts.append(_ere_literal(lit[:i]) + b"($|" + other + b")")
+    return b"(" + b"|".join(alts) + b")"
+
+
+def _ere_branch(branch: Any) -> bytes:
+    """A superset of what one alternative matches, in ERE: its leading literal, and a negative lookahead of a
+    literal right after it where the alternative ends with one (``NCCL(?! INFO)``: NCCL_DEBUG=INFO prints
+    millions of such lines; grep drops them). Anything else after the literal only narrows the match, and
+    every line grep hands back is checked again with ``prefilter_accepts``, so it is left out."""
+    lit = _leading_literal(branch)
+    rest = list(branch)[len(lit):]
+    if len(rest) == 1 and str(rest[0][0]) == "ASSERT_NOT":
+        direction, sub = rest[0][1]
+        ahead = _leading_literal(sub)
+        if direction == 1 and ahead and len(ahead) == len(list(sub)) and b"\n" not in ahead:
+            return _ere_literal(lit) + _ere_not_followed(ahead)
+    return _ere_literal(lit)
+
+
+@functools.cache
+def ere(
+    prefilter: re.Pattern[bytes] = PREFILTER,
+    extra: tuple[bytes, ...] = PREFILTER_EXTRA,
+    blocks: tuple[bytes, ...] = BLOCK_START,
+) -> bytes | None:
+    """One POSIX extended regex (``grep -E``, C locale) that matches every line the prefilter accepts and every
+    line that opens a failure report, derived from the pattern table, so a pattern added there is covered
+    without a second list; None where ``needles`` is None."""
+    branches = _parsed(prefilter)
+    if branches is None:
         return None
-    if not lits or any(not lit or b"\n" in lit for lit in lits):
+    if any(not k or b"\n" in k or b"\0" in k for k in (*extra, *blocks)):  # argv holds no NUL; -e splits at \n
         return None
-    return tuple(dict.fromkeys((*lits, *extra, *blocks)))
+    alts = [*map(_ere_branch, branches), *map(_ere_literal, extra), *map(_ere_literal, blocks)]
+    return b"|".join(dict.fromkeys(alts))
 
 
 def _grep() -> str | None:
     return shutil.which("grep")
 
 
-def _count_lines(fd: int, size: int, out: list[int]) -> None:
-    """Newlines in the first ``size`` bytes (pread: the shared file offset grep reads from is untouched)."""
-    n, off = 0, 0
+def _count_newlines(fd: int, start: int, size: int) -> int:
+    """Newlines in bytes ``start``…``size`` (pread: the shared file offset grep reads from is untouched)."""
+    n, off = 0, start
     while off < size:
         piece = os.pread(fd, min(4 * _PIECE, size - off), off)
         if not piece:
             break
         n += piece.count(b"\n")
         off += len(piece)
-        if off == size and not piece.endswith(b"\n"):
-            n += 1  # a last line without a newline is a line too
-    out.append(n)
+    return n
+
+
+def _wc_newlines(fd: int, start: int) -> int | None:
+    """Newlines from byte ``start`` to the end, counted by ``wc -l`` (several times Python's speed, in its own
+    process); None where wc is missing or fails."""
+    wc = shutil.which("wc")
+    if wc is None:
+        return None
+    try:
+        os.lseek(fd, start, os.SEEK_SET)  # grep has exited: the offset is free
+        done = subprocess.run([wc, "-l"], stdin=fd, capture_output=True, check=False, timeout=3600,
+                              env=dict(os.environ, LC_ALL="C"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    out = done.stdout.split()
+    return int(out[0]) if done.returncode == 0 and out and out[0].isdigit() else None
+
+
+def _total_lines(fd: int, size: int, lineno: int, offset: int) -> int:
+    """Lines in the file, given that line ``lineno`` (0: none) starts at byte ``offset``: grep numbered every
+    line up to its last match, so only the tail after it is counted here (in a failing job's log, a few lines)."""
+    start = 0
+    if lineno:
+        start = _line_end(fd, offset) + 1
+        if start > size:  # that line is the last one, without a newline
+            return lineno
+    tail = None
+    if size - start > WC_MIN_BYTES:
+        tail = _wc_newlines(fd, start)
+    if tail is None:
+        tail = _count_newlines(fd, start, size)
+    last = os.pread(fd, 1, size - 1) if size else b"\n"
+    return lineno + tail + (0 if last == b"\n" else 1)  # a last line without a newline is a line too
 
 
 def _head(fd: int, chunk: int) -> bytes:
@@ -133,9 +224,9 @@ def candidates(
     head_bytes: int,
 ) -> Iterator[tuple[int, bytes]] | None:
     """The grep-accelerated form of ``sources.scan`` for a large regular file; None where it does not apply."""
-    keys = needles()
+    pattern = ere()
     grep = _grep()
-    if keys is None or grep is None:
+    if pattern is None or grep is None:
         return None
     try:
         fd = stream.fileno()
@@ -144,12 +235,12 @@ def candidates(
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_size < GREP_MIN_BYTES or stream.tell() != 0:
         return None
-    return _run(grep, keys, fd, st.st_size, stats, chunk, max_line, max_block_lines, prefixes, head, discover,
+    return _run(grep, pattern, fd, st.st_size, stats, chunk, max_line, max_block_lines, prefixes, head, discover,
                 head_bytes)
 
 
 def _run(
-    grep: str, keys: tuple[bytes, ...], fd: int, size: int, stats: Any, chunk: int, max_line: int,
+    grep: str, pattern: bytes, fd: int, size: int, stats: Any, chunk: int, max_line: int,
     max_block_lines: int, prefixes: set[bytes] | None, head: list[bytes] | None, discover: Any, head_bytes: int,
 ) -> Iterator[tuple[int, bytes]]:
     first = _head(fd, chunk)
@@ -157,17 +248,13 @@ def _run(
         prefixes.update(discover(first[:head_bytes]))
     if first and head is not None:
         head.append(first[:head_bytes])
-    counted: list[int] = []
-    counter = threading.Thread(target=_count_lines, args=(fd, size, counted), name="diagnose-count", daemon=True)
-    counter.start()
-    cmd = [grep, "-F", "-a", "-b", "-n"]
-    for k in keys:
-        cmd += ["-e", os.fsdecode(k)]
+    cmd = [os.fsencode(grep), b"-E", b"-a", b"-b", b"-n", b"-e", pattern]
     env = dict(os.environ, LC_ALL="C")
     os.lseek(fd, 0, os.SEEK_SET)
-    proc = subprocess.Popen(cmd, stdin=fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdin=fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=1 << 16)
     assert proc.stdout is not None
     last = 0  # the highest line number yielded (a report's lines may also hold keywords)
+    seen_lineno = seen_offset = 0  # grep's last line: every line before it is numbered
     try:
         out = proc.stdout
         while True:
@@ -189,6 +276,7 @@ def _run(
                 accepted = accepted or prefilter_accepts(prev + more)
                 prev = more[-64:]
             lineno, offset = int(lineno_s), int(offset_s)
+            seen_lineno, seen_offset = lineno, offset
             text = text[:max_line]
             if lineno > last and accepted:
                 stats.candidates += 1
@@ -213,9 +301,8 @@ def _run(
         for s in (proc.stdout, proc.stderr):
             if s is not None:
                 s.close()
-        counter.join()
     stats.bytes += size
-    stats.lines += counted[0] if counted else 0
+    stats.lines += _total_lines(fd, size, seen_lineno, seen_offset)
 
 
 def _line_end(fd: int, offset: int) -> int:
