@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+from rankwatch.watchdog.diagnose import events as ev
 from rankwatch.watchdog.diagnose import patterns, prefilter
+from rankwatch.watchdog.diagnose.parser import SourceParser
 from rankwatch.watchdog.diagnose.sources import ScanStats, scan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -38,6 +41,58 @@ def test_needles_come_from_the_pattern_table() -> None:
 def test_a_pattern_without_a_literal_turns_the_fast_path_off() -> None:
     assert prefilter.needles(re.compile(rb"Error|\d+ failed"), (), ()) is None
     assert prefilter.needles(re.compile(rb"error", re.IGNORECASE), (), ()) is None
+    assert prefilter.ere(re.compile(rb"Error|\d+ failed"), (), ()) is None
+    assert prefilter.ere(re.compile(rb"Error"), (b"a\nb",), ()) is None  # grep -e would split it in two
+
+
+def _grep_lines(pattern: bytes, lines: list[bytes], tmp_path: Path) -> set[bytes]:
+    path = tmp_path / "lines.log"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    out = subprocess.run([b"grep", b"-E", b"-a", b"-e", pattern, bytes(path)], capture_output=True,
+                         env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}, check=False).stdout
+    return set(out.splitlines())
+
+
+def test_the_grep_regex_drops_nccl_info_and_keeps_every_other_nccl_line(tmp_path: Path) -> None:
+    pattern = prefilter.ere()
+    assert pattern is not None
+    lines = [b"[3] NCCL INFO Channel 03/0", b"NCCL INFO", b"[3] NCCL WARN x", b"NCCL", b"NCCL INF", b"NCCL INFX",
+             b"NCCLX", b"ProcessGroupNCCL.cpp:1 NCCL INFO and NCCL error", b"x NCCL INFO y Error", b"step 3 loss 1",
+             b"NCCL  INFO", b'  File "a.py", line 1', b"Root Cause (first observed failure):", b"training complete"]
+    got = _grep_lines(pattern, lines, tmp_path)
+    assert got == {ln for ln in lines if patterns.prefilter_accepts(ln)}  # exact for these: no line to recheck
+
+
+def test_whatever_follows_a_literal_only_narrows_the_grep_regex(tmp_path: Path) -> None:
+    """Constructs grep is not given (a class, a repeat, a lookbehind) are dropped: a superset, rechecked."""
+    table = re.compile(rb"Err(?:or|no)\d+|Warn(?![0-9]+x)|Foo(?!bar)baz|Qz.b(?<!q)")
+    extra = (b"x[y]*", b"$(z)")
+    pattern = prefilter.ere(table, extra, ())
+    assert pattern is not None
+    lines = [b"Error7", b"Errno", b"Warn12x", b"Warn", b"Foobaz", b"Qz.b", b"Qzb", b"x[y]*", b"$(z)", b"xy", b"z",
+             b"Qa", b"Er", b"Fo"]
+    got = _grep_lines(pattern, lines, tmp_path)
+    assert got >= {ln for ln in lines if table.search(ln) or any(k in ln for k in extra)}
+    assert got == {b"Error7", b"Errno", b"Warn12x", b"Warn", b"Foobaz", b"Qz.b", b"Qzb", b"x[y]*", b"$(z)"}
+
+
+def test_every_fixture_line_the_parser_uses_passes_the_grep_prefilter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the pattern table reads (the parser fed every line) reaches it through grep too: a pattern added to
+    the table without a keyword of its own would fail here, not be silently dropped on large logs."""
+    monkeypatch.setattr(prefilter, "GREP_MIN_BYTES", 0)
+    files = [p for p in sorted(FIXTURES.rglob("*")) if p.is_file() and p.suffix in (".log", ".txt", ".out")]
+    assert files
+    for path in files:
+        full = SourceParser("x")
+        needed = {
+            e.line
+            for i, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1)
+            for e in full.feed(i, line)
+            if e.family != ev.TRACEBACK  # reported at a frame line, which the scan keeps via 'File "'
+        }
+        with open(path, "rb") as f:
+            kept = {n for n, _ in scan(f, ScanStats())}
+        assert needed <= kept, (path, sorted(needed - kept))
 
 
 def test_same_lines_as_the_chunked_scanner_on_every_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,3 +117,19 @@ def test_same_lines_on_a_mixed_log(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert b"  rank      : 1 (local_rank: 1)" in lines.values()  # the report's field lines, read whole
     assert not any(b"NCCL INFO" in v for v in lines.values())
     assert fast[2] == len(body) + 1  # the last line has no newline
+
+
+@pytest.mark.parametrize("tail", [b"", b"\n", b"plain tail without a newline", b"plain tail\n" * 5000])
+@pytest.mark.parametrize("wc", [True, False])
+def test_line_count_after_the_last_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tail: bytes, wc: bool
+) -> None:
+    """Lines are counted from grep's last line on (wc -l for a long tail): the same totals as the scanner."""
+    monkeypatch.setattr(prefilter, "WC_MIN_BYTES", 0 if wc else 1 << 62)
+    for head in (b"", b"step 1\n" * 300, b"step 1\nRuntimeError: x\nstep 2\n", b"RuntimeError: no newline"):
+        path = tmp_path / "t.log"
+        path.write_bytes(head + tail)
+        if path.stat().st_size == 0:
+            continue
+        fast, slow = _scan(path, True, monkeypatch), _scan(path, False, monkeypatch)
+        assert fast[:4] == slow[:4], (head[:40], tail[:40])  # lines, bytes, line count, candidates
