@@ -19,8 +19,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 pytestmark = pytest.mark.skipif(shutil.which("grep") is None, reason="no grep on this machine")
 
 
-def _scan(path: Path, grep: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[object, ...]:
+def _scan(path: Path, grep: bool, monkeypatch: pytest.MonkeyPatch, pieces: int = 3) -> tuple[object, ...]:
+    """What ``scan`` yields and counts, through grep (``pieces`` of them side by side) or the chunked scanner."""
     monkeypatch.setattr(prefilter, "GREP_MIN_BYTES", 0 if grep else 1 << 62)
+    monkeypatch.setattr(prefilter, "PIECE_MIN_BYTES", 1)
+    monkeypatch.setattr(prefilter, "workers", lambda: pieces)
     stats, prefixes, head = ScanStats(), set[bytes](), list[bytes]()
     with open(path, "rb") as f:
         lines = list(scan(f, stats, prefixes=prefixes, head=head))
@@ -99,7 +102,9 @@ def test_same_lines_as_the_chunked_scanner_on_every_fixture(monkeypatch: pytest.
     files = sorted(p for p in FIXTURES.rglob("*") if p.is_file())
     assert files
     for path in files:
-        assert _scan(path, True, monkeypatch) == _scan(path, False, monkeypatch), path
+        slow = _scan(path, False, monkeypatch)
+        for pieces in (1, 3):
+            assert _scan(path, True, monkeypatch, pieces) == slow, (path, pieces)
 
 
 def test_same_lines_on_a_mixed_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,6 +118,8 @@ def test_same_lines_on_a_mixed_log(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path.write_bytes(b"".join(body) + b"training complete, no newline at the end")
     fast = _scan(path, True, monkeypatch)
     assert fast == _scan(path, False, monkeypatch)
+    for pieces in (1, 2, 5, 64):  # the report and the overlong line fall on piece boundaries in some of these
+        assert _scan(path, True, monkeypatch, pieces) == fast, pieces
     lines = dict(fast[0])  # type: ignore[call-overload]
     assert b"  rank      : 1 (local_rank: 1)" in lines.values()  # the report's field lines, read whole
     assert not any(b"NCCL INFO" in v for v in lines.values())
@@ -120,16 +127,16 @@ def test_same_lines_on_a_mixed_log(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("tail", [b"", b"\n", b"plain tail without a newline", b"plain tail\n" * 5000])
-@pytest.mark.parametrize("wc", [True, False])
-def test_line_count_after_the_last_match(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tail: bytes, wc: bool
+@pytest.mark.parametrize("pieces", [1, 2, 4])
+def test_line_counts_across_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tail: bytes, pieces: int
 ) -> None:
-    """Lines are counted from grep's last line on (wc -l for a long tail): the same totals as the scanner."""
-    monkeypatch.setattr(prefilter, "WC_MIN_BYTES", 0 if wc else 1 << 62)
+    """Each grep's piece is numbered by the sentinel line fed after it: the same totals as the scanner."""
     for head in (b"", b"step 1\n" * 300, b"step 1\nRuntimeError: x\nstep 2\n", b"RuntimeError: no newline"):
         path = tmp_path / "t.log"
         path.write_bytes(head + tail)
         if path.stat().st_size == 0:
             continue
-        fast, slow = _scan(path, True, monkeypatch), _scan(path, False, monkeypatch)
+        fast, slow = _scan(path, True, monkeypatch, pieces), _scan(path, False, monkeypatch)
         assert fast[:4] == slow[:4], (head[:40], tail[:40])  # lines, bytes, line count, candidates
+

@@ -16,19 +16,23 @@ line, each cut at ``max_line``.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import re
+import secrets
 import shutil
 import stat
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from .patterns import BLOCK_END, BLOCK_START, PREFILTER, PREFILTER_EXTRA, prefilter_accepts
 
 GREP_MIN_BYTES = 16 << 20  # below this the chunked scanner is as quick (grep's start-up ~2 ms)
-WC_MIN_BYTES = 8 << 20  # a tail after grep's last line longer than this is counted by wc -l (~4x Python)
+PIECE_MIN_BYTES = 32 << 20  # a grep per this much at least: below it, a second process costs more than it saves
+MAX_GREPS = 8  # side by side; past this the disk, not the CPUs, is the limit
 _PIECE = 1 << 20  # bytes per read of a failure report or of the line count
 
 
@@ -134,51 +138,6 @@ def _grep() -> str | None:
     return shutil.which("grep")
 
 
-def _count_newlines(fd: int, start: int, size: int) -> int:
-    """Newlines in bytes ``start``…``size`` (pread: the shared file offset grep reads from is untouched)."""
-    n, off = 0, start
-    while off < size:
-        piece = os.pread(fd, min(4 * _PIECE, size - off), off)
-        if not piece:
-            break
-        n += piece.count(b"\n")
-        off += len(piece)
-    return n
-
-
-def _wc_newlines(fd: int, start: int) -> int | None:
-    """Newlines from byte ``start`` to the end, counted by ``wc -l`` (several times Python's speed, in its own
-    process); None where wc is missing or fails."""
-    wc = shutil.which("wc")
-    if wc is None:
-        return None
-    try:
-        os.lseek(fd, start, os.SEEK_SET)  # grep has exited: the offset is free
-        done = subprocess.run([wc, "-l"], stdin=fd, capture_output=True, check=False, timeout=3600,
-                              env=dict(os.environ, LC_ALL="C"))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    out = done.stdout.split()
-    return int(out[0]) if done.returncode == 0 and out and out[0].isdigit() else None
-
-
-def _total_lines(fd: int, size: int, lineno: int, offset: int) -> int:
-    """Lines in the file, given that line ``lineno`` (0: none) starts at byte ``offset``: grep numbered every
-    line up to its last match, so only the tail after it is counted here (in a failing job's log, a few lines)."""
-    start = 0
-    if lineno:
-        start = _line_end(fd, offset) + 1
-        if start > size:  # that line is the last one, without a newline
-            return lineno
-    tail = None
-    if size - start > WC_MIN_BYTES:
-        tail = _wc_newlines(fd, start)
-    if tail is None:
-        tail = _count_newlines(fd, start, size)
-    last = os.pread(fd, 1, size - 1) if size else b"\n"
-    return lineno + tail + (0 if last == b"\n" else 1)  # a last line without a newline is a line too
-
-
 def _head(fd: int, chunk: int) -> bytes:
     """The first chunk up to its last newline (what the chunked scanner searches for rank prefixes)."""
     block = os.pread(fd, chunk, 0)
@@ -239,6 +198,88 @@ def candidates(
                 head_bytes)
 
 
+def _pieces(fd: int, size: int) -> list[tuple[int, int]]:
+    """Byte ranges of about equal size that start at line starts, one per grep (``workers()`` of them)."""
+    n = max(1, min(workers(), size // PIECE_MIN_BYTES))
+    starts = [0]
+    for i in range(1, n):
+        start = _line_end(fd, max(starts[-1], i * size // n)) + 1
+        if start >= size:
+            break
+        starts.append(start)
+    return list(zip(starts, [*starts[1:], size], strict=True))
+
+
+def workers() -> int:
+    """Greps run side by side: one per CPU this process may use, at most ``MAX_GREPS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_GREPS))
+
+
+def _feed(fd: int, start: int, end: int, pipe: int, sentinel: bytes) -> None:
+    """Bytes ``start``…``end`` of the file into grep's stdin (splice: the kernel moves the pages, this thread
+    holds no GIL meanwhile), then the sentinel line that numbers the piece's end."""
+    try:
+        off = start
+        while off < end:
+            want = min(end - off, _PIECE)
+            if hasattr(os, "splice"):
+                n = os.splice(fd, pipe, want, offset_src=off)
+            else:  # Python 3.9 or not Linux
+                n = os.write(pipe, os.pread(fd, want, off))
+            if n <= 0:
+                break  # the file shrank
+            off += n
+        glue = b"" if off == start or os.pread(fd, 1, off - 1) == b"\n" else b"\n"
+        os.write(pipe, glue + sentinel + b"\n")
+    except OSError:
+        pass  # grep is gone (killed or failed): its own exit status reports it
+    finally:
+        os.close(pipe)
+
+
+class _Grep:
+    """One grep over one piece, fed by its own thread."""
+
+    def __init__(self, cmd: list[bytes], fd: int, start: int, end: int, sentinel: bytes) -> None:
+        self.start = start
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _PIECE)  # fewer wake-ups than 64 KiB at a time
+        except (OSError, AttributeError):
+            pass
+        env = dict(os.environ, LC_ALL="C")
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                         bufsize=1 << 16)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self.feeder = threading.Thread(target=_feed, args=(fd, start, end, w, sentinel), name="diagnose-feed",
+                                       daemon=True)
+        self.feeder.start()
+
+    def finish(self) -> None:
+        self.proc.wait()
+        if self.proc.returncode not in (0, 1):  # 1: no line matched
+            err = self.proc.stderr.read(500).decode("utf-8", "replace").strip() if self.proc.stderr else ""
+            raise OSError(f"grep failed ({self.proc.returncode}): {err}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for s in (self.proc.stdout, self.proc.stderr):
+            if s is not None:
+                s.close()
+        self.feeder.join()
+
+
 def _run(
     grep: str, pattern: bytes, fd: int, size: int, stats: Any, chunk: int, max_line: int,
     max_block_lines: int, prefixes: set[bytes] | None, head: list[bytes] | None, discover: Any, head_bytes: int,
@@ -248,61 +289,65 @@ def _run(
         prefixes.update(discover(first[:head_bytes]))
     if first and head is not None:
         head.append(first[:head_bytes])
-    cmd = [os.fsencode(grep), b"-E", b"-a", b"-b", b"-n", b"-e", pattern]
-    env = dict(os.environ, LC_ALL="C")
-    os.lseek(fd, 0, os.SEEK_SET)
-    proc = subprocess.Popen(cmd, stdin=fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=1 << 16)
-    assert proc.stdout is not None
+    # every piece ends in a line only this process can know; its number there is the piece's line count
+    sentinel = b"rankwatch-end-" + secrets.token_hex(16).encode()
+    cmd = [os.fsencode(grep), b"-E", b"-a", b"-b", b"-n", b"-e", pattern, b"-e", sentinel]
+    greps: list[_Grep] = []
     last = 0  # the highest line number yielded (a report's lines may also hold keywords)
-    seen_lineno = seen_offset = 0  # grep's last line: every line before it is numbered
+    base = 0  # lines before the current piece
     try:
-        out = proc.stdout
-        while True:
-            line = out.readline(max_line + 64)
-            if not line:
-                break
-            whole = line.endswith(b"\n")
-            lineno_s, _, rest = line.partition(b":")
-            offset_s, _, text = rest.partition(b":")
-            if whole:
-                text = text[:-1]
-            accepted = prefilter_accepts(text)
-            prev = text[-64:]
-            while not whole:  # an overlong line: keep its start, drop the rest (still searched, as scan does)
-                more = out.readline(1 << 20)
-                if not more:
-                    break
-                whole = more.endswith(b"\n")
-                accepted = accepted or prefilter_accepts(prev + more)
-                prev = more[-64:]
-            lineno, offset = int(lineno_s), int(offset_s)
-            seen_lineno, seen_offset = lineno, offset
-            text = text[:max_line]
-            if lineno > last and accepted:
-                stats.candidates += 1
-                last = lineno
-                yield lineno, text
-            if any(k in text for k in BLOCK_START):
-                # the report's field lines hold no keyword: read them from the file after this line
-                nl = _line_end(fd, offset)
-                for n, raw in _block(fd, nl + 1, lineno + 1, max_line, max_block_lines):
-                    if n > last:
-                        stats.candidates += 1
-                        last = n
-                        yield n, raw
-        proc.wait()
-        if proc.returncode not in (0, 1):  # 1: no line matched
-            err = proc.stderr.read(500).decode("utf-8", "replace").strip() if proc.stderr else ""
-            raise OSError(f"grep failed ({proc.returncode}): {err}")
+        for start, end in _pieces(fd, size):
+            greps.append(_Grep(cmd, fd, start, end, sentinel))
+        for g in greps:
+            lines = 0
+            for lineno, offset, text, accepted in _grep_lines(g.proc.stdout, max_line):
+                if text == sentinel:
+                    lines = lineno - 1
+                    continue
+                lineno += base
+                offset += g.start
+                if lineno > last and accepted:
+                    stats.candidates += 1
+                    last = lineno
+                    yield lineno, text
+                if any(k in text for k in BLOCK_START):
+                    # the report's field lines hold no keyword: read them from the file after this line
+                    nl = _line_end(fd, offset)
+                    for n, raw in _block(fd, nl + 1, lineno + 1, max_line, max_block_lines):
+                        if n > last:
+                            stats.candidates += 1
+                            last = n
+                            yield n, raw
+            g.finish()
+            base += lines
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for s in (proc.stdout, proc.stderr):
-            if s is not None:
-                s.close()
+        for g in greps:
+            g.close()
     stats.bytes += size
-    stats.lines += _total_lines(fd, size, seen_lineno, seen_offset)
+    stats.lines += base
+
+
+def _grep_lines(out: Any, max_line: int) -> Iterator[tuple[int, int, bytes, bool]]:
+    """(line number, byte offset, text cut at ``max_line``, prefilter verdict) per line of grep -b -n output."""
+    while True:
+        line = out.readline(max_line + 64)
+        if not line:
+            return
+        whole = line.endswith(b"\n")
+        lineno_s, _, rest = line.partition(b":")
+        offset_s, _, text = rest.partition(b":")
+        if whole:
+            text = text[:-1]
+        accepted = prefilter_accepts(text)
+        prev = text[-64:]
+        while not whole:  # an overlong line: keep its start, drop the rest (still searched, as scan does)
+            more = out.readline(1 << 20)
+            if not more:
+                break
+            whole = more.endswith(b"\n")
+            accepted = accepted or prefilter_accepts(prev + more)
+            prev = more[-64:]
+        yield int(lineno_s), int(offset_s), text[:max_line], accepted
 
 
 def _line_end(fd: int, offset: int) -> int:
