@@ -6,7 +6,10 @@ training-progress lines, 1% NCCL INFO lines, Python logging lines), ending in a 
 installed `rankwatch diagnose --json` on it as a child process and reports wall time, MB/s and the
 child's peak RSS (os.wait4 rusage), for a small and a large size, so constant memory shows as equal RSS.
 Each round also times `grep -c` over the same file (the disk-speed reference; rounds interleaved, the
-machine is shared), and the figure is the median of the rounds and the ratio to grep's median.
+machine is shared) and `rankwatch diagnose` on a 2-line file (start-up: interpreter and imports), and the
+figure is the median of the rounds and the ratio to grep's median. The package is byte-compiled first, as
+an install leaves it (`--no-compile`: measure a source tree under PYTHONDONTWRITEBYTECODE=1, which
+recompiles every module at each start).
 
     python benchmarks/bench_diagnose.py                 # 200 MB and 1 GB, 5 rounds
     python benchmarks/bench_diagnose.py --quick         # 200 MB, 3 rounds
@@ -109,6 +112,24 @@ def measure(path: Path) -> dict[str, float]:
     return {"mb": size / 1e6, "s": wall, "mbps": size / 1e6 / wall, "rss_mb": usage.ru_maxrss / 1024}
 
 
+def startup(d: str) -> float:
+    """Seconds of ``rankwatch diagnose`` on a 2-line log: interpreter start, imports, one verdict."""
+    path = Path(d) / "tiny.log"
+    path.write_bytes(b"[default0]:[rank0]:step 1\n[default1]:[rank1]:step 1\n")
+    t0 = time.perf_counter()
+    subprocess.run(["rankwatch", "diagnose", "--json", str(path)], capture_output=True, check=False, timeout=600)
+    return time.perf_counter() - t0
+
+
+def byte_compile() -> None:
+    """Write the package's .pyc files (what pip does at install; a no-op where they exist or cannot be written)."""
+    import compileall
+
+    import rankwatch.watchdog
+
+    compileall.compile_dir(str(Path(rankwatch.watchdog.__file__).parent), quiet=2)
+
+
 def grep_count(path: Path) -> float:
     """MB/s of ``grep -c`` for a keyword of the failure (one pass in C: the reference speed)."""
     t0 = time.perf_counter()
@@ -124,7 +145,10 @@ def main() -> int:
     ap.add_argument("--worst-case", action="store_true", help="also time logs where every line is a candidate")
     ap.add_argument("--quick", action="store_true", help="200 MB, 3 rounds")
     ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    ap.add_argument("--no-compile", action="store_true", help="do not byte-compile the package first")
     args = ap.parse_args()
+    if not args.no_compile:
+        byte_compile()
     sizes = args.sizes_mb or ([200] if args.quick else [200, 1000])
     rounds = args.rounds or (3 if args.quick else 5)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
@@ -133,25 +157,31 @@ def main() -> int:
         for mb in sizes:
             path = Path(d) / f"synthetic-{mb}MB.log"
             write_log(path, mb * 1_000_000)
-            runs, greps = [], []
+            runs, greps, starts = [], [], []
             for i in range(rounds):
-                for which in (("grep", "rw") if i % 2 == 0 else ("rw", "grep")):
+                order = ("grep", "rw", "start") if i % 2 == 0 else ("start", "rw", "grep")
+                for which in order:
                     if which == "grep":
                         greps.append(grep_count(path))
-                    else:
+                    elif which == "rw":
                         runs.append(measure(path))
+                    else:
+                        starts.append(startup(d))
                 print(f"  round {i + 1}/{rounds} {mb} MB: diagnose {runs[-1]['mbps']:6.1f} MB/s "
-                      f"(RSS {runs[-1]['rss_mb']:.1f} MB), grep -c {greps[-1]:6.1f} MB/s", flush=True)
+                      f"(RSS {runs[-1]['rss_mb']:.1f} MB), grep -c {greps[-1]:6.1f} MB/s, "
+                      f"start-up {starts[-1]:.3f} s", flush=True)
             mbps = statistics.median(r["mbps"] for r in runs)
             gmbps = statistics.median(greps)
             rss = max(r["rss_mb"] for r in runs)
-            raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps})
+            start_s = statistics.median(starts)
+            raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps, "startup_s": starts})
+            load = os.getloadavg()[0]
             rows.append(f"| `rankwatch diagnose`, {runs[0]['mb']:.0f} MB synthetic 8-rank log, median of {rounds} "
-                        f"interleaved rounds | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
-                        f"(= {100 * mbps / gmbps:.0f} % of grep), peak RSS {rss:.1f} MB | >= 300 MB/s | "
-                        f"{'yes' if mbps >= 300 else 'NO (see grep: the machine)'} |")
+                        f"interleaved rounds (load {load:.1f}) | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
+                        f"(= {100 * mbps / gmbps:.0f} % of grep), peak RSS {rss:.1f} MB, start-up {start_s:.2f} s "
+                        f"| >= 300 MB/s | {'yes' if mbps >= 300 else 'NO (see grep: the machine)'} |")
             print(f"{runs[0]['mb']:8.1f} MB  {mbps:6.1f} MB/s  grep -c {gmbps:6.1f} MB/s  peak RSS {rss:.1f} MB"
-                  f"  -> initiator rank 5 (correct)", flush=True)
+                  f"  start-up {start_s:.3f} s  -> initiator rank 5 (correct)", flush=True)
             path.unlink()
         if args.worst_case:
             worst_case(d)

@@ -1,17 +1,18 @@
-"""Candidate lines of a large log file at disk speed: ``grep -F`` finds the lines holding a keyword.
+"""Candidate lines of a large log file at disk speed: ``grep -E`` finds the lines holding a keyword.
 
-Python's fastest searches cover one keyword per pass (``bytes.find``, ~0.5–1 GB/s) or run an
-alternation at ~150–300 MB/s (``re``); a log of hundreds of megabytes with twenty keywords then takes
-seconds. GNU grep searches every fixed string in one pass (~1 GB/s) in its own process, in parallel
-with this one, which counts the lines and parses the few candidates. The keywords are derived from the
-pattern table itself (``needles``): the leading literal of every alternative of ``PREFILTER`` plus
-``PREFILTER_EXTRA`` and ``BLOCK_START``, so a pattern added there is covered without a second list;
-a line grep hands back is still checked with ``prefilter_accepts`` (a keyword like ``NCCL`` stands for
-``NCCL(?! INFO)``). torch elastic's failure report is read whole from the file after its first line,
-as the chunked scanner does. Used for regular files of ``GREP_MIN_BYTES`` or more where grep exists;
-anything else (stdin, pipes, small files, no grep, a pattern without a literal) goes through
-``sources.scan``, which yields the same lines. Memory stays bounded: grep's output is read line by
-line, each cut at ``max_line``.
+Python's fastest searches cover one keyword per pass (``bytes.find``) or run an alternation at
+~150–300 MB/s (``re``); a log of hundreds of megabytes with twenty keywords then takes seconds. GNU grep
+runs one alternation of them all in one pass in its own process. The regex (``ere``) is derived from the
+pattern table itself: per alternative of ``PREFILTER`` its leading literal (plus a literal negative
+lookahead after it, so ``NCCL(?! INFO)`` drops NCCL_DEBUG=INFO's lines in grep), plus ``PREFILTER_EXTRA``
+and ``BLOCK_START``: a pattern added there is covered without a second list, and every line grep hands
+back is still checked with ``prefilter_accepts``. The file is cut into line-aligned pieces, one grep per
+CPU, each fed by ``splice`` and ended by a random sentinel line whose number is the piece's line count (no
+pass over the file counts newlines). torch elastic's failure report is read whole from the file after its
+first line, as the chunked scanner does. Used for regular files of ``GREP_MIN_BYTES`` or more where grep
+exists; anything else (stdin, pipes, small files, no grep, a pattern without a literal) goes through
+``sources.scan``, which yields the same lines. Memory stays bounded: grep's output is read line by line,
+each cut at ``max_line``.
 """
 
 from __future__ import annotations
