@@ -13,6 +13,7 @@ recompiles every module at each start).
 
     python benchmarks/bench_diagnose.py                 # 200 MB and 1 GB, 5 rounds
     python benchmarks/bench_diagnose.py --quick         # 200 MB, 3 rounds
+    python benchmarks/bench_diagnose.py --quick --baseline-rev main~3   # + the code at that revision, same rounds
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 RANKS = 8
-FAILURE = Path(__file__).resolve().parent.parent / "tests/fixtures/logs/templated/slurm_cuda_illegal_r5.log"
+REPO = Path(__file__).resolve().parent.parent
+FAILURE = REPO / "tests/fixtures/logs/templated/slurm_cuda_illegal_r5.log"
+DIAGNOSE = ["rankwatch", "diagnose", "--json"]
 
 
 def block(seed: int) -> bytes:
@@ -98,9 +102,27 @@ def worst_case(d: str, mb: int = 30) -> None:
         path.unlink()
 
 
-def measure(path: Path) -> dict[str, float]:
+def export_rev(rev: str, d: str) -> dict[str, str]:
+    """The package as it was at git revision ``rev``, byte-compiled, in ``d``: the environment that runs it."""
+    root = Path(d) / "baseline"
+    pkg = root / "rankwatch"
+    pkg.mkdir(parents=True)
+    archive = root / "src.tar"
+    archive.write_bytes(subprocess.run(["git", "-C", str(REPO), "archive", rev, "watchdog", "hooks"],
+                                       capture_output=True, check=True).stdout)
+    with tarfile.open(archive) as tar:
+        tar.extractall(pkg, filter="data")
+    (pkg / "__init__.py").write_text("")
+    import compileall
+
+    compileall.compile_dir(str(pkg), quiet=2)
+    return dict(os.environ, PYTHONPATH=str(root))
+
+
+def measure(path: Path, env: dict[str, str] | None = None) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "rankwatch.watchdog.cli", "diagnose", "--json"] if env else DIAGNOSE
     t0 = time.perf_counter()
-    p = subprocess.Popen(["rankwatch", "diagnose", "--json", str(path)], stdout=subprocess.PIPE)
+    p = subprocess.Popen([*cmd, str(path)], stdout=subprocess.PIPE, env=env)
     assert p.stdout is not None
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
@@ -150,6 +172,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="200 MB, 3 rounds")
     ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
     ap.add_argument("--no-compile", action="store_true", help="do not byte-compile the package first")
+    ap.add_argument("--baseline-rev", default=None, help="also time the code at this git revision, same rounds")
     args = ap.parse_args()
     if not args.no_compile:
         byte_compile()
@@ -158,13 +181,18 @@ def main() -> int:
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
     rows, raw = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        base_env = export_rev(args.baseline_rev, d) if args.baseline_rev else None
         for mb in sizes:
             path = Path(d) / f"synthetic-{mb}MB.log"
             write_log(path, mb * 1_000_000)
-            runs, greps, grep_cpu, starts = [], [], [], []
+            runs, greps, grep_cpu, starts, base = [], [], [], [], []
             for i in range(rounds):
-                order = ("grep", "rw", "start") if i % 2 == 0 else ("start", "rw", "grep")
+                order = ("grep", "rw", "start", "base") if i % 2 == 0 else ("base", "start", "rw", "grep")
                 for which in order:
+                    if which == "base":
+                        if base_env:
+                            base.append(measure(path, base_env))
+                        continue
                     if which == "grep":
                         g, c = grep_count(path)
                         greps.append(g)
@@ -182,7 +210,13 @@ def main() -> int:
             start_s = statistics.median(starts)
             cpu, gcpu = statistics.median(r["cpu_s"] for r in runs), statistics.median(grep_cpu)
             raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps, "grep_c_cpu_s": grep_cpu,
-                        "startup_s": starts})
+                        "startup_s": starts, "baseline": base})
+            if base:
+                bm, bc = statistics.median(r["mbps"] for r in base), statistics.median(r["cpu_s"] for r in base)
+                brss = max(r["rss_mb"] for r in base)
+                rows.append(f"| … the code at `{args.baseline_rev}`, same rounds | {bm:.0f} MB/s "
+                            f"(= {100 * bm / gmbps:.0f} % of grep), peak RSS {brss:.1f} MB; CPU {bc:.2f} s | — | — |")
+                print(f"{'':8} baseline {args.baseline_rev}: {bm:6.1f} MB/s  CPU {bc:.2f} s  peak RSS {brss:.1f} MB")
             load = os.getloadavg()[0]
             rows.append(f"| `rankwatch diagnose`, {runs[0]['mb']:.0f} MB synthetic 8-rank log, median of {rounds} "
                         f"interleaved rounds (load {load:.1f}) | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
