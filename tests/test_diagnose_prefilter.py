@@ -140,3 +140,28 @@ def test_line_counts_across_pieces(
         fast, slow = _scan(path, True, monkeypatch, pieces), _scan(path, False, monkeypatch)
         assert fast[:4] == slow[:4], (head[:40], tail[:40])  # lines, bytes, line count, candidates
 
+
+
+@pytest.mark.parametrize("script", ["exit 2", "echo 'usage: grep [-abcEFnv]' >&2; exit 2", "cat >/dev/null; echo 1:x"])
+def test_a_grep_that_cannot_do_this_leaves_it_to_the_scanner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str
+) -> None:
+    """A grep without these options (BusyBox, BSD) or with another output format: the same lines, not an error."""
+    fake = tmp_path / "grep"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(prefilter, "_grep", lambda: str(fake))
+    path = tmp_path / "mixed.log"
+    path.write_bytes(b"step 1\n" * 1000 + b"[rank1]: RuntimeError: boom\nstep 2\n")
+    assert _scan(path, True, monkeypatch) == _scan(path, False, monkeypatch)
+
+
+def test_gnu_grep_passes_the_check() -> None:
+    """Else every comparison above would compare the scanner with itself."""
+    grep = prefilter._grep()
+    assert grep is not None
+    version = subprocess.run([grep, "--version"], capture_output=True, text=True, check=False).stdout
+    if "GNU" not in version:
+        pytest.skip("not GNU grep")
+    pattern = prefilter.ere()
+    assert pattern is not None and prefilter._grep_works(grep, pattern)

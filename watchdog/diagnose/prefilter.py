@@ -139,6 +139,19 @@ def _grep() -> str | None:
     return shutil.which("grep")
 
 
+@functools.cache
+def _grep_works(grep: str, pattern: bytes) -> bool:
+    """grep takes these options and this regex and answers in the format read here (a BusyBox or BSD grep
+    may not): checked once per process on two lines, a few milliseconds; if not, the chunked scanner runs."""
+    try:
+        done = subprocess.run([os.fsencode(grep), b"-E", b"-a", b"-b", b"-n", b"-e", pattern, b"-e", b"rankwatch-end"],
+                              input=b"step 1\nrankwatch-end\n", capture_output=True, timeout=30, check=False,
+                              env=dict(os.environ, LC_ALL="C"))
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and done.stdout == b"2:7:rankwatch-end\n"
+
+
 def _head(fd: int, chunk: int) -> bytes:
     """The first chunk up to its last newline (what the chunked scanner searches for rank prefixes)."""
     block = os.pread(fd, chunk, 0)
@@ -194,6 +207,8 @@ def candidates(
     except (OSError, ValueError, AttributeError):
         return None
     if not stat.S_ISREG(st.st_mode) or st.st_size < GREP_MIN_BYTES or stream.tell() != 0:
+        return None
+    if not _grep_works(grep, pattern):
         return None
     return _run(grep, pattern, fd, st.st_size, stats, chunk, max_line, max_block_lines, prefixes, head, discover,
                 head_bytes)
