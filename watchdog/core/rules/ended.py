@@ -10,6 +10,8 @@ waiting, so it is never taken on its own word when better evidence exists.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from ..engine import Finding
 from ..facts import Ended, FactSet, Rung
@@ -19,6 +21,21 @@ from ..schema import DEAD_RANK, UNKNOWN
 
 EXIT_CAUSE = "exit_cause"
 REPORT_ONLY = "report_only"
+
+T = TypeVar("T")
+
+
+def earliest_ends(ordered: Sequence[T], *, at: Callable[[T], float], tolerance: float,
+                  node: Callable[[T], Hashable] | None = None) -> list[T]:
+    """The ends that came first, the one rule live (``rules.exits``) and offline share: the first of
+    ``ordered`` (time order, ties pre-broken by the caller), and every other end within ``tolerance`` of it
+    (times that close are not ordered with confidence). With ``node``: only ends on another node tie —
+    within a node the exit order is exact."""
+    if not ordered:
+        return []
+    first = ordered[0]
+    near = first_by_time(ordered, key=at, tolerance=tolerance)
+    return [first, *(x for x in near if x is not first and (node is None or node(x) != node(first)))]
 
 
 def cause_of(e: Ended) -> dict[str, object]:
@@ -41,7 +58,8 @@ def rule_exit_cause(facts: FactSet, policy: OfflinePolicy) -> Finding | None:
                         "cause": cause, "detail": detail, "signal": signal})
     first = own
     if len(own) > 1 and all(e.ts is not None for e in own):
-        first = first_by_time(own, key=lambda e: e.ts or 0.0, tolerance=policy.tie_s)
+        first = earliest_ends(sorted(own, key=lambda e: e.ts or 0.0), at=lambda e: e.ts or 0.0,
+                              tolerance=policy.tie_s)
     first = sorted(first, key=lambda e: e.rank)
     lead = first[0]
     confidence = "high" if (lead.stated or waiting) and len(first) == 1 else "medium"

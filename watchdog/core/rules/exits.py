@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from ..failures import CONSEQUENCE, INITIATING
 from ..live_facts import exit_roles, left_early
 from ..policy import VerdictPolicy
-from ..ranks import first_by_time, fmt_ranks, outside_majority
+from ..ranks import fmt_ranks, outside_majority
 from ..render import phase_kind
 from ..snapshot import CRASHED, DEAD, EXITED, GONE_STATES, RUNNING, STOPPED, RankView
+from .ended import earliest_ends
 from .finding import RuleFinding
 
 
@@ -82,8 +83,8 @@ def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding |
     candidates = [v for v in ordered if roles[v.rank] == INITIATING] or ordered
     first = candidates[0]
     # exits within the tolerance are not ordered across nodes; within a node the exit order is exact
-    near = first_by_time(candidates, key=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s)
-    firsts = [first, *(v for v in near if v is not first and v.node_key != first.node_key)]
+    firsts = earliest_ends(candidates, at=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s,
+                           node=lambda v: v.node_key)
     how = {
         CRASHED: "exited with an error",
         EXITED: "left early — exited normally while its peers were still mid-step (uneven data: give every rank "
