@@ -461,3 +461,73 @@ def test_a_reader_killed_by_its_user_makes_ranks_unreadable_then_it_is_respawned
     assert rank.poll() is None and d.proc.poll() is None
     assert not [e for e in d.events() if e.get("event") in ("incident_detected", "killing_job")]
     assert len([e for e in d.events() if e.get("event") == "reader_started" and e.get("uid") == b.uid]) == 2
+
+
+# -- 10. what a job answers is read and parsed as its owner, never as root (items 1 and 10) -----------------
+FR_FIXTURE = REPO / "tests" / "fixtures" / "fr" / "nccl_hang" / "rank-0.fr.json"
+
+SPIED_RANK = """
+import os, sys, time
+import rankwatch.hooks.responder as resp
+peers, fr = sys.argv[1], open(sys.argv[2], "rb").read()
+real_peer_cred = resp.peer_cred
+
+def spy(sock):  # every process that asks this rank's responder for a dump, by uid
+    pid, uid, gid = real_peer_cred(sock)
+    with open(peers, "a") as f:
+        f.write(f"{uid}\\n")
+    return pid, uid, gid
+
+resp.peer_cred = spy
+resp.flight_recorder_json = lambda: (fr, None)  # a real NCCL dump (the recorded fixture), 'from torch'
+import rankwatch.hooks as rw
+assert rw.init()
+print("ready", os.getpid(), flush=True)
+for step in range(3):
+    with rw.phase("forward"):
+        if step == 2:
+            while True:
+                time.sleep(60)
+        time.sleep(0.05)
+    rw.step()
+"""
+
+
+def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(users, world, daemons, tmp_path):
+    from rankwatch.watchdog.evidence.flight_recorder import load_dump
+
+    a, _ = users
+    shm = fresh_shm(world)
+    script = world["dir"] / f"spied-{time.monotonic_ns()}.py"
+    script.write_text(SPIED_RANK)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    peers = world["dir"] / f"peers-{time.monotonic_ns()}.log"
+    peers.write_text("")
+    for p in (script, fr):
+        p.chmod(0o644)
+    os.chown(peers, a.uid, a.gid)
+    env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="job-fr", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    rank = a.popen([world["python"], str(script), str(peers), str(fr)], env, cwd=str(world["dir"]),
+                   start_new_session=True)
+    try:
+        line = rank.stdout.readline()
+        assert line.startswith("ready"), line + (rank.stderr.read() if rank.poll() is not None else "")
+        d = daemons(tmp_path, shm, on_stall="report")
+        got = wait_for(lambda: bundle_dirs(d.out / "job-fr" / "incidents"), timeout=120)
+        assert got, "no incident bundle"
+        asked_by = [int(u) for u in peers.read_text().split()]
+        assert asked_by, "the responder was never asked"
+        assert set(asked_by) == {a.uid}, f"the responder was asked by uid(s) {asked_by}, not only by its owner {a.uid}"
+        # and what the owner's reader parsed arrived whole: the trace in the bundle, its analysis in the verdict
+        trace = load_dump((got[0] / "fr" / "rank-0.json").read_bytes(), rank=0)
+        assert trace.entries and [e.record_id for e in trace.entries] == [
+            e.record_id for e in load_dump(FR_FIXTURE, rank=0).entries]
+        verdict = json.loads((got[0] / "verdict.json").read_text())
+        fr_lines = [ln for ln in verdict["evidence"] if ln.startswith("flight recorder:")]
+        assert fr_lines and not any("no flight-recorder dump" in ln for ln in fr_lines), fr_lines
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()
