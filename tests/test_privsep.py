@@ -531,3 +531,95 @@ def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(use
         with contextlib.suppress(ProcessLookupError):
             os.killpg(rank.pid, signal.SIGKILL)
         rank.wait()
+
+
+OWNER_SIDE = r"""
+import ctypes, os, socket, sys, threading, time
+libc = ctypes.CDLL(None)
+if sys.argv[1] == "nodump":  # a process its own user may not ptrace (as sudo, ssh-agent, a setgid program are)
+    libc.prctl(4, 0, 0, 0, 0)
+    print("ready", flush=True)
+    time.sleep(3600)
+body, log = open(sys.argv[2], "rb").read(), sys.argv[3]
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(8)
+
+def client_uid(port):  # who connected: the uid of the socket whose local port is the peer's
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and int(f[2].rsplit(":", 1)[1], 16) == srv.getsockname()[1]:
+                return int(f[7])
+    return -1
+
+def serve():  # torch's worker server, as far as rankwatch can tell: a thread of that name, HTTP on loopback
+    libc.prctl(15, b"pt_workerserver", 0, 0, 0)
+    while True:
+        c, addr = srv.accept()
+        with open(log, "a") as f:
+            f.write(f"{client_uid(addr[1])}\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(4096)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        c.close()
+
+threading.Thread(target=serve, daemon=True).start()
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+ROOT_INSPECT = r"""
+import json, sys
+from rankwatch.watchdog.evidence.inspect_capture import attach_debug_server_dumps, capture_job
+from rankwatch.watchdog.observe.discover import Job, RankProc, read_proc
+uid, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+job = Job("j", len(pids), [RankProc(p, r, r, len(pids), read_proc(p), {}) for r, p in enumerate(pids)], owner_uid=uid)
+cap = capture_job(job, timeout_s=20)
+sources = {}
+notes = attach_debug_server_dumps(job, cap.ranks, sources)
+print(json.dumps({"notes": notes, "ranks": {r: {"stacks": c.pyspy_threads is not None, "error": c.pyspy_error,
+                                                "fr": len(getattr(c, "fr_trace", None) and c.fr_trace.entries or ())}
+                                            for r, c in cap.ranks.items()}}))
+"""
+
+
+def test_inspect_as_root_reads_a_job_only_with_its_owners_authority(users, world, tmp_path):
+    """``rankwatch inspect`` run as root: py-spy runs, the debug server is asked and its dump parsed as the
+    job's owner. So a process the owner may not ptrace stays unread, and the server sees the owner's uid."""
+    from rankwatch.watchdog.evidence.capture import pyspy_available
+
+    if pyspy_available() is None:
+        pytest.skip("py-spy not installed")
+    a, _ = users
+    script = world["dir"] / f"owner-side-{time.monotonic_ns()}.py"
+    script.write_text(OWNER_SIDE)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    log = world["dir"] / f"clients-{time.monotonic_ns()}.log"
+    log.write_text("")
+    for p in (script, fr):
+        p.chmod(0o644)
+    os.chown(log, a.uid, a.gid)
+    procs = [a.popen([world["python"], str(script), mode, str(fr), str(log)], world["env"], cwd=str(world["dir"]),
+                     start_new_session=True) for mode in ("server", "nodump")]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.poll() is not None else ""
+        res = subprocess.run([sys.executable, "-c", ROOT_INSPECT, str(a.uid), *(str(p.pid) for p in procs)],
+                             capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        server, nodump = out["ranks"]["0"], out["ranks"]["1"]
+        # the debug server was asked by the owner alone, and its dump arrived parsed
+        assert [int(u) for u in log.read_text().split()] == [a.uid], log.read_text()
+        assert server["fr"] == len(json.loads(FR_FIXTURE.read_text())["entries"]), out
+        assert server["stacks"], out  # py-spy as the owner reads the owner's ordinary process
+        # root's ptrace right was not lent: the owner cannot read that process, so neither did inspect
+        assert not nodump["stacks"] and nodump["error"], out
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

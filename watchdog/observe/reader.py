@@ -391,6 +391,9 @@ def _zygote(sock: socket.socket, pyspy_fd: int | None, policy: ReaderPolicy) -> 
                 _close_fds_except([mine.fileno(), *([pyspy_fd] if pyspy_fd is not None else [])])
                 pyspy = f"/proc/self/fd/{pyspy_fd}" if pyspy_fd is not None else None
                 _serve(mine, ReaderCore(policy, pyspy))
+            except BaseException as exc:  # said on the daemon's stderr; the root side sees the socket close
+                with contextlib.suppress(Exception):
+                    os.write(2, f"rankwatch reader of uid {uid}: {type(exc).__name__}: {exc}\n"[:500].encode())
             finally:
                 os._exit(0)
         mine.close()
@@ -398,6 +401,19 @@ def _zygote(sock: socket.socket, pyspy_fd: int | None, policy: ReaderPolicy) -> 
             send_frame(sock, {"pid": pid}, (theirs.fileno(),))
         finally:
             theirs.close()
+
+
+def _preload() -> None:
+    """Import, as root and before the fork, every module a reader's requests use: once it runs as a job's
+    owner it may not be able to read this installation (a venv or pyenv under /root), so nothing may be
+    imported lazily there."""
+    import concurrent.futures.thread  # noqa: F401
+    import encodings.ascii  # noqa: F401  (codecs are imported on first use too)
+    import encodings.latin_1  # noqa: F401
+    import subprocess  # noqa: F401
+
+    from ..core import policy  # noqa: F401
+    from ..evidence import capture, debug_server, flight_recorder, inspect_capture  # noqa: F401
 
 
 def _owner_gid(uid: int, fallback: int) -> int:
@@ -424,6 +440,7 @@ class Readers:
             self._local = LocalChannel(ReaderCore(self.policy, None, fixed_pyspy=False))
 
     def _start_zygote(self, pyspy: str | None) -> None:
+        _preload()
         pyspy_fd = None
         if pyspy is not None:
             # opened as root: a reader runs it through /proc/self/fd even where its user cannot traverse
