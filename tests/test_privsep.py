@@ -368,6 +368,78 @@ def test_a_claim_from_before_the_job_restarted_is_rejected(tmp_path):
             follower.close()
 
 
+def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdict(tmp_path):
+    """Node 1's daemon restarts while the job runs on (and node 0's daemon, hosting the store, stays): the old
+    run's sealed claim, evidence and verdict are still in the store. None of them passes for a fresh one: not
+    the claim (issued before this daemon started), not a node's evidence or the leader's verdict of an earlier
+    incident under the same ``evidence/<gen>``/``verdict/<gen>`` keys (bound to their incident and time)."""
+    from conftest import free_port, resolve_and_decide
+    from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
+    from rankwatch.watchdog.core.policy import CorrelationPolicy
+    from rankwatch.watchdog.core.snapshot import RankView
+    from rankwatch.watchdog.core.verdict import decide
+
+    def view(rank: int, phase: str, since: float) -> RankView:
+        return RankView(rank=rank, node=f"n{rank}", pid=1000 + rank, state="running", step=7, phase=phase,
+                        in_phase_s=since, since_progress_s=since)
+
+    def decide_fn(incident_id: str):
+        def fn(views, notes, how, remote_fr):
+            doc = decide(views, job_id="job", incident_id=incident_id, detected_after_s=1.0,
+                         extra_evidence=list(notes)).to_json()
+            doc["correlation"] = how
+            return doc
+        return fn
+
+    port = free_port()
+    secret = b"s" * 32
+    policy = CorrelationPolicy(verdict_timeout_s=1.5, evidence_timeout_s=1.5)
+    job_started = time.time() - 60  # the job's ranks started before all of this and are still running
+    leader = Correlator("job", 0, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+    old = new = None
+    try:
+        assert wait_for(lambda: leader.store is not None, timeout=60)
+        old = Correlator("job", 1, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+        old.fresh_after_unix = job_started
+        assert wait_for(lambda: old.store is not None, timeout=60)
+        # the old run's incident, exchanged in full: rank 1 (node 1) named, node 1's evidence and the verdict
+        claim = leader.claim("20260101T000000Z-001-stall", {"kind": "stall", "ranks": [1], "reason": "old"})
+        seen = wait_for(lambda: old.poll_incident(), timeout=10)
+        assert seen is not None and seen.gen == claim.gen == 1
+        out: dict = {}
+        t = __import__("threading").Thread(target=lambda: out.setdefault("f", resolve_and_decide(
+            old, seen, [view(1, "dataloader", 9.0)], "n1", 2, decide_fn(seen.incident_id))))
+        t.start()
+        verdict, _, _ = resolve_and_decide(leader, claim, [view(0, "backward", 9.0)], "n0", 2,
+                                           decide_fn(claim.incident_id))
+        t.join(30)
+        assert verdict["initiating_ranks"] == [1] and out["f"][0]["initiating_ranks"] == [1]
+        old.close()
+        old = None
+        time.sleep(1.5)  # past the allowed clock skew
+        # node 1's daemon restarts; the job did not
+        new = Correlator("job", 1, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+        new.fresh_after_unix = job_started
+        assert wait_for(lambda: new.store is not None, timeout=60)
+        replayed = [new.poll_incident() for _ in range(10) if time.sleep(0.1) is None]
+        assert not any(replayed), "the restarted daemon took the old run's claim for a new incident"
+        # an incident of this daemon's life under the same gen (the leader's numbering restarted with it):
+        # the old verdict/1 names rank 1 and is validly sealed, yet it answers another incident
+        fresh = SharedIncident(gen=1, incident_id="20260101T000000Z-001-stall", by_node=0, trigger={},
+                               issued=time.time())
+        # the leader, gathering for it before node 1 answered, does not take node 1's old evidence
+        views, notes, _ = leader._gather(leader.store, fresh, [view(0, "backward", 9.0)], 2, 0.5)
+        assert [v.state for v in views if v.rank == 1] == ["missing"], (views, notes)
+        # nor does node 1 adopt the old verdict
+        got, how, decided_here = resolve_and_decide(new, fresh, [view(1, "forward", 0.2)], "n1", 2,
+                                                    decide_fn(fresh.incident_id))
+        assert decided_here and how.startswith("local: no valid verdict"), how
+    finally:
+        for c in (new, old, leader):
+            if c is not None:
+                c.close()
+
+
 # -- 8. budgets per user -----------------------------------------------------------------------------------
 def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons, ranks, tmp_path):
     a, b = users
