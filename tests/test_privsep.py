@@ -431,9 +431,10 @@ def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdi
         views, notes, _ = leader._gather(leader.store, fresh, [view(0, "backward", 9.0)], 2, 0.5)
         assert [v.state for v in views if v.rank == 1] == ["missing"], (views, notes)
         # nor does node 1 adopt the old verdict
-        got, how, decided_here = resolve_and_decide(new, fresh, [view(1, "forward", 0.2)], "n1", 2,
+        adopted, how, decided_here = resolve_and_decide(new, fresh, [view(1, "forward", 0.2)], "n1", 2,
                                                     decide_fn(fresh.incident_id))
         assert decided_here and how.startswith("local: no valid verdict"), how
+        assert adopted["initiating_ranks"] != [1] or "old" not in adopted["reason"]
     finally:
         for c in (new, old, leader):
             if c is not None:

@@ -408,7 +408,7 @@ def _preload() -> None:
     owner it may not be able to read this installation (a venv or pyenv under /root), so nothing may be
     imported lazily there."""
     import concurrent.futures.thread  # noqa: F401
-    import encodings.ascii  # noqa: F401  (codecs are imported on first use too)
+    import encodings.ascii
     import encodings.latin_1  # noqa: F401
     import subprocess  # noqa: F401
 
