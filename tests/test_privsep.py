@@ -463,6 +463,112 @@ def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons
     assert len(bundle_dirs(d.out / "job-a" / "incidents")) + len(bundle_dirs(d.out / "job-a2" / "incidents")) == 1
 
 
+PATCHED_RANK = """
+import json, os, sys, time
+import rankwatch.hooks.responder as resp
+entries, delay = int(sys.argv[1]), float(sys.argv[2])
+fr = json.loads(open(sys.argv[3], "rb").read())
+one = fr["entries"][0]
+fr["entries"] = [dict(one, record_id=i, collective_seq_id=i + 1) for i in range(entries)] if entries else fr["entries"]
+body = json.dumps(fr).encode()
+real_answer = resp.answer
+
+def answer(rank):  # a responder that is slow (a rank busy in C code) and/or serves a big recorder dump
+    time.sleep(delay)
+    yield from real_answer(rank)
+
+resp.answer = answer
+resp.flight_recorder_json = lambda: (body, None)
+import rankwatch.hooks as rw
+assert rw.init()
+print("ready", os.getpid(), flush=True)
+for step in range(3):
+    with rw.phase("forward"):
+        if step == 2:
+            while True:
+                time.sleep(60)
+        time.sleep(0.05)
+    rw.step()
+"""
+
+
+def patched_ranks(user: User, world: dict, shm: Path, jobs: list[str], entries: int, delay: float):
+    script = world["dir"] / f"patched-{time.monotonic_ns()}.py"
+    script.write_text(PATCHED_RANK)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    for p in (script, fr):
+        p.chmod(0o644)
+    out = []
+    for job in jobs:
+        env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID=job, RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        p = user.popen([world["python"], str(script), str(entries), str(delay), str(fr)], env,
+                       cwd=str(world["dir"]), start_new_session=True)
+        out.append(p)
+        line = p.stdout.readline()
+        assert line.startswith("ready"), line + (p.stderr.read() if p.poll() is not None else "")
+    return out
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def test_one_users_big_bundles_are_pruned_to_that_users_byte_budget_only(users, world, daemons, ranks, tmp_path):
+    a, b = users
+    shm = fresh_shm(world)
+    d = daemons(tmp_path, shm, "--keep-incident-mib", "1", on_stall="report")
+    ranks(b, world, shm, "job-b", "--stall-after", "1")  # B's small bundle
+    assert wait_for(lambda: bundle_dirs(d.out / "job-b" / "incidents"), timeout=90)
+    theirs = bundle_dirs(d.out / "job-b" / "incidents")
+    # A's three incidents, each with a flight-recorder trace of 4,000 entries: over 1 MiB of bundle apiece
+    big = patched_ranks(a, world, shm, ["job-a1", "job-a2", "job-a3"], entries=4000, delay=0.0)
+    try:
+        for job in ("job-a1", "job-a2", "job-a3"):
+            assert d.wait(lambda e, job=job: e.get("event") == "verdict" and e.get("job") == job and e.get("bundle"),
+                          120), job
+        mine = wait_for(lambda: (lambda got: got if len(got) == 1 else None)(
+            [p for j in ("job-a1", "job-a2", "job-a3") for p in bundle_dirs(d.out / j / "incidents")]), timeout=30)
+        assert mine, "A's bundles were not pruned to A's byte budget (the newest one kept)"
+        assert sum(f.stat().st_size for f in mine[0].rglob("*") if f.is_file()) > 1 << 20  # it is a big one
+        assert bundle_dirs(d.out / "job-b" / "incidents") == theirs, "A's bytes pruned B's bundle"
+        assert [e for e in d.events() if e.get("event") == "bundle_pruned" and e.get("owner_uid") != a.uid] == []
+    finally:
+        kill_all(big)
+
+
+def test_one_users_incident_flood_leaves_another_user_a_free_worker(users, world, daemons, ranks, tmp_path):
+    """Four of A's jobs hang at once, each incident slow (a responder that takes 30 s: its capture waits out
+    the responder timeout); B's job hangs just after. A never holds more than its two incidents in flight,
+    so B's incident starts while A's are still being captured, and is written."""
+    a, b = users
+    shm = fresh_shm(world)
+    d = daemons(tmp_path, shm, on_stall="report")
+    slow = patched_ranks(a, world, shm, [f"job-a{i}" for i in range(4)], entries=0, delay=30.0)
+    try:
+        assert d.wait(lambda e: e.get("event") == "incident_deferred" and e.get("owner_uid") == a.uid, 90)
+        ranks(b, world, shm, "job-b", "--stall-after", "1")
+        assert wait_for(lambda: bundle_dirs(d.out / "job-b" / "incidents"), timeout=120), "B's incident lost"
+        in_flight, most, b_started_with = 0, 0, None
+        for e in d.events():
+            job = str(e.get("job", ""))
+            if e.get("event") == "incident_detected" and job.startswith("job-a"):
+                in_flight += 1
+            elif e.get("event") == "verdict" and job.startswith("job-a"):
+                in_flight -= 1
+            elif e.get("event") == "incident_detected" and job == "job-b" and b_started_with is None:
+                b_started_with = in_flight
+            most = max(most, in_flight)
+        assert most <= 2, f"user A had {most} incidents in flight at once"
+        assert b_started_with is not None and b_started_with >= 1, "B's incident did not start beside A's"
+    finally:
+        kill_all(slow)
+
+
 # -- 9. SIGHUP, py-spy output -------------------------------------------------------------------------------
 def test_sighup_loses_no_incident_in_flight(daemons, tmp_path, procs):
     from test_safety import start_rank
