@@ -425,6 +425,7 @@ MAX_NOTES = 16
 # what one rank's capture may put on the wire (``observe.wire.MAX_FRAME`` is 24 MiB): a trace beyond its
 # share is cut to its newest entries per process group, stacks beyond theirs are dropped with a note
 FR_WIRE_BYTES = 8 << 20
+PARSE_MARGIN_S = 15.0  # a 64 MiB dump parses in about a second; ten times that on an overloaded host
 CAPTURE_WIRE_BYTES = 20 << 20
 
 
@@ -496,8 +497,9 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
         req = {"op": "capture", "rank": rank, "pid": pid, "stopped": stopped, "token": token,
                "pyspy_timeout_s": policy.pyspy_timeout_s, "responder_timeout_s": policy.responder_timeout_s,
                "locals": policy.include_locals}
-        # py-spy twice at most (blocking, then nonblocking), the responder's wait, and a margin
-        limit = 2 * policy.pyspy_timeout_s + policy.responder_timeout_s + COLLECT_GRACE_S + 5.0
+        # py-spy twice at most (blocking, then nonblocking), the responder's wait, and parsing a dump of up to
+        # MAX_FR_BYTES on a loaded host
+        limit = 2 * policy.pyspy_timeout_s + policy.responder_timeout_s + COLLECT_GRACE_S + PARSE_MARGIN_S
         try:
             out = default_readers().ask(st.st_uid, st.st_gid, req, (dfd,), limit)
         except ReaderError as exc:

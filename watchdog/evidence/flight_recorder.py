@@ -55,24 +55,33 @@ def load_dump(
     return parse_dump(doc, rank)
 
 
+WIRE_ENTRIES_PER_PG = 4096
+"""Entries per process group a reader sends: the newest, as ``compact_dump`` keeps them. A recorder ring of
+TORCH_FR_BUFFER_SIZE=2000 (the usual setting) arrives whole; a 40,000-entry dump costs the root side a
+tenth of the work, and the analysis compares the newest sequence numbers anyway."""
+
+
 def fr_wire_doc(data: bytes, budget_bytes: int) -> tuple[dict[str, object] | None, str | None]:
     """(the dump as a compact, typed document within ``budget_bytes``, a note): what a job owner's reader
     sends the root daemon instead of the rank's bytes (``capture.capture_to_doc``). Parsed here, on the
-    owner's side; a trace over the budget keeps the newest entries of each process group (what
-    ``compact_dump`` says is safe for the analysis)."""
+    owner's side; at most the newest ``WIRE_ENTRIES_PER_PG`` entries of each process group, fewer where the
+    budget needs it (what ``compact_dump`` says is safe for the analysis)."""
     try:
         trace = load_dump(data)
     except (FlightRecorderFormatError, OSError, ValueError) as exc:
         return None, f"dump skipped: {exc}"[:300]
     longest = max(Counter(e.pg_name for e in trace.entries).values(), default=0)
-    per_pg = max(longest, 1)
-    while per_pg >= 1:
+    per_pg = max(1, min(longest, WIRE_ENTRIES_PER_PG))
+    for _ in range(8):
         doc = compact_dump(trace, per_pg)
-        if len(json.dumps(doc, separators=(",", ":"))) <= budget_bytes:
+        size = len(json.dumps(doc, separators=(",", ":")))
+        if size <= budget_bytes:
             cut = f"newest {per_pg} entries per process group kept of {longest}" if per_pg < longest else None
             return doc, cut
-        per_pg //= 2
-    return None, f"dump skipped: over {budget_bytes} bytes even cut to one entry per process group"
+        if per_pg == 1:
+            break
+        per_pg = max(1, int(per_pg * budget_bytes / size * 0.9))  # one estimate, not a halving per try
+    return None, f"dump skipped: over {budget_bytes} bytes even cut to {per_pg} entries per process group"
 
 
 log = structlog.get_logger("rankwatch.evidence")
