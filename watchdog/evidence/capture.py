@@ -472,7 +472,8 @@ def capture_from_doc(doc: dict[str, Any], rank: int, pid: int) -> RankCapture:
     threads = shape_threads(doc.get("responder_threads"))
     cap.responder_stacks = {"pid": pid, "rank": rank, "threads": threads} if threads is not None else None
     cap.responder_error = text(doc.get("responder_error"))
-    notes = doc.get("notes") if isinstance(doc.get("notes"), list) else []
+    raw_notes = doc.get("notes")
+    notes: list[Any] = raw_notes if isinstance(raw_notes, list) else []
     cap.notes = [clean(n, PROSE)[:300] for n in notes[:MAX_NOTES] if isinstance(n, str)]
     fr = doc.get("fr")
     if fr is not None:
