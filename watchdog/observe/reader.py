@@ -150,6 +150,38 @@ class ReaderCore:
         assert isinstance(snap, RecordSnapshot)
         return {"snap": snapshot_to_doc(snap)}
 
+    def op_rec_read_many(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """Every record of a job in one exchange (a poll of 256 records is one round trip, not 256: on a loaded
+        host each round trip waits for the reader to be scheduled)."""
+        reads = req.get("reads")
+        if not isinstance(reads, list):
+            raise ValueError("reads must be a list")
+        out: list[dict[str, Any]] = []
+        for item in reads[: self.policy.max_records]:
+            if not isinstance(item, list) or len(item) != 2:
+                out.append({"error": "malformed read"})
+                continue
+            r, since = item
+            rec = self._recs.get(r) if isinstance(r, int) else None
+            if rec is None:
+                out.append({"error": "no such record"})
+                continue
+            try:
+                snap = rec.read(since if isinstance(since, int) and not isinstance(since, bool) else -1)
+            except (RecordFormatError, OSError) as exc:
+                out.append({"unreadable": str(exc)[:300]})
+                continue
+            assert isinstance(snap, RecordSnapshot)
+            out.append({"snap": snapshot_to_doc(snap)})
+        return {"snaps": out}
+
+    def op_rec_replaced_many(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        rs = req.get("rs")
+        if not isinstance(rs, list):
+            raise ValueError("rs must be a list")
+        return {"replaced": [isinstance(r, int) and r in self._recs and self._recs[r].replaced()
+                             for r in rs[: self.policy.max_records]]}
+
     def op_rec_replaced(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         return {"replaced": self._recs[w_int(req.get("r"))].replaced()}
 
@@ -673,6 +705,38 @@ class JobDir:
             return snapshot_from_doc(out["snap"], path)
         except WireError as exc:
             raise ReaderError(f"malformed snapshot: {exc}") from None
+
+    def read_many(self, reads: list[tuple[int, int, str]]) -> list[RecordSnapshot | Exception]:
+        """``read_record`` for many records in one exchange: per record its snapshot, or the error it would
+        have raised (RecordFormatError: unreadable this poll; ReaderError: malformed). ReaderError when the
+        reader cannot answer at all."""
+        out = self._call({"op": "rec_read_many", "reads": [[r, since] for r, since, _ in reads]}).get("snaps")
+        if not isinstance(out, list) or len(out) != len(reads):
+            raise ReaderError("malformed batch answer")
+        got: list[RecordSnapshot | Exception] = []
+        for (_, _, path), item in zip(reads, out, strict=True):
+            if not isinstance(item, dict):
+                got.append(ReaderError("malformed answer"))
+            elif "unreadable" in item:
+                got.append(RecordFormatError(str(item["unreadable"])[:300]))
+            elif "snap" not in item:
+                got.append(ReaderError(str(item.get("error"))[:300]))
+            else:
+                try:
+                    got.append(snapshot_from_doc(item["snap"], path))
+                except WireError as exc:
+                    got.append(ReaderError(f"malformed snapshot: {exc}"))
+        return got
+
+    def replaced_many(self, rs: list[int]) -> list[bool]:
+        """``replaced`` for many records at once (all False when the reader cannot answer)."""
+        try:
+            out = self._call({"op": "rec_replaced_many", "rs": rs}).get("replaced")
+        except ReaderError:
+            return [False] * len(rs)
+        if not isinstance(out, list) or len(out) != len(rs):
+            return [False] * len(rs)
+        return [x is True for x in out]
 
     def replaced(self, r: int) -> bool:
         try:
