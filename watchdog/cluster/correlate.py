@@ -33,10 +33,11 @@ from typing import Any
 import structlog
 
 from ..core.detect import progressing_here
+from ..core.doc_checks import store_verdict_problems
 from ..core.fr_trace import RankTrace
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
-from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
+from ..core.schema import HISTORY_SCHEMA, INCIDENT_SCHEMA, VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
 from ..core.steps import StepTiming
 from .store import (
@@ -80,16 +81,8 @@ class SharedIncident:
 
 def validate_verdict(raw: bytes) -> dict[str, Any]:
     doc = parse_json(raw, VERDICT_SCHEMA)
-    if doc.get("kind") not in KINDS or doc.get("confidence") not in CONFIDENCES:
-        raise ValueRejected("verdict: unknown kind or confidence")
-    ranks = doc.get("initiating_ranks")
-    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise ValueRejected("verdict: initiating_ranks must be a list of integers")
-    for key in ("job_id", "incident_id", "reason"):
-        if not isinstance(doc.get(key), str):
-            raise ValueRejected(f"verdict: {key} must be a string")
-    if not isinstance(doc.get("ranks"), dict) or not isinstance(doc.get("evidence"), list):
-        raise ValueRejected("verdict: ranks/evidence malformed")
+    if problems := store_verdict_problems(doc):  # the one verdict spec (core.doc_checks), store-strict
+        raise ValueRejected("verdict: " + "; ".join(problems[:3]))
     return doc
 
 

@@ -56,13 +56,10 @@ if TYPE_CHECKING:  # the step ring type only: the pure core imports no record re
     from .steps import StepTiming
 
 
+from .phases import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
+from .phases import DATALOADER as INPUT_PHASE
 from .ranks import fmt_ranks
 from .schema import SUMMARY_SCHEMA
-
-SYNC_PHASES = frozenset({"collective", "grad_sync"})
-INPUT_PHASES = frozenset({"dataloader"})
-COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer"})
-INPUT_PHASE = "dataloader"
 
 
 @dataclass(frozen=True)

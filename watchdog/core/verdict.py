@@ -404,6 +404,7 @@ def _weigh(
             )
     if not rung.strong and finding.initiators and len(finding.initiators) > len(present) / 2:
         finding.confidence = "low"
+        finding.data["majority_on_weak_evidence"] = True
         finding.evidence.append(
             f"naming {len(finding.initiators)} of {len(present)} ranks on {rung.name.replace('_', ' ')} evidence "
             "alone: a majority is only blamed on strong evidence (an exit, a stop, the flight recorder)"

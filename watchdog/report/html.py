@@ -19,9 +19,9 @@ from typing import Any
 
 from rankwatch.hooks.files import atomic_write
 
+from ..core.phases import COMPUTE_PHASES, DISPLAY_ORDER, INPUT_PHASES, SYNC_PHASES
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_of
-from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
 from ..core.text import BLOCK, PROSE, clean
 from ..errors import UserError
 from .text import next_step
@@ -40,7 +40,7 @@ PHASE_COLOURS = {
 }
 EXTRA_COLOURS = ("#edc948", "#9c755f", "#8cd17d", "#86bcb6", "#f1ce63", "#a0cbe8", "#e6a157", "#6f9bd1")
 # the order phases are listed and stacked in charts (not core.snapshot.STEP_PHASE_ORDER, the rule order)
-DISPLAY_PHASE_ORDER = ("dataloader", "forward", "backward", "optimizer", "grad_sync", "collective", "idle")
+DISPLAY_PHASE_ORDER = DISPLAY_ORDER
 STRAGGLER = "#d62728"
 RANK_COLOURS = ("#4e79a7", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#9c755f", "#f28e2b", "#86bcb6",
                 "#8cd17d", "#a0cbe8", "#ff9da7", "#bab0ac")
