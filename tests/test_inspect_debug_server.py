@@ -82,14 +82,18 @@ def serve(s):
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
         c.close()
 
+named = threading.Event()  # the ports are told once the thread has its name: a probe may come at once
+
 def worker():
     if name_thread:  # what torch's WorkerServer names its threads
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
             f.write("pt_workerserver")
+    named.set()
     serve(server)
 
 threading.Thread(target=hold, args=(silent,), daemon=True).start()
 threading.Thread(target=worker, daemon=True).start()
+named.wait()
 print(json.dumps({"silent": silent.getsockname()[1], "server": server.getsockname()[1]}), flush=True)
 for line in sys.stdin:
     print(len(contacts), flush=True)

@@ -429,6 +429,17 @@ class Correlator:
             )
             how = f"leader node {self.node_rank} over {self._heard} node(s)"
             return Resolution(how, views=views, notes=notes, remote_fr=remote_fr, publish=True)
+        return self._follow(store, inc, local_views, world_size, stall_timeout_s)
+
+    def _follow(
+        self,
+        store: JobStore,
+        inc: SharedIncident,
+        local_views: list[RankView],
+        world_size: int,
+        stall_timeout_s: float | None,
+    ) -> Resolution:
+        """A follower waits for the leader's verdict; without a valid one in time it decides locally."""
         deadline = time.monotonic() + self.policy.verdict_timeout_s
         key = f"verdict/{inc.gen}"
         rejected = False  # a bad value may still be overwritten by the leader's: keep waiting for it
@@ -451,36 +462,43 @@ class Correlator:
                 # the key exists, so waiting for it returns at once: poll, until the leader replaces it
                 time.sleep(self.policy.rejected_value_retry_s)
                 continue
-            healthy = (
-                progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
-                if not self.authenticated and stall_timeout_s is not None
-                else []
-            )
-            if not healthy:
-                return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
-            why = (
-                f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
-                f"as initiating but this node sees it making progress"
-            )
-            log.warning(
-                "remote_verdict_refused",
-                job=self.job_id,
-                key=key,
-                initiating_ranks=verdict["initiating_ranks"][:16],
-                progressing_here=healthy[:16],
-                stall_timeout_s=stall_timeout_s,
-            )
-            return Resolution(why, views=local_views, notes=[why])
+            return self._accept(key, verdict, local_views, stall_timeout_s)
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
             if rejected
             else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
         )
-        views, notes, remote_fr = local_views, [why], {}
+        remote_fr: dict[int, RankTrace] = {}
+        views, notes = local_views, [why]
         if self.store is not None:
             views, more, remote_fr = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
         return Resolution(why, views=views, notes=notes, remote_fr=remote_fr)
+
+    def _accept(
+        self, key: str, verdict: dict[str, Any], local_views: list[RankView], stall_timeout_s: float | None
+    ) -> Resolution:
+        """The leader's verdict, unless it is unauthenticated and names a rank this node sees progressing."""
+        healthy = (
+            progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
+            if not self.authenticated and stall_timeout_s is not None
+            else []
+        )
+        if not healthy:
+            return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
+        why = (
+            f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
+            f"as initiating but this node sees it making progress"
+        )
+        log.warning(
+            "remote_verdict_refused",
+            job=self.job_id,
+            key=key,
+            initiating_ranks=verdict["initiating_ranks"][:16],
+            progressing_here=healthy[:16],
+            stall_timeout_s=stall_timeout_s,
+        )
+        return Resolution(why, views=local_views, notes=[why])
 
     def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
         """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""
