@@ -254,6 +254,12 @@ class Klass:
     action_node: int = 1
     steps: int = 400
     rw_args: tuple[str, ...] = ()  # extra `rankwatch run` options
+    # where else the fault may sit (repeats rotate through fault_rank, then these); only for classes whose
+    # truth is the faulting rank itself — a whole node's truth or "no incident" does not move with it
+    other_ranks: tuple[int, ...] = ()
+
+    def ranks(self) -> tuple[int, ...]:
+        return (self.fault_rank, *self.other_ranks)
 
 
 CLASSES: dict[str, Klass] = {
@@ -263,6 +269,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=1,
+        other_ranks=(2, 0, 3),
         truth=(1,),
         kinds=("hang",),
         phase="forward",
@@ -278,6 +285,7 @@ CLASSES: dict[str, Klass] = {
         nodes=2,
         nproc=4,
         fault_rank=5,
+        other_ranks=(2, 7),
         truth=(5,),
         kinds=("hang",),
         phase="forward",
@@ -293,6 +301,7 @@ CLASSES: dict[str, Klass] = {
         nodes=2,
         nproc=4,
         fault_rank=2,
+        other_ranks=(5, 0),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -308,6 +317,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=2,
+        other_ranks=(0, 3),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -322,6 +332,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=2,
+        other_ranks=(0, 3),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -371,6 +382,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(1, 2),
         truth=(3,),
         kinds=("hang",),
         phase=None,
@@ -387,6 +399,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(1, 2),
         truth=(3,),
         kinds=("hang", "dead_rank"),
         phase=None,
@@ -417,6 +430,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=0,
+        other_ranks=(2, 3),
         truth=(0,),
         kinds=("hang",),
         phase="idle",
@@ -432,6 +446,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=1,
+        other_ranks=(3, 0),
         truth=(1,),
         kinds=("hang",),
         phase="idle",
@@ -446,6 +461,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(0, 1),
         truth=(3,),
         kinds=("hang",),
         phase="forward",
@@ -500,15 +516,19 @@ def plan_fault(model: str, fault: str, position: str) -> Plan:
     return Plan(model, fault, position, nodes, WORLD // nodes, rank, truth, tuple(job_args(model, fault, rank)))
 
 
-def plan_class(name: str) -> Plan:
+def plan_class(name: str, turn: int = 0) -> Plan:
+    """The class's ``turn``-th run: the fault at ``k.ranks()[turn]`` (cycling), the truth moving with it
+    where the truth is the faulting rank."""
     k = CLASSES[name]
-    job = (str(HERE / "jobs" / k.script), *k.args, "--fault-rank", str(k.fault_rank), "--fault-step",
+    rank = k.ranks()[turn % len(k.ranks())]
+    truth = (rank,) if k.truth == (k.fault_rank,) else k.truth
+    job = (str(HERE / "jobs" / k.script), *k.args, "--fault-rank", str(rank), "--fault-step",
            str(FAULT_STEP), "--steps", str(k.steps))
     if "--pg-timeout-s" not in k.args:
         job += ("--pg-timeout-s", "60")
-    where = f"rank {k.fault_rank} of {k.nodes}x{k.nproc}"
+    where = f"rank {rank} of {k.nodes}x{k.nproc}"
     return Plan(
-        "v3", name, where, k.nodes, k.nproc, k.fault_rank, k.truth, job, k.stall_timeout, k.action, k.action_node,
+        "v3", name, where, k.nodes, k.nproc, rank, truth, job, k.stall_timeout, k.action, k.action_node,
         k.rw_args,
     )
 
@@ -1070,30 +1090,57 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def class_outcome(r: dict[str, Any]) -> str:
+    """right / wrong / abstained for one class run: wrong names a rank outside the truth (first incident or a
+    later one) or gives an incident where none is right; abstained names nobody (or misses the incident)."""
+    s = r["score"]
+    if s["rank"]:
+        return "right"
+    if s["named"] or s.get("later_wrong") or not r["truth"]:
+        return "wrong"
+    return "abstained"
+
+
 def report_classes(runs: list[dict[str, Any]]) -> list[str]:
-    """The v3 classes' table: one row per class, what was named against the truth, and the misses."""
+    """The v3 classes' table: one row per class, right / wrong (with its confidence) / abstained, split by
+    hogs, the ranks the fault sat at, and the misses."""
+    hogs = sorted({r["hogs"] for r in runs})
     out = [
         "**v3 classes** (`--classes`)",
         "",
-        "| class | runs | layout | truth | right rank | right kind | right phase | named (confidence) | later "
-        "incidents blaming others | offline named | median fault→verdict s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| class | runs | fault at ranks | truth | right rank | "
+        + " | ".join(f"right, hogs {h}" for h in hogs)
+        + " | wrong (confidence) | abstained | right kind | right phase | later incidents blaming others "
+        "| offline named | median fault→verdict s |",
+        "|---|---|---|---|---|" + "---|" * len(hogs) + "---|---|---|---|---|---|---|",
     ]
     for name in CLASSES:
         cr = [r for r in runs if r["fault"] == name]
         if not cr:
             continue
         sc = [r["score"] for r in cr]
-        named = "; ".join(
-            f"{s['named'] or 'none'}" + (f" ({s.get('confidence')})" if s.get("confidence") else "") for s in sc
+        wrong = [r for r in cr if class_outcome(r) == "wrong"]
+        wrong_txt = (
+            f"{len(wrong)} ("
+            + ", ".join(f"{r['score']['named'] or 'incident'} {r['score'].get('confidence') or '-'}" for r in wrong)
+            + ")"
+            if wrong
+            else "0"
         )
+        by_hogs = [frac([r["score"]["rank"] for r in cr if r["hogs"] == h]) for h in hogs]
         out.append(
-            f"| {name} | {len(cr)} | {cr[0]['position']} | {cr[0]['truth'] or 'no incident'} | "
-            f"{frac([s['rank'] for s in sc])} | {frac([s['kind'] for s in sc])} | {frac([s['phase'] for s in sc])} | "
-            f"{named} | {sum(s['later_wrong'] for s in sc)} | "
+            f"| {name} | {len(cr)} | {', '.join(str(x) for x in dict.fromkeys(r['rank'] for r in cr))} | "
+            f"{'per run' if len({tuple(r['truth']) for r in cr}) > 1 else (cr[0]['truth'] or 'no incident')} | "
+            f"{frac([s['rank'] for s in sc])} | {' | '.join(by_hogs)} | {wrong_txt} | "
+            f"{sum(class_outcome(r) == 'abstained' for r in cr)} | {frac([s['kind'] for s in sc])} | "
+            f"{frac([s['phase'] for s in sc])} | {sum(s['later_wrong'] for s in sc)} | "
             f"{'; '.join(str(s['offline_named'] or 'none') for s in sc)} | "
             f"{med([r['fault_to_verdict_s'] for r in cr])} |"
         )
+    total = len(runs)
+    right = sum(class_outcome(r) == "right" for r in runs)
+    out += ["", f"All classes: right rank {right}/{total}"
+            + (f" ({100 * right / total:.1f} %)" if total else "") + "."]
     out += ["", "**Misses (v3 classes)**", ""]
     n = 0
     for r in runs:
@@ -1112,7 +1159,8 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
             f"{i['kind']} {i['initiating_ranks']} (node {i['node']})" for i in r["incidents"][1:]
         ]
         out.append(
-            f"- {r['fault']} — wrong {', '.join(wrong)}; truth {r['truth'] or 'no incident'}; said {said}"
+            f"- {r['fault']} at rank {r['rank']} hogs {r['hogs']} #{r['repeat']} — wrong {', '.join(wrong)}; "
+            f"truth {r['truth'] or 'no incident'}; said {said}"
             + (f"; later incidents: {', '.join(later)}" if later else "")
         )
     if not n:
@@ -1191,7 +1239,13 @@ def main(argv: list[str] | None = None) -> int:
             for pos in positions
             for f in a.faults
         ]
-    matrix += [("v3", c, plan_class(c).position, h, rep) for h in hogs for rep in range(repeats) for c in classes]
+    # a class's runs rotate its fault through k.ranks(): turn = hog index × repeats + repeat
+    matrix += [
+        ("v3", c, plan_class(c, hi * repeats + rep).position, h, rep)
+        for hi, h in enumerate(hogs)
+        for rep in range(repeats)
+        for c in classes
+    ]
     print(f"{len(matrix)} runs → {a.out}/{stamp}.json", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     t0 = time.time()
@@ -1228,7 +1282,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         for i, (m, f, pos, h, rep) in enumerate(matrix, 1):
-            plan = plan_class(f) if m == "v3" else plan_fault(m, f, pos)
+            plan = plan_class(f, hogs.index(h) * repeats + rep) if m == "v3" else plan_fault(m, f, pos)
             r = run_one(i, plan, h, rep, work, a.keep)
             runs.append(r)
             s = r["score"]
