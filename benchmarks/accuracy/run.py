@@ -406,8 +406,9 @@ CLASSES: dict[str, Klass] = {
         why="pre-init under the default --startup-timeout (300 s): the others' rendezvous-store waits time out "
         "first (60 s pg timeout, DistStoreError naming the key of rank 3 they waited for) and they exit; rank 3 "
         "is the one they waited for",
-        offline=False,
-        offline_why="each survivor prints the store key it waited for (rank 3's): not read offline yet",
+        offline=True,
+        offline_why="each survivor's DistStoreError names the gloo rendezvous key it waited for: the faulting "
+        "rank's (/default_pg/0//cpu//0/<rank>)",
     ),
     "ckpt-declared": Klass(
         "loop.py",

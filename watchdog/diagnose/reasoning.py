@@ -380,7 +380,11 @@ def _rule_rankwatch(logs: Evidence) -> Diagnosis | None:
 def _rule_waited_for(logs: Evidence) -> Diagnosis | None:
     """The sinks of the wait-for graph the lines describe (``diagnose.log_facts``): the ranks PyTorch's
     desync report names as lagging, else the ranks whose NCCL op count is behind their communicator's."""
-    graphs = ((log_facts.DESYNC, log_facts.desync_facts(logs)), (log_facts.NCCL_OPS, log_facts.op_count_facts(logs)))
+    graphs = (
+        (log_facts.DESYNC, log_facts.desync_facts(logs)),
+        (log_facts.NCCL_OPS, log_facts.op_count_facts(logs)),
+        (log_facts.STORE_KEYS, log_facts.store_key_facts(logs)),
+    )
     for rule, facts in graphs:
         if facts is None:
             continue
@@ -393,6 +397,11 @@ def _rule_waited_for(logs: Evidence) -> Diagnosis | None:
         if rule == log_facts.DESYNC:
             reason = (f"PyTorch's desync report names {who} as the lagging rank(s)"
                       f" ({line.detail if line else 'lagging'}): every other rank waited for it")
+        elif rule == log_facts.STORE_KEYS:
+            line = next((e for e in logs.unattributed if "keys: " in e.text), line)
+            reason = (f"{who} never published its rendezvous key: the other ranks' start-up store waits timed out "
+                      f"on it ({line.text.strip() if line else 'DistStoreError'}), so it never reached "
+                      "init_process_group")
         else:
             reason = (f"{who} enqueued fewer NCCL operations than its communicator's other members "
                       "(NCCL INFO opCount): they waited for it")
