@@ -387,11 +387,12 @@ CLASSES: dict[str, Klass] = {
         kinds=("hang",),
         phase=None,
         why="rank 3 blocks before init_process_group; ranks 0-2 wait in it (the rendezvous store) for rank 3. "
-        "--startup-timeout 10 (below the job's 60 s process-group timeout: with the default 300 s the others' "
-        "store timeouts end the job first)",
+        "--startup-timeout 30 (below the job's 60 s process-group timeout: with the default 300 s the others' "
+        "store timeouts end the job first; above the ~10-20 s that 4 ranks take to import torch on 2 loaded "
+        "cores: at 10 s rankwatch run stopped a job whose ranks had not started yet)",
         offline=False,
         offline_why="nothing printed before the kill",
-        rw_args=("--startup-timeout", "10"),
+        rw_args=("--startup-timeout", "30"),
     ),
     "pre-init-default": Klass(
         "loop.py",

@@ -44,7 +44,10 @@ class RankCapture:
     responder_error: str | None = None
     fr_json: bytes | None = None
     notes: list[str] = field(default_factory=list)
-    vanished: bool = False  # gone (or a zombie) when py-spy failed: it died during capture
+    # gone (or a zombie) when py-spy failed, or read with no Python frame in its main thread (an interpreter
+    # finalizing after an uncaught exception: a rank whose store wait timed out as it was captured): it is
+    # dying during capture, and the incident waits for its exit to show before deciding
+    vanished: bool = False
 
     def main_frames(self) -> list[Frame]:
         """The training thread's frames, innermost first, from py-spy if it worked, else the responder. Both
@@ -408,6 +411,8 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
     if threads is None:
         st = read_stat(pid)
         cap.vanished = st is None or st.state in ("Z", "X")
+    elif not stopped and not cap.main_frames():
+        cap.vanished = True
     if reader is not None and not isinstance(asked, str):
         # py-spy pauses the rank while it reads it: the responder gets a little time after that
         asked.extend(time.monotonic() + COLLECT_GRACE_S)
