@@ -254,6 +254,7 @@ class Klass:
     action_node: int = 1
     steps: int = 400
     rw_args: tuple[str, ...] = ()  # extra `rankwatch run` options
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the job
     # where else the fault may sit (repeats rotate through fault_rank, then these); only for classes whose
     # truth is the faulting rank itself — a whole node's truth or "no incident" does not move with it
     other_ranks: tuple[int, ...] = ()
@@ -467,10 +468,13 @@ CLASSES: dict[str, Klass] = {
         truth=(3,),
         kinds=("hang",),
         phase="forward",
-        why="DDP(torch.compile(model)) (inductor); the forward has a graph break and the Python run at the break "
+        why="DDP(torch.compile(model)) (aot_eager); the forward has a graph break and the Python run at the break "
         "blocks on rank 3 at step 5: the others wait in DDP's all_reduce",
         offline=False,
         offline_why="nothing printed before the kill",
+        # the same dynamo graphs, graph break and DDP bucketing without inductor's C++ code generation, which
+        # takes minutes for 4 ranks on 2 loaded cores (runs timed out before the fault step)
+        env=(("RW_COMPILE_BACKEND", "aot_eager"),),
     ),
 }
 
@@ -510,6 +514,7 @@ class Plan:
     action: str | None = None
     action_node: int = 1
     rw_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def plan_fault(model: str, fault: str, position: str) -> Plan:
@@ -531,7 +536,7 @@ def plan_class(name: str, turn: int = 0) -> Plan:
     where = f"rank {rank} of {k.nodes}x{k.nproc}"
     return Plan(
         "v3", name, where, k.nodes, k.nproc, rank, truth, job, k.stall_timeout, k.action, k.action_node,
-        k.rw_args,
+        k.rw_args, k.env,
     )
 
 
@@ -730,6 +735,7 @@ def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bo
         RES_OPTIONS="timeout:1 attempts:1",
         PYTHONUNBUFFERED="1",
     )
+    env.update(plan.env)
     env.pop("RANKWATCH_JOB_ID", None)
     rdzv_port, master_port, store_port = free_port(), free_port(), free_port()
     common = ["--stall-timeout", plan.stall_timeout, "--on-stall", "kill", "--json-logs", *plan.rw_args]
