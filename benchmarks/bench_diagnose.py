@@ -4,12 +4,16 @@ Writes a log of SIZE bytes to a temp file: torchrun --tee output of 8 ranks ("[d
 training-progress lines, 1% NCCL INFO lines, Python logging lines), ending in a real-looking failure
 (rank 5 CUDA error, the others' NCCL watchdog timeouts, torch elastic's failure report). Then runs the
 installed `rankwatch diagnose --json` on it as a child process and reports wall time, MB/s and the
-child's peak RSS (os.wait4 rusage), for a small and a large size, so constant memory shows as equal RSS.
+child's peak RSS (its own VmHWM), for a small and a large size, so constant memory shows as equal RSS.
 Each round also times `grep -c` over the same file (the disk-speed reference; rounds interleaved, the
-machine is shared), and the figure is the median of the rounds and the ratio to grep's median.
+machine is shared) and `rankwatch diagnose` on a 2-line file (start-up: interpreter and imports), and the
+figure is the median of the rounds and the ratio to grep's median. The package is byte-compiled first, as
+an install leaves it (`--no-compile`: measure a source tree under PYTHONDONTWRITEBYTECODE=1, which
+recompiles every module at each start).
 
     python benchmarks/bench_diagnose.py                 # 200 MB and 1 GB, 5 rounds
     python benchmarks/bench_diagnose.py --quick         # 200 MB, 3 rounds
+    python benchmarks/bench_diagnose.py --quick --baseline-rev main~3   # + the code at that revision, same rounds
 """
 
 from __future__ import annotations
@@ -20,12 +24,25 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 RANKS = 8
-FAILURE = Path(__file__).resolve().parent.parent / "tests/fixtures/logs/templated/slurm_cuda_illegal_r5.log"
+REPO = Path(__file__).resolve().parent.parent
+FAILURE = REPO / "tests/fixtures/logs/templated/slurm_cuda_illegal_r5.log"
+# `rankwatch diagnose --json FILE` that prints its own peak RSS (VmHWM) on stderr at exit: wait4's ru_maxrss
+# would also count this parent's memory (the child's high-water mark starts at its parent's at fork)
+DIAGNOSE = (
+    "import atexit, sys\n"
+    "def hwm():\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith('VmHWM:'): sys.stderr.write('rankwatch-bench-hwm ' + line.split()[1] + '\\n')\n"
+    "atexit.register(hwm)\n"
+    "from rankwatch.watchdog.cli.main import main\n"
+    "sys.exit(main(['diagnose', '--json', sys.argv[1]]))\n"
+)
 
 
 def block(seed: int) -> bytes:
@@ -95,25 +112,68 @@ def worst_case(d: str, mb: int = 30) -> None:
         path.unlink()
 
 
-def measure(path: Path) -> dict[str, float]:
+def export_rev(rev: str, d: str) -> dict[str, str]:
+    """The package as it was at git revision ``rev``, byte-compiled, in ``d``: the environment that runs it."""
+    root = Path(d) / "baseline"
+    pkg = root / "rankwatch"
+    pkg.mkdir(parents=True)
+    archive = root / "src.tar"
+    archive.write_bytes(subprocess.run(["git", "-C", str(REPO), "archive", rev, "watchdog", "hooks"],
+                                       capture_output=True, check=True).stdout)
+    with tarfile.open(archive) as tar:
+        tar.extractall(pkg, filter="data")
+    (pkg / "__init__.py").write_text("")
+    import compileall
+
+    compileall.compile_dir(str(pkg), quiet=2)
+    return dict(os.environ, PYTHONPATH=str(root))
+
+
+def measure(path: Path, env: dict[str, str] | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
-    p = subprocess.Popen(["rankwatch", "diagnose", "--json", str(path)], stdout=subprocess.PIPE)
-    assert p.stdout is not None
+    p = subprocess.Popen([sys.executable, "-c", DIAGNOSE, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    assert p.stdout is not None and p.stderr is not None
     out = p.stdout.read()
+    err = p.stderr.read()  # one line (a traceback at worst): cannot fill its pipe while stdout is read
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     doc = json.loads(out)
     assert doc["initiating_ranks"] == [5], doc["reason"]
     size = path.stat().st_size
-    return {"mb": size / 1e6, "s": wall, "mbps": size / 1e6 / wall, "rss_mb": usage.ru_maxrss / 1024}
+    cpu = usage.ru_utime + usage.ru_stime  # its greps too: it waits for them
+    hwm = [ln.split()[1] for ln in err.decode(errors="replace").splitlines() if ln.startswith("rankwatch-bench-hwm ")]
+    hwm_kb = int(hwm[-1]) if hwm else usage.ru_maxrss
+    return {"mb": size / 1e6, "s": wall, "mbps": size / 1e6 / wall, "rss_mb": hwm_kb / 1024, "cpu_s": cpu}
 
 
-def grep_count(path: Path) -> float:
-    """MB/s of ``grep -c`` for a keyword of the failure (one pass in C: the reference speed)."""
+def startup(d: str) -> float:
+    """Seconds of ``rankwatch diagnose`` on a 2-line log: interpreter start, imports, one verdict."""
+    path = Path(d) / "tiny.log"
+    path.write_bytes(b"[default0]:[rank0]:step 1\n[default1]:[rank1]:step 1\n")
     t0 = time.perf_counter()
-    subprocess.run(["grep", "-c", "Error", str(path)], capture_output=True, check=False, timeout=600)
-    return path.stat().st_size / 1e6 / (time.perf_counter() - t0)
+    subprocess.run(["rankwatch", "diagnose", "--json", str(path)], capture_output=True, check=False, timeout=600)
+    return time.perf_counter() - t0
+
+
+def byte_compile() -> None:
+    """Write the package's .pyc files (what pip does at install; a no-op where they exist or cannot be written)."""
+    import compileall
+
+    import rankwatch.watchdog
+
+    compileall.compile_dir(str(Path(rankwatch.watchdog.__file__).parent), quiet=2)
+
+
+def grep_count(path: Path) -> tuple[float, float]:
+    """MB/s and CPU seconds of ``grep -c`` for a keyword of the failure (one pass in C: the reference speed)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(["grep", "-c", "Error", str(path)], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    p.stdout.read()
+    _, _, usage = os.wait4(p.pid, 0)
+    return path.stat().st_size / 1e6 / (time.perf_counter() - t0), usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:
@@ -124,34 +184,61 @@ def main() -> int:
     ap.add_argument("--worst-case", action="store_true", help="also time logs where every line is a candidate")
     ap.add_argument("--quick", action="store_true", help="200 MB, 3 rounds")
     ap.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    ap.add_argument("--no-compile", action="store_true", help="do not byte-compile the package first")
+    ap.add_argument("--baseline-rev", default=None, help="also time the code at this git revision, same rounds")
     args = ap.parse_args()
+    if not args.no_compile:
+        byte_compile()
     sizes = args.sizes_mb or ([200] if args.quick else [200, 1000])
     rounds = args.rounds or (3 if args.quick else 5)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared)")
     rows, raw = [], []
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        base_env = export_rev(args.baseline_rev, d) if args.baseline_rev else None
         for mb in sizes:
             path = Path(d) / f"synthetic-{mb}MB.log"
             write_log(path, mb * 1_000_000)
-            runs, greps = [], []
+            runs, greps, grep_cpu, starts, base = [], [], [], [], []
             for i in range(rounds):
-                for which in (("grep", "rw") if i % 2 == 0 else ("rw", "grep")):
+                order = ("grep", "rw", "start", "base") if i % 2 == 0 else ("base", "start", "rw", "grep")
+                for which in order:
+                    if which == "base":
+                        if base_env:
+                            base.append(measure(path, base_env))
+                        continue
                     if which == "grep":
-                        greps.append(grep_count(path))
-                    else:
+                        g, c = grep_count(path)
+                        greps.append(g)
+                        grep_cpu.append(c)
+                    elif which == "rw":
                         runs.append(measure(path))
+                    else:
+                        starts.append(startup(d))
                 print(f"  round {i + 1}/{rounds} {mb} MB: diagnose {runs[-1]['mbps']:6.1f} MB/s "
-                      f"(RSS {runs[-1]['rss_mb']:.1f} MB), grep -c {greps[-1]:6.1f} MB/s", flush=True)
+                      f"(RSS {runs[-1]['rss_mb']:.1f} MB), grep -c {greps[-1]:6.1f} MB/s, "
+                      f"start-up {starts[-1]:.3f} s", flush=True)
             mbps = statistics.median(r["mbps"] for r in runs)
             gmbps = statistics.median(greps)
             rss = max(r["rss_mb"] for r in runs)
-            raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps})
+            start_s = statistics.median(starts)
+            cpu, gcpu = statistics.median(r["cpu_s"] for r in runs), statistics.median(grep_cpu)
+            raw.append({"mb": runs[0]["mb"], "diagnose": runs, "grep_c_mbps": greps, "grep_c_cpu_s": grep_cpu,
+                        "startup_s": starts, "baseline": base})
+            load = os.getloadavg()[0]
             rows.append(f"| `rankwatch diagnose`, {runs[0]['mb']:.0f} MB synthetic 8-rank log, median of {rounds} "
-                        f"interleaved rounds | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
-                        f"(= {100 * mbps / gmbps:.0f} % of grep), peak RSS {rss:.1f} MB | >= 300 MB/s | "
-                        f"{'yes' if mbps >= 300 else 'NO (see grep: the machine)'} |")
+                        f"interleaved rounds (load {load:.1f}) | **{mbps:.0f} MB/s** vs `grep -c` {gmbps:.0f} MB/s "
+                        f"(= {100 * mbps / gmbps:.0f} % of grep), peak RSS {rss:.1f} MB, start-up {start_s:.2f} s; "
+                        f"CPU {cpu:.2f} s vs grep's {gcpu:.2f} s "
+                        f"| >= 300 MB/s | {'yes' if mbps >= 300 else 'NO (see grep: the machine)'} |")
+            if base:
+                bm, bc = statistics.median(r["mbps"] for r in base), statistics.median(r["cpu_s"] for r in base)
+                brss = max(r["rss_mb"] for r in base)
+                rows.append(f"| … the code at `{args.baseline_rev}`, same rounds | {bm:.0f} MB/s "
+                            f"(= {100 * bm / gmbps:.0f} % of grep), peak RSS {brss:.1f} MB; CPU {bc:.2f} s | — | — |")
+                print(f"{'':8} baseline {args.baseline_rev}: {bm:6.1f} MB/s  CPU {bc:.2f} s  peak RSS {brss:.1f} MB")
             print(f"{runs[0]['mb']:8.1f} MB  {mbps:6.1f} MB/s  grep -c {gmbps:6.1f} MB/s  peak RSS {rss:.1f} MB"
-                  f"  -> initiator rank 5 (correct)", flush=True)
+                  f"  start-up {start_s:.3f} s  CPU {cpu:.2f} s (grep -c {gcpu:.2f} s)  -> initiator rank 5 (correct)",
+                  flush=True)
             path.unlink()
         if args.worst_case:
             worst_case(d)

@@ -5,7 +5,11 @@ that stalls after a few steps, and, beside it, one of:
 
 * ``quiet``:   nothing else;
 * ``records``: 1,100 valid records in another job, every one mapped by one live process (so each verifies);
-* ``torn``:    99 records held mid-update (odd seqlock) by a live process: every read of them is torn.
+* ``torn``:    99 records held mid-update (odd seqlock) by a live process: every read of them is torn;
+* ``incidents``: 4 jobs of another user (``nobody``, when run as root; else this same user, whose own
+  in-flight share then holds the victim back too) hung just before the victim, each rank's responder
+  serving a 19 MB flight-recorder dump (40,000 entries): their incidents are being captured and parsed
+  (in that user's readers) while the victim stalls.
 
 Latency is stall onset to detection: the ``incident_detected`` log line's time minus the victim's last
 progress (on this host's clocks), the 2 s stall timeout included. Medians over ``--repeats``.
@@ -50,6 +54,47 @@ sys.stdin.readline()
 """
 
 
+FR_FIXTURE = REPO / "tests" / "fixtures" / "fr" / "nccl_hang" / "rank-0.fr.json"
+BIG_FR_RANK = """
+import json, os, sys, time
+import rankwatch.hooks.responder as resp
+fr = json.loads(open(sys.argv[1], "rb").read())
+one = fr["entries"][0]
+fr["entries"] = [dict(one, record_id=i, collective_seq_id=i + 1) for i in range(int(sys.argv[2]))]
+body = json.dumps(fr).encode()
+resp.flight_recorder_json = lambda: (body, None)
+import rankwatch.hooks as rw
+assert rw.init()
+with rw.phase("forward"):
+    time.sleep(0.05)
+rw.step()
+print("ready", len(body), flush=True)
+with rw.phase("forward"):
+    time.sleep(3600)
+"""
+INCIDENT_JOBS = 4
+FR_ENTRIES = 40_000
+
+
+def _other_user(tmp: Path, env: dict[str, str]) -> tuple[str, dict, dict[str, str]]:
+    """(python, Popen kwargs, env) to run a hook process as ``nobody`` (root only; else as this user): the
+    hook package staged where that user can import it, and a system Python it can run."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"):
+        return sys.executable, {}, env
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    stage = tmp / "pkg"
+    (stage / "rankwatch").mkdir(parents=True, exist_ok=True)
+    if not (stage / "rankwatch" / "hooks").exists():
+        (stage / "rankwatch" / "hooks").symlink_to(REPO / "hooks")
+    for p in (stage, stage / "rankwatch"):
+        p.chmod(0o755)
+    kw = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+    return "/usr/bin/python3", kw, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(stage), "HOME": str(tmp),
+                                    "PYTHONDONTWRITEBYTECODE": "1", "RANKWATCH_SHM_DIR": env["RANKWATCH_SHM_DIR"]}
+
+
 def _events(path: Path) -> list[dict]:
     out = []
     for line in path.read_text(errors="replace").splitlines():
@@ -69,10 +114,23 @@ def one_run(mode: str, tmp: Path) -> float | None:
 
     shm, out, log = tmp / f"shm-{mode}", tmp / f"out-{mode}", tmp / f"daemon-{mode}.log"
     shm.mkdir(mode=0o700, parents=True)
+    shm.chmod(0o1777)  # shared like /dev/shm (another user's jobs in ``incidents``)
+    for p in (tmp, *tmp.parents):
+        if str(p).startswith(tempfile.gettempdir() + os.sep):
+            p.chmod(0o755)
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm))
     try:
-        if mode != "quiet":
+        if mode == "incidents":
+            python, as_user, hung_env = _other_user(tmp, env)
+            for j in range(INCIDENT_JOBS):
+                hung = subprocess.Popen([python, "-c", BIG_FR_RANK, str(FR_FIXTURE), str(FR_ENTRIES)],
+                                        stdout=subprocess.PIPE, text=True, **as_user,
+                                        env=dict(hung_env, RANKWATCH_JOB_ID=f"hung-{j}", RANK="0", WORLD_SIZE="1",
+                                                 LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
+                procs.append(hung)
+                assert hung.stdout is not None and hung.stdout.readline().startswith("ready")
+        elif mode != "quiet":
             count = 1100 if mode == "records" else 99
             flood = subprocess.Popen([sys.executable, "-c", FLOODER, str(shm / "flood"), str(count), mode],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -84,7 +142,7 @@ def one_run(mode: str, tmp: Path) -> float | None:
                  "--stall-timeout", str(STALL_S), "--poll-interval", "0.2", "--json-logs"],
                 stdout=subprocess.DEVNULL, stderr=err, env=env)
         procs.append(daemon)
-        time.sleep(3)  # the daemon has adopted the flood
+        time.sleep(3)  # the daemon has adopted the flood (the hung jobs' incidents open about now)
         victim = subprocess.Popen([sys.executable, RANK, "--stall-after", "20", "--step-s", "0.05"],
                                   stdout=subprocess.PIPE, text=True,
                                   env=dict(env, RANKWATCH_JOB_ID="victim", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -98,6 +156,12 @@ def one_run(mode: str, tmp: Path) -> float | None:
             time.sleep(0.1)
         if got is None:
             return None
+        if mode == "incidents":  # the measurement means something only if they were being handled meanwhile
+            events = _events(log)
+            upto = events[: events.index(got)]
+            hung = [e.get("event") for e in upto if str(e.get("job")).startswith("hung")]
+            busy = hung.count("incident_detected") - hung.count("verdict")
+            print(f"incidents: {busy} of the hung jobs' incidents in flight at the victim's detection", file=sys.stderr)
         rec = read_record(str(shm / "victim" / "rank-0.hb"))
         offset = time.time() - time.monotonic()
         return _wall(got["timestamp"]) - (rec.last_progress_ns / 1e9 + offset)
@@ -117,7 +181,7 @@ def main() -> None:
     raw: dict[str, list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="rw-flood-") as d:
         for i in range(repeats):
-            for mode in ("quiet", "records", "torn"):  # interleaved: load drifts alike over the modes
+            for mode in ("quiet", "records", "torn", "incidents"):  # interleaved: load drifts alike over the modes
                 raw.setdefault(mode, []).append(one_run(mode, Path(d) / f"{mode}-{i}"))
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))

@@ -5,6 +5,9 @@
     loop is *not* subtracted, so the numbers are an upper bound). Also measured: what a plain
     ``nn.Module`` call costs once ``instrument()`` has installed its global forward hooks (every module
     call then runs the pre/post hook), and the hook-only per-step cost of the demo's loop.
+(a2) Per step, one process: the demo's small-step loop (DDP world size 1) under ``instrument()``, in blocks
+    of 10 steps with the hook switched off and on alternately (``HookSwitch``): the median paired
+    difference of the training thread's CPU time per step is the hook's cost inside real steps.
 (b) End-to-end: ``benchmarks/ddp_timed.py`` (the demo's balanced loop — same model, data, DDP,
     optimizer and per-step all_reduce as examples/ddp_demo.py, imported from it — plus a timer around
     the steps after a warm-up) under ``torchrun --nproc-per-node 2``, with and without
@@ -166,6 +169,116 @@ def module_call_cost(batches: int, calls: int, tr) -> dict[str, float]:  # type:
     }
 
 
+# -- (a2) per step, one process ------------------------------------------------------------------
+class HookSwitch:
+    """Switches ``instrument()``'s installed points off and on again in this process (benchmark only):
+    the same loop, interleaved block by block with and without the hook, so the load of other jobs on
+    shared cores drifts equally over both. Swaps the wrapped functions for their originals and empties /
+    refills the hook dicts torch reads on each call (global optimizer hooks, the DDP instance's forward
+    hooks, the parameters' post-accumulate-grad hooks)."""
+
+    def __init__(self, ddp) -> None:  # type: ignore[no-untyped-def]
+        import torch
+        import torch.distributed as dist
+        import torch.optim.optimizer as optim_mod
+        import torch.utils.data.dataloader as dl
+        from rankwatch.hooks.instrument import COLLECTIVES
+
+        owners = [(dl._BaseDataLoaderIter, "__next__"), (dl._SingleProcessDataLoaderIter, "_next_data"),
+                  (torch.autograd, "backward"), *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
+        self.attrs = [(o, n, getattr(o, n)) for o, n in owners]
+        dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks,
+                 ddp._forward_pre_hooks, ddp._forward_hooks, ddp._forward_hooks_always_called]
+        dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]
+        self.dicts = [(d, dict(d)) for d in dicts]
+        assert all(hasattr(f, "__rankwatch_wrapped__") for _, _, f in self.attrs[:3]), "instrument() not installed"
+
+    def set(self, on: bool) -> None:
+        for owner, name, fn in self.attrs:
+            setattr(owner, name, fn if on else getattr(fn, "__rankwatch_wrapped__", fn))
+        for d, saved in self.dicts:
+            d.clear()
+            if on:
+                d.update(saved)
+
+
+def step_child(steps: int) -> None:
+    """The demo's small-step loop (ddp_timed.py's pieces) in one process (gloo, world size 1) under
+    ``instrument()``, in blocks of steps alternately with the hook switched off and on (HookSwitch);
+    prints the training thread's CPU time per step of each block, as JSON."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import torch
+    import torch.distributed as dist
+    from ddp_demo import Model, SlowCollate, SyntheticData, parse_args
+    from rankwatch.hooks import ddp_timing, instrument
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    assert instrument(), "the hook did not start"
+    args = parse_args(["--hidden", "128", "--layers", "3", "--batch-size", "32"])
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="rw-bench-store-")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Model(args.hidden, args.layers))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    batches = iter(DataLoader(SyntheticData(args, 0), batch_size=32, collate_fn=SlowCollate(args, 0, [0])))
+    loss_sum = torch.zeros(1)
+    clock = time.thread_time_ns
+
+    def block(n: int) -> float:
+        c = clock()
+        for _ in range(n):
+            x, y = next(batches)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum.copy_(loss.detach())
+            dist.all_reduce(loss_sum)
+        return (clock() - c) / n / 1e3
+
+    block(30)  # warm-up, hooked: the forward hooks move onto the model at the first optimizer step
+    switch = HookSwitch(ddp)
+    timing = ddp_timing.active()
+    splits = timing.split_count if timing else 0
+    per = 10
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(steps // (2 * per)):
+        for on in ((False, True) if i % 2 == 0 else (True, False)):
+            switch.set(on)
+            out["on" if on else "off"].append(block(per))
+    switch.set(True)
+    dist.destroy_process_group()
+    shutil.rmtree(tmp, ignore_errors=True)
+    out["splits"] = [float((timing.split_count if timing else 0) - splits)]
+    print(json.dumps(out), flush=True)
+
+
+def per_step(steps: int) -> dict[str, float]:
+    """One child (step_child): per-step training-thread CPU with the hook off / on, medians over the
+    blocks, and the median of the paired (adjacent) block differences."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000")
+    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-step")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
+        env.pop(key, None)
+    try:
+        with Procs() as procs:
+            res = procs.run([sys.executable, __file__, "--step-child", str(steps)], timeout=600, text=True, env=env)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    if res.returncode != 0 or line is None:
+        raise RuntimeError(f"per-step run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    r = json.loads(line)
+    off, on = r["off"], r["on"]
+    paired = median([b - a for a, b in zip(off, on, strict=True)])
+    return {"off_us": median(off), "on_us": median(on), "paired_us": paired,
+            "blocks": float(len(on)), "splits": r["splits"][0], "steps_on": float(len(on) * 10)}
+
+
 # -- (b) end to end -------------------------------------------------------------------------------
 ARM_ENV = {
     "base": {},
@@ -249,7 +362,11 @@ def main() -> int:
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
+    p.add_argument("--step-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.step_child:
+        step_child(args.step_child)
+        return 0
     pairs = args.pairs or (3 if args.quick else 6)
     batches, calls = (100, 1000) if args.quick else (1000, 1000)
     steps = {"5ms": 300, "50ms": 60} if args.quick else {"5ms": 600, "50ms": 120}
@@ -286,6 +403,13 @@ def main() -> int:
         f"{DEMO_MODULE_CALLS} module calls) | {est / 1000:.1f} µs = {est / 50_000:.2f} % of 5 ms, "
         f"{est / 500_000:.3f} % of 50 ms | — | — |",
     ]
+    if not args.micro_only:
+        n_steps = 2000 if args.quick else 8000
+        print(f"(a2) per step, one process: {n_steps} steps in blocks of 10, hook off / on alternately", flush=True)
+        ps = per_step(n_steps)
+        print("  " + ", ".join(f"{k} {v:.1f}" for k, v in ps.items()), flush=True)
+        raw["per_step"] = ps
+        rows += per_step_rows(ps)
     if not args.micro_only and not args.no_e2e:
         arms = ["base", "hook", *args.extra_arms]
         print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
@@ -316,6 +440,17 @@ def main() -> int:
     if not args.micro_only:
         rows += shares_rows(args, raw)
     return print_results(rows, raw, args.json)
+
+
+def per_step_rows(ps: dict[str, float]) -> list[str]:
+    split = "every hooked step split into backward/grad_sync" if ps["splits"] == ps["steps_on"] else (
+        f"{ps['splits']:.0f} of {ps['steps_on']:.0f} hooked steps split")
+    return [
+        f"| hook CPU per step, one process (DDP world size 1, DataLoader, SGD, 1 all_reduce, FR on in both; "
+        f"{ps['blocks']:.0f} blocks of 10 steps, hook switched off/on alternately; {split}): training-thread CPU "
+        f"per step | {ps['off_us']:.1f} → {ps['on_us']:.1f} µs, **{ps['paired_us']:+.1f} µs** (median of paired "
+        f"blocks) | <= 20 µs | {'yes' if ps['paired_us'] <= 20 else 'NO'} |"
+    ]
 
 
 def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:

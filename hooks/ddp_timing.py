@@ -8,24 +8,29 @@ finished computing on this rank, i.e. when its last gradient (hence last bucket)
 exit (on the training thread) the tracker moves the tail ``backward end - graph done`` from ``backward``
 into ``grad_sync``. The phases still add up to the step.
 
-Mechanism: an autograd *engine callback*. At backward entry the ``torch.autograd.backward`` wrapper
-(instrument.py) puts a pre-hook on the root tensor's ``grad_fn``; the root node runs first, and the
-pre-hook queues ``stamp`` with ``Variable._execution_engine.queue_callback``. Final callbacks run FIFO
-once the graph task has finished computing. DDP's reducer queues its own finalize callback (which waits
-for the bucket all-reduces and copies the averaged gradients back) only when its last bucket becomes
-ready, i.e. later than ours, so ``stamp`` runs before the wait. The pre-hook is removed at backward
-exit (``retain_graph``). Cost: two Python calls per backward, independent of the number of buckets; no
-communication hook, so user, built-in and mixed-precision comm hooks and ``join()`` are untouched.
+Mechanism: an autograd *engine callback*, queued from a hook registered once per DDP model. When a
+DDP model is constructed (its ``__init__`` is wrapped thinly), one of its parameters gets a
+post-accumulate-grad hook. During a backward that will all-reduce, that hook queues ``stamp`` with
+``Variable._execution_engine.queue_callback``; final callbacks run FIFO once the graph task has finished
+computing. DDP's reducer queues its own finalize callback (which waits for the bucket all-reduces and
+copies the averaged gradients back) only when its last bucket becomes ready, from its post hook on a
+gradient accumulator; a tensor's post-accumulate-grad hooks run inside ``AccumulateGrad`` before the
+node's post hooks, so even when our parameter is the last one ready, ``stamp`` is queued first and runs
+before the wait. Cost per backward: the one hook call and the callback, independent of the number of
+buckets; nothing is registered or removed per step; no communication hook, so user, built-in and
+mixed-precision comm hooks and ``join()`` are untouched.
 
-Only backward passes through a DDP model are split: ``DistributedDataParallel.__init__`` is wrapped
-thinly to put a forward pre-hook on each instance; a forward that will all-reduce in its backward
-(grad enabled, not under ``no_sync()``, C++ reducer) arms the next backward on the training thread.
-Plain models, FSDP (whose final callback also waits) and ``no_sync()`` steps keep ``backward`` whole.
-Only the outermost backward is split (a reentrant one, e.g. activation checkpointing, is left alone).
+Only backward passes through a DDP model that will all-reduce are split: the hook reads DDP's own
+``require_forward_param_sync``, which DDP's forward sets when it prepared the reducer for a backward
+(grad enabled, not under ``no_sync()``) and clears otherwise. The compiled-autograd Python reducer
+(which queues its wait differently) gets no hook. Plain models, FSDP (whose final callback also waits)
+and ``no_sync()`` steps keep ``backward`` whole. Only the outermost backward is split (a reentrant one,
+e.g. activation checkpointing, is left alone); a step whose hooked parameter got no gradient (unused
+with ``find_unused_parameters``) keeps its backward whole.
 
-The pre-hook and the callback may run on an autograd device thread (CUDA): they only store an int
-(``ready_ns``) in a Python attribute, no shm write, no lock. Everything that touches the record happens
-at backward exit on the training thread.
+The hook and the callback may run on an autograd device thread (CUDA): they only store Python
+attributes (``queued``, ``ready_ns``), no shm write, no lock. Everything that touches the record
+happens at backward exit on the training thread.
 
 CUDA caveat: the graph is "done" when autograd finished it *on the CPU side* (its kernels are queued,
 not necessarily done). When the GPU lags the CPU, the GPU time of the last gradients falls into
@@ -66,14 +71,14 @@ class DDPTiming:
         self.tracker = tracker
         self.enabled = True
         self._queue_callback = queue_callback  # Variable._execution_engine.queue_callback
-        # end of the running backward's graph (0: not yet); written by stamp(), possibly on another thread
+        # end of the running backward's graph (0: not yet); written by _stamp(), possibly on another thread
         self.ready_ns = 0
+        # the outermost backward on the training thread is running and has not queued its stamp yet
+        self.waiting = False
         self.grad_sync_slot = NO_PHASE
-        self.armed = False  # a DDP forward that will all-reduce ran since the last backward
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # DDP instances seen (tests, debugging)
         self.split_count = 0  # backward passes split so far (tests, debugging)
-        self._depth = 0  # backward nesting on the training thread
-        self._handle: Any = None  # the root pre-hook of the running backward
+        self.depth = 0  # backward nesting on the training thread
         self._error: BaseException | None = None  # raised on an autograd thread, reported at exit
 
     def _fail(self, exc: BaseException) -> None:
@@ -85,92 +90,68 @@ class DDPTiming:
 
     # -- called from the wrapped DDP.__init__ (any thread) -----------------------------------------
     def constructed(self, ddp: Any) -> None:
+        """One post-accumulate-grad hook on the model's last trainable parameter, for its lifetime."""
         try:
-            if self.enabled:
-                ddp.register_forward_pre_hook(self._forward_pre)
-                self.models.add(ddp)
+            if not self.enabled or getattr(ddp, "_use_python_reducer", False):
+                return
+            param = None
+            ignored = getattr(ddp, "parameters_to_ignore", ())  # DDP never all-reduces these: no signal
+            for name, p in ddp.module.named_parameters():
+                if p.requires_grad and name not in ignored:
+                    param = p
+            if param is None:
+                return
+            if self.grad_sync_slot < 0 and self.tracker.on_thread():
+                self.grad_sync_slot = self.tracker.slot(GRAD_SYNC)
+            param.register_post_accumulate_grad_hook(self._accumulated_hook(weakref.ref(ddp)))
+            self.models.add(ddp)
         except Exception as exc:
             self._fail(exc)
-
-    def _forward_pre(self, ddp: Any, args: Any) -> None:
-        # DDP's own condition for reducer.prepare_for_backward(); the compiled-autograd Python reducer
-        # queues its wait differently and is left alone
-        try:
-            if (
-                self.enabled
-                and ddp.require_backward_grad_sync
-                and _grad_enabled()
-                and not getattr(ddp, "_use_python_reducer", False)
-            ):
-                self.armed = True
-        except Exception as exc:
-            self._error = exc
 
     # -- engine side (autograd thread: attributes only) -------------------------------------------
     def _stamp(self) -> None:
         self.ready_ns = _now()
 
-    def _root_prehook(self, grad_outputs: Any) -> None:
-        try:
-            self._queue_callback(self._stamp)
-        except Exception as exc:
-            self._error = exc
+    def _accumulated_hook(self, ref: Any) -> Any:
+        """The parameter's hook (a weak reference: the hook never keeps its model alive)."""
+        queue, stamp = self._queue_callback, self._stamp
 
-    # -- called around torch.autograd.backward ----------------------------------------------------
-    def begin(self, tensors: Any) -> bool:
-        """Before a backward. True when ``end()`` must be called after it (on the training thread)."""
-        try:
-            if not self.enabled or not self.tracker.on_thread():
-                return False
-            self._depth += 1
-        except Exception as exc:
-            self._fail(exc)
-            return False
-        if self._depth > 1 or not self.armed:  # reentrant backward, or not through a DDP model
-            return True
-        self.armed = False
-        try:
-            if not self.tracker.enabled:
-                return True
-            if isinstance(tensors, (list, tuple)):
-                tensors = tensors[0] if tensors else None
-            grad_fn = getattr(tensors, "grad_fn", None)
-            if grad_fn is None:
-                return True
-            if self.grad_sync_slot < 0:
-                self.grad_sync_slot = self.tracker.slot(GRAD_SYNC)
+        def accumulated(param: Any) -> None:
+            # only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce
+            if self.waiting and self.depth == 1:
+                try:
+                    ddp = ref()
+                    if ddp is not None and ddp.require_forward_param_sync:
+                        self.waiting = False
+                        queue(stamp)
+                except Exception as exc:
+                    self._error = exc
+
+        return accumulated
+
+    # -- called around torch.autograd.backward on the training thread ------------------------------
+    def begin(self) -> None:
+        """Before a backward (on the tracker's thread); ``end()`` must follow it."""
+        self.depth = depth = self.depth + 1
+        if depth == 1:
             self.ready_ns = 0
-            self._handle = grad_fn.register_prehook(self._root_prehook)
-        except Exception as exc:
-            self._fail(exc)
-        return True
+            self.waiting = self.enabled
 
     def end(self) -> int:
-        """After a backward for which ``begin()`` returned True: the split time (0: no split)."""
-        self._depth -= 1
-        if self._depth > 0 or self._handle is None:
+        """After a backward: the split time (0: no split)."""
+        self.depth = depth = self.depth - 1
+        if depth:
             return 0
-        handle, self._handle = self._handle, None
-        ready, self.ready_ns = self.ready_ns, 0
-        try:
-            handle.remove()
-        except Exception as exc:
-            self._fail(exc)
+        self.waiting = False
+        ready = self.ready_ns
         if self._error is not None:
             self._fail(self._error)
-        if not self.enabled or not ready:
             return 0
+        if not ready or not self.enabled:
+            return 0
+        self.ready_ns = 0
         self.split_count += 1
         return ready
-
-
-def _grad_enabled() -> bool:
-    global _grad_enabled
-    import torch
-
-    # bound once: the forward pre-hook asks on every DDP forward (an import statement per call is ~0.2 µs)
-    _grad_enabled = torch.is_grad_enabled
-    return bool(torch.is_grad_enabled())
 
 
 def active() -> DDPTiming | None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from . import ddp_timing
 from .ddp_timing import DDPTiming
-from .record import CANONICAL_PHASES
+from .record import CANONICAL_PHASES, NO_PHASE
 from .tracker import Tracker
 
 DATALOADER, FORWARD, BACKWARD, OPTIMIZER = (CANONICAL_PHASES.index(p) for p in CANONICAL_PHASES[:4])
@@ -48,6 +49,7 @@ COLLECTIVES = (
 )
 
 _installed = False
+_exc_info = sys.exc_info
 
 
 class OutermostForward:
@@ -67,20 +69,21 @@ class OutermostForward:
         self.tops: dict[int, Any] = {}
         self.global_handles: list[Any] = []
         self.promoted = False
+        self._enter, self._exit = tracker.enter, tracker.exit
 
     def _pre(self, module: Any, args: Any) -> None:
-        self.depth += 1
-        if self.depth == 1:
-            self.tracker.enter(FORWARD)
+        self.depth = depth = self.depth + 1
+        if depth == 1:
+            self._enter(FORWARD)
             if not self.promoted and id(module) not in self.tops:
                 self.tops[id(module)] = module
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
-        self.depth -= 1
-        if self.depth <= 0:
+        self.depth = depth = self.depth - 1
+        if depth <= 0:
             self.depth = 0
             # always_call: torch also calls this while an exception leaves forward (inside its except block)
-            self.tracker.exit(FORWARD, failing=sys.exc_info()[0] is not None)
+            self._exit(FORWARD, 0, NO_PHASE, _exc_info()[0] is not None)
 
     def install(self) -> None:
         self.global_handles = [
@@ -123,16 +126,20 @@ def _compiled_something() -> bool:
         return False
 
 
+# The wrappers below run on every step: what they need is bound once, when they are made (the tracker's
+# bound methods, its thread), so a call does no attribute lookups beyond the tracker's own stores.
 def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable[..., Any]:
+    enter, exit_ = tracker.enter, tracker.exit
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tracker.enter(slot)
+        enter(slot)
         try:
             out = fn(*args, **kwargs)
         except BaseException:
-            tracker.exit(slot, failing=True)
+            exit_(slot, failing=True)
             raise
-        tracker.exit(slot)
+        exit_(slot)
         return out
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
@@ -140,13 +147,15 @@ def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable
 
 
 def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Callable[..., Any]:
+    enter, exit_ = tracker.collective_enter, tracker.collective_exit
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tracker.collective_enter(op)
+        enter(op)
         try:
             return fn(*args, **kwargs)
         finally:
-            tracker.collective_exit()
+            exit_()
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -157,17 +166,21 @@ def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming |
     the gradient all-reduce, i.e. for the peers) is booked as ``grad_sync``."""
     if timing is None:
         return _wrap_phase(fn, tracker, BACKWARD)
+    enter, exit_, begin, end = tracker.enter, tracker.exit, timing.begin, timing.end
+    ident, thread = threading.get_ident, tracker.thread_id
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        split = timing.begin(args[0] if args else kwargs.get("tensors"))
-        tracker.enter(BACKWARD)
+        if ident() != thread:  # another thread's backward: neither a phase nor split
+            return fn(*args, **kwargs)
+        begin()
+        enter(BACKWARD)
         try:
             out = fn(*args, **kwargs)
         except BaseException:
-            tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot, failing=True)
+            exit_(BACKWARD, end(), timing.grad_sync_slot, failing=True)
             raise
-        tracker.exit(BACKWARD, timing.end() if split else 0, timing.grad_sync_slot)
+        exit_(BACKWARD, end(), timing.grad_sync_slot)
         return out
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
@@ -218,13 +231,16 @@ def install(tracker: Tracker) -> None:
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    enter, exit_, step = tracker.enter, tracker.exit, tracker.step
+
     def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        tracker.enter(OPTIMIZER)
+        enter(OPTIMIZER)
 
     def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        tracker.exit(OPTIMIZER)
-        tracker.step(explicit=False)
-        forward.promote()
+        exit_(OPTIMIZER)
+        step(False)
+        if not forward.promoted:
+            forward.promote()
 
     register_optimizer_step_pre_hook(opt_pre)
     register_optimizer_step_post_hook(opt_post)

@@ -8,6 +8,7 @@ its own errors and disables tracking: the hook must never raise into training.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 import warnings
@@ -47,8 +48,10 @@ _Q = 8  # bytes per uint64 / double word
 _SEQ = RecordLayout.seq.offset // _Q
 _STEP = RecordLayout.step.offset // _Q
 _STEP_START = RecordLayout.step_start_ns.offset // _Q
-_PHASE_I32 = RecordLayout.phase.offset // 4  # int32 pair: phase, depth
 _DEPTH_I32 = RecordLayout.depth.offset // 4
+_PHASE_DEPTH = RecordLayout.phase.offset // _Q  # the pair as one little-endian word: depth << 32 | phase
+_I32_MASK = 0xFFFFFFFF
+_NO_PHASE_DEPTH0 = NO_PHASE & _I32_MASK  # no phase open, depth 0
 _PHASE_START = RecordLayout.phase_start_ns.offset // _Q
 _PROGRESS = RecordLayout.last_progress_ns.offset // _Q
 _TRANSITIONS = RecordLayout.transitions.offset // _Q
@@ -64,7 +67,11 @@ _RING = RecordLayout.ring.offset // _Q
 _ENTRY_WORDS = ctypes.sizeof(StepEntry) // _Q
 _E_PHASES = StepEntry.phase_ns.offset // _Q
 _E_INPUT = StepEntry.input_ns.offset // _Q  # then input_batches, input_workers
-assert all(f.offset % _Q == 0 for f in (RecordLayout.seq, RecordLayout.ring, RecordLayout.budget_s, StepEntry.input_ns))
+assert RecordLayout.depth.offset == RecordLayout.phase.offset + 4 and sys.byteorder == "little"
+assert all(
+    f.offset % _Q == 0
+    for f in (RecordLayout.phase, RecordLayout.seq, RecordLayout.ring, RecordLayout.budget_s, StepEntry.input_ns)
+)
 
 
 class Tracker:
@@ -165,15 +172,14 @@ class Tracker:
         now = _now()
         self._frozen = False
         stack = self._stack
-        if now > self._last:  # the slots are unsigned: a clock read out of order books nothing
-            self._acc[self._cur] += now - self._last
+        spent = now - self._last
+        if spent > 0:  # the slots are unsigned: a clock read out of order books nothing
+            self._acc[self._cur] += spent
         self._last = now
         self._cur = slot
         stack.append((slot, now, budget_s))
         q = self._q
-        i32 = self._i32
-        i32[_PHASE_I32] = slot
-        i32[_DEPTH_I32] = len(stack)
+        q[_PHASE_DEPTH] = (len(stack) << 32) | (slot & _I32_MASK)  # phase and depth: one word
         q[_PHASE_START] = now
         q[_PROGRESS] = now
         self._transitions = t = self._transitions + 1
@@ -221,16 +227,15 @@ class Tracker:
         q = self._q
         if failing:
             self._frozen = True
-        if self._frozen:
-            pass  # the phase an exception left stays on record until the next phase begins
+        if self._frozen:  # the phase an exception left stays on record until the next phase begins
+            self._i32[_DEPTH_I32] = len(stack)
         elif stack:
             top = stack[-1]
-            self._i32[_PHASE_I32] = top[0]
+            q[_PHASE_DEPTH] = (len(stack) << 32) | top[0]
             q[_PHASE_START] = top[1]
         else:
-            self._i32[_PHASE_I32] = NO_PHASE
+            q[_PHASE_DEPTH] = _NO_PHASE_DEPTH0
             q[_PHASE_START] = now
-        self._i32[_DEPTH_I32] = len(stack)
         q[_PROGRESS] = now
         self._transitions = t = self._transitions + 1
         q[_TRANSITIONS] = t

@@ -247,6 +247,40 @@ def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
     assert [i for j, i in sent if j == "flood"] == ["f-46", "f-47", "f-48", "f-49"]
 
 
+def test_one_users_many_jobs_never_starve_another_users_alert():
+    """User 1001 floods with 10 jobs (each within its job share) while the webhook is busy: user 1002's one
+    alert is sent next all the same, and user 1001 keeps only their own share of the queue."""
+    gate, entered = threading.Event(), threading.Event()
+    sent: list[tuple[str, str]] = []
+
+    def post(url: str, body: bytes, timeout_s: float) -> int:
+        entered.set()
+        gate.wait(30)
+        doc = json.loads(body)
+        sent.append((doc["job_id"], doc["incident_id"]))
+        return 200
+
+    policy = AlertPolicy(max_queued=16, max_queued_per_job=4, max_queued_per_owner=8)
+    alerts = Alerter(["http://127.0.0.1:9/x"], None, policy, post=post)
+    alerts.submit({"incident_id": "a-first", "job_id": "a-0", "kind": "hang", "initiating_ranks": []}, None,
+                  owner=1001)
+    assert entered.wait(30)
+    with structlog.testing.capture_logs() as logs:
+        for job in range(10):
+            for i in range(3):
+                alerts.submit({"incident_id": f"a-{job}-{i}", "job_id": f"a-{job}", "kind": "hang",
+                               "initiating_ranks": []}, None, owner=1001)
+        alerts.submit({"incident_id": "b-1", "job_id": "b", "kind": "hang", "initiating_ranks": []}, None,
+                      owner=1002)
+    gate.set()
+    alerts.close(timeout_s=30)
+    assert sent[:2] == [("a-0", "a-first"), ("b", "b-1")], sent  # next in line, not behind 1001's backlog
+    assert len(sent) == 1 + 8 + 1, sent  # 1001's share of the queue: the newest 8 of their 30
+    assert [i for j, i in sent[2:]] == [f"a-{j}-{i}" for j in range(7, 10) for i in range(3)][-8:]
+    dropped = [e for e in logs if e["event"] == "alert_dropped"]
+    assert len(dropped) == 22 and {e["owner_uid"] for e in dropped} == {1001}
+
+
 KILLED_OWNER = """
 import sys, time
 from rankwatch.watchdog.serve.alerts import Alerter

@@ -40,7 +40,9 @@ def test_desync_report_names_the_rank_that_did_not_join(tmp_path: Path) -> None:
     ])
     d = diagnose(tmp_path, log)
     assert (d.initiating_ranks, d.kind, d.confidence) == ([1], "hang", "high")
-    assert d.to_json()["finding"] == {"rule": "wait_for", "ranks": [1], "data": {"decided": True}}
+    f = d.to_json()["finding"]
+    assert (f["rule"], f["ranks"], f["strength"], f["data"]["source"], f["data"]["decided"]) == (
+        "wait_for", [1], "flight_recorder", "desync_report", True)
 
 
 def test_desync_report_over_four_ranks_with_everyone_timing_out(tmp_path: Path) -> None:

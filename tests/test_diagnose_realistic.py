@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +22,7 @@ from rankwatch.watchdog.diagnose.facts import collect
 from rankwatch.watchdog.diagnose.jobs import SourceInfo, conflict, group
 from rankwatch.watchdog.diagnose.parser import SourceParser
 from rankwatch.watchdog.diagnose.patterns import split_prefix
-from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
+from rankwatch.watchdog.diagnose.reasoning import Diagnosis, diagnose_evidence
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 REAL = LOGS / "realistic"
@@ -37,6 +38,13 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["rankwatch", "diagnose", *args], capture_output=True, text=True, timeout=60)
 
 
+def finding(d: Diagnosis) -> dict[str, Any]:
+    """The structured finding of the verdict document (what decided, on which data)."""
+    found = d.to_json()["finding"]
+    assert isinstance(found, dict)
+    return found
+
+
 def E(family: str, rank: int, **kw: object) -> ev.Event:
     return ev.Event(family, "x.log", kw.pop("line", 1), "t", rank=rank, **kw)  # type: ignore[arg-type]
 
@@ -45,7 +53,9 @@ def E(family: str, rank: int, **kw: object) -> ev.Event:
 def test_lone_timeout_after_the_others_finished_names_the_extra_collective() -> None:
     d, _ = diagnose_logs([str(REAL / "extra_collective_r3.log")])
     assert (d.initiating_ranks, d.kind, d.confidence, d.decided) == ([3], "collective_mismatch", "medium", True)
-    assert d.reason.startswith("rank 3 entered collective #1201 that no other rank issued; ranks 0–2 had finished")
+    f = finding(d)
+    assert (f["rule"], f["data"]["shape"], f["data"]["seq"], f["data"]["finished"]) == (
+        "lone_collective", "lone", 1201, [0, 1, 2])
     assert d.phase == "collective"
     assert all("finished" in d.others[r] for r in (0, 1, 2))
 
@@ -53,8 +63,9 @@ def test_lone_timeout_after_the_others_finished_names_the_extra_collective() -> 
 def test_a_minority_that_finished_left_early() -> None:
     d, _ = diagnose_logs([str(REAL / "left_early_r0.log")])
     assert (d.initiating_ranks, d.kind, d.confidence) == ([0], "dead_rank", "medium")
-    assert "left early" in d.reason and "#845" in d.reason
-    assert any("Root Cause" in n and "rank 2" in n for n in d.notes)
+    f = finding(d)
+    assert (f["rule"], f["data"]["shape"], f["data"]["seq"]) == ("lone_collective", "left_early", 845)
+    assert finding(d)["data"]["root_cause_victims"] == [2]
 
 
 def test_lone_timeout_below_what_the_finished_ranks_reached_is_behind_with_low_confidence() -> None:
@@ -65,7 +76,9 @@ def test_lone_timeout_below_what_the_finished_ranks_reached_is_behind_with_low_c
     events += [E(ev.NCCL_TIMEOUT, 3, seq=1201, op="ALLREDUCE")]
     d = diagnose_evidence(collect(events))
     assert (d.initiating_ranks, d.kind, d.confidence, d.decided) == ([3], "hang", "low", True)
-    assert "arrived late" in d.reason and "#1300" in d.reason
+    f = finding(d)
+    assert (f["rule"], f["data"]["shape"], f["data"]["seq"], f["data"]["reached"]) == (
+        "lone_collective", "late", 1201, 1300)
 
 
 def test_finished_ranks_and_timeouts_tied_decide_nothing() -> None:
@@ -106,7 +119,8 @@ def test_observed_dump_signal_is_not_a_timeout_of_the_printing_rank() -> None:
 def test_rank_that_only_observed_the_dump_signal_never_entered_the_collective() -> None:
     d, _ = diagnose_logs([str(REAL / "observed_dump_signal_r2.log")])
     assert (d.initiating_ranks, d.kind, d.decided) == ([2], "hang", True)
-    assert "only received another rank's flight-recorder dump signal" in d.reason
+    f = finding(d)
+    assert (f["rule"], f["ranks"], f["data"]["told"]) == ("outside", [2], [2])
     assert "not its own timeout" in d.others.get(0, "") or "NCCL watchdog timeout" in d.others[0]
 
 
@@ -121,7 +135,7 @@ def test_sigabrt_of_every_rank_after_a_timeout_is_not_the_initiator() -> None:
     d, _ = diagnose_logs([str(REAL / "sigabrt_after_timeout_r6.log")])
     assert (d.initiating_ranks, d.kind, d.confidence) == ([6], "hang", "high")
     assert 7 not in d.initiating_ranks  # torchrun's Root Cause, silent, SIGABRT in the same second
-    assert any("Root Cause" in n and "rank 7" in n for n in d.notes)
+    assert finding(d)["data"]["root_cause_victims"] == [7]
 
 
 def test_a_lone_sigabrt_without_any_watchdog_is_still_a_crash() -> None:
@@ -167,7 +181,9 @@ def test_older_torch_dump_signal_wordings() -> None:
 def test_timeout_known_only_from_the_others_reports() -> None:
     d, evidence = diagnose_logs([str(REAL / "dump_signal_from_rank_r2.log")])
     assert (d.initiating_ranks, d.kind, d.confidence, d.decided) == ([2], "collective_mismatch", "medium", True)
-    assert "no NCCL work pending" in d.reason and "#12" in d.reason
+    f = finding(d)
+    assert (f["rule"], f["data"]["shape"], f["data"]["idle"], f["data"]["idle_completed"]) == (
+        "lone_collective", "lone", [0, 1, 3], 12)
     assert evidence.ranks[2].counts[ev.TIMEOUT_REPORTED] == 3
     assert not any(evidence.ranks[r].counts[ev.TIMEOUT_REPORTED] for r in (0, 1, 3))
 
@@ -204,18 +220,20 @@ def test_wall_clock_prefix_gives_the_event_a_time() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fixture", "rank", "label"),
+    ("fixture", "rank", "cause", "exception"),
     [
-        ("mpirun_tag_output_r2.log", 2, "ValueError"),
-        ("pylogging_prefix_r1.log", 1, "CUDA error"),
-        ("pid_prefix_r3.log", 3, "CUDA out of memory"),
-        ("host_pid_prefix_r1.log", 1, "KeyError"),
+        ("mpirun_tag_output_r2.log", 2, "python_error", "ValueError"),
+        ("pylogging_prefix_r1.log", 1, "cuda_error", ""),
+        ("pid_prefix_r3.log", 3, "cuda_oom", ""),
+        ("host_pid_prefix_r1.log", 1, "python_error", "KeyError"),
     ],
 )
-def test_prefixed_logs_name_the_failing_rank(fixture: str, rank: int, label: str) -> None:
+def test_prefixed_logs_name_the_failing_rank(fixture: str, rank: int, cause: str, exception: str) -> None:
     d, _ = diagnose_logs([str(REAL / fixture)])
     assert (d.initiating_ranks, d.kind, d.confidence, d.decided) == ([rank], "dead_rank", "high", True), d.reason
-    assert label in d.reason
+    f = finding(d)
+    assert (f["rule"], f["strength"], f["data"]["cause"]) == ("exit_cause", "exit_cause", cause)
+    assert f["data"]["detail"].startswith(exception)
 
 
 def test_pid_tagged_tracebacks_of_interleaved_ranks_stay_apart() -> None:
@@ -365,7 +383,8 @@ def test_a_rank_missing_from_the_report_between_victims_left_early() -> None:
     # ranks 0 and 2 lost their peer and exited 1; rank 1 printed nothing and torchrun does not list it
     events = [E(ev.PEER_LOST, r, detail="peer") for r in (0, 2)] + [report(0, 1, None, 40), report(2, 1, None, 50)]
     d = diagnose_evidence(collect(events))
-    assert (d.initiating_ranks, d.kind) == ([1], "dead_rank") and "left early" in d.reason
+    assert (d.initiating_ranks, d.kind) == ([1], "dead_rank")
+    assert (finding(d)["rule"], finding(d)["data"]["shape"]) == ("lone_collective", "left_early")
     assert any("rank 1 is not in this failure report" in q for q in d.evidence)
 
 
@@ -383,7 +402,7 @@ def test_a_missing_rank_proves_nothing_when_it_may_still_have_been_running() -> 
     # stops: rank 1 may have been hung and then stopped (older torch lists neither) — not "left early"
     events = [E(ev.GLOO_TIMEOUT, r, detail="x") for r in (0, 2)] + [report(0, 1, None, 40), report(2, 1, None, 50)]
     d = diagnose_evidence(collect(events))
-    assert "left early" not in d.reason and 1 not in collect(events).ranks
+    assert finding(d)["data"].get("shape") != "left_early" and 1 not in collect(events).ranks
     # nor is a rank above the highest listed one seen (the report does not give nproc)
     events = [E(ev.PEER_LOST, r, detail="peer") for r in (0, 1)] + [report(0, 1, None, 40), report(1, 1, None, 50)]
     assert 2 not in collect(events).ranks
@@ -396,7 +415,8 @@ def test_a_sigabrt_next_to_an_unclaimed_gloo_enforce_is_the_mismatch_not_a_crash
     events += [E(ev.PEER_LOST, r, detail="peer") for r in (1, 2)] + [E(ev.EXIT, 0, exitcode=-15, signal="SIGTERM")]
     d = diagnose_evidence(collect(events))
     assert (d.initiating_ranks, d.kind, d.decided) == ([], "collective_mismatch", False)
-    assert "rank 3 received a message of the wrong size" in d.reason
+    f = finding(d)
+    assert (f["rule"], f["data"]["source"], f["data"]["noticed"]) == ("mismatch", "size", [3])
     # without the enforce line the same SIGABRT is still that rank's own crash
     d = diagnose_evidence(collect(events[1:]))
     assert (d.initiating_ranks, d.kind) == ([3], "dead_rank")

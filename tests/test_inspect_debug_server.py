@@ -82,14 +82,18 @@ def serve(s):
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
         c.close()
 
+named = threading.Event()  # the ports are told once the thread has its name: a probe may come at once
+
 def worker():
     if name_thread:  # what torch's WorkerServer names its threads
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
             f.write("pt_workerserver")
+    named.set()
     serve(server)
 
 threading.Thread(target=hold, args=(silent,), daemon=True).start()
 threading.Thread(target=worker, daemon=True).start()
+named.wait()
 print(json.dumps({"silent": silent.getsockname()[1], "server": server.getsockname()[1]}), flush=True)
 for line in sys.stdin:
     print(len(contacts), flush=True)
@@ -161,10 +165,15 @@ def test_a_served_dump_is_kept_and_files_fill_in_the_rest(tmp_path):
     for r in (0, 1):
         Path(f"{prefix}{r}").write_bytes(FIXTURE.read_bytes())
     served = b'{"version": "2.10", "pg_config": {}, "pg_status": {}}'
-    captures = {0: RankCapture(rank=0, pid=100, fr_json=served)}
+    kept = load_dump(served, rank=0)
+    captures = {0: RankCapture(rank=0, pid=100, fr_trace=kept)}
     sources: dict = {0: {"from": "debug_server", "address": "127.0.0.1:1"}}
     attach_fr_dumps(job, captures, sources=sources)
-    assert captures[0].fr_json == served and captures[1].fr_json == FIXTURE.read_bytes()
+    assert captures[0].fr_trace is kept
+    def seqs(t):  # the reader sends the trace compacted (``compact_dump``: no output sizes)
+        return [(e.record_id, e.collective_seq_id, e.profiling_name, e.input_sizes, e.state) for e in t.entries]
+
+    assert captures[1].fr_trace is not None and seqs(captures[1].fr_trace) == seqs(load_dump(FIXTURE, rank=1))
     assert sources == {0: {"from": "debug_server", "address": "127.0.0.1:1"}, 1: {"from": "file", "path": f"{prefix}1"}}
 
 

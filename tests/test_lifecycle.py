@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import bundle_dirs, rankwatch_cmd, wait_for
+from conftest import LineReader, bundle_dirs, free_port, rankwatch_cmd, wait_for, wait_polls
 from rankwatch.watchdog.report.bundle import prune_bundles
 from test_safety import RANK, events, start_rank
 
@@ -46,9 +46,10 @@ def test_a_daemon_over_finished_jobs_logs_each_once_and_removes_their_files(proc
     (shm / "done-c" / "watchdog.json").write_text("{}")  # as a watchdog that watched it to the end left it
     (shm / "done-a" / "notes.txt").write_text("not rankwatch's")
     (shm / "done-b" / "rank-7.hb").symlink_to("/etc/hostname")
-    d = daemon(procs, shm, out, "--retain-finished", "3")
+    port = free_port()
+    d = daemon(procs, shm, out, "--retain-finished", "3", "--metrics-port", str(port))
     assert wait_for(lambda: not (shm / "done-b" / "rank-0.hb").exists(), timeout=30)
-    time.sleep(3)  # and then some polls more
+    wait_polls(port, more=10)  # and then some polls more: none of them logs a finished job again
     log = events(stop(d))
     counts = Counter((e.get("event"), e.get("job")) for e in log)
     for job in ("done-a", "done-b"):
@@ -126,10 +127,14 @@ def test_a_full_disk_delays_a_bundle_it_does_not_lose_it(procs, tmp_path, tiny_o
     finally:
         os.close(fd)
     d = daemon(procs, shm, tiny_out)
+    assert d.stderr is not None
+    daemon_log = LineReader(d.stderr)
     start_rank(procs, shm, "full", 0, 2)
     start_rank(procs, shm, "full", 1, 2, "--stall-after", "5")
 
-    time.sleep(6)  # detection, three failed attempts
+    # detection, every attempt refused by the full disk, the verdict logged without a bundle (a fixed sleep
+    # could run out first on a busy host)
+    assert daemon_log.wait_for('"event": "verdict"', '"bundle": null', timeout=120), "no verdict without bundle"
     incidents = tiny_out / "full" / "incidents"
     assert not bundle_dirs(incidents)
     assert not (incidents.exists() and list(incidents.iterdir())), "temp files left on a full disk"
@@ -139,7 +144,9 @@ def test_a_full_disk_delays_a_bundle_it_does_not_lose_it(procs, tmp_path, tiny_o
     verdict = json.loads((found[0] / "verdict.json").read_text())
     assert verdict["initiating_ranks"] == [1]
     assert [p.name for p in incidents.iterdir()] == [found[0].name]  # no temp dirs beside it
-    log = events(stop(d))
+    d.send_signal(signal.SIGTERM)
+    d.wait(timeout=60)
+    log = events(daemon_log.text())
     assert any(e.get("event") == "bundle_write_failed" for e in log)
     logged = [e for e in log if e.get("event") == "verdict" and e.get("bundle") is None]
     assert logged and logged[0]["initiating_ranks"] == [1] and logged[0]["evidence"], "verdict missing from the log"

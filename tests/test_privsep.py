@@ -368,6 +368,79 @@ def test_a_claim_from_before_the_job_restarted_is_rejected(tmp_path):
             follower.close()
 
 
+def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdict(tmp_path):
+    """Node 1's daemon restarts while the job runs on (and node 0's daemon, hosting the store, stays): the old
+    run's sealed claim, evidence and verdict are still in the store. None of them passes for a fresh one: not
+    the claim (issued before this daemon started), not a node's evidence or the leader's verdict of an earlier
+    incident under the same ``evidence/<gen>``/``verdict/<gen>`` keys (bound to their incident and time)."""
+    from conftest import free_port, resolve_and_decide
+    from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
+    from rankwatch.watchdog.core.policy import CorrelationPolicy
+    from rankwatch.watchdog.core.snapshot import RankView
+    from rankwatch.watchdog.core.verdict import decide
+
+    def view(rank: int, phase: str, since: float) -> RankView:
+        return RankView(rank=rank, node=f"n{rank}", pid=1000 + rank, state="running", step=7, phase=phase,
+                        in_phase_s=since, since_progress_s=since)
+
+    def decide_fn(incident_id: str):
+        def fn(views, notes, how, remote_fr):
+            doc = decide(views, job_id="job", incident_id=incident_id, detected_after_s=1.0,
+                         extra_evidence=list(notes)).to_json()
+            doc["correlation"] = how
+            return doc
+        return fn
+
+    port = free_port()
+    secret = b"s" * 32
+    policy = CorrelationPolicy(verdict_timeout_s=1.5, evidence_timeout_s=1.5)
+    job_started = time.time() - 60  # the job's ranks started before all of this and are still running
+    leader = Correlator("job", 0, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+    old = new = None
+    try:
+        assert wait_for(lambda: leader.store is not None, timeout=60)
+        old = Correlator("job", 1, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+        old.fresh_after_unix = job_started
+        assert wait_for(lambda: old.store is not None, timeout=60)
+        # the old run's incident, exchanged in full: rank 1 (node 1) named, node 1's evidence and the verdict
+        claim = leader.claim("20260101T000000Z-001-stall", {"kind": "stall", "ranks": [1], "reason": "old"})
+        seen = wait_for(lambda: old.poll_incident(), timeout=10)
+        assert seen is not None and seen.gen == claim.gen == 1
+        out: dict = {}
+        t = __import__("threading").Thread(target=lambda: out.setdefault("f", resolve_and_decide(
+            old, seen, [view(1, "dataloader", 9.0)], "n1", 2, decide_fn(seen.incident_id))))
+        t.start()
+        verdict, _, _ = resolve_and_decide(leader, claim, [view(0, "backward", 9.0)], "n0", 2,
+                                           decide_fn(claim.incident_id))
+        t.join(30)
+        assert verdict["initiating_ranks"] == [1] and out["f"][0]["initiating_ranks"] == [1]
+        old.close()
+        old = None
+        time.sleep(1.5)  # past the allowed clock skew
+        # node 1's daemon restarts; the job did not
+        new = Correlator("job", 1, "127.0.0.1", port, nnodes=2, secret=secret, policy=policy)
+        new.fresh_after_unix = job_started
+        assert wait_for(lambda: new.store is not None, timeout=60)
+        replayed = [new.poll_incident() for _ in range(10) if time.sleep(0.1) is None]
+        assert not any(replayed), "the restarted daemon took the old run's claim for a new incident"
+        # an incident of this daemon's life under the same gen (the leader's numbering restarted with it):
+        # the old verdict/1 names rank 1 and is validly sealed, yet it answers another incident
+        fresh = SharedIncident(gen=1, incident_id="20260101T000000Z-001-stall", by_node=0, trigger={},
+                               issued=time.time())
+        # the leader, gathering for it before node 1 answered, does not take node 1's old evidence
+        views, notes, _ = leader._gather(leader.store, fresh, [view(0, "backward", 9.0)], 2, 0.5)
+        assert [v.state for v in views if v.rank == 1] == ["missing"], (views, notes)
+        # nor does node 1 adopt the old verdict
+        adopted, how, decided_here = resolve_and_decide(new, fresh, [view(1, "forward", 0.2)], "n1", 2,
+                                                    decide_fn(fresh.incident_id))
+        assert decided_here and how.startswith("local: no valid verdict"), how
+        assert adopted["initiating_ranks"] != [1] or "old" not in adopted["reason"]
+    finally:
+        for c in (new, old, leader):
+            if c is not None:
+                c.close()
+
+
 # -- 8. budgets per user -----------------------------------------------------------------------------------
 def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons, ranks, tmp_path):
     a, b = users
@@ -388,6 +461,112 @@ def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons
     assert bundle_dirs(d.out / "job-b" / "incidents") == theirs, "A's incidents pruned B's bundle"
     # and A's own are pruned to its own budget: one bundle kept of A's two
     assert len(bundle_dirs(d.out / "job-a" / "incidents")) + len(bundle_dirs(d.out / "job-a2" / "incidents")) == 1
+
+
+PATCHED_RANK = """
+import json, os, sys, time
+import rankwatch.hooks.responder as resp
+entries, delay = int(sys.argv[1]), float(sys.argv[2])
+fr = json.loads(open(sys.argv[3], "rb").read())
+one = fr["entries"][0]
+fr["entries"] = [dict(one, record_id=i, collective_seq_id=i + 1) for i in range(entries)] if entries else fr["entries"]
+body = json.dumps(fr).encode()
+real_answer = resp.answer
+
+def answer(rank):  # a responder that is slow (a rank busy in C code) and/or serves a big recorder dump
+    time.sleep(delay)
+    yield from real_answer(rank)
+
+resp.answer = answer
+resp.flight_recorder_json = lambda: (body, None)
+import rankwatch.hooks as rw
+assert rw.init()
+print("ready", os.getpid(), flush=True)
+for step in range(3):
+    with rw.phase("forward"):
+        if step == 2:
+            while True:
+                time.sleep(60)
+        time.sleep(0.05)
+    rw.step()
+"""
+
+
+def patched_ranks(user: User, world: dict, shm: Path, jobs: list[str], entries: int, delay: float):
+    script = world["dir"] / f"patched-{time.monotonic_ns()}.py"
+    script.write_text(PATCHED_RANK)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    for p in (script, fr):
+        p.chmod(0o644)
+    out = []
+    for job in jobs:
+        env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID=job, RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        p = user.popen([world["python"], str(script), str(entries), str(delay), str(fr)], env,
+                       cwd=str(world["dir"]), start_new_session=True)
+        out.append(p)
+        line = p.stdout.readline()
+        assert line.startswith("ready"), line + (p.stderr.read() if p.poll() is not None else "")
+    return out
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def test_one_users_big_bundles_are_pruned_to_that_users_byte_budget_only(users, world, daemons, ranks, tmp_path):
+    a, b = users
+    shm = fresh_shm(world)
+    d = daemons(tmp_path, shm, "--keep-incident-mib", "1", on_stall="report")
+    ranks(b, world, shm, "job-b", "--stall-after", "1")  # B's small bundle
+    assert wait_for(lambda: bundle_dirs(d.out / "job-b" / "incidents"), timeout=90)
+    theirs = bundle_dirs(d.out / "job-b" / "incidents")
+    # A's three incidents, each with a flight-recorder trace of 4,000 entries: over 1 MiB of bundle apiece
+    big = patched_ranks(a, world, shm, ["job-a1", "job-a2", "job-a3"], entries=4000, delay=0.0)
+    try:
+        for job in ("job-a1", "job-a2", "job-a3"):
+            assert d.wait(lambda e, job=job: e.get("event") == "verdict" and e.get("job") == job and e.get("bundle"),
+                          120), job
+        mine = wait_for(lambda: (lambda got: got if len(got) == 1 else None)(
+            [p for j in ("job-a1", "job-a2", "job-a3") for p in bundle_dirs(d.out / j / "incidents")]), timeout=30)
+        assert mine, "A's bundles were not pruned to A's byte budget (the newest one kept)"
+        assert sum(f.stat().st_size for f in mine[0].rglob("*") if f.is_file()) > 1 << 20  # it is a big one
+        assert bundle_dirs(d.out / "job-b" / "incidents") == theirs, "A's bytes pruned B's bundle"
+        assert [e for e in d.events() if e.get("event") == "bundle_pruned" and e.get("owner_uid") != a.uid] == []
+    finally:
+        kill_all(big)
+
+
+def test_one_users_incident_flood_leaves_another_user_a_free_worker(users, world, daemons, ranks, tmp_path):
+    """Four of A's jobs hang at once, each incident slow (a responder that takes 30 s: its capture waits out
+    the responder timeout); B's job hangs just after. A never holds more than its two incidents in flight,
+    so B's incident starts while A's are still being captured, and is written."""
+    a, b = users
+    shm = fresh_shm(world)
+    d = daemons(tmp_path, shm, on_stall="report")
+    slow = patched_ranks(a, world, shm, [f"job-a{i}" for i in range(4)], entries=0, delay=30.0)
+    try:
+        assert d.wait(lambda e: e.get("event") == "incident_deferred" and e.get("owner_uid") == a.uid, 90)
+        ranks(b, world, shm, "job-b", "--stall-after", "1")
+        assert wait_for(lambda: bundle_dirs(d.out / "job-b" / "incidents"), timeout=120), "B's incident lost"
+        in_flight, most, b_started_with = 0, 0, None
+        for e in d.events():
+            job = str(e.get("job", ""))
+            if e.get("event") == "incident_detected" and job.startswith("job-a"):
+                in_flight += 1
+            elif e.get("event") == "verdict" and job.startswith("job-a"):
+                in_flight -= 1
+            elif e.get("event") == "incident_detected" and job == "job-b" and b_started_with is None:
+                b_started_with = in_flight
+            most = max(most, in_flight)
+        assert most <= 2, f"user A had {most} incidents in flight at once"
+        assert b_started_with is not None and b_started_with >= 1, "B's incident did not start beside A's"
+    finally:
+        kill_all(slow)
 
 
 # -- 9. SIGHUP, py-spy output -------------------------------------------------------------------------------
@@ -461,3 +640,165 @@ def test_a_reader_killed_by_its_user_makes_ranks_unreadable_then_it_is_respawned
     assert rank.poll() is None and d.proc.poll() is None
     assert not [e for e in d.events() if e.get("event") in ("incident_detected", "killing_job")]
     assert len([e for e in d.events() if e.get("event") == "reader_started" and e.get("uid") == b.uid]) == 2
+
+
+# -- 10. what a job answers is read and parsed as its owner, never as root (items 1 and 10) -----------------
+FR_FIXTURE = REPO / "tests" / "fixtures" / "fr" / "nccl_hang" / "rank-0.fr.json"
+
+SPIED_RANK = """
+import os, sys, time
+import rankwatch.hooks.responder as resp
+peers, fr = sys.argv[1], open(sys.argv[2], "rb").read()
+real_peer_cred = resp.peer_cred
+
+def spy(sock):  # every process that asks this rank's responder for a dump, by uid
+    pid, uid, gid = real_peer_cred(sock)
+    with open(peers, "a") as f:
+        f.write(f"{uid}\\n")
+    return pid, uid, gid
+
+resp.peer_cred = spy
+resp.flight_recorder_json = lambda: (fr, None)  # a real NCCL dump (the recorded fixture), 'from torch'
+import rankwatch.hooks as rw
+assert rw.init()
+print("ready", os.getpid(), flush=True)
+for step in range(3):
+    with rw.phase("forward"):
+        if step == 2:
+            while True:
+                time.sleep(60)
+        time.sleep(0.05)
+    rw.step()
+"""
+
+
+def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(users, world, daemons, tmp_path):
+    from rankwatch.watchdog.evidence.flight_recorder import load_dump
+
+    a, _ = users
+    shm = fresh_shm(world)
+    script = world["dir"] / f"spied-{time.monotonic_ns()}.py"
+    script.write_text(SPIED_RANK)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    peers = world["dir"] / f"peers-{time.monotonic_ns()}.log"
+    peers.write_text("")
+    for p in (script, fr):
+        p.chmod(0o644)
+    os.chown(peers, a.uid, a.gid)
+    env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="job-fr", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    rank = a.popen([world["python"], str(script), str(peers), str(fr)], env, cwd=str(world["dir"]),
+                   start_new_session=True)
+    try:
+        line = rank.stdout.readline()
+        assert line.startswith("ready"), line + (rank.stderr.read() if rank.poll() is not None else "")
+        d = daemons(tmp_path, shm, on_stall="report")
+        got = wait_for(lambda: bundle_dirs(d.out / "job-fr" / "incidents"), timeout=120)
+        assert got, "no incident bundle"
+        asked_by = [int(u) for u in peers.read_text().split()]
+        assert asked_by, "the responder was never asked"
+        assert set(asked_by) == {a.uid}, f"the responder was asked by uid(s) {asked_by}, not only by its owner {a.uid}"
+        # and what the owner's reader parsed arrived whole: the trace in the bundle, its analysis in the verdict
+        trace = load_dump((got[0] / "fr" / "rank-0.json").read_bytes(), rank=0)
+        assert trace.entries and [e.record_id for e in trace.entries] == [
+            e.record_id for e in load_dump(FR_FIXTURE, rank=0).entries]
+        verdict = json.loads((got[0] / "verdict.json").read_text())
+        fr_lines = [ln for ln in verdict["evidence"] if ln.startswith("flight recorder:")]
+        assert fr_lines and not any("no flight-recorder dump" in ln for ln in fr_lines), fr_lines
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()
+
+
+OWNER_SIDE = r"""
+import ctypes, os, socket, sys, threading, time
+libc = ctypes.CDLL(None)
+if sys.argv[1] == "nodump":  # a process its own user may not ptrace (as sudo, ssh-agent, a setgid program are)
+    libc.prctl(4, 0, 0, 0, 0)
+    print("ready", flush=True)
+    time.sleep(3600)
+body, log = open(sys.argv[2], "rb").read(), sys.argv[3]
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(8)
+
+def client_uid(port):  # who connected: the uid of the socket whose local port is the peer's
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and int(f[2].rsplit(":", 1)[1], 16) == srv.getsockname()[1]:
+                return int(f[7])
+    return -1
+
+def serve():  # torch's worker server, as far as rankwatch can tell: a thread of that name, HTTP on loopback
+    libc.prctl(15, b"pt_workerserver", 0, 0, 0)
+    while True:
+        c, addr = srv.accept()
+        with open(log, "a") as f:
+            f.write(f"{client_uid(addr[1])}\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(4096)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        c.close()
+
+threading.Thread(target=serve, daemon=True).start()
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+ROOT_INSPECT = r"""
+import json, sys
+from rankwatch.watchdog.evidence.inspect_capture import attach_debug_server_dumps, capture_job
+from rankwatch.watchdog.observe.discover import Job, RankProc, read_proc
+uid, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+job = Job("j", len(pids), [RankProc(p, r, r, len(pids), read_proc(p), {}) for r, p in enumerate(pids)], owner_uid=uid)
+cap = capture_job(job, timeout_s=20)
+sources = {}
+notes = attach_debug_server_dumps(job, cap.ranks, sources)
+print(json.dumps({"notes": notes, "ranks": {r: {"stacks": c.pyspy_threads is not None, "error": c.pyspy_error,
+                                                "fr": len(getattr(c, "fr_trace", None) and c.fr_trace.entries or ())}
+                                            for r, c in cap.ranks.items()}}))
+"""
+
+
+def test_inspect_as_root_reads_a_job_only_with_its_owners_authority(users, world, tmp_path):
+    """``rankwatch inspect`` run as root: py-spy runs, the debug server is asked and its dump parsed as the
+    job's owner. So a process the owner may not ptrace stays unread, and the server sees the owner's uid."""
+    from rankwatch.watchdog.evidence.capture import pyspy_available
+
+    if pyspy_available() is None:
+        pytest.skip("py-spy not installed")
+    a, _ = users
+    script = world["dir"] / f"owner-side-{time.monotonic_ns()}.py"
+    script.write_text(OWNER_SIDE)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    log = world["dir"] / f"clients-{time.monotonic_ns()}.log"
+    log.write_text("")
+    for p in (script, fr):
+        p.chmod(0o644)
+    os.chown(log, a.uid, a.gid)
+    procs = [a.popen([world["python"], str(script), mode, str(fr), str(log)], world["env"], cwd=str(world["dir"]),
+                     start_new_session=True) for mode in ("server", "nodump")]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.poll() is not None else ""
+        res = subprocess.run([sys.executable, "-c", ROOT_INSPECT, str(a.uid), *(str(p.pid) for p in procs)],
+                             capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        server, nodump = out["ranks"]["0"], out["ranks"]["1"]
+        # the debug server was asked by the owner alone, and its dump arrived parsed
+        assert [int(u) for u in log.read_text().split()] == [a.uid], log.read_text()
+        assert server["fr"] == len(json.loads(FR_FIXTURE.read_text())["entries"]), out
+        assert server["stacks"], out  # py-spy as the owner reads the owner's ordinary process
+        # root's ptrace right was not lent: the owner cannot read that process, so neither did inspect
+        assert not nodump["stacks"] and nodump["error"], out
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

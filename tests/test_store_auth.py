@@ -56,17 +56,19 @@ def decide_fn(job: str):
 
 
 def incident_doc(gen: int = 1, incident_id: str = "forged", by: int = 1) -> dict:
-    return {"schema": "rankwatch.incident/1", "gen": gen, "id": incident_id, "by": by,
+    return {"schema": "rankwatch.incident/1", "gen": gen, "id": incident_id, "by": by, "issued": time.time(),
             "trigger": {"kind": "stall", "ranks": [0], "reason": "FORGED", "detected_after_s": 5.0}}
 
 
-def verdict_doc(job: str, initiating: int) -> dict:
-    """A schema-valid verdict naming ``initiating``, as a forger would write it."""
+def verdict_doc(job: str, initiating: int, incident_id: str = "inc") -> dict:
+    """A schema-valid verdict naming ``initiating``, as a forger would write it (bound to ``incident_id`` now:
+    without a secret a forger can write any binding; the binding stops replays, the MAC forgeries)."""
     views = [view(r, phase="dataloader" if r == initiating else "backward", since=9.0) for r in range(4)]
     doc = decide(views, job_id=job, incident_id="forged", detected_after_s=9.0).to_json()
     assert doc["initiating_ranks"] == [initiating]
     doc["reason"] = "FORGED " + doc["reason"]
     doc["correlation"] = "leader node 0 over 2 node(s)"
+    doc["bound"] = {"incident": incident_id, "issued": time.time()}
     return doc
 
 
@@ -315,7 +317,7 @@ def test_unauthenticated_verdict_consistent_with_local_views_is_adopted(unsigned
     _, _, decided_here = resolve_and_decide(unsigned.follower, inc, stuck, "n1", 4, decide_fn("u"), stall_timeout_s=3.0)
     assert not decided_here
     # the named rank lives on another node: nothing here contradicts it
-    unsigned.forge("verdict/2", verdict_doc("u", initiating=0))
+    unsigned.forge("verdict/2", verdict_doc("u", initiating=0, incident_id="inc2"))
     inc2 = SharedIncident(gen=2, incident_id="inc2", by_node=0, trigger={})
     healthy = [view(2, since=0.2), view(3, since=0.2)]
     verdict, _, decided_here = resolve_and_decide(unsigned.follower, inc2, healthy, "n1", 4, decide_fn("u"),

@@ -7,18 +7,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import (
     DEMO,
     bundle_dirs,
+    free_port,
     new_tracker,
     run_demo_job,
     skip_if_gloo_teardown_abort,
     start_daemon,
     torchrun_args,
     wait_for,
+    wait_polls,
 )
 
 CASES = [
@@ -207,10 +208,11 @@ def test_one_incident_per_stall_and_recovery_closes_it(procs, tmp_path):
         ],
         env=env,
     )
-    daemon = start_daemon(procs, shm, out, poll="0.2")
+    port = free_port()
+    daemon = start_daemon(procs, shm, out, "--metrics-port", str(port), poll="0.2")
     inc = out / "rec" / "incidents"
     assert wait_for(lambda: bundle_dirs(inc), timeout=120)
-    time.sleep(2.0)  # ten more polls while still stopped: still one incident
+    wait_polls(port, more=10)  # ten more polls while still stopped: still one incident
     bundles_now = bundle_dirs(inc)
     assert len(bundles_now) == 1
     verdict = json.loads((bundles_now[0] / "verdict.json").read_text())
@@ -221,7 +223,7 @@ def test_one_incident_per_stall_and_recovery_closes_it(procs, tmp_path):
         finished = subprocess.CompletedProcess(job.args, rc, "", job.stderr.read().decode(errors="replace"))
         skip_if_gloo_teardown_abort(finished, shm / "rec", 120)
     assert rc == 0, "the resumed job should finish normally"
-    time.sleep(1.0)
+    wait_polls(port, more=5)  # the daemon has seen the job end
     daemon.send_signal(signal.SIGTERM)
     _, err = daemon.communicate(timeout=30)
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]

@@ -60,6 +60,14 @@ def build_parser() -> Parser:
         help="keep only the N newest incident bundles under --out (default: %(default)s)",
     )
     p.add_argument(
+        "--keep-incident-mib",
+        type=count_or_all,
+        default=(ServePolicy.keep_incident_bytes or 0) >> 20 or None,
+        metavar="MIB|all",
+        help="keep at most this many MiB of incident bundles per job owner (a user's incidents prune only "
+        "that user's bundles; the newest is always kept) (default: %(default)s)",
+    )
+    p.add_argument(
         "--metrics-detail",
         choices=("aggregate", "jobs"),
         default="aggregate",
@@ -145,7 +153,8 @@ def main(argv: list[str]) -> int:
         stall=stall,
         capture=capture,
         on_stall=args.on_stall,
-        serve=ServePolicy(retain_finished_s=args.retain_finished, keep_incidents=args.keep_incidents),
+        serve=ServePolicy(retain_finished_s=args.retain_finished, keep_incidents=args.keep_incidents,
+                          keep_incident_bytes=None if args.keep_incident_mib is None else args.keep_incident_mib << 20),
     )
     factory = None
     if args.store_port is not None or args.store is not None:

@@ -103,7 +103,7 @@ def _decide(
 ) -> tuple[dict[str, Any], Any]:
     from ..evidence.flight_recorder import fr_evidence, with_remote
 
-    fr = with_remote(fr_evidence({r: c for r, c in captures.items() if c.fr_json}), remote_fr)
+    fr = with_remote(fr_evidence({r: c for r, c in captures.items() if c.fr_trace is not None}), remote_fr)
     verdict = decide(
         views, job_id=job.job_id, incident_id=incident_id, detected_after_s=0.0,
         extra_evidence=[*fr.lines, *notes], fr_hints=fr.hints,

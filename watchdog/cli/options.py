@@ -79,6 +79,16 @@ def add_shm_dir(p: argparse.ArgumentParser) -> None:
 
 
 def add_watch_options(p: argparse.ArgumentParser) -> None:
+    """The options every watching command shares (run, daemon)."""
+    _add_stall_options(p)
+    _add_cluster_options(p)
+    _add_evidence_options(p)
+    _add_output_options(p)
+    _add_alert_options(p)
+
+
+def _add_stall_options(p: argparse.ArgumentParser) -> None:
+    """When a job is stalled and what happens then."""
     p.add_argument(
         "--stall-timeout",
         type=stall_timeout,
@@ -106,6 +116,10 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often rank records are read (default: %(default)s)",
     )
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Cross-node correlation: the store and the secret that authenticates it."""
     p.add_argument(
         "--store",
         type=host_port,
@@ -121,6 +135,10 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         "(default: $RANKWATCH_STORE_SECRET_FILE; without one the store is unauthenticated and other nodes' "
         "claims never kill here)",
     )
+
+
+def _add_evidence_options(p: argparse.ArgumentParser) -> None:
+    """What is captured at an incident."""
     p.add_argument(
         "--pyspy-timeout",
         type=positive_float,
@@ -131,6 +149,10 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--include-locals", action="store_true", help="capture local variables in stacks (off: they may hold secrets)"
     )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Logs and the metrics server."""
     p.add_argument(
         "--json-logs", action="store_true", default=None, help="JSON log lines (default: when stderr is not a terminal)"
     )
@@ -151,6 +173,10 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         help="also export a duration histogram per rank and phase (+21 series per rank and phase; default: the "
         "step histogram and per-phase medians only)",
     )
+
+
+def _add_alert_options(p: argparse.ArgumentParser) -> None:
+    """Who hears of an incident: webhooks and a command."""
     p.add_argument(
         "--notify",
         action="append",

@@ -159,6 +159,33 @@ def _run_job(
         raise UserError(f"cannot start torchrun: {exc}") from exc
     finally:
         tee.started()
+    startup_s = config.stall.startup_for()
+    code, timed_out, interrupted, seen = _supervise(proc, daemon, job_id, startup_s)
+    # ranks can die in the last moments (torchrun tears the rest down within ~0.1 s): look once more
+    daemon.stop()
+    watcher.join(timeout=30)
+    _last_look(daemon, job_id, args.poll_interval)
+    entry = daemon.jobs.get(job_id)
+    seen = seen or bool(entry is not None and (entry.last_views or entry.watch.history))
+    history = _histories(daemon, job_id, tee, correlator)
+    if metrics is not None:
+        metrics.close()
+    daemon.close()  # finishes incidents in flight and retries bundles the disk refused
+    if not seen:
+        # no rank ever ran the hook: an empty summary ("0 ranks") would read like a run; say what failed
+        sys.stdout.flush()
+        sys.stderr.write(f"rankwatch run: {launch_failure(cmd, code, timed_out, startup_s, interrupted)}\n")
+        sys.stderr.flush()
+        return code if code != 0 else 1
+    _write_summary(
+        daemon, job_id, out, history, torchrun_code=code, root_cause_printed=tee.root_cause_seen
+    )
+    return code
+
+
+def _supervise(proc: subprocess.Popen, daemon: Daemon, job_id: str, startup_s: float) -> tuple[int, bool, bool, bool]:
+    """Wait for torchrun, passing SIGTERM/SIGHUP on to it (the daemon quiesced first: the ranks the user
+    stops are not dead ranks): (exit code, given up at startup, interrupted, a rank record was seen)."""
     interrupted: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -172,7 +199,6 @@ def _run_job(
         daemon.quiesce()
 
     started = time.monotonic()
-    startup_s = config.stall.startup_for()
     seen: list[bool] = []
 
     def still_starting() -> bool:
@@ -189,10 +215,13 @@ def _run_job(
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    # ranks can die in the last moments (torchrun tears the rest down within ~0.1 s): look once more
-    daemon.stop()
-    watcher.join(timeout=30)
-    deadline = time.monotonic() + max(2.0, 3 * args.poll_interval)
+    return code, timed_out, bool(interrupted), bool(seen)
+
+
+def _last_look(daemon: Daemon, job_id: str, poll_interval: float) -> None:
+    """Poll until every rank is seen exited or an incident opened (at most a few polls): ranks can die
+    in the job's last moments."""
+    deadline = time.monotonic() + max(2.0, 3 * poll_interval)
     while time.monotonic() < deadline:
         daemon.poll_once()
         entry = daemon.jobs.get(job_id)
@@ -200,12 +229,13 @@ def _run_job(
             break
         if all(v.state in ("exited",) for v in entry.last_views):
             break
-        time.sleep(args.poll_interval)
-    entry = daemon.jobs.get(job_id)
-    if entry is not None and (entry.last_views or entry.watch.history):
-        seen.append(True)
+        time.sleep(poll_interval)
+
+
+def _histories(daemon: Daemon, job_id: str, tee: StderrTee, correlator: Any) -> dict[int, list[StepTiming]]:
+    """The job's step rings once its incidents are finished (every node's, on the leader)."""
     # incidents run off the poll loop: their bundles and verdicts belong in the summary
-    if not daemon.drain(config.serve.drain_timeout_s):
+    if not daemon.drain(daemon.config.serve.drain_timeout_s):
         log.error("incidents_unfinished", job=job_id)
     tee.close(timeout_s=5.0)  # torchrun's last words come before rankwatch's
     entry = daemon.jobs.get(job_id)
@@ -217,19 +247,7 @@ def _run_job(
             for rank, steps in correlator.gather_histories(wait_s=correlator.policy.summary_wait_s).items():
                 history.setdefault(rank, steps)
         correlator.close()
-    if metrics is not None:
-        metrics.close()
-    daemon.close()  # finishes incidents in flight and retries bundles the disk refused
-    if not seen:
-        # no rank ever ran the hook: an empty summary ("0 ranks") would read like a run; say what failed
-        sys.stdout.flush()
-        sys.stderr.write(f"rankwatch run: {launch_failure(cmd, code, timed_out, startup_s, bool(interrupted))}\n")
-        sys.stderr.flush()
-        return code if code != 0 else 1
-    _write_summary(
-        daemon, job_id, out, history, torchrun_code=code, root_cause_printed=tee.root_cause_seen
-    )
-    return code
+    return history
 
 
 def launch_failure(cmd: TorchrunCommand, code: int, timed_out: bool, startup_s: float, interrupted: bool) -> str:

@@ -170,103 +170,128 @@ def render(jobs: list[dict[str, Any]], shm_dir: str) -> Any:
     """A rich renderable of every job; every string is cleaned (collect) and passed as Text, never as
     markup: a phase or job named "[link=…]" is shown as written."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     if not jobs:
         return Text(f"no running jobs under {shm_dir}")
     parts: list[Any] = []
     for job in jobs:
-        inc = job["open_incident"]
-        # until the verdict is decided nobody is named: the trigger's ranks are only those seen stalled
-        initiating = set(inc["initiating_ranks"]) if inc and inc["decided"] else set()
-        stalled = set(job["stalled_ranks"])
-        title = Text(f"job {job['job_id']}", style="bold")
-        wd = job["watchdog"]
-        if wd["state"] == "none":
-            title.append("  · no watchdog state (is `rankwatch run` or the daemon watching it?)", style="yellow")
-        elif wd["state"] == "stale":
-            title.append(f"  · watchdog silent for {wd['age_s']:.0f}s (pid {wd['pid']}): its last word below",
-                         style="yellow")
-        else:
-            title.append(f"  · watched by {wd['mode']} (pid {wd['pid']}, on stall: {wd['on_stall']})", style="dim")
-        parts.append(title)
-        if inc and not inc["decided"]:
-            parts.append(Text(f"OPEN INCIDENT {inc['incident_id']}: deciding… (evidence being captured; "
-                              f"trigger: {inc['kind']})", style="bold red"))
-        elif inc:
-            what = headline_of(inc["kind"])
-            who = fmt_ranks(inc["initiating_ranks"]) if inc["initiating_ranks"] else "no single rank"
-            line = Text(f"OPEN INCIDENT {inc['incident_id']}: {what} — initiating {who}", style="bold red")
-            if inc["phase"]:
-                line.append(f" in phase '{inc['phase']}'", style="bold red")
-            if inc["confidence"]:
-                line.append(f" (confidence {inc['confidence']})", style="red")
-            parts.append(line)
-            if inc["reason"]:
-                parts.append(Text(f"  why: {inc['reason']}", style="red"))
-            if inc["bundle"]:
-                parts.append(Text(f"  bundle: {inc['bundle']}"))
-        if stalled:
-            parts.append(
-                Text(
-                    f"STALLED: {fmt_ranks(sorted(stalled))} — no progress for longer than "
-                    f"{job['stall_timeout_s']:.0f}s",
-                    style="bold red",
-                )
-            )
-        table = Table(title_justify="left")
-        table.add_column("", justify="left")  # ◀ marks the incident's initiating ranks
-        for col, justify in (
-            ("rank", "right"),
-            ("pid", "right"),
-            ("step", "right"),
-            ("phase", "left"),
-            ("in phase", "right"),
-            ("no progress", "right"),
-            ("last step", "right"),
-            ("state", "left"),
-        ):
-            table.add_column(col, justify=justify)  # type: ignore[arg-type]
-        for r in job["ranks"]:
-            phase = r["phase"] if r["phase"] != "collective" or not r["collective"] else r["collective"]
-            last = f"{r['last_step_ms']:.1f} ms" if r["last_step_ms"] is not None else "-"
-            state = "STALLED" if r["rank"] in stalled and r["state"] == "running" else r["state"]
-            style = None
-            if r["rank"] in initiating or r["rank"] in stalled:
-                style = "bold red"
-            elif r["state"] not in ("running", "exited"):
-                style = "red"
-            elif inc:
-                style = "yellow"  # waiting on the incident's ranks, not steady state
-            table.add_row(
-                "◀" if r["rank"] in initiating else "",
-                str(r["rank"]),
-                str(r["pid"]),
-                str(r["step"]),
-                Text(phase),
-                f"{r['in_phase_s']:.1f}s",
-                f"{r['since_progress_s']:.1f}s",
-                last,
-                Text(state),
-                style=style,
-            )
-        parts.append(table)
-        for s in job["stragglers"]:
-            parts.append(Text(f"live: {s['line']}", style="yellow"))
-        who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
-        line = Text("diagnosis: " if not inc else "steps so far: ")
-        line.append(job["diagnosis"], style="bold")
-        line.append(who + (f" in {job['phase']}" if job["phase"] else ""))
-        parts.append(line)
-        parts.append(Text(f"why: {job['why']}"))
-        for i in job["incidents"][-3:]:
-            if not inc or i["incident_id"] != inc["incident_id"]:
-                who = fmt_ranks(i["initiating_ranks"]) if i["initiating_ranks"] else "no single rank"
-                earlier = f"earlier incident {i['incident_id']}: {headline_of(i['kind'])} — {who}"
-                parts.append(Text(earlier, style="dim"))
+        parts += _job_head(job)
+        parts.append(_rank_table(job))
+        parts += _job_tail(job)
         parts.append(Text(""))
     return Group(*parts)
+
+
+def _job_head(job: dict[str, Any]) -> list[Any]:
+    """The job's title (who watches it), its open incident and its stalled ranks."""
+    from rich.text import Text
+
+    inc = job["open_incident"]
+    stalled = set(job["stalled_ranks"])
+    title = Text(f"job {job['job_id']}", style="bold")
+    wd = job["watchdog"]
+    if wd["state"] == "none":
+        title.append("  · no watchdog state (is `rankwatch run` or the daemon watching it?)", style="yellow")
+    elif wd["state"] == "stale":
+        title.append(f"  · watchdog silent for {wd['age_s']:.0f}s (pid {wd['pid']}): its last word below",
+                     style="yellow")
+    else:
+        title.append(f"  · watched by {wd['mode']} (pid {wd['pid']}, on stall: {wd['on_stall']})", style="dim")
+    parts: list[Any] = [title]
+    if inc and not inc["decided"]:
+        parts.append(Text(f"OPEN INCIDENT {inc['incident_id']}: deciding… (evidence being captured; "
+                          f"trigger: {inc['kind']})", style="bold red"))
+    elif inc:
+        what = headline_of(inc["kind"])
+        who = fmt_ranks(inc["initiating_ranks"]) if inc["initiating_ranks"] else "no single rank"
+        line = Text(f"OPEN INCIDENT {inc['incident_id']}: {what} — initiating {who}", style="bold red")
+        if inc["phase"]:
+            line.append(f" in phase '{inc['phase']}'", style="bold red")
+        if inc["confidence"]:
+            line.append(f" (confidence {inc['confidence']})", style="red")
+        parts.append(line)
+        if inc["reason"]:
+            parts.append(Text(f"  why: {inc['reason']}", style="red"))
+        if inc["bundle"]:
+            parts.append(Text(f"  bundle: {inc['bundle']}"))
+    if stalled:
+        parts.append(
+            Text(
+                f"STALLED: {fmt_ranks(sorted(stalled))} — no progress for longer than "
+                f"{job['stall_timeout_s']:.0f}s",
+                style="bold red",
+            )
+        )
+    return parts
+
+
+def _rank_table(job: dict[str, Any]) -> Any:
+    """One row per rank; the incident's initiating ranks marked ◀ and, like stalled ranks, in red."""
+    from rich.table import Table
+    from rich.text import Text
+
+    inc = job["open_incident"]
+    # until the verdict is decided nobody is named: the trigger's ranks are only those seen stalled
+    initiating = set(inc["initiating_ranks"]) if inc and inc["decided"] else set()
+    stalled = set(job["stalled_ranks"])
+    table = Table(title_justify="left")
+    table.add_column("", justify="left")  # ◀ marks the incident's initiating ranks
+    for col, justify in (
+        ("rank", "right"),
+        ("pid", "right"),
+        ("step", "right"),
+        ("phase", "left"),
+        ("in phase", "right"),
+        ("no progress", "right"),
+        ("last step", "right"),
+        ("state", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in job["ranks"]:
+        phase = r["phase"] if r["phase"] != "collective" or not r["collective"] else r["collective"]
+        last = f"{r['last_step_ms']:.1f} ms" if r["last_step_ms"] is not None else "-"
+        state = "STALLED" if r["rank"] in stalled and r["state"] == "running" else r["state"]
+        style = None
+        if r["rank"] in initiating or r["rank"] in stalled:
+            style = "bold red"
+        elif r["state"] not in ("running", "exited"):
+            style = "red"
+        elif inc:
+            style = "yellow"  # waiting on the incident's ranks, not steady state
+        table.add_row(
+            "◀" if r["rank"] in initiating else "",
+            str(r["rank"]),
+            str(r["pid"]),
+            str(r["step"]),
+            Text(phase),
+            f"{r['in_phase_s']:.1f}s",
+            f"{r['since_progress_s']:.1f}s",
+            last,
+            Text(state),
+            style=style,
+        )
+    return table
+
+
+def _job_tail(job: dict[str, Any]) -> list[Any]:
+    """The live straggler lines, the diagnosis of the steps so far and the earlier incidents."""
+    from rich.text import Text
+
+    inc = job["open_incident"]
+    parts: list[Any] = [Text(f"live: {s['line']}", style="yellow") for s in job["stragglers"]]
+    who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
+    line = Text("diagnosis: " if not inc else "steps so far: ")
+    line.append(job["diagnosis"], style="bold")
+    line.append(who + (f" in {job['phase']}" if job["phase"] else ""))
+    parts.append(line)
+    parts.append(Text(f"why: {job['why']}"))
+    for i in job["incidents"][-3:]:
+        if not inc or i["incident_id"] != inc["incident_id"]:
+            who = fmt_ranks(i["initiating_ranks"]) if i["initiating_ranks"] else "no single rank"
+            earlier = f"earlier incident {i['incident_id']}: {headline_of(i['kind'])} — {who}"
+            parts.append(Text(earlier, style="dim"))
+    return parts
 
 
 def main(argv: list[str]) -> int:

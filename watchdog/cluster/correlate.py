@@ -33,10 +33,11 @@ from typing import Any
 import structlog
 
 from ..core.detect import progressing_here
+from ..core.doc_checks import store_verdict_problems
 from ..core.fr_trace import RankTrace
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
-from ..core.schema import CONFIDENCES, HISTORY_SCHEMA, INCIDENT_SCHEMA, KINDS, VERDICT_SCHEMA
+from ..core.schema import HISTORY_SCHEMA, INCIDENT_SCHEMA, VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
 from ..core.steps import StepTiming
 from .store import (
@@ -44,6 +45,8 @@ from .store import (
     JobStore,
     StoreError,
     ValueRejected,
+    binding,
+    check_binding,
     fr_share,
     node_doc,
     parse_evidence_doc,
@@ -76,20 +79,13 @@ class SharedIncident:
     incident_id: str
     by_node: int
     trigger: dict[str, Any]
+    issued: float = 0.0  # when the claim was made (sealed in it); 0 for a local-only incident
 
 
 def validate_verdict(raw: bytes) -> dict[str, Any]:
     doc = parse_json(raw, VERDICT_SCHEMA)
-    if doc.get("kind") not in KINDS or doc.get("confidence") not in CONFIDENCES:
-        raise ValueRejected("verdict: unknown kind or confidence")
-    ranks = doc.get("initiating_ranks")
-    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise ValueRejected("verdict: initiating_ranks must be a list of integers")
-    for key in ("job_id", "incident_id", "reason"):
-        if not isinstance(doc.get(key), str):
-            raise ValueRejected(f"verdict: {key} must be a string")
-    if not isinstance(doc.get("ranks"), dict) or not isinstance(doc.get("evidence"), list):
-        raise ValueRejected("verdict: ranks/evidence malformed")
+    if problems := store_verdict_problems(doc):  # the one verdict spec (core.doc_checks), store-strict
+        raise ValueRejected("verdict: " + "; ".join(problems[:3]))
     return doc
 
 
@@ -125,6 +121,8 @@ class Correlator:
         # wall-clock start of the job generation this node watches (set by the daemon from its ranks'
         # records): a claim issued before it belongs to an earlier run and is replayed, never acted on
         self.fresh_after_unix: float | None = None
+        # this daemon's start: a value issued before it was left in the store by an earlier daemon
+        self.started_unix = time.time()
         if secret is None:
             log.warning(
                 "store_unauthenticated",
@@ -212,23 +210,30 @@ class Correlator:
             if not isinstance(trigger, dict):
                 raise ValueRejected("trigger must be an object")
             issued = v_float(doc.get("issued"), "issued", optional=True)
-            fresh = self.fresh_after_unix
             # sealed claims must say when they were made; an unsealed one proves nothing either way (anyone could
             # write any time) and goes through the local screening instead
-            stale = issued < fresh - self.policy.claim_skew_s if issued is not None and fresh is not None else False
-            if stale or (issued is None and fresh is not None and self.authenticated):
+            if (issued is not None and issued < self.not_before()) or (issued is None and self.authenticated):
                 raise ValueRejected(
-                    "claim issued before this job generation started (a replay of an earlier run's claim)"
+                    "claim issued before this job generation or this daemon started (a replay of an earlier "
+                    "run's or daemon's claim)"
                 )
             return SharedIncident(
                 gen=v_int(doc.get("gen"), "gen", lo=1, hi=10**9) or 0,
                 incident_id=_safe_id(v_str(doc.get("id"), "id") or ""),
                 by_node=v_int(doc.get("by"), "by", lo=0, hi=10**6) or 0,
                 trigger={k: v for k, v in trigger.items() if k in ("kind", "ranks", "reason", "detected_after_s")},
+                issued=issued or 0.0,
             )
         except ValueRejected as exc:
             self._reject(key, exc)
             return None
+
+    def not_before(self, inc: SharedIncident | None = None) -> float:
+        """The oldest issue time a value may carry to count as fresh: not before this job generation started,
+        this daemon started or (for an incident's evidence and verdict) the incident was claimed, less the
+        clock skew allowed between nodes."""
+        floor = max(self.started_unix, self.fresh_after_unix or 0.0, inc.issued if inc is not None else 0.0)
+        return floor - self.policy.claim_skew_s
 
     def poll_incident(self) -> SharedIncident | None:
         """An incident another node opened that this node has not handled yet."""
@@ -411,7 +416,8 @@ class Correlator:
         try:
             store.set_json(
                 f"evidence/{inc.gen}/{self.node_rank}",
-                node_doc(self.node_rank, node, 0, local_views, "evidence", flight_recorder=share),
+                node_doc(self.node_rank, node, 0, local_views, "evidence", flight_recorder=share,
+                         bound=binding(inc.incident_id)),
             )
         except StoreError as exc:
             self._lost(exc)
@@ -423,6 +429,17 @@ class Correlator:
             )
             how = f"leader node {self.node_rank} over {self._heard} node(s)"
             return Resolution(how, views=views, notes=notes, remote_fr=remote_fr, publish=True)
+        return self._follow(store, inc, local_views, world_size, stall_timeout_s)
+
+    def _follow(
+        self,
+        store: JobStore,
+        inc: SharedIncident,
+        local_views: list[RankView],
+        world_size: int,
+        stall_timeout_s: float | None,
+    ) -> Resolution:
+        """A follower waits for the leader's verdict; without a valid one in time it decides locally."""
         deadline = time.monotonic() + self.policy.verdict_timeout_s
         key = f"verdict/{inc.gen}"
         rejected = False  # a bad value may still be overwritten by the leader's: keep waiting for it
@@ -437,49 +454,59 @@ class Correlator:
                 continue
             try:
                 verdict = validate_verdict(store.unseal(key, raw))
+                check_binding(verdict.get("bound"), inc.incident_id, self.not_before(inc))
+                verdict.pop("bound", None)
             except ValueRejected as exc:
                 self._reject(key, exc)
                 rejected = True
                 # the key exists, so waiting for it returns at once: poll, until the leader replaces it
                 time.sleep(self.policy.rejected_value_retry_s)
                 continue
-            healthy = (
-                progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
-                if not self.authenticated and stall_timeout_s is not None
-                else []
-            )
-            if not healthy:
-                return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
-            why = (
-                f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
-                f"as initiating but this node sees it making progress"
-            )
-            log.warning(
-                "remote_verdict_refused",
-                job=self.job_id,
-                key=key,
-                initiating_ranks=verdict["initiating_ranks"][:16],
-                progressing_here=healthy[:16],
-                stall_timeout_s=stall_timeout_s,
-            )
-            return Resolution(why, views=local_views, notes=[why])
+            return self._accept(key, verdict, local_views, stall_timeout_s)
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
             if rejected
             else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
         )
-        views, notes, remote_fr = local_views, [why], {}
+        remote_fr: dict[int, RankTrace] = {}
+        views, notes = local_views, [why]
         if self.store is not None:
             views, more, remote_fr = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
         return Resolution(why, views=views, notes=notes, remote_fr=remote_fr)
+
+    def _accept(
+        self, key: str, verdict: dict[str, Any], local_views: list[RankView], stall_timeout_s: float | None
+    ) -> Resolution:
+        """The leader's verdict, unless it is unauthenticated and names a rank this node sees progressing."""
+        healthy = (
+            progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
+            if not self.authenticated and stall_timeout_s is not None
+            else []
+        )
+        if not healthy:
+            return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
+        why = (
+            f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
+            f"as initiating but this node sees it making progress"
+        )
+        log.warning(
+            "remote_verdict_refused",
+            job=self.job_id,
+            key=key,
+            initiating_ranks=verdict["initiating_ranks"][:16],
+            progressing_here=healthy[:16],
+            stall_timeout_s=stall_timeout_s,
+        )
+        return Resolution(why, views=local_views, notes=[why])
 
     def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
         """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""
         if self.store is None:
             return
         try:
-            self.store.set_json(f"verdict/{inc.gen}", slim_verdict(verdict, self.policy.slim_verdict_above_ranks))
+            slim = slim_verdict(verdict, self.policy.slim_verdict_above_ranks)
+            self.store.set_json(f"verdict/{inc.gen}", {**slim, "bound": binding(inc.incident_id)})
         except StoreError as exc:
             self._lost(exc)
 
@@ -508,6 +535,7 @@ class Correlator:
                     continue
                 try:
                     answer = parse_evidence_doc(store.unseal(key, raw))
+                    check_binding(answer.bound, inc.incident_id, self.not_before(inc))
                 except ValueRejected as exc:  # not heard: the node's own evidence may still replace it
                     self._reject(key, exc)
                     continue

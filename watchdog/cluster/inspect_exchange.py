@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from ..core.doc_checks import store_verdict_problems
 from ..core.fr_trace import RankTrace
 from ..core.schema import VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
@@ -61,11 +62,8 @@ def _missing_views(world_size: int, have: Sequence[RankView], nnodes: int) -> li
 
 def parse_verdict(raw: bytes) -> dict[str, Any]:
     doc = parse_json(raw, VERDICT_SCHEMA)
-    ranks = doc.get("initiating_ranks")
-    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise ValueRejected("initiating_ranks: expected a list of integers")
-    if not isinstance(doc.get("ranks", {}), dict) or not isinstance(doc.get("evidence", []), list):
-        raise ValueRejected("ranks/evidence: wrong types")
+    if problems := store_verdict_problems(doc):  # the one verdict spec (core.doc_checks), store-strict
+        raise ValueRejected("; ".join(problems[:3]))
     return doc
 
 

@@ -141,6 +141,7 @@ def node_doc(
     views: list[RankView],
     kind: str = "snapshot",
     flight_recorder: Mapping[str, Any] | None = None,
+    bound: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     doc = {
         "schema": NODE_SCHEMA,
@@ -152,7 +153,28 @@ def node_doc(
     }
     if flight_recorder:
         doc["flight_recorder"] = dict(flight_recorder)
+    if bound is not None:
+        doc["bound"] = dict(bound)
     return doc
+
+
+def binding(incident_id: str) -> dict[str, Any]:
+    """What an incident's evidence and verdict carry, sealed with the rest (``cluster.auth``): the incident
+    they answer and when they were made. A value left in the store by an earlier run or an earlier daemon
+    (the same ``evidence/1/0`` key, the same incident id after a restart) then no longer passes for a fresh
+    one (``check_binding``)."""
+    return {"incident": incident_id, "issued": round(time.time(), 3)}
+
+
+def check_binding(bound: Any, incident_id: str, not_before_unix: float) -> None:
+    """ValueRejected unless ``bound`` names ``incident_id`` and was issued at or after ``not_before_unix``."""
+    if not isinstance(bound, dict):
+        raise ValueRejected("value not bound to an incident (from an older rankwatch, or replayed)")
+    if v_str(bound.get("incident"), "bound.incident") != incident_id:
+        raise ValueRejected("value of another incident (replayed from an earlier run)")
+    issued = v_float(bound.get("issued"), "bound.issued") or 0.0
+    if issued < not_before_unix:
+        raise ValueRejected("value issued before this incident's claim or this daemon's start (replayed)")
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,7 @@ class NodeEvidence:
     views: list[RankView]
     fr: dict[int, RankTrace]
     notes: tuple[str, ...] = ()
+    bound: Any = None  # the doc's ``bound`` as sent (``check_binding`` decides)
 
 
 def _node_fields(doc: dict[str, Any]) -> tuple[int, str, int, list[RankView]]:
@@ -210,7 +233,7 @@ def parse_evidence_doc(raw: bytes) -> NodeEvidence:
             fr[rank] = parse_dump(dump, rank)
         except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
             notes.append(f"node {node_rank}: rank {rank}'s flight recorder rejected: {str(exc)[:200]}")
-    return NodeEvidence(node_rank, node, views, fr, tuple(notes))
+    return NodeEvidence(node_rank, node, views, fr, tuple(notes), doc.get("bound"))
 
 
 def parse_json(raw: bytes, schema: str) -> dict[str, Any]:

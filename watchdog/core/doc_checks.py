@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .schema import STATE_SCHEMA, SUMMARY_SCHEMA, VERDICT_SCHEMA
+from .schema import CONFIDENCES, KINDS, STATE_SCHEMA, SUMMARY_SCHEMA, VERDICT_SCHEMA
 
 Check = Callable[[object], bool]
 
@@ -68,6 +68,19 @@ VERDICT_FIELDS: Spec = {
     "ranks": (False, _dict_of(_is_dict), "an object of rank entries"),
     "trigger": (False, _opt(_is_dict), "an object"),
     "stall_timeout_s": (False, _opt(_is_num), "a number of seconds"),
+}
+
+# A verdict another node put in the job store is acted on (adopted, alerted on, killed for): beside the
+# fields a renderer needs, it must be a live verdict of a kind and confidence this version knows. The same
+# spec, tightened — one spec per document, whether it is read from disk or from the store.
+STORE_VERDICT_FIELDS: Spec = {
+    **VERDICT_FIELDS,
+    "job_id": (True, _is_str, "a string"),
+    "incident_id": (True, _is_str, "a string"),
+    "kind": (True, lambda v: v in KINDS, "a known kind"),
+    "confidence": (True, lambda v: v in CONFIDENCES, "a known confidence"),
+    "ranks": (True, _dict_of(_is_dict), "an object of rank entries"),
+    "evidence": (True, _list_of(_is_str), "a list of strings"),
 }
 
 SUMMARY_FIELDS: Spec = {
@@ -136,3 +149,8 @@ def document_problems(doc: object) -> list[str]:
             if isinstance(ref, dict):
                 problems += check_fields(ref, INCIDENT_REF_FIELDS)
     return problems
+
+
+def store_verdict_problems(doc: Mapping[str, Any]) -> list[str]:
+    """Why a verdict read from the job store cannot be acted on (empty: it can)."""
+    return check_fields(doc, STORE_VERDICT_FIELDS)

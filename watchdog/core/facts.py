@@ -43,6 +43,14 @@ class Ended:
     strength: Rung = Rung.EXIT_CAUSE
     pid: int | None = None  # the process that ended (tells a restarted generation from the one decided)
     peer_ended: bool = False  # a consequence whose cause says a peer's process closed the connection (gone)
+    # what a log says about it (offline): when, by which signal, whether its own message states the cause
+    ts: float | None = None
+    signal: str | None = None
+    stated: bool = True  # False: a bare death by signal, no message of its own
+    detail: str = ""  # the cause's own words (exception, CUDA error), bounded by the parser
+    phase: str | None = None
+    site: str = ""  # where its traceback ends
+    node: str | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +88,85 @@ class Waits:
     seq: int | None = None
     op: str | None = None
     strength: Rung = Rung.WAITING
+    source: str = ""  # what says so, when rules must tell sources apart (offline: ``DESYNC_REPORT``, …)
+
+
+DESYNC_REPORT = "desync_report"  # PyTorch's desync report: computed from every rank's trace in the store
+NCCL_OP_COUNTS = "nccl_op_counts"  # NCCL INFO per-op lines: the last op each member of a communicator enqueued
+STORE_KEYS = "store_key_waits"  # a start-up store wait timed out on a peer's gloo rendezvous key: waits for it
+OWN_TIMEOUT = "own_timeout"  # a rank's own timeout / mismatch line: it waits, for whom it cannot say
+PEER_GONE = "peer_gone"  # a rank's own "connection closed/reset by peer" and no timeout: its peer went away
+OWN_WAITS = frozenset({OWN_TIMEOUT, PEER_GONE})
+
+
+@dataclass(slots=True)
+class Told:
+    """Told by the store that a peer timed out, without timing out itself. ``pending``: it had NCCL work
+    enqueued and not completed (inside a collective: it waits too), False: all its work completed (in no
+    collective), None: unknown."""
+
+    rank: int
+    pending: bool | None = None
+    completed: int | None = None
+
+
+@dataclass(slots=True)
+class Finished:
+    """Reached its normal end (its last training-loop line, an exit 0) with nothing of its own wrong."""
+
+    rank: int
+
+
+@dataclass(slots=True)
+class Exited:
+    """How a launcher (torchrun, mpirun, DeepSpeed) says a rank ended; ``root_cause``: its report calls it the
+    first observed failure (only the first exit it *noticed*)."""
+
+    rank: int
+    signal: str | None
+    exitcode: int | None
+    root_cause: bool = False
+
+
+@dataclass(slots=True)
+class InOp:
+    """A rank says which collective it is in: c10d's fingerprint check (``source`` "fingerprint"), NCCL's
+    watchdog at a sequence number ("watchdog"), or a traceback while waiting ("stack", at ``site``)."""
+
+    rank: int
+    op: str
+    source: str
+    seq: int | None = None
+    site: str | None = None
+
+
+@dataclass(slots=True)
+class Reached:
+    """The highest collective number a rank is known to have entered in ``group`` (None: the line names no
+    group; SeqNums count per group). ``source``: "enqueued" (PG status) or "timeout" (the watchdog's)."""
+
+    rank: int
+    seq: int
+    group: str | None
+    source: str
+
+
+@dataclass(slots=True)
+class SizeMismatch:
+    """Gloo told this rank it received a message of the wrong size (only the receiver is told)."""
+
+    rank: int
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class LoggedVerdict:
+    """rankwatch's own verdict, printed in the log: it saw stacks, records and the flight recorder."""
+
+    ranks: tuple[int, ...]
+    kind: str
+    confidence: str
+    phase: str | None
 
 
 @dataclass(slots=True)
@@ -111,6 +198,26 @@ class FactSet:
     waits: list[Waits] = field(default_factory=list)
     killed: list[KilledByRankwatch] = field(default_factory=list)
     prior: PriorVerdict | None = None
+    # what logs add (offline); live leaves them empty
+    told: list[Told] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    exited: list[Exited] = field(default_factory=list)
+    in_op: list[InOp] = field(default_factory=list)
+    reached: list[Reached] = field(default_factory=list)
+    size_mismatch: list[SizeMismatch] = field(default_factory=list)
+    logged: LoggedVerdict | None = None
+
+    def waiting_own(self) -> set[int]:
+        """Ranks whose own lines show them waiting on a peer (a timeout, a lost peer, a mismatch)."""
+        return {w.rank for w in self.waits if w.source in OWN_WAITS}
+
+    def waiting(self) -> set[int]:
+        """Ranks that waited, or were told a peer timed out (offline's "is waiting")."""
+        return self.waiting_own() | {t.rank for t in self.told}
+
+    def inside(self) -> set[int]:
+        """Ranks inside a collective: waiting on their own evidence, or told with NCCL work pending."""
+        return self.waiting_own() | {t.rank for t in self.told if t.pending}
 
     def terminal(self) -> dict[int, Rung]:
         """Ranks that wait for nobody, with the strength of what says so: the candidate sinks."""

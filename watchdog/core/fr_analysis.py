@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .fr_trace import FrEntry, RankTrace
@@ -244,107 +244,120 @@ def analyze_fr(traces: Mapping[int, RankTrace]) -> FrAnalysis:
     ranks = tuple(sorted(traces))
     empty = tuple(r for r in ranks if not traces[r].entries)
     notes: list[str] = []
+    idx = _index(traces, ranks)
+    groups = [_analyze_group(pg, idx, traces, ranks, notes) for pg in sorted(idx.per_pg, key=lambda n: (len(n), n))]
+    per_rank = {r: _rank_fr(r, traces[r].entries) for r in ranks}
+    return FrAnalysis(
+        ranks=ranks, empty_ranks=empty, groups=tuple(groups), per_rank=per_rank, notes=tuple(notes)
+    )
 
-    # pg name → rank → collective entries; pg name → desc
-    per_pg: dict[str, dict[int, list[FrEntry]]] = {}
-    p2p: dict[str, dict[int, list[FrEntry]]] = {}
-    descs: dict[str, str] = {}
-    declared: dict[str, set[int]] = {}
-    order: dict[str, tuple[int, ...]] = {}  # pg → its global ranks in group-rank order
+
+@dataclass
+class _PgIndex:
+    """Every rank's entries sorted by process group, and what the ranks declared of each group."""
+
+    per_pg: dict[str, dict[int, list[FrEntry]]] = field(default_factory=dict)  # pg → rank → collectives
+    p2p: dict[str, dict[int, list[FrEntry]]] = field(default_factory=dict)  # pg → rank → sends/recvs
+    descs: dict[str, str] = field(default_factory=dict)
+    declared: dict[str, set[int]] = field(default_factory=dict)
+    order: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pg → its global ranks in group-rank order
+
+
+def _index(traces: Mapping[int, RankTrace], ranks: Sequence[int]) -> _PgIndex:
+    idx = _PgIndex()
     for r in ranks:
         t = traces[r]
         for e in t.entries:
-            descs.setdefault(e.pg_name, e.pg_desc)
+            idx.descs.setdefault(e.pg_name, e.pg_desc)
             if e.is_p2p:
-                p2p.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
-                per_pg.setdefault(e.pg_name, {}).setdefault(r, [])
+                idx.p2p.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
+                idx.per_pg.setdefault(e.pg_name, {}).setdefault(r, [])
                 continue
-            per_pg.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
+            idx.per_pg.setdefault(e.pg_name, {}).setdefault(r, []).append(e)
         for name, cfg in t.pg_config.items():
             if name and cfg.ranks:
-                declared.setdefault(name, set()).update(cfg.ranks)
-                order.setdefault(name, cfg.ranks)
+                idx.declared.setdefault(name, set()).update(cfg.ranks)
+                idx.order.setdefault(name, cfg.ranks)
+    return idx
 
-    groups: list[PgAnalysis] = []
-    for pg in sorted(per_pg, key=lambda n: (len(n), n)):
-        by_rank = per_pg[pg]
-        members = set(by_rank)
-        if pg in declared:
-            members |= declared[pg] & set(ranks)
-        if descs.get(pg) == "default_pg":
-            members |= set(ranks)
-        members_t = tuple(sorted(members))
-        pg_p2p = p2p.get(pg, {})
-        # a p2p entry with a collective seq: the group has one counter for both, so members that issue
-        # different numbers of sends/recvs (pipeline stages) have incomparable collective seqs
-        comparable = not any(e.collective_seq_id > 0 for es in pg_p2p.values() for e in es)
-        progress = {r: _progress(traces[r], pg, by_rank.get(r, []), use_status=not pg_p2p) for r in members_t}
-        top = max(p.entered for p in progress.values())
-        behind = tuple(r for r in members_t if progress[r].entered < top) if comparable else ()
-        top_completed = max(p.completed for p in progress.values())
-        completion_lag = tuple(
-            r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed
-        )
 
-        # index by seq
-        at_seq: dict[int, dict[int, FrEntry]] = {}
-        for r, es in by_rank.items():
-            for e in es:
-                at_seq.setdefault(e.collective_seq_id, {})[r] = e
+def _analyze_group(
+    pg: str, idx: _PgIndex, traces: Mapping[int, RankTrace], ranks: Sequence[int], notes: list[str]
+) -> PgAnalysis:
+    """One process group: its members' progress, who is behind, the collectives some members never
+    joined and those whose members disagree (a note when there are too many to list)."""
+    by_rank = idx.per_pg[pg]
+    members = set(by_rank)
+    if pg in idx.declared:
+        members |= idx.declared[pg] & set(ranks)
+    if idx.descs.get(pg) == "default_pg":
+        members |= set(ranks)
+    members_t = tuple(sorted(members))
+    pg_p2p = idx.p2p.get(pg, {})
+    # a p2p entry with a collective seq: the group has one counter for both, so members that issue
+    # different numbers of sends/recvs (pipeline stages) have incomparable collective seqs
+    comparable = not any(e.collective_seq_id > 0 for es in pg_p2p.values() for e in es)
+    progress = {r: _progress(traces[r], pg, by_rank.get(r, []), use_status=not pg_p2p) for r in members_t}
+    top = max(p.entered for p in progress.values())
+    behind = tuple(r for r in members_t if progress[r].entered < top) if comparable else ()
+    top_completed = max(p.completed for p in progress.values())
+    completion_lag = tuple(
+        r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed
+    )
 
-        if not comparable:
-            at_seq = {}
-        missing: list[MissingCollective] = []
-        for seq in sorted(at_seq):
-            joined = tuple(sorted(at_seq[seq]))
-            absent = tuple(r for r in members_t if r not in at_seq[seq] and progress[r].entered < seq)
-            if absent and len(missing) < MAX_REPORTED:
-                op = Counter(e.op for e in at_seq[seq].values()).most_common(1)[0][0]
-                missing.append(MissingCollective(pg=pg, seq=seq, op=op, joined=joined, missing=absent))
+    # index by seq
+    at_seq: dict[int, dict[int, FrEntry]] = {}
+    for r, es in by_rank.items():
+        for e in es:
+            at_seq.setdefault(e.collective_seq_id, {})[r] = e
 
-        mismatches: list[Mismatch] = []
-        for seq in sorted(at_seq):
-            if len(mismatches) >= MAX_REPORTED:
-                notes.append(f"pg {pg}: more than {MAX_REPORTED} mismatching collectives, rest not listed")
-                break
-            mismatches.extend(_compare_at_seq(pg, seq, at_seq[seq]))
+    if not comparable:
+        at_seq = {}
+    missing: list[MissingCollective] = []
+    for seq in sorted(at_seq):
+        joined = tuple(sorted(at_seq[seq]))
+        absent = tuple(r for r in members_t if r not in at_seq[seq] and progress[r].entered < seq)
+        if absent and len(missing) < MAX_REPORTED:
+            op = Counter(e.op for e in at_seq[seq].values()).most_common(1)[0][0]
+            missing.append(MissingCollective(pg=pg, seq=seq, op=op, joined=joined, missing=absent))
 
-        groups.append(
-            PgAnalysis(
-                name=pg,
-                desc=descs.get(pg, ""),
-                members=members_t,
-                progress=progress,
-                behind=behind,
-                completion_lag=completion_lag,
-                missing=tuple(missing),
-                mismatches=tuple(mismatches),
-                p2p_in_flight={
-                    r: tuple(e.op for e in es if not e.finished and not e.timed_out)
-                    for r, es in sorted(pg_p2p.items())
-                    if any(not e.finished and not e.timed_out for e in es)
-                },
-                comparable=comparable,
-                declared=tuple(sorted(declared.get(pg, set()))),
-                p2p_peers=_p2p_peers(pg_p2p, order.get(pg), descs.get(pg) == "default_pg"),
-            )
-        )
+    mismatches: list[Mismatch] = []
+    for seq in sorted(at_seq):
+        if len(mismatches) >= MAX_REPORTED:
+            notes.append(f"pg {pg}: more than {MAX_REPORTED} mismatching collectives, rest not listed")
+            break
+        mismatches.extend(_compare_at_seq(pg, seq, at_seq[seq]))
 
-    per_rank: dict[int, RankFr] = {}
-    for r in ranks:
-        rank_entries = traces[r].entries
-        last = rank_entries[-1] if rank_entries else None
-        done = [e for e in rank_entries if e.finished]
-        per_rank[r] = RankFr(
-            rank=r,
-            entries=len(rank_entries),
-            last_entered=_ref(last) if last else None,
-            last_completed=_ref(done[-1]) if done else None,
-            in_flight=tuple(_ref(e) for e in rank_entries if not e.finished and not e.timed_out),
-            timed_out=tuple(_ref(e) for e in rank_entries if e.timed_out),
-        )
-    return FrAnalysis(
-        ranks=ranks, empty_ranks=empty, groups=tuple(groups), per_rank=per_rank, notes=tuple(notes)
+    return PgAnalysis(
+        name=pg,
+        desc=idx.descs.get(pg, ""),
+        members=members_t,
+        progress=progress,
+        behind=behind,
+        completion_lag=completion_lag,
+        missing=tuple(missing),
+        mismatches=tuple(mismatches),
+        p2p_in_flight={
+            r: tuple(e.op for e in es if not e.finished and not e.timed_out)
+            for r, es in sorted(pg_p2p.items())
+            if any(not e.finished and not e.timed_out for e in es)
+        },
+        comparable=comparable,
+        declared=tuple(sorted(idx.declared.get(pg, set()))),
+        p2p_peers=_p2p_peers(pg_p2p, idx.order.get(pg), idx.descs.get(pg) == "default_pg"),
+    )
+
+
+def _rank_fr(r: int, rank_entries: Sequence[FrEntry]) -> RankFr:
+    last = rank_entries[-1] if rank_entries else None
+    done = [e for e in rank_entries if e.finished]
+    return RankFr(
+        rank=r,
+        entries=len(rank_entries),
+        last_entered=_ref(last) if last else None,
+        last_completed=_ref(done[-1]) if done else None,
+        in_flight=tuple(_ref(e) for e in rank_entries if not e.finished and not e.timed_out),
+        timed_out=tuple(_ref(e) for e in rank_entries if e.timed_out),
     )
 
 

@@ -70,56 +70,8 @@ def views_from_facts(
     sites: dict[str, list[int]] = {}
     for f in facts:
         f = replace(f, frames=python_frames(f.frames))
-        state, cause, phase, verified = RUNNING, None, None, True
-        waiting: bool | None = None
-        if f.pid < 0:
-            state, verified = DEAD, False
-            lines.append(f"rank {f.rank}: its process is gone (the launcher started it on node {f.node_rank})")
-        elif f.exit_status is not None:
-            st = f.exit_status
-            if os.WIFSIGNALED(st):
-                sig = os.WTERMSIG(st)
-                if sig in TEARDOWN_SIGNALS and [r for r in lost if r != f.rank]:
-                    state, cause = CRASHED, f"{_signal_name(sig)}: the launcher's teardown after a peer was lost"
-                else:
-                    state = DEAD
-                lines.append(f"rank {f.rank}: exited, killed by {_signal_name(sig)} (zombie, not yet reaped)")
-            else:
-                code = os.WEXITSTATUS(st)
-                if code == 0:
-                    state = EXITED
-                else:
-                    state = CRASHED
-                    others = [r for r in lost if r != f.rank]
-                    cause = f"exit code {code}" + (
-                        " after a peer was lost (waiters end with a communication error)" if others else ""
-                    )
-                lines.append(f"rank {f.rank}: exited with code {code} (zombie, not yet reaped)")
-        elif f.proc_state in ("Z", "X", ""):
-            state = DEAD
-            lines.append(f"rank {f.rank}: its process ended while it was inspected")
-        elif f.proc_state == "T":
-            state = STOPPED
-        elif f.proc_state == "?":
-            state = UNKNOWN
-        if state in (RUNNING, STOPPED) and not f.frames:
-            # alive but unread: not "not waiting" — no evidence either way, so it takes no side
-            state = UNKNOWN
-            lines.append(f"rank {f.rank}: no stack read ({f.stack_error or 'py-spy returned none'}): left out of the "
-                         "comparison")
-        if f.frames and state in (RUNNING, STOPPED):
-            sp = phase_from_frames(f.frames)
-            phase = sp.phase
-            waiting = waiting_on_peers(f.frames)
-            where = f"{sp.phase}" + (f" ({sp.op})" if sp.op else "")
-            if waiting is not False and sp.phase in ("collective", "backward"):
-                sites.setdefault(where if sp.op else f"{sp.phase} (DDP's gradient all-reduce)", []).append(f.rank)
-            if f.cpu_pct is not None or sp.op:
-                lines.append(
-                    f"rank {f.rank}: "
-                    + ", ".join(x for x in (f"in {where}" if sp.op else "",
-                                            f"{f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "") if x)
-                )
+        state, cause, verified = _state_of(f, lost, lines)
+        phase, waiting = _read_stack(f, sites, lines) if f.frames and state in (RUNNING, STOPPED) else (None, None)
         views.append(
             RankView(
                 rank=f.rank,
@@ -146,3 +98,61 @@ def views_from_facts(
         lines.append(f"every live rank waits for peers, in different collectives: {parts}")
     lines.append("inspected without the hook: steps and time in phase are unknown (shown as 0)")
     return views, lines
+
+
+def _state_of(f: RankFact, lost: Sequence[int], lines: list[str]) -> tuple[str, str | None, bool]:
+    """(state, exit cause, verified) from the process's exit status or /proc state, with its line."""
+    state, cause, verified = RUNNING, None, True
+    if f.pid < 0:
+        state, verified = DEAD, False
+        lines.append(f"rank {f.rank}: its process is gone (the launcher started it on node {f.node_rank})")
+    elif f.exit_status is not None:
+        st = f.exit_status
+        if os.WIFSIGNALED(st):
+            sig = os.WTERMSIG(st)
+            if sig in TEARDOWN_SIGNALS and [r for r in lost if r != f.rank]:
+                state, cause = CRASHED, f"{_signal_name(sig)}: the launcher's teardown after a peer was lost"
+            else:
+                state = DEAD
+            lines.append(f"rank {f.rank}: exited, killed by {_signal_name(sig)} (zombie, not yet reaped)")
+        else:
+            code = os.WEXITSTATUS(st)
+            if code == 0:
+                state = EXITED
+            else:
+                state = CRASHED
+                others = [r for r in lost if r != f.rank]
+                cause = f"exit code {code}" + (
+                    " after a peer was lost (waiters end with a communication error)" if others else ""
+                )
+            lines.append(f"rank {f.rank}: exited with code {code} (zombie, not yet reaped)")
+    elif f.proc_state in ("Z", "X", ""):
+        state = DEAD
+        lines.append(f"rank {f.rank}: its process ended while it was inspected")
+    elif f.proc_state == "T":
+        state = STOPPED
+    elif f.proc_state == "?":
+        state = UNKNOWN
+    if state in (RUNNING, STOPPED) and not f.frames:
+        # alive but unread: not "not waiting" — no evidence either way, so it takes no side
+        state = UNKNOWN
+        lines.append(f"rank {f.rank}: no stack read ({f.stack_error or 'py-spy returned none'}): left out of the "
+                     "comparison")
+    return state, cause, verified
+
+
+def _read_stack(f: RankFact, sites: dict[str, list[int]], lines: list[str]) -> tuple[str | None, bool | None]:
+    """(phase, waiting on peers) of a live rank from its stack; a rank waiting in a collective joins its
+    site in ``sites``."""
+    sp = phase_from_frames(f.frames)
+    waiting = waiting_on_peers(f.frames)
+    where = f"{sp.phase}" + (f" ({sp.op})" if sp.op else "")
+    if waiting is not False and sp.phase in ("collective", "backward"):
+        sites.setdefault(where if sp.op else f"{sp.phase} (DDP's gradient all-reduce)", []).append(f.rank)
+    if f.cpu_pct is not None or sp.op:
+        lines.append(
+            f"rank {f.rank}: "
+            + ", ".join(x for x in (f"in {where}" if sp.op else "",
+                                    f"{f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "") if x)
+        )
+    return sp.phase, waiting

@@ -130,6 +130,9 @@ class AlertPolicy:
     max_queued: int = 64
     # one job's share of a target's queue: a job over it loses its own oldest alert, never another job's
     max_queued_per_job: int = 16
+    # one job owner's share, however many jobs they run: half the queue, so another user's alert always finds
+    # room; and the sender takes owners in turn, so it never waits behind one user's backlog either
+    max_queued_per_owner: int = 32
     # on shutdown, queued alerts get this long, then what is in flight is cut: SIGTERM is not held by a
     # webhook that trickles (systemd's stop timeout is longer; a healthy webhook answers in milliseconds)
     close_timeout_s: float = 5.0

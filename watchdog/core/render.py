@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 from .engine import AFTER_KILL, WAIT_FOR, Finding
 from .facts import Rung
+from .phases import GRAD_SYNC, PHASE_FAMILY
 from .ranks import fmt_ranks, ranks_verb
 from .snapshot import RankView
 
-_PHASE_KIND = {"dataloader": "input", "forward": "compute", "backward": "compute", "optimizer": "compute",
-               "collective": "communication"}
+_PHASE_KIND = {p: f for p, f in PHASE_FAMILY.items() if p != GRAD_SYNC}  # grad_sync: not a stuck phase
 
 
 def phase_kind(phase: str | None) -> str:

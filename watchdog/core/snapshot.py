@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import phases
+
 # Process states as the verdict sees them.
 RUNNING = "running"
 STOPPED = "stopped"  # SIGSTOP / state T
@@ -19,8 +21,8 @@ UNKNOWN = "unknown"
 GONE_STATES = frozenset({DEAD, CRASHED, ZOMBIE})
 
 # Within one step the canonical phases run in this order; a rank earlier in the order than its peers
-# (same step, same collective count) is behind them.
-STEP_PHASE_ORDER = {"dataloader": 1, "forward": 2, "backward": 3, "optimizer": 4}
+# (same step, same collective count) is behind them (the one phase table: ``core.phases``).
+STEP_PHASE_ORDER = phases.STEP_PHASE_ORDER
 
 
 @dataclass(frozen=True)

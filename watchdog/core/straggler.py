@@ -48,7 +48,7 @@ import itertools
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,13 +56,10 @@ if TYPE_CHECKING:  # the step ring type only: the pure core imports no record re
     from .steps import StepTiming
 
 
+from .phases import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
+from .phases import DATALOADER as INPUT_PHASE
 from .ranks import fmt_ranks
 from .schema import SUMMARY_SCHEMA
-
-SYNC_PHASES = frozenset({"collective", "grad_sync"})
-INPUT_PHASES = frozenset({"dataloader"})
-COMPUTE_PHASES = frozenset({"forward", "backward", "optimizer"})
-INPUT_PHASE = "dataloader"
 
 
 @dataclass(frozen=True)
@@ -298,33 +295,62 @@ def pattern_text(p: Mapping[str, Any]) -> str:
     return f"{each} on {p.get('slow_steps')} of {p.get('of_steps')} steps"
 
 
-def diagnose_stragglers(
-    per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None
-) -> StragglerDiagnosis:
-    policy = policy or StragglerPolicy()
-    steps, aligned = _align(per_rank, policy.window_steps)
+@dataclass
+class _Window:
+    """The statistics of the compared steps that every label below reads."""
+
+    steps: list[int]
+    ranks: list[int]
+    phase_names: list[str]
+    series: dict[int, dict[str, list[float]]]  # rank -> phase -> ms per compared step
+    mean: dict[int, dict[str, float]]  # rank -> phase -> mean ms
+    sync: frozenset[str]  # the phases that are waits for peers
+    has_pipeline: bool  # every rank measured its input pipeline
+    pipe: dict[int, list[float]]  # rank -> pipeline ms per step (empty without pipeline)
+    pipe_doc: dict[int, dict[str, float]]
+    overall: float  # the median of the ranks' mean step (ms)
+
+    def wait(self, r: int) -> float:
+        return sum(self.mean[r][p] for p in self.phase_names if p in self.sync)
+
+
+def _window(aligned: Mapping[int, Sequence[StepTiming]], steps: list[int]) -> _Window:
     ranks = sorted(aligned)
     phase_names = sorted({p for ts in aligned.values() for t in ts for p in t.phases_ms})
     series = {r: {p: [t.phases_ms.get(p, 0.0) for t in aligned[r]] for p in phase_names} for r in ranks}
-    mean = {r: {p: _mean(series[r][p]) for p in phase_names} for r in ranks}
-    med = {r: {p: _median(series[r][p]) for p in phase_names} for r in ranks}
-    step_mean = {r: _mean([t.duration_ms for t in aligned[r]]) for r in ranks}
-    step_worst = {r: max((t.duration_ms for t in aligned[r]), default=0.0) for r in ranks}
-    worst_rank = max(ranks, key=lambda r: step_worst[r], default=-1)
-    sync = sync_set(set(phase_names))
     # the input pipeline, where every rank measured it (torch DataLoader batches seen in the window)
     has_pipeline = bool(ranks) and all(sum(t.input_batches for t in aligned[r]) > 0 for r in ranks)
     pipe: dict[int, list[float]] = {r: [pipeline_ms(t) for t in aligned[r]] for r in ranks} if has_pipeline else {}
     pipe_doc: dict[int, dict[str, float]] = {}
     for r in pipe:
         batches = sum(t.input_batches for t in aligned[r])
-        workers = max((t.input_workers for t in aligned[r]), default=0)
         pipe_doc[r] = {
             "batch_ms": round(sum(t.input_ms for t in aligned[r]) / batches, 3),
-            "workers": workers,
+            "workers": max((t.input_workers for t in aligned[r]), default=0),
             "per_step_ms": round(_mean(pipe[r]), 3),
         }
+    return _Window(
+        steps=steps,
+        ranks=ranks,
+        phase_names=phase_names,
+        series=series,
+        mean={r: {p: _mean(series[r][p]) for p in phase_names} for r in ranks},
+        sync=sync_set(set(phase_names)),
+        has_pipeline=has_pipeline,
+        pipe=pipe,
+        pipe_doc=pipe_doc,
+        overall=_median([_mean([t.duration_ms for t in aligned[r]]) for r in ranks]),
+    )
 
+
+def _documents(
+    w: _Window, per_rank: Mapping[int, Sequence[StepTiming]], aligned: Mapping[int, Sequence[StepTiming]]
+) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """The step, phase and rank tables of the summary: (step_doc, phases_doc, ranks_doc)."""
+    ranks, phase_names, series, mean = w.ranks, w.phase_names, w.series, w.mean
+    med = {r: {p: _median(series[r][p]) for p in phase_names} for r in ranks}
+    step_worst = {r: max((t.duration_ms for t in aligned[r]), default=0.0) for r in ranks}
+    worst_rank = max(ranks, key=lambda r: step_worst[r], default=-1)
     phases_doc = {}
     for p in phase_names:
         worst_r = max(ranks, key=lambda r: max(series[r][p]))
@@ -337,57 +363,96 @@ def diagnose_stragglers(
         }
     ranks_doc: dict[str, dict[str, Any]] = {}
     for r in ranks:
-        wait = sum(mean[r][p] for p in phase_names if p in sync)
+        wait = w.wait(r)
         ranks_doc[str(r)] = {
             "steps": steps_completed(per_rank[r]),
-            "step_time_ms": round(step_mean[r], 3),
+            "step_time_ms": round(_mean([t.duration_ms for t in aligned[r]]), 3),
             "own_ms": round(sum(mean[r].values()) - wait, 3),
             "wait_ms": round(wait, 3),
             "phases": {p: round(mean[r][p], 3) for p in phase_names},
-            **({"input_pipeline": pipe_doc[r]} if r in pipe_doc else {}),
+            **({"input_pipeline": w.pipe_doc[r]} if r in w.pipe_doc else {}),
         }
-    overall = _median(list(step_mean.values()))
     step_doc = {
-        "mean": round(overall, 3),
+        "mean": round(w.overall, 3),
         "median": round(_median([_median([t.duration_ms for t in aligned[r]]) for r in ranks]), 3),
         "worst": round(step_worst.get(worst_rank, 0.0), 3),
         "worst_rank": worst_rank,
     }
+    return step_doc, phases_doc, ranks_doc
+
+
+def _per_step_excess(
+    w: _Window, own: Sequence[str], compared: Mapping[str, Mapping[int, Sequence[float]]]
+) -> dict[tuple[int, str], list[float]]:
+    """Per (rank, compared phase), each step's excess over the median of the other ranks on that step."""
+    ranks = w.ranks
+    per_step_excess: dict[tuple[int, str], list[float]] = {}
+    if len(ranks) < 2:
+        return per_step_excess
+    for p, by_rank in compared.items():
+        cols = [by_rank[r] for r in ranks]
+        rows: list[list[float]] = [[] for _ in ranks]
+        for i in range(len(w.steps)):
+            at_step = [c[i] for c in cols]
+            for j, base in enumerate(leave_one_out_medians(at_step)):
+                rows[j].append(at_step[j] - base)
+        for j, r in enumerate(ranks):
+            per_step_excess[(r, p)] = rows[j]
+    if w.has_pipeline and INPUT_PHASE in w.series[ranks[0]] and all(w.pipe_doc[r]["workers"] > 0 for r in ranks):
+        # with workers the training thread's dataloader time is a wait: a rank whose own work runs longer
+        # finds its next batch that much sooner, so the wait it saved is no time lost (one rank's compute
+        # slowed by a busy host's scheduler does not make an input-bound job a compute straggler)
+        saved: list[list[float]] = [[] for _ in ranks]
+        for i in range(len(w.steps)):
+            at_step = [w.series[r][INPUT_PHASE][i] for r in ranks]
+            for j, base in enumerate(leave_one_out_medians(at_step)):
+                saved[j].append(min(0.0, at_step[j] - base))
+        for j, r in enumerate(ranks):
+            for p in own:
+                per_step_excess[(r, p)] = [e + s for e, s in zip(per_step_excess[(r, p)], saved[j], strict=True)]
+    return per_step_excess
+
+
+_Result = Callable[..., "StragglerDiagnosis"]
+
+
+def diagnose_stragglers(
+    per_rank: Mapping[int, Sequence[StepTiming]], policy: StragglerPolicy | None = None
+) -> StragglerDiagnosis:
+    policy = policy or StragglerPolicy()
+    steps, aligned = _align(per_rank, policy.window_steps)
+    w = _window(aligned, steps)
+    step_doc, phases_doc, ranks_doc = _documents(w, per_rank, aligned)
 
     def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> StragglerDiagnosis:
         return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
 
-    if len(steps) < policy.min_steps or not ranks:
+    if len(steps) < policy.min_steps or not w.ranks:
         return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")
 
-    threshold = max(policy.abs_floor_ms, policy.rel_threshold * overall)
-    own = [p for p in phase_names if p not in sync and not (has_pipeline and p == INPUT_PHASE)]
-    compared: dict[str, dict[int, list[float]]] = {p: {r: series[r][p] for r in ranks} for p in own}
-    if has_pipeline:
-        compared[INPUT_PHASE] = pipe
-    per_step_excess: dict[tuple[int, str], list[float]] = {}
-    if len(ranks) > 1:
-        for p, by_rank in compared.items():
-            cols = [by_rank[r] for r in ranks]
-            rows: list[list[float]] = [[] for _ in ranks]
-            for i in range(len(steps)):
-                at_step = [c[i] for c in cols]
-                for j, base in enumerate(leave_one_out_medians(at_step)):
-                    rows[j].append(at_step[j] - base)
-            for j, r in enumerate(ranks):
-                per_step_excess[(r, p)] = rows[j]
-        if has_pipeline and INPUT_PHASE in series[ranks[0]] and all(pipe_doc[r]["workers"] > 0 for r in ranks):
-            # with workers the training thread's dataloader time is a wait: a rank whose own work runs longer
-            # finds its next batch that much sooner, so the wait it saved is no time lost (one rank's compute
-            # slowed by a busy host's scheduler does not make an input-bound job a compute straggler)
-            saved: list[list[float]] = [[] for _ in ranks]
-            for i in range(len(steps)):
-                at_step = [series[r][INPUT_PHASE][i] for r in ranks]
-                for j, base in enumerate(leave_one_out_medians(at_step)):
-                    saved[j].append(min(0.0, at_step[j] - base))
-            for j, r in enumerate(ranks):
-                for p in own:
-                    per_step_excess[(r, p)] = [e + w for e, w in zip(per_step_excess[(r, p)], saved[j], strict=True)]
+    threshold = max(policy.abs_floor_ms, policy.rel_threshold * w.overall)
+    own = [p for p in w.phase_names if p not in w.sync and not (w.has_pipeline and p == INPUT_PHASE)]
+    compared: dict[str, dict[int, list[float]]] = {p: {r: w.series[r][p] for r in w.ranks} for p in own}
+    if w.has_pipeline:
+        compared[INPUT_PHASE] = w.pipe
+    per_step_excess = _per_step_excess(w, own, compared)
+    return (
+        _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
+        or _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result)
+        or _bound(w, policy, threshold, result)
+    )
+
+
+def _phase_straggler(
+    w: _Window,
+    policy: StragglerPolicy,
+    threshold: float,
+    compared: Mapping[str, Mapping[int, Sequence[float]]],
+    per_step_excess: Mapping[tuple[int, str], list[float]],
+    result: _Result,
+) -> StragglerDiagnosis | None:
+    """The rank (and its co-stragglers) whose excess in one phase clears the threshold, and how it lost time."""
+    ranks, steps, overall = w.ranks, w.steps, w.overall
 
     def excess(r: int, p: str) -> float:
         return trimmed_mean(per_step_excess[(r, p)], policy.trim_share)
@@ -399,61 +464,83 @@ def diagnose_stragglers(
         ((excess(r, p), r, p) for (r, p) in per_step_excess if slow_count(r, p) >= policy.min_slow_steps),
         reverse=True,
     )
-    if candidates and candidates[0][0] >= threshold:
-        best, rank, phase = candidates[0]
-        co_floor = max(threshold, policy.co_straggler_share * best)
-        who = sorted(q for e, q, p in candidates if p == phase and e >= co_floor)
-        on_pipe = has_pipeline and phase == INPUT_PHASE
-        values = compared[phase]
-        others = [q for q in ranks if q not in who]
-        base = _median([_mean(values[q]) for q in others])
-        spread = per_step_excess[(rank, phase)]
-        if on_pipe and pipe_doc[rank]["workers"] > 1:
-            # workers finish batches in lumps (0, 1 or 2 per step): the pattern is read over as many steps
-            # as there are workers, or alternating steps would look like "every 2 steps"
-            w = int(pipe_doc[rank]["workers"])
-            spread = [_mean(spread[max(0, i - w + 1) : i + 1]) for i in range(len(spread))]
-        pattern = describe_pattern(steps, spread, threshold, policy)
-        lost = math.fsum(per_step_excess[(rank, phase)])
-        if on_pipe:
-            what = (
-                f"{fmt_ranks(who)}'s input pipeline need{'s' if len(who) == 1 else ''} "
-                f"{pipe_doc[rank]['per_step_ms']:.1f} ms/step ({_batch_text(pipe_doc[rank])}) "
-                f"vs {base:.1f} ms on the other ranks"
-            )
-        else:
-            what = (
-                f"{fmt_ranks(who)} spend{'s' if len(who) == 1 else ''} {_mean(values[rank]):.1f} ms/step in "
-                f"{phase} vs {base:.1f} ms on the other ranks"
-            )
-        why = (
-            f"{what}: +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean step), "
-            f"{pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks wait for it"
+    if not candidates or candidates[0][0] < threshold:
+        return None
+    best, rank, phase = candidates[0]
+    co_floor = max(threshold, policy.co_straggler_share * best)
+    who = sorted(q for e, q, p in candidates if p == phase and e >= co_floor)
+    on_pipe = w.has_pipeline and phase == INPUT_PHASE
+    values = compared[phase]
+    others = [q for q in ranks if q not in who]
+    base = _median([_mean(values[q]) for q in others])
+    spread = per_step_excess[(rank, phase)]
+    if on_pipe and w.pipe_doc[rank]["workers"] > 1:
+        # workers finish batches in lumps (0, 1 or 2 per step): the pattern is read over as many steps
+        # as there are workers, or alternating steps would look like "every 2 steps"
+        n = int(w.pipe_doc[rank]["workers"])
+        spread = [_mean(spread[max(0, i - n + 1) : i + 1]) for i in range(len(spread))]
+    pattern = describe_pattern(steps, spread, threshold, policy)
+    lost = math.fsum(per_step_excess[(rank, phase)])
+    if on_pipe:
+        what = (
+            f"{fmt_ranks(who)}'s input pipeline need{'s' if len(who) == 1 else ''} "
+            f"{w.pipe_doc[rank]['per_step_ms']:.1f} ms/step ({_batch_text(w.pipe_doc[rank])}) "
+            f"vs {base:.1f} ms on the other ranks"
         )
-        details = [
-            f"rank {r}: {phase}{' pipeline' if on_pipe else ''} {_mean(values[r]):.1f} ms/step "
-            f"(excess {excess(r, phase):+.1f}), wait {sum(mean[r][s] for s in sync if s in mean[r]):.1f} ms"
-            for r in ranks
-        ]
-        return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
-                      time_lost_ms=lost, input_pipeline=on_pipe)
-
-    wide = _rank_wide(ranks, own, compared, per_step_excess, threshold, policy)
-    if wide is not None:
-        rank, best, by_phase = wide
-        per_step = [math.fsum(per_step_excess[(rank, p)][i] for p in own if p != "idle") for i in range(len(steps))]
-        lost = math.fsum(per_step)
-        pattern = describe_pattern(steps, per_step, threshold, policy)
-        parts = ", ".join(f"{p} {e:+.1f}" for p, e in sorted(by_phase.items(), key=lambda kv: -kv[1]))
-        why = (
-            f"rank {rank} is slower across the phases of its own work, none enough to stand out alone ({parts} "
-            f"ms/step), together +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean "
-            f"step), {pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks "
-            "wait for it (a whole-process slowdown: CPU contention, a busy thread of its own, a slower host)"
+    else:
+        what = (
+            f"{fmt_ranks(who)} spend{'s' if len(who) == 1 else ''} {_mean(values[rank]):.1f} ms/step in "
+            f"{phase} vs {base:.1f} ms on the other ranks"
         )
-        details = [f"rank {r}: own work excess {sum(excess(r, p) for p in by_phase):+.1f} ms/step" for r in ranks]
-        return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost)
+    why = (
+        f"{what}: +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean step), "
+        f"{pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks wait for it"
+    )
+    details = [
+        f"rank {r}: {phase}{' pipeline' if on_pipe else ''} {_mean(values[r]):.1f} ms/step "
+        f"(excess {excess(r, phase):+.1f}), wait {sum(w.mean[r][s] for s in w.sync if s in w.mean[r]):.1f} ms"
+        for r in ranks
+    ]
+    return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
+                  time_lost_ms=lost, input_pipeline=on_pipe)
 
+
+def _rank_wide_straggler(
+    w: _Window,
+    policy: StragglerPolicy,
+    threshold: float,
+    own: Sequence[str],
+    compared: Mapping[str, Mapping[int, Sequence[float]]],
+    per_step_excess: Mapping[tuple[int, str], list[float]],
+    result: _Result,
+) -> StragglerDiagnosis | None:
+    """A rank a little slower in every phase of its own work (a whole-process slowdown), in words."""
+    wide = _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy)
+    if wide is None:
+        return None
+    rank, best, by_phase = wide
+    steps, overall = w.steps, w.overall
+    per_step = [math.fsum(per_step_excess[(rank, p)][i] for p in own if p != "idle") for i in range(len(steps))]
+    lost = math.fsum(per_step)
+    pattern = describe_pattern(steps, per_step, threshold, policy)
+    parts = ", ".join(f"{p} {e:+.1f}" for p, e in sorted(by_phase.items(), key=lambda kv: -kv[1]))
+    why = (
+        f"rank {rank} is slower across the phases of its own work, none enough to stand out alone ({parts} "
+        f"ms/step), together +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean "
+        f"step), {pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks "
+        "wait for it (a whole-process slowdown: CPU contention, a busy thread of its own, a slower host)"
+    )
+    details = [
+        f"rank {r}: own work excess "
+        f"{sum(trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in by_phase):+.1f} ms/step"
+        for r in w.ranks
+    ]
+    return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost)
+
+
+def _bound(w: _Window, policy: StragglerPolicy, threshold: float, result: _Result) -> StragglerDiagnosis:
+    """Without a straggler: what the step is bound by (a declared phase, the input pipeline, a phase family)."""
+    ranks, phase_names, mean, sync, overall = w.ranks, w.phase_names, w.mean, w.sync, w.overall
     no_straggler = f"no straggler (largest per-rank excess below {threshold:.1f} ms/step)"
     # a declared phase (a checkpoint, an evaluation) is named as itself: the other ranks' wait for it in
     # the next collective is its consequence, not a communication problem
@@ -463,7 +550,7 @@ def diagnose_stragglers(
         top = max(declared, key=lambda p: max(mean[r][p] for r in ranks))
         holder = max(ranks, key=lambda r: mean[r][top])
         took = mean[holder][top]
-        comm = _median([sum(mean[r][p] for p in phase_names if p in sync) for r in ranks])
+        comm = _median([w.wait(r) for r in ranks])
         if took / overall >= policy.bound_share or (took >= comm and took / overall >= policy.rel_threshold):
             on_all = all(mean[r][top] >= 0.5 * took for r in ranks)
             who_txt = "every rank" if on_all else fmt_ranks([r for r in ranks if mean[r][top] >= 0.5 * took])
@@ -475,13 +562,13 @@ def diagnose_stragglers(
                 f"({100 * took / overall:.0f}% of the {overall:.1f} ms mean step)"
                 + ("" if on_all else f"; the other ranks wait for it ({comm:.1f} ms/step in communication)"),
             )
-    if has_pipeline and overall > 0:
-        need = _median([pipe_doc[r]["per_step_ms"] for r in ranks])
+    if w.has_pipeline and overall > 0:
+        need = _median([w.pipe_doc[r]["per_step_ms"] for r in ranks])
         if need / overall >= policy.bound_share:
             compute = _median([sum(mean[r][p] for p in phase_names if p not in sync and p != INPUT_PHASE)
                                for r in ranks])
-            typical = {"batch_ms": _median([pipe_doc[r]["batch_ms"] for r in ranks]),
-                       "workers": max(pipe_doc[r]["workers"] for r in ranks)}
+            typical = {"batch_ms": _median([w.pipe_doc[r]["batch_ms"] for r in ranks]),
+                       "workers": max(w.pipe_doc[r]["workers"] for r in ranks)}
             return result(
                 "INPUT-BOUND",
                 [],
@@ -495,7 +582,7 @@ def diagnose_stragglers(
     shares = {}
     for fam, members in (("INPUT", INPUT_PHASES), ("COMPUTE", COMPUTE_PHASES - sync), ("COMMUNICATION", sync)):
         shares[fam] = sum(_median([mean[r][p] for r in ranks]) for p in phase_names if p in members)
-    if has_pipeline:
+    if w.has_pipeline:
         shares.pop("INPUT")  # the dataloader wait is a wait for a pipeline that was not the bottleneck
     fam, value = max(shares.items(), key=lambda kv: kv[1])
     if overall > 0 and value / overall >= policy.bound_share:

@@ -186,6 +186,46 @@ def decide(
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
+    found = _findings(views, present, live, fr_hints, policy, prior, killed)
+    finding = _conclude(found, present, live, missing, policy)
+    evidence = list(finding.evidence)
+    if finding.initiators and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
+        line, agrees = stack_backing(present, finding.initiators)
+        if line:
+            evidence.append(line)
+        if agrees is False and finding.confidence == "high":
+            finding.confidence = "medium"
+    if missing:
+        evidence.append(f"missing evidence from {fmt_ranks(v.rank for v in missing)}")
+    evidence.extend(extra_evidence)
+    initiator_set = set(finding.initiators)
+    chosen = [v for v in views if v.rank in initiator_set]
+    return Verdict(
+        job_id=job_id,
+        incident_id=incident_id,
+        kind=finding.kind,
+        initiating_ranks=finding.initiators,
+        phase=_phase_of(chosen) if chosen else None,
+        confidence=finding.confidence,
+        reason=finding.reason,
+        detected_after_s=detected_after_s,
+        ranks={str(v.rank): rank_entry(v) for v in views},
+        evidence=fold_rank_lines(evidence),
+        extra=_extra(finding, found, missing, fr_hints),
+    )
+
+
+def _findings(
+    views: Sequence[RankView],
+    present: Sequence[RankView],
+    live: Sequence[RankView],
+    fr_hints: FrHints | None,
+    policy: VerdictPolicy,
+    prior: PriorVerdict | None,
+    killed: Sequence[int],
+) -> dict[str, RuleFinding | None]:
+    """What every rung of the ladder found, by rung name (each finding's ``rule`` set to it); the weaker
+    rungs are asked only when no own exit, stop or shared failure already decides."""
     found: dict[str, RuleFinding | None] = {
         "exits": rule_gone(present, policy),
         "stopped": rule_stopped(present),
@@ -225,7 +265,18 @@ def decide(
         for name in ("after_kill", "wait_for", "counters", "waiting", "stacks", "gpu"):
             if (f := found.get(name)) is not None:
                 f.rule = name
-    # the strongest rung that singles ranks out decides; a finding naming nobody (or everyone) only when none does
+    return found
+
+
+def _conclude(
+    found: Mapping[str, RuleFinding | None],
+    present: Sequence[RankView],
+    live: Sequence[RankView],
+    missing: Sequence[RankView],
+    policy: VerdictPolicy,
+) -> RuleFinding:
+    """The deciding finding: the strongest rung that singles ranks out, weighed against the weaker ones;
+    a finding naming nobody (or everyone) only when none does; else ``unknown``."""
     ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
     singling = [
         r for r in ladder if (f := found[r.name]) is not None and f.initiators and not _names_everyone(f, present)
@@ -247,18 +298,17 @@ def decide(
         )
     if finding is None:
         finding = RuleFinding("unknown", [], "low", "no rule singled out a rank", [])
-    evidence = list(finding.evidence)
-    if finding.initiators and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
-        line, agrees = stack_backing(present, finding.initiators)
-        if line:
-            evidence.append(line)
-        if agrees is False and finding.confidence == "high":
-            finding.confidence = "medium"
-    if missing:
-        evidence.append(f"missing evidence from {fmt_ranks(v.rank for v in missing)}")
-    evidence.extend(extra_evidence)
-    initiator_set = set(finding.initiators)
-    chosen = [v for v in views if v.rank in initiator_set]
+    return finding
+
+
+def _extra(
+    finding: RuleFinding,
+    found: Mapping[str, RuleFinding | None],
+    missing: Sequence[RankView],
+    fr_hints: FrHints | None,
+) -> dict[str, Any]:
+    """The verdict document's own fields: which rung decided, the structured finding, the flight
+    recorder's role."""
     decided_by = _DECIDED_BY.get(finding.rule, finding.rule) or "none"
     if finding.rule == "wait_for" and finding.structured is not None:
         decided_by = _wait_for_label(finding.structured, found)
@@ -273,19 +323,7 @@ def decide(
         fr_role = "decided" if decided_by == "flight_recorder" else _fr_role(
             found.get("flight_recorder") or found.get("fr_behind"), finding)
         extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
-    return Verdict(
-        job_id=job_id,
-        incident_id=incident_id,
-        kind=finding.kind,
-        initiating_ranks=finding.initiators,
-        phase=_phase_of(chosen) if chosen else None,
-        confidence=finding.confidence,
-        reason=finding.reason,
-        detected_after_s=detected_after_s,
-        ranks={str(v.rank): rank_entry(v) for v in views},
-        evidence=fold_rank_lines(evidence),
-        extra=extra,
-    )
+    return extra
 
 
 def _finding_doc(finding: RuleFinding, decided_by: str) -> dict[str, Any]:
@@ -366,6 +404,7 @@ def _weigh(
             )
     if not rung.strong and finding.initiators and len(finding.initiators) > len(present) / 2:
         finding.confidence = "low"
+        finding.data["majority_on_weak_evidence"] = True
         finding.evidence.append(
             f"naming {len(finding.initiators)} of {len(present)} ranks on {rung.name.replace('_', ' ')} evidence "
             "alone: a majority is only blamed on strong evidence (an exit, a stop, the flight recorder)"

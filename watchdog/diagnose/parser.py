@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.phases import COLLECTIVE, IDLE
 from ..core.schema import HEADLINES
+from ..core.stack_phase import phase_from_frames
+from ..core.stacks import Frame
 from . import events as ev
 from . import patterns as pt
 
@@ -196,204 +200,21 @@ class SourceParser:
         return True
 
     def _classify(self, s: str, mk: Any, rank: int | None) -> list[ev.Event]:
-        """Single-line messages. Order matters: the most specific family wins per line."""
-        out: list[ev.Event] = []
-        if "rankwatch: " in s and (m := pt.RANKWATCH_HEADLINE.search(s)):
-            kind = _KIND_OF_HEADLINE.get(m.group(1).strip(), "unknown")
-            detail = f"{kind}|{m.group(4)}|{m.group(3) or ''}"
-            named = [] if m.group(2) == "no single rank" else pt.rank_list(m.group(2), limit=4096)
-            if not named:
-                out.append(mk(ev.RANKWATCH, rank=None, local_rank=None, pid=None, detail=detail))
-            out.extend(mk(ev.RANKWATCH, rank=r, local_rank=None, pid=None, detail=detail) for r in named)
-            return out
-        if ("collective #" in s or "lagging ranks" in s) and (m := pt.DESYNC.search(s)):
-            lagging = pt.rank_list(m.group(1), limit=4096)
-            seq = int(m.group(3) or m.group(5) or 0) or None
-            how = ("finished collective #{0}, but didn't join the next" if m.group(2) else
-                   "joined but didn't finish collective #{0}" if m.group(4) else "never joined any collective")
-            detail = how.format(seq)
-            out.extend(mk(ev.DESYNC, rank=r, local_rank=None, pid=None, host=None, seq=seq, detail=detail)
-                       for r in lagging)
-            return out
-        if "opCount" in s and (m := pt.NCCL_OPCOUNT.search(s)):
-            hp = pt.NCCL_HOST_PID.search(s)
-            where = {"host": hp.group(1), "pid": int(hp.group(2))} if hp else {}
-            out.append(mk(ev.NCCL_OP, seq=int(m.group(2), 16), op=m.group(1), numel=int(m.group(3)),
-                          pg=f"nranks={m.group(4)}", **where))
-            return out
-        if "pirun noticed" in s and (m := pt.MPIRUN_NOTICED.search(s)):
-            code = -int(m.group(4))
-            pid = int(m.group(2)) if m.group(2).isdigit() and m.group(2) != "0" else None
-            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, pid=pid, host=m.group(3).rstrip(".,"),
-                          exitcode=code, signal=pt.signal_name(code), detail="mpirun noticed it exit"))
-            return out
-        if "sigkill_handler" in s:
-            if m := pt.DS_EXIT.search(s):
-                code = int(m.group(2))
-                out.append(mk(ev.EXIT, rank=None, local_rank=int(m.group(1)), exitcode=code,
-                              signal=pt.signal_name(code), detail="DeepSpeed's launcher saw it exit first"))
-                return out
-            if m := pt.DS_KILLING.search(s):
-                out.append(mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal="SIGKILL"))
-                return out
-        if "exitcode" in s and (m := pt.REPORT_FLAT.search(s)):
-            code = int(m.group(3))
-            out.append(mk(ev.EXIT, rank=int(m.group(1)), local_rank=int(m.group(2)), pid=int(m.group(4)),
-                          exitcode=code, signal=pt.signal_name(code), root_cause=self._section == "root",
-                          detail="failure report (flattened)"))
-            return out
-        if "Watchdog caught" in s and (m := pt.NCCL_WATCHDOG.search(s)):
-            out.append(
-                mk(
-                    ev.NCCL_TIMEOUT,
-                    seq=int(m.group(1)),
-                    op=m.group(2),
-                    numel=int(m.group(3)) if m.group(3) else None,
-                    **self._pg_rank(s, rank),
-                )
-            )
-            return out
-        if "last enqueued" in s or "Last enqueued" in s:
-            if m := pt.NCCL_STATUS.search(s):
-                seq, enq, done = int(m.group(1)), int(m.group(2)), int(m.group(3))
-                out.append(mk(ev.NCCL_STATUS, seq=seq, enqueued=enq, completed=done, **self._pg_rank(s, rank)))
-                return out
-            if m := pt.NCCL_TIMEOUT_AT.search(s):
-                seq, enq, done = int(m.group(1)), int(m.group(2)), int(m.group(3))
-                out.append(mk(ev.NCCL_STATUS, seq=seq, enqueued=enq, completed=done, **self._pg_rank(s, rank)))
-                return out
-            if m := pt.NCCL_DUMP_SIGNAL.search(s):
-                # the status is the printing rank's own; "from rank N" says N timed out, not this rank
-                who = m.group(1)
-                pg = self._pg_rank(s, rank)
-                out.append(
-                    mk(
-                        ev.DUMP_SIGNAL,
-                        enqueued=int(m.group(2)),
-                        completed=int(m.group(3)),
-                        detail="this rank" if who is None else f"rank {who}",
-                        **pg,
-                    )
-                )
-                if who is not None:
-                    out.extend(self._reported(int(who), pg.get("rank", rank), mk))
-                return out
-            if m := pt.NCCL_DUMP_SIGNAL_OLD.search(s):
-                own = m.group(1).startswith("dump signal")
-                out.append(
-                    mk(
-                        ev.DUMP_SIGNAL,
-                        enqueued=int(m.group(2)),
-                        completed=int(m.group(3)),
-                        detail="this rank" if own else "another rank",
-                        **self._pg_rank(s, rank),
-                    )
-                )
-                return out
-        if pt.NCCL_OBSERVED_DUMP in s:
-            # another rank timed out and set the store key: this rank was told, it did not time out
-            out.append(mk(ev.DUMP_SIGNAL, detail="another rank", **self._pg_rank(s, rank)))
-            return out
-        if pt.NCCL_BROADCAST_DUMP in s:
-            out.append(mk(ev.DUMP_SIGNAL, detail="this rank", **self._pg_rank(s, rank)))
-            return out
-        if "another rank" in s and (m := pt.NCCL_TOLD_BY.search(s)):
-            pg = self._pg_rank(s, rank)
-            out.append(mk(ev.DUMP_SIGNAL, detail=f"rank {m.group(1)}", **pg))
-            out.extend(self._reported(int(m.group(1)), pg.get("rank", rank), mk))
-            return out
-        if ("eartbeat" in s or "got stuck" in s) and pt.NCCL_HEARTBEAT.search(s):
-            out.append(mk(ev.HEARTBEAT, **self._pg_rank(s, rank)))
-            return out
-        if "dumping nccl trace" in s and (m := pt.NCCL_DUMP_TO.search(s)):
-            out.append(mk(ev.DUMP_WRITTEN, detail=m.group(1)))
-            return out
-        if "Detected mismatch" in s and (m := pt.OP_MISMATCH.search(s)):
-            a, b = int(m.group(1)), int(m.group(3))
-            op_a = pt.FINGERPRINT_OP.search(m.group(2))
-            op_b = pt.FINGERPRINT_OP.search(m.group(4))
-            out.append(mk(ev.OP_MISMATCH, rank=a, op=op_a.group(1) if op_a else None, detail=f"vs rank {b}"))
-            out.append(mk(ev.OP_MISMATCH, rank=b, op=op_b.group(1) if op_b else None, detail=f"vs rank {a}"))
-            return out
-        if "NCCL WARN" in s and (m := pt.NCCL_WARN.search(s)):
-            msg = m.group(5)
-            fam = ev.COMM_ERROR
-            if pt.ECC.search(msg):
-                fam = ev.HW_FAULT
-            elif "Cuda failure" in msg or "CUDA failure" in msg:
-                fam = ev.CUDA_OOM if "out of memory" in msg else ev.CUDA_ERROR
-            elif re.search(r"remote|peer|closed|Connection", msg):
-                fam = ev.PEER_LOST
-            cm = pt.CUDA_ERROR.search(msg)
-            detail = (cm.group(2) or cm.group(1)) if cm and fam != ev.COMM_ERROR else msg
-            out.append(mk(fam, host=m.group(1), pid=int(m.group(2)), detail=detail[:MAX_TEXT]))
-            return out
-        if "Timed out waiting" in s and (m := pt.GLOO_TIMEOUT.search(s)):
-            out.append(mk(ev.GLOO_TIMEOUT, detail=f"{m.group(2)} timed out after {m.group(1)} ms"))
-            return out
-        if ("preamble" in s or "data size" in s) and (m := pt.GLOO_SIZE.search(s)):
-            detail = f"received {m.group(1)} bytes, expected {m.group(2)}" if m.group(1) else ""
-            out.append(mk(ev.SIZE_MISMATCH, detail=detail))
-            return out
-        if ("peer" in s or "Read error" in s) and (m := pt.PEER_LOST.search(s)):
-            host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-            out.append(mk(ev.PEER_LOST, detail=f"peer {host}:{port}" if host else "peer"))
-            return out
-        if ("emote" in s or "aborted" in s) and pt.NCCL_REMOTE.search(s):
-            out.append(mk(ev.PEER_LOST, detail="NCCL remote error"))
-            return out
-        if "ECC" in s and pt.ECC.search(s):
-            out.append(mk(ev.HW_FAULT, detail="ECC error"))
-            return out
-        if "Xid" in s and (m := pt.XID.search(s)):
-            pid = int(m.group(3)) if m.group(3) else None
-            out.append(mk(ev.HW_FAULT, pid=pid, detail=f"Xid {m.group(2)} on PCI {m.group(1)}: {m.group(5)}"))
-            return out
-        if ("emory" in s or "OfMemory" in s) and pt.CUDA_OOM.search(s):
-            out.append(mk(ev.CUDA_OOM, detail="CUDA out of memory"))
-            return out
-        if ("CUDA error" in s or "uda failure" in s) and (m := pt.CUDA_ERROR.search(s)):
-            out.append(mk(ev.CUDA_ERROR, detail=(m.group(1) or m.group(2) or "").strip()))
-            return out
-        if ("Killed process" in s or "oom" in s) and (m := pt.HOST_OOM.search(s)):
-            if m.group(1):
-                out.append(mk(ev.HOST_OOM, pid=int(m.group(1)), detail=f"OOM killer killed {m.group(2)}"))
-            else:
-                out.append(mk(ev.HOST_OOM, detail=f"{m.group(3)} oom_kill event(s) in the step"))
-            return out
-        if "srun: error" in s and (m := pt.SLURM_TASK.search(s)):
-            tasks = pt.expand_tasks(m.group(2))
-            why = m.group(3).strip()
-            cm = re.search(r"exit code (\d+)", why)
-            sig = "SIGKILL" if why.startswith("Killed") else None
-            for t in tasks[:1] if len(tasks) > 64 else tasks:
-                out.append(
-                    mk(ev.SLURM, rank=t, host=m.group(1), detail=why[:120],
-                       exitcode=int(cm.group(1)) if cm else None, signal=sig)
-                )
-            return out
-        if "CANCELLED" in s and (m := pt.SLURM_CANCEL.search(s)):
-            out.append(mk(ev.SLURM, rank=None, detail=f"step {m.group(1)} cancelled ({m.group(4) or 'by request'})"))
-            return out
-        if "exitcode" in s and (m := pt.ELASTIC_FAILED.search(s)):
-            code = int(m.group(1))
-            out.append(
-                mk(ev.EXIT, rank=None, local_rank=int(m.group(2)), pid=int(m.group(3)),
-                   exitcode=code, signal=pt.signal_name(code), detail=ev.FIRST_NOTICED)
-            )
-            return out
-        if "closing signal" in s and (m := pt.ELASTIC_CLOSING.search(s)):
-            out.append(mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal=m.group(2)))
-            return out
-        if pt.NCCL_ERROR.search(s):
-            out.append(mk(ev.COMM_ERROR, detail=s[:120]))
-            return out
-        if ("rocess" in s or "NCCL" in s) and pt.WATCHDOG_ABORT.search(s):
-            out.append(mk(ev.WATCHDOG_ABORT, **self._pg_rank(s, rank)))
-            return out
-        if any(k in s for k in pt.FINISHED_WORDS) and pt.FINISHED.search(s):
-            out.append(mk(ev.FINISHED, detail=s[:120]))
-        return out
+        """Single-line messages, by the first row of ``PATTERNS`` that matches (most specific first)."""
+        for gate, search, build in _ROWS:
+            if gate:
+                if type(gate) is str:
+                    if gate not in s:
+                        continue
+                elif not any(g in s for g in gate):
+                    continue
+            m = None
+            if search is not None:
+                m = search(s)
+                if m is None:
+                    continue
+            return build(self, s, m, mk, rank)
+        return []
 
     @staticmethod
     def _reported(timed_out: int, teller: int | None, mk: Any) -> list[ev.Event]:
@@ -429,16 +250,10 @@ class SourceParser:
                 op, phase = func, "collective"
                 at = {"line": lno, "text": txt}
                 break
-        funcs = {f[2] for f in frames}
         if phase is None:
-            if "_engine_run_backward" in funcs or "backward" in funcs:
-                phase = "backward"
-            elif "__next__" in funcs:
-                phase = "dataloader"
-            elif any(f[2] == "step" and "/optim/" in f[0] for f in frames):
-                phase = "optimizer"
-            elif "forward" in funcs or "_call_impl" in funcs:
-                phase = "forward"
+            # the innermost library boundary, as for a live stack (one reading of phases: core.stack_phase)
+            inner = phase_from_frames([Frame(f[2], f[0], f[1]) for f in reversed(frames)]).phase
+            phase = None if inner in (IDLE, COLLECTIVE) else inner
         site = ""
         for path, line, func, lno, txt in reversed(frames):
             if not pt.TORCH_PATH.search(path):
@@ -454,3 +269,283 @@ class SourceParser:
             elif not quiet:
                 out.append(mk(ev.COMM_ERROR, phase=phase, detail=f"{exc_type}: {message}"[:MAX_TEXT]))
         return out
+
+
+# -- single-line messages: one row per format ---------------------------------------------------------------
+# Each builder gets (parser, line, match, mk, rank) and returns the line's events; ``mk`` makes an event with
+# the line's file, position, text and the rank/host its prefix names.
+Build = Callable[[SourceParser, str, re.Match[str] | None, Any, int | None], list[ev.Event]]
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    """One log format: the line must hold one of ``gate`` (a cheap substring check before the regex; () for
+    any line), then ``regex`` must match (None: the gate alone decides); ``build`` makes its events."""
+
+    name: str
+    gate: tuple[str, ...]
+    regex: re.Pattern[str] | None
+    build: Build
+
+
+def _m(m: re.Match[str] | None) -> re.Match[str]:
+    assert m is not None  # a row with a regex is only built on a match
+    return m
+
+
+def _rankwatch(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    kind = _KIND_OF_HEADLINE.get(m.group(1).strip(), "unknown")
+    detail = f"{kind}|{m.group(4)}|{m.group(3) or ''}"
+    named = [] if m.group(2) == "no single rank" else pt.rank_list(m.group(2), limit=4096)
+    if not named:
+        return [mk(ev.RANKWATCH, rank=None, local_rank=None, pid=None, detail=detail)]
+    return [mk(ev.RANKWATCH, rank=r, local_rank=None, pid=None, detail=detail) for r in named]
+
+
+def _desync(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    lagging = pt.rank_list(m.group(1), limit=4096)
+    seq = int(m.group(3) or m.group(5) or 0) or None
+    how = ("finished collective #{0}, but didn't join the next" if m.group(2) else
+           "joined but didn't finish collective #{0}" if m.group(4) else "never joined any collective")
+    detail = how.format(seq)
+    return [mk(ev.DESYNC, rank=r, local_rank=None, pid=None, host=None, seq=seq, detail=detail) for r in lagging]
+
+
+def _opcount(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    hp = pt.NCCL_HOST_PID.search(s)
+    where = {"host": hp.group(1), "pid": int(hp.group(2))} if hp else {}
+    return [mk(ev.NCCL_OP, seq=int(m.group(2), 16), op=m.group(1), numel=int(m.group(3)),
+               pg=f"nranks={m.group(4)}", **where)]
+
+
+def _mpirun(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    code = -int(m.group(4))
+    pid = int(m.group(2)) if m.group(2).isdigit() and m.group(2) != "0" else None
+    return [mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, pid=pid, host=m.group(3).rstrip(".,"),
+               exitcode=code, signal=pt.signal_name(code), detail="mpirun noticed it exit")]
+
+
+def _ds_exit(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    code = int(m.group(2))
+    return [mk(ev.EXIT, rank=None, local_rank=int(m.group(1)), exitcode=code, signal=pt.signal_name(code),
+               detail="DeepSpeed's launcher saw it exit first")]
+
+
+def _ds_killing(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(_m(m).group(1)), signal="SIGKILL")]
+
+
+def _report_flat(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    code = int(m.group(3))
+    return [mk(ev.EXIT, rank=int(m.group(1)), local_rank=int(m.group(2)), pid=int(m.group(4)), exitcode=code,
+               signal=pt.signal_name(code), root_cause=p._section == "root", detail="failure report (flattened)")]
+
+
+def _watchdog(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.NCCL_TIMEOUT, seq=int(m.group(1)), op=m.group(2), numel=int(m.group(3)) if m.group(3) else None,
+               **p._pg_rank(s, rank))]
+
+
+def _status(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    seq, enq, done = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    return [mk(ev.NCCL_STATUS, seq=seq, enqueued=enq, completed=done, **p._pg_rank(s, rank))]
+
+
+def _dump_signal(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    # the status is the printing rank's own; "from rank N" says N timed out, not this rank
+    m = _m(m)
+    who = m.group(1)
+    pg = p._pg_rank(s, rank)
+    out = [mk(ev.DUMP_SIGNAL, enqueued=int(m.group(2)), completed=int(m.group(3)),
+              detail="this rank" if who is None else f"rank {who}", **pg)]
+    if who is not None:
+        out.extend(p._reported(int(who), pg.get("rank", rank), mk))
+    return out
+
+
+def _dump_signal_old(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    own = m.group(1).startswith("dump signal")
+    return [mk(ev.DUMP_SIGNAL, enqueued=int(m.group(2)), completed=int(m.group(3)),
+               detail="this rank" if own else "another rank", **p._pg_rank(s, rank))]
+
+
+def _observed_dump(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    # another rank timed out and set the store key: this rank was told, it did not time out
+    return [mk(ev.DUMP_SIGNAL, detail="another rank", **p._pg_rank(s, rank))]
+
+
+def _broadcast_dump(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.DUMP_SIGNAL, detail="this rank", **p._pg_rank(s, rank))]
+
+
+def _told_by(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    pg = p._pg_rank(s, rank)
+    return [mk(ev.DUMP_SIGNAL, detail=f"rank {m.group(1)}", **pg),
+            *p._reported(int(m.group(1)), pg.get("rank", rank), mk)]
+
+
+def _heartbeat(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.HEARTBEAT, **p._pg_rank(s, rank))]
+
+
+def _dump_to(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.DUMP_WRITTEN, detail=_m(m).group(1))]
+
+
+def _fingerprint(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    a, b = int(m.group(1)), int(m.group(3))
+    op_a, op_b = pt.FINGERPRINT_OP.search(m.group(2)), pt.FINGERPRINT_OP.search(m.group(4))
+    return [mk(ev.OP_MISMATCH, rank=a, op=op_a.group(1) if op_a else None, detail=f"vs rank {b}"),
+            mk(ev.OP_MISMATCH, rank=b, op=op_b.group(1) if op_b else None, detail=f"vs rank {a}")]
+
+
+def _nccl_warn(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    msg = m.group(5)
+    fam = ev.COMM_ERROR
+    if pt.ECC.search(msg):
+        fam = ev.HW_FAULT
+    elif "Cuda failure" in msg or "CUDA failure" in msg:
+        fam = ev.CUDA_OOM if "out of memory" in msg else ev.CUDA_ERROR
+    elif re.search(r"remote|peer|closed|Connection", msg):
+        fam = ev.PEER_LOST
+    cm = pt.CUDA_ERROR.search(msg)
+    detail = (cm.group(2) or cm.group(1)) if cm and fam != ev.COMM_ERROR else msg
+    return [mk(fam, host=m.group(1), pid=int(m.group(2)), detail=detail[:MAX_TEXT])]
+
+
+def _gloo_timeout(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.GLOO_TIMEOUT, detail=f"{m.group(2)} timed out after {m.group(1)} ms")]
+
+
+def _gloo_size(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.SIZE_MISMATCH, detail=f"received {m.group(1)} bytes, expected {m.group(2)}" if m.group(1) else "")]
+
+
+def _peer_lost(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    return [mk(ev.PEER_LOST, detail=f"peer {host}:{port}" if host else "peer")]
+
+
+def _fixed(family: str, detail: str) -> Build:
+    def build(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+        return [mk(family, detail=detail)]
+    return build
+
+
+def _xid(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    pid = int(m.group(3)) if m.group(3) else None
+    return [mk(ev.HW_FAULT, pid=pid, detail=f"Xid {m.group(2)} on PCI {m.group(1)}: {m.group(5)}")]
+
+
+def _cuda_error(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.CUDA_ERROR, detail=(m.group(1) or m.group(2) or "").strip())]
+
+
+def _host_oom(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    if m.group(1):
+        return [mk(ev.HOST_OOM, pid=int(m.group(1)), detail=f"OOM killer killed {m.group(2)}")]
+    return [mk(ev.HOST_OOM, detail=f"{m.group(3)} oom_kill event(s) in the step")]
+
+
+def _slurm_task(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    tasks = pt.expand_tasks(m.group(2))
+    why = m.group(3).strip()
+    cm = re.search(r"exit code (\d+)", why)
+    sig = "SIGKILL" if why.startswith("Killed") else None
+    return [mk(ev.SLURM, rank=t, host=m.group(1), detail=why[:120], exitcode=int(cm.group(1)) if cm else None,
+               signal=sig) for t in (tasks[:1] if len(tasks) > 64 else tasks)]
+
+
+def _slurm_cancel(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.SLURM, rank=None, detail=f"step {m.group(1)} cancelled ({m.group(4) or 'by request'})")]
+
+
+def _elastic_failed(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    code = int(m.group(1))
+    return [mk(ev.EXIT, rank=None, local_rank=int(m.group(2)), pid=int(m.group(3)), exitcode=code,
+               signal=pt.signal_name(code), detail=ev.FIRST_NOTICED)]
+
+
+def _elastic_closing(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(m.group(1)), signal=m.group(2))]
+
+
+def _nccl_error(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.COMM_ERROR, detail=s[:120])]
+
+
+def _watchdog_abort(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.WATCHDOG_ABORT, **p._pg_rank(s, rank))]
+
+
+def _finished(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    return [mk(ev.FINISHED, detail=s[:120])]
+
+
+_ENQUEUED = ("last enqueued", "Last enqueued")
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern("rankwatch headline", ("rankwatch: ",), pt.RANKWATCH_HEADLINE, _rankwatch),
+    Pattern("desync report", ("collective #", "lagging ranks"), pt.DESYNC, _desync),
+    Pattern("NCCL INFO opCount", ("opCount",), pt.NCCL_OPCOUNT, _opcount),
+    Pattern("mpirun noticed", ("pirun noticed",), pt.MPIRUN_NOTICED, _mpirun),
+    Pattern("DeepSpeed launcher exit", ("sigkill_handler",), pt.DS_EXIT, _ds_exit),
+    Pattern("DeepSpeed launcher killing", ("sigkill_handler",), pt.DS_KILLING, _ds_killing),
+    Pattern("failure report, flattened", ("exitcode",), pt.REPORT_FLAT, _report_flat),
+    Pattern("NCCL watchdog timeout", ("Watchdog caught",), pt.NCCL_WATCHDOG, _watchdog),
+    Pattern("NCCL PG status", _ENQUEUED, pt.NCCL_STATUS, _status),
+    Pattern("NCCL timeout at", _ENQUEUED, pt.NCCL_TIMEOUT_AT, _status),
+    Pattern("NCCL dump signal", _ENQUEUED, pt.NCCL_DUMP_SIGNAL, _dump_signal),
+    Pattern("NCCL dump signal (older torch)", _ENQUEUED, pt.NCCL_DUMP_SIGNAL_OLD, _dump_signal_old),
+    Pattern("NCCL observed dump signal", (pt.NCCL_OBSERVED_DUMP,), None, _observed_dump),
+    Pattern("NCCL broadcast dump signal", (pt.NCCL_BROADCAST_DUMP,), None, _broadcast_dump),
+    Pattern("NCCL told by another rank", ("another rank",), pt.NCCL_TOLD_BY, _told_by),
+    Pattern("NCCL heartbeat monitor", ("eartbeat", "got stuck"), pt.NCCL_HEARTBEAT, _heartbeat),
+    Pattern("NCCL trace dumped", ("dumping nccl trace",), pt.NCCL_DUMP_TO, _dump_to),
+    Pattern("c10d fingerprint mismatch", ("Detected mismatch",), pt.OP_MISMATCH, _fingerprint),
+    Pattern("NCCL WARN", ("NCCL WARN",), pt.NCCL_WARN, _nccl_warn),
+    Pattern("gloo timeout", ("Timed out waiting",), pt.GLOO_TIMEOUT, _gloo_timeout),
+    Pattern("gloo size enforcement", ("preamble", "data size"), pt.GLOO_SIZE, _gloo_size),
+    Pattern("peer lost", ("peer", "Read error"), pt.PEER_LOST, _peer_lost),
+    Pattern("NCCL remote error", ("emote", "aborted"), pt.NCCL_REMOTE, _fixed(ev.PEER_LOST, "NCCL remote error")),
+    Pattern("ECC error", ("ECC",), pt.ECC, _fixed(ev.HW_FAULT, "ECC error")),
+    Pattern("Xid", ("Xid",), pt.XID, _xid),
+    Pattern("CUDA out of memory", ("emory", "OfMemory"), pt.CUDA_OOM, _fixed(ev.CUDA_OOM, "CUDA out of memory")),
+    Pattern("CUDA error", ("CUDA error", "uda failure"), pt.CUDA_ERROR, _cuda_error),
+    Pattern("host OOM killer", ("Killed process", "oom"), pt.HOST_OOM, _host_oom),
+    Pattern("srun task exit", ("srun: error",), pt.SLURM_TASK, _slurm_task),
+    Pattern("Slurm cancel", ("CANCELLED",), pt.SLURM_CANCEL, _slurm_cancel),
+    Pattern("torch elastic failed", ("exitcode",), pt.ELASTIC_FAILED, _elastic_failed),
+    Pattern("torch elastic closing signal", ("closing signal",), pt.ELASTIC_CLOSING, _elastic_closing),
+    Pattern("NCCL error", (), pt.NCCL_ERROR, _nccl_error),
+    Pattern("NCCL watchdog abort", ("rocess", "NCCL"), pt.WATCHDOG_ABORT, _watchdog_abort),
+    Pattern("finished", tuple(pt.FINISHED_WORDS), pt.FINISHED, _finished),
+)
+
+# the table as the loop reads it: a one-string gate as the string itself (one ``in`` test), bound searches
+_ROWS: tuple[tuple[str | tuple[str, ...], Callable[[str], re.Match[str] | None] | None, Build], ...] = tuple(
+    (row.gate[0] if len(row.gate) == 1 else row.gate, row.regex.search if row.regex is not None else None, row.build)
+    for row in PATTERNS
+)

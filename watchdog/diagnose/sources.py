@@ -2,9 +2,10 @@
 candidate lines out of any amount of bytes in constant memory.
 
 Reading is chunked and prefiltered: one combined regex over each 4 MiB block finds the few lines
-that can matter, so Python only touches those. Line numbers are still exact (newlines are counted
-in C between candidates). Overlong lines are cut at ``MAX_LINE`` bytes, so memory stays bounded even
-for a file without a single newline.
+that can matter, so Python only touches those (large regular files: grep in parallel pieces,
+``prefilter.py``, same lines). Line numbers are still exact (newlines are counted in C between
+candidates). Overlong lines are cut at ``MAX_LINE`` bytes, so memory stays bounded even for a file
+without a single newline.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def scan(
     since its field lines carry no keyword of their own. ``prefixes`` collects the rank prefixes at
     line starts of the first chunk, ``head`` receives that chunk's first ``HEAD`` bytes (job keys).
     """
-    if prefilter is PREFILTER and extra is PREFILTER_EXTRA:  # large regular files: grep -F (prefilter.py)
+    if prefilter is PREFILTER and extra is PREFILTER_EXTRA:  # large regular files: grep -E (prefilter.py)
         fast = grep_candidates(
             stream, stats, chunk=chunk, max_line=max_line, max_block_lines=MAX_BLOCK_LINES, prefixes=prefixes,
             head=head, discover=discover_prefixes, head_bytes=HEAD,

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 from rankwatch.hooks.responder import ctl_path, peer_cred, socket_address
 
+from ..core.fr_trace import FlightRecorderFormatError, RankTrace, parse_dump
 from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
 from ..core.text import FIELD, NAME, PROSE, clean
@@ -42,7 +43,10 @@ class RankCapture:
     pyspy_error: str | None = None
     responder_stacks: dict[str, Any] | None = None
     responder_error: str | None = None
+    # the responder's raw dump: only ever set on the owner's side (the reader that read it) or in-process
     fr_json: bytes | None = None
+    # the dump as the owner's reader parsed, bounded and typed it, validated again here (what root uses)
+    fr_trace: RankTrace | None = None
     notes: list[str] = field(default_factory=list)
     # gone (or a zombie) when py-spy failed, or read with no Python frame in its main thread (an interpreter
     # finalizing after an uncaught exception: a rank whose store wait timed out as it was captured): it is
@@ -376,18 +380,15 @@ def gil_held_idle(threads: object) -> str | None:
     return None
 
 
-def _owner(job_dir: str) -> tuple[int, int]:
-    """The job dir's owner (py-spy runs as them); with the dir gone, nobody: the reader of uid -1 fails."""
-    try:
-        st = os.stat(job_dir)
-    except OSError:
-        return -1, -1
-    return st.st_uid, st.st_gid
-
-
-def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
+def capture_as_owner(
+    rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy,
+    pyspy: Callable[[bool], tuple[Any, str | None]],
+) -> dict[str, Any]:
+    """One rank's capture, run by its owner's reader (``observe.reader``: the owner's uid, or in-process in
+    an unprivileged daemon): asks the responder, reads its answer while py-spy runs, parses the stacks and
+    the flight-recorder dump, and returns them as a bounded, typed document (``capture_from_doc`` checks it
+    again on the root side). ``pyspy(nonblocking)`` runs py-spy as this process."""
     cap = RankCapture(rank=rank, pid=pid)
-    owner = _owner(job_dir)
     deadline = time.monotonic() + policy.responder_timeout_s
     asked = request_dump(job_dir, rank, token, pid) if not stopped else "rank is stopped; responder cannot run"
     reader = None
@@ -397,22 +398,13 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
         # the answer is read while py-spy runs: a flight-recorder trace is larger than a socket buffer
         reader = threading.Thread(target=collect_dump, args=(asked, deadline, cap), name="rankwatch-dump-reader")
         reader.start()
-    threads, err = pyspy_dump(
-        pid, policy.pyspy_timeout_s, nonblocking=stopped, include_locals=policy.include_locals, owner=owner
-    )
+    threads, err = pyspy(stopped)
     if threads is None and not stopped:
         # blocking dumps fail on processes that cannot be paused; the nonblocking read still works
-        threads, err2 = pyspy_dump(
-            pid, policy.pyspy_timeout_s, nonblocking=True, include_locals=policy.include_locals, owner=owner
-        )
+        threads, err2 = pyspy(True)
         if threads is None:
             err = f"{err}; nonblocking: {err2}"
     cap.pyspy_threads, cap.pyspy_error = threads, err
-    if threads is None:
-        st = read_stat(pid)
-        cap.vanished = st is None or st.state in ("Z", "X")
-    elif not stopped and not cap.main_frames():
-        cap.vanished = True
     if reader is not None and not isinstance(asked, str):
         # py-spy pauses the rank while it reads it: the responder gets a little time after that
         asked.extend(time.monotonic() + COLLECT_GRACE_S)
@@ -429,6 +421,104 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
             cap.responder_error = (
                 f"dump responder did not answer: thread {holder} holds the GIL in a C call, so it cannot run"
             )
+    return capture_to_doc(cap)
+
+
+MAX_NOTES = 16
+# what one rank's capture may put on the wire (``observe.wire.MAX_FRAME`` is 24 MiB): a trace beyond its
+# share is cut to its newest entries per process group, stacks beyond theirs are dropped with a note
+FR_WIRE_BYTES = 8 << 20
+PARSE_MARGIN_S = 15.0  # a 64 MiB dump parses in about a second; ten times that on an overloaded host
+CAPTURE_WIRE_BYTES = 20 << 20
+
+
+def capture_to_doc(cap: RankCapture) -> dict[str, Any]:
+    """A capture as the reader sends it: stacks shape-checked, the dump parsed and compacted (owner side)."""
+    from .flight_recorder import fr_wire_doc
+
+    notes = list(cap.notes)
+    fr_doc = None
+    if cap.fr_json is not None:
+        fr_doc, note = fr_wire_doc(cap.fr_json, FR_WIRE_BYTES)
+        if note:
+            notes.append(f"flight recorder: {note}")
+    resp = cap.responder_stacks if isinstance(cap.responder_stacks, dict) else None
+    doc: dict[str, Any] = {
+        "pyspy_threads": shape_threads(cap.pyspy_threads) if cap.pyspy_threads is not None else None,
+        "pyspy_error": cap.pyspy_error,
+        "responder_threads": shape_threads(resp.get("threads")) if resp is not None else None,
+        "responder_error": cap.responder_error,
+        "fr": fr_doc,
+        "notes": [str(n)[:300] for n in notes[:MAX_NOTES]],
+    }
+    for key, why in (("fr", "flight-recorder trace"), ("responder_threads", "responder's stacks"),
+                     ("pyspy_threads", "py-spy's stacks")):
+        if len(json.dumps(doc, separators=(",", ":"))) <= CAPTURE_WIRE_BYTES:
+            break
+        doc[key] = None
+        doc["notes"].append(f"{why} dropped: the capture is over {CAPTURE_WIRE_BYTES} bytes")
+    return doc
+
+
+def capture_from_doc(doc: dict[str, Any], rank: int, pid: int) -> RankCapture:
+    """The root side of ``capture_to_doc``: every field checked again (the reader is the owner's process, so
+    the owner can make it answer anything); what does not fit its type is dropped, never trusted."""
+    cap = RankCapture(rank=rank, pid=pid)
+
+    def text(v: object) -> str | None:
+        return clean(v, FIELD) if isinstance(v, str) else None
+
+    cap.pyspy_threads = shape_threads(doc.get("pyspy_threads"))
+    cap.pyspy_error = text(doc.get("pyspy_error"))
+    if cap.pyspy_threads is None and cap.pyspy_error is None:
+        cap.pyspy_error = "py-spy gave no stacks"
+    threads = shape_threads(doc.get("responder_threads"))
+    cap.responder_stacks = {"pid": pid, "rank": rank, "threads": threads} if threads is not None else None
+    cap.responder_error = text(doc.get("responder_error"))
+    raw_notes = doc.get("notes")
+    notes: list[Any] = raw_notes if isinstance(raw_notes, list) else []
+    cap.notes = [clean(n, PROSE)[:300] for n in notes[:MAX_NOTES] if isinstance(n, str)]
+    fr = doc.get("fr")
+    if fr is not None:
+        try:
+            cap.fr_trace = parse_dump(fr, rank)
+        except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
+            cap.notes.append(f"flight recorder: the reader's trace rejected: {clean(str(exc), FIELD)[:200]}")
+    return cap
+
+
+def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
+    """Root's part of one rank's capture: hand the job dir (an fd: whatever its name points at by now is not
+    followed) to a one-shot reader of its owner, which does all the reading and parsing; check its answer."""
+    from ..observe.reader import ReaderError, default_readers
+
+    try:
+        dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return RankCapture(rank=rank, pid=pid, pyspy_error=f"the job dir is gone: {exc.strerror}")
+    try:
+        st = os.fstat(dfd)
+        req = {"op": "capture", "rank": rank, "pid": pid, "stopped": stopped, "token": token,
+               "pyspy_timeout_s": policy.pyspy_timeout_s, "responder_timeout_s": policy.responder_timeout_s,
+               "locals": policy.include_locals}
+        # py-spy twice at most (blocking, then nonblocking), the responder's wait, and parsing a dump of up to
+        # MAX_FR_BYTES on a loaded host
+        limit = 2 * policy.pyspy_timeout_s + policy.responder_timeout_s + COLLECT_GRACE_S + PARSE_MARGIN_S
+        try:
+            out = default_readers().ask(st.st_uid, st.st_gid, req, (dfd,), limit)
+        except ReaderError as exc:
+            return RankCapture(rank=rank, pid=pid, pyspy_error=clean(str(exc), FIELD),
+                               responder_error="the owner's reader did not answer")
+    finally:
+        os.close(dfd)
+    if isinstance(out.get("error"), str) and "pyspy_threads" not in out:
+        return RankCapture(rank=rank, pid=pid, pyspy_error=clean(out["error"], FIELD))
+    cap = capture_from_doc(out, rank, pid)
+    if cap.pyspy_threads is None:
+        st_ = read_stat(pid)
+        cap.vanished = st_ is None or st_.state in ("Z", "X")
+    elif not stopped and not cap.main_frames():
+        cap.vanished = True
     if cap.pyspy_error:
         log.warning("pyspy_failed", rank=rank, pid=pid, error=cap.pyspy_error)
     return cap

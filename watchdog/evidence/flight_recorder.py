@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -14,7 +15,7 @@ import structlog
 
 from ..core.fr_analysis import FrAnalysis, analyze_fr
 from ..core.fr_hints import FrBehind, FrGroup, FrHints
-from ..core.fr_trace import FlightRecorderFormatError, RankTrace, parse_dump
+from ..core.fr_trace import FlightRecorderFormatError, RankTrace, compact_dump, parse_dump
 from .capture import RankCapture
 
 MAX_DUMP_BYTES = 64 * 1024 * 1024
@@ -52,6 +53,35 @@ def load_dump(
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise FlightRecorderFormatError(f"dump is not valid JSON: {exc}") from exc
     return parse_dump(doc, rank)
+
+
+WIRE_ENTRIES_PER_PG = 4096
+"""Entries per process group a reader sends: the newest, as ``compact_dump`` keeps them. A recorder ring of
+TORCH_FR_BUFFER_SIZE=2000 (the usual setting) arrives whole; a 40,000-entry dump costs the root side a
+tenth of the work, and the analysis compares the newest sequence numbers anyway."""
+
+
+def fr_wire_doc(data: bytes, budget_bytes: int) -> tuple[dict[str, object] | None, str | None]:
+    """(the dump as a compact, typed document within ``budget_bytes``, a note): what a job owner's reader
+    sends the root daemon instead of the rank's bytes (``capture.capture_to_doc``). Parsed here, on the
+    owner's side; at most the newest ``WIRE_ENTRIES_PER_PG`` entries of each process group, fewer where the
+    budget needs it (what ``compact_dump`` says is safe for the analysis)."""
+    try:
+        trace = load_dump(data)
+    except (FlightRecorderFormatError, OSError, ValueError) as exc:
+        return None, f"dump skipped: {exc}"[:300]
+    longest = max(Counter(e.pg_name for e in trace.entries).values(), default=0)
+    per_pg = max(1, min(longest, WIRE_ENTRIES_PER_PG))
+    for _ in range(8):
+        doc = compact_dump(trace, per_pg)
+        size = len(json.dumps(doc, separators=(",", ":")))
+        if size <= budget_bytes:
+            cut = f"newest {per_pg} entries per process group kept of {longest}" if per_pg < longest else None
+            return doc, cut
+        if per_pg == 1:
+            break
+        per_pg = max(1, int(per_pg * budget_bytes / size * 0.9))  # one estimate, not a halving per try
+    return None, f"dump skipped: over {budget_bytes} bytes even cut to {per_pg} entries per process group"
 
 
 log = structlog.get_logger("rankwatch.evidence")
@@ -108,7 +138,9 @@ def fr_hints(analysis: FrAnalysis) -> FrHints:
 
 
 def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
-    """Parse every capture's flight-recorder dump and compare them across ranks. Never raises.
+    """Every capture's flight-recorder trace compared across ranks. Never raises. A raw dump (``fr_json``)
+    is parsed here only in-process callers' captures (offline tools, the owner's side); the daemon's come
+    parsed and checked (``fr_trace``).
 
     A rank without a dump or with a malformed one is left out with a note; conclusions then cover only
     the ranks that dumped (``FrHints.ranks``), which the verdict takes into account.
@@ -116,6 +148,9 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
     notes: list[str] = []
     traces: dict[int, RankTrace] = {}
     for rank, cap in sorted(captures.items()):
+        if cap.fr_trace is not None:  # the owner's reader parsed it; checked again on arrival
+            traces[rank] = cap.fr_trace
+            continue
         if not cap.fr_json:
             why = next((n for n in cap.notes if n.startswith("flight recorder")), None) or cap.responder_error
             notes.append(f"rank {rank}: no flight-recorder dump" + (f" ({why})" if why else ""))

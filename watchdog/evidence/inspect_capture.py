@@ -6,6 +6,11 @@ a timeout. There is no dump responder to ask, so py-spy (``capture.pyspy_dump``)
 py-spy pauses the process it reads (blocking mode) for a consistent stack; a stopped rank is read without
 pausing (``--nonblocking``), since detaching could resume a process someone stopped on purpose. Nothing is
 signalled.
+
+Run as root, nothing of a job is read or parsed with root's authority: py-spy runs, the debug server is
+asked and the dump files are read — and everything they return parsed — by a one-shot reader running as
+the job's owner (``observe.reader``, the daemon's); root only checks the typed answers. Run as a user,
+the same code runs in-process (that user's authority is all it has).
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..core.fr_trace import FlightRecorderFormatError, parse_dump
 from ..core.stack_phase import phase_from_frames
+from ..core.text import FIELD, clean
 from ..observe.discover import Job, read_proc
+from ..observe.reader import ReaderError, default_readers
 from .capture import RankCapture, pyspy_dump
+from .debug_server import DebugServerPolicy
 
 MAX_WORKERS_PER_RANK = 4
 """DataLoader workers read per rank: one stuck worker shows the cause, eight identical ones add nothing."""
@@ -36,12 +46,18 @@ class JobCapture:
     notes: list[str] = field(default_factory=list)
 
 
-def _one(pid: int, label: int, stopped: bool, timeout_s: float, native: bool) -> RankCapture:
+def owner_of(uid: int) -> tuple[int, int]:
+    """(uid, gid) to read a job as: its owner's (the reader looks the gid up from the user database)."""
+    return uid, uid
+
+
+def _one(pid: int, label: int, stopped: bool, timeout_s: float, native: bool, owner: tuple[int, int]) -> RankCapture:
     cap = RankCapture(rank=label, pid=pid)
-    threads, err = pyspy_dump(pid, timeout_s, nonblocking=stopped, include_locals=False, native=native and not stopped)
+    threads, err = pyspy_dump(pid, timeout_s, nonblocking=stopped, include_locals=False, native=native and not stopped,
+                              owner=owner)
     if threads is None and not stopped:
         # a process that cannot be paused can still be read without pausing it
-        threads, err2 = pyspy_dump(pid, timeout_s, nonblocking=True, include_locals=False)
+        threads, err2 = pyspy_dump(pid, timeout_s, nonblocking=True, include_locals=False, owner=owner)
         if threads is None:
             err = f"{err}; nonblocking: {err2}"
     cap.pyspy_threads = threads if isinstance(threads, list) else None
@@ -49,7 +65,9 @@ def _one(pid: int, label: int, stopped: bool, timeout_s: float, native: bool) ->
     return cap
 
 
-def _parallel(todo: Sequence[tuple[int, int]], timeout_s: float, native: bool) -> list[RankCapture]:
+def _parallel(
+    todo: Sequence[tuple[int, int]], timeout_s: float, native: bool, owner: tuple[int, int]
+) -> list[RankCapture]:
     """(label rank, pid) → captures, all at once; one failing capture never costs the others."""
     if not todo:
         return []
@@ -58,7 +76,7 @@ def _parallel(todo: Sequence[tuple[int, int]], timeout_s: float, native: bool) -
         for rank, pid in todo:
             current = read_proc(pid)
             stopped = current is not None and current.state == "T"
-            futs.append((rank, pid, pool.submit(_one, pid, rank, stopped, timeout_s, native)))
+            futs.append((rank, pid, pool.submit(_one, pid, rank, stopped, timeout_s, native, owner)))
         out = []
         for rank, pid, fut in futs:
             try:
@@ -71,10 +89,12 @@ def _parallel(todo: Sequence[tuple[int, int]], timeout_s: float, native: bool) -
 def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCapture:
     """Stacks of every live rank at once (CPU use over the same interval), then of the DataLoader workers
     of the ranks that wait for a batch: only there does a worker's stack say more than its rank's."""
+    default_readers()  # as root: the zygote forks its readers from this thread, before any pool starts
+    owner = owner_of(job.owner_uid)
     t0 = time.monotonic()
     live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
     before = {r.pid: r.proc.utime_ticks for r in live}
-    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native)}
+    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native, owner)}
     seconds = time.monotonic() - t0
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     cpu: dict[int, float] = {}
@@ -84,7 +104,8 @@ def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCaptu
             cpu[r.rank] = 100.0 * (now.utime_ticks - before[r.pid]) / ticks / seconds
     feeding = [r for r in live if r.workers and phase_from_frames(ranks[r.rank].main_frames()).phase == "dataloader"]
     workers: dict[int, list[RankCapture]] = {}
-    for cap in _parallel([(r.rank, w) for r in feeding for w in r.workers[:MAX_WORKERS_PER_RANK]], timeout_s, False):
+    for cap in _parallel([(r.rank, w) for r in feeding for w in r.workers[:MAX_WORKERS_PER_RANK]], timeout_s, False,
+                         owner):
         workers.setdefault(cap.rank, []).append(cap)
     return JobCapture(ranks, workers, cpu, seconds)
 
@@ -133,28 +154,52 @@ def attach_debug_server_dumps(
     """Put each live rank's flight-recorder dump from its torch debug server (where it runs one) into its
     capture, all ranks at once; ``sources`` gets where each came from. Returns notes on servers that did not
     answer; a rank without a debug server adds nothing."""
-    from .debug_server import fr_from_debug_server
-
     live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
     if not live:
         return []
+    owner = owner_of(job.owner_uid)
     with ThreadPoolExecutor(max_workers=min(32, len(live)), thread_name_prefix="rankwatch-dbgsrv") as pool:
-        got = [(r, pool.submit(fr_from_debug_server, r.pid, job.owner_uid)) for r in live]
+        got = [(r, pool.submit(_ask_fr, owner, {"op": "fr_debug_server", "pid": r.pid}, r.rank)) for r in live]
         notes = []
         for r, fut in got:
             try:
-                dump = fut.result()
+                answer = fut.result()
             except Exception as exc:  # one rank's probe never costs the others
                 notes.append(f"rank {r.rank}: debug server: probe failed: {type(exc).__name__}"[:300])
                 continue
-            if dump is None:
+            if answer is None:
                 continue
-            if dump.body is None:
-                notes.append(f"rank {r.rank}: debug server: {dump.source}"[:300])
+            trace, why, source = answer
+            if trace is None:
+                notes.append(f"rank {r.rank}: debug server: {why}"[:300])
                 continue
-            captures.setdefault(r.rank, RankCapture(rank=r.rank, pid=r.pid)).fr_json = dump.body
-            sources[r.rank] = {"from": "debug_server", "address": dump.source}
+            cap = captures.setdefault(r.rank, RankCapture(rank=r.rank, pid=r.pid))
+            cap.fr_trace = trace
+            if why:
+                cap.notes.append(f"flight recorder: {why}")
+            sources[r.rank] = {"from": "debug_server", "address": source}
     return notes
+
+
+def _ask_fr(owner: tuple[int, int], req: dict[str, object], rank: int) -> tuple[Any, str | None, str] | None:
+    """A flight-recorder source read and parsed by the owner's reader: (trace checked here, note or why
+    not, where from); None where there is no such source (no debug server: nothing contacted)."""
+    timeout = DebugServerPolicy().total_timeout_s + 10.0
+    try:
+        out = default_readers().ask(owner[0], owner[1], dict(req), timeout_s=timeout)
+    except ReaderError as exc:
+        return None, clean(str(exc), FIELD), ""
+    if out.get("none") is True:
+        return None
+    why = out.get("why") if isinstance(out.get("why"), str) else out.get("error")
+    source = clean(out.get("source"), FIELD) if isinstance(out.get("source"), str) else ""
+    note = clean(out.get("note"), FIELD) if isinstance(out.get("note"), str) else None
+    if out.get("fr") is None:
+        return None, clean(why if isinstance(why, str) else note or "no dump", FIELD), source
+    try:
+        return parse_dump(out["fr"], rank), note, source
+    except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
+        return None, f"the reader's trace rejected: {clean(str(exc), FIELD)[:200]}", source
 
 
 def attach_fr_dumps(
@@ -169,24 +214,21 @@ def attach_fr_dumps(
     any_env = job.ranks[0].env if job.ranks else {}
     for rank in sorted({*envs, *extra_ranks}):
         env = envs.get(rank, any_env)
-        if not fr_enabled(env) or (rank in captures and captures[rank].fr_json):
+        if not fr_enabled(env) or (rank in captures and captures[rank].fr_trace is not None):
             continue
         path = fr_dump_path(env, rank)
-        got = read_owned_file(path, job.owner_uid, MAX_FR_FILE_BYTES)
-        if isinstance(got, str):
-            notes.append(f"rank {rank}: flight recorder {path}: {got}")
+        answer = _ask_fr(owner_of(job.owner_uid), {"op": "fr_file", "path": path}, rank)
+        trace, why, _ = answer if answer is not None else (None, "no answer", "")
+        if trace is None:
+            notes.append(f"rank {rank}: flight recorder {path}: {why}")
             continue
         cap = captures.setdefault(rank, RankCapture(rank=rank, pid=-1))
-        if got[:1] == b"\x80":
-            notes.append(
-                f"rank {rank}: flight recorder {path} is pickled (not read: unpickling runs code); "
-                "analyse it with torch's fr_trace"
-            )
-            continue
-        cap.fr_json = got
+        cap.fr_trace = trace
+        if why:
+            cap.notes.append(f"flight recorder: {why}")
         if sources is not None:
             sources[rank] = {"from": "file", "path": path}
-    if not any(fr_enabled(r.env) for r in job.ranks) and not any(c.fr_json for c in captures.values()):
+    if not any(fr_enabled(r.env) for r in job.ranks) and not any(c.fr_trace is not None for c in captures.values()):
         notes.append("no flight recorder: the job did not set TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE)")
     return notes
 

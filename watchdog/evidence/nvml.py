@@ -261,7 +261,6 @@ class NvmlProbe:
 
     def sample(self, pids: Iterable[int] = ()) -> GpuSample:
         """One reading of every device and of the given pids. Never raises."""
-        nv = self._nvml
         wanted = sorted(set(pids))
         skipped: list[str] = []
         devices: list[DeviceSample] = []
@@ -272,52 +271,81 @@ class NvmlProbe:
             return GpuSample(time.monotonic(), (), {}, (), tuple(wanted), ("probe closed",))
         xids = self._drain_xids(skipped)
         for i, h in enumerate(self._handles):
-            d = f"dev{i}"
-            util = self._try(skipped, f"{d}.util", nv.nvmlDeviceGetUtilizationRates, h)
-            power = self._try(skipped, f"{d}.power", nv.nvmlDeviceGetPowerUsage, h)
-            mem = self._try(skipped, f"{d}.memory", nv.nvmlDeviceGetMemoryInfo, h)
-            unc = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-            ecc_v = self._try(
-                skipped, f"{d}.ecc_volatile", nv.nvmlDeviceGetTotalEccErrors, h, unc, nv.NVML_VOLATILE_ECC
-            )
-            ecc_a = self._try(
-                skipped, f"{d}.ecc_aggregate", nv.nvmlDeviceGetTotalEccErrors, h, unc, nv.NVML_AGGREGATE_ECC
-            )
-            retired = self._retired_pages(h, skipped, d)
-            remap = self._try(skipped, f"{d}.remapped_rows", nv.nvmlDeviceGetRemappedRows, h)
-            remap_t = tuple(remap) if isinstance(remap, list | tuple) and len(remap) >= 4 else None
-            devices.append(
-                DeviceSample(
-                    index=i,
-                    uuid=self._uuids.get(i),
-                    gpu_util=_num(getattr(util, "gpu", None)),
-                    mem_util=_num(getattr(util, "memory", None)),
-                    power_w=power / 1000.0 if isinstance(power, int | float) else None,
-                    mem_used_bytes=_int(getattr(mem, "used", None)),
-                    mem_total_bytes=_int(getattr(mem, "total", None)),
-                    ecc_uncorrected_volatile=_int(ecc_v),
-                    ecc_uncorrected_aggregate=_int(ecc_a),
-                    retired_pages=retired,
-                    remapped_rows_uncorrectable=_int(remap_t[1]) if remap_t else None,
-                    remap_pending=bool(remap_t[2]) if remap_t else None,
-                    remap_failed=bool(remap_t[3]) if remap_t else None,
-                    xids=tuple(xids.get(i, ())),
-                )
-            )
-            running = self._try(skipped, f"{d}.processes", nv.nvmlDeviceGetComputeRunningProcesses, h)
-            ctx: dict[int, int | None] = {}
-            for p in running or ():
-                pid = _int(getattr(p, "pid", None))
-                if pid is not None:
-                    ctx[pid] = _int(getattr(p, "usedGpuMemory", None))
-            contexts[i] = ctx
+            devices.append(self._device_sample(i, h, tuple(xids.get(i, ())), skipped))
+            contexts[i] = self._contexts(i, h, skipped)
             fresh[i] = self._process_util(i, h)
         for idx in xids:
             if idx < 0 or idx >= len(self._handles):
                 skipped.append(f"xid on unknown device: {xids[idx]}")
 
         all_nvml = {p for c in contexts.values() for p in c} | {p for f in fresh.values() for p in f}
-        mapping = map_pids(all_nvml, wanted, self._proc_root)
+        procs = self._proc_gpus(contexts, fresh, map_pids(all_nvml, wanted, self._proc_root))
+        missing = tuple(
+            p
+            for p in wanted
+            if p in procs and any(g.missing for g in procs[p]) and all(g.sm_util is None for g in procs[p])
+        )
+        unresolved = tuple(p for p in wanted if p not in procs)
+        return GpuSample(
+            time_s=time.monotonic(),
+            devices=tuple(devices),
+            procs={p: tuple(v) for p, v in procs.items()},
+            missing=missing,
+            unresolved=unresolved,
+            skipped=tuple(skipped),
+        )
+
+    def _device_sample(self, i: int, h: Any, xids: tuple[int, ...], skipped: list[str]) -> DeviceSample:
+        """One device's utilisation, power, memory and health counters (None where NVML refused)."""
+        nv = self._nvml
+        d = f"dev{i}"
+        util = self._try(skipped, f"{d}.util", nv.nvmlDeviceGetUtilizationRates, h)
+        power = self._try(skipped, f"{d}.power", nv.nvmlDeviceGetPowerUsage, h)
+        mem = self._try(skipped, f"{d}.memory", nv.nvmlDeviceGetMemoryInfo, h)
+        unc = nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        ecc_v = self._try(
+            skipped, f"{d}.ecc_volatile", nv.nvmlDeviceGetTotalEccErrors, h, unc, nv.NVML_VOLATILE_ECC
+        )
+        ecc_a = self._try(
+            skipped, f"{d}.ecc_aggregate", nv.nvmlDeviceGetTotalEccErrors, h, unc, nv.NVML_AGGREGATE_ECC
+        )
+        retired = self._retired_pages(h, skipped, d)
+        remap = self._try(skipped, f"{d}.remapped_rows", nv.nvmlDeviceGetRemappedRows, h)
+        remap_t = tuple(remap) if isinstance(remap, list | tuple) and len(remap) >= 4 else None
+        return DeviceSample(
+            index=i,
+            uuid=self._uuids.get(i),
+            gpu_util=_num(getattr(util, "gpu", None)),
+            mem_util=_num(getattr(util, "memory", None)),
+            power_w=power / 1000.0 if isinstance(power, int | float) else None,
+            mem_used_bytes=_int(getattr(mem, "used", None)),
+            mem_total_bytes=_int(getattr(mem, "total", None)),
+            ecc_uncorrected_volatile=_int(ecc_v),
+            ecc_uncorrected_aggregate=_int(ecc_a),
+            retired_pages=retired,
+            remapped_rows_uncorrectable=_int(remap_t[1]) if remap_t else None,
+            remap_pending=bool(remap_t[2]) if remap_t else None,
+            remap_failed=bool(remap_t[3]) if remap_t else None,
+            xids=xids,
+        )
+
+    def _contexts(self, i: int, h: Any, skipped: list[str]) -> dict[int, int | None]:
+        """NVML pid → its used memory, for every compute context on the device."""
+        running = self._try(skipped, f"dev{i}.processes", self._nvml.nvmlDeviceGetComputeRunningProcesses, h)
+        ctx: dict[int, int | None] = {}
+        for p in running or ():
+            pid = _int(getattr(p, "pid", None))
+            if pid is not None:
+                ctx[pid] = _int(getattr(p, "usedGpuMemory", None))
+        return ctx
+
+    def _proc_gpus(
+        self,
+        contexts: dict[int, dict[int, int | None]],
+        fresh: dict[int, dict[int, tuple[float, float]]],
+        mapping: dict[int, int],
+    ) -> dict[int, list[ProcGpu]]:
+        """Per wanted pid (as this host sees it), its use of each device it has a context or samples on."""
         procs: dict[int, list[ProcGpu]] = {}
         for i in range(len(self._handles)):
             for npid in sorted(set(contexts.get(i, {})) | set(fresh.get(i, {}))):
@@ -338,20 +366,7 @@ class NvmlProbe:
                         missing=has_ctx and util_pair is None,
                     )
                 )
-        missing = tuple(
-            p
-            for p in wanted
-            if p in procs and any(g.missing for g in procs[p]) and all(g.sm_util is None for g in procs[p])
-        )
-        unresolved = tuple(p for p in wanted if p not in procs)
-        return GpuSample(
-            time_s=time.monotonic(),
-            devices=tuple(devices),
-            procs={p: tuple(v) for p, v in procs.items()},
-            missing=missing,
-            unresolved=unresolved,
-            skipped=tuple(skipped),
-        )
+        return procs
 
     def _retired_pages(self, h: Any, skipped: list[str], d: str) -> int | None:
         nv = self._nvml

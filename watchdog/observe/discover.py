@@ -251,17 +251,10 @@ def _scan(proc_root: str) -> dict[int, Proc]:
     return table
 
 
-def discover(
-    *,
-    proc_root: str = "/proc",
-    caller_uid: int | None = None,
-    protected: Iterable[int] = (),
-) -> Discovery:
-    """Every job with ranks on this node that the caller may inspect (pure reads of ``proc_root``)."""
-    uid = os.geteuid() if caller_uid is None else caller_uid
-    skip = {0, 1, os.getpid(), *protected}
-    table = _scan(proc_root)
-    notes: list[str] = []
+def _candidates(
+    table: Mapping[int, Proc], skip: set[int], uid: int, proc_root: str
+) -> tuple[dict[int, dict[str, str]], dict[int, tuple[int, int, int]]]:
+    """The live processes the caller may read whose environment names a rank: (environ, rank fields) by pid."""
     envs: dict[int, dict[str, str]] = {}
     fields: dict[int, tuple[int, int, int]] = {}
     for pid, p in table.items():
@@ -273,6 +266,13 @@ def discover(
         if env is None or (f := rank_fields(env)) is None:
             continue
         envs[pid], fields[pid] = env, f
+    return envs, fields
+
+
+def _workers(
+    table: Mapping[int, Proc], envs: Mapping[int, Mapping[str, str]], fields: Mapping[int, tuple[int, int, int]]
+) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """(candidate → the candidate it is a worker of, rank → its workers)."""
     # a candidate whose ancestor is a candidate of the same job and rank is that rank's worker
     worker_of: dict[int, int] = {}
     for pid in fields:
@@ -289,6 +289,22 @@ def discover(
         while top in worker_of:
             top = worker_of[top]
         workers[top].append(pid)
+    return worker_of, workers
+
+
+def discover(
+    *,
+    proc_root: str = "/proc",
+    caller_uid: int | None = None,
+    protected: Iterable[int] = (),
+) -> Discovery:
+    """Every job with ranks on this node that the caller may inspect (pure reads of ``proc_root``)."""
+    uid = os.geteuid() if caller_uid is None else caller_uid
+    skip = {0, 1, os.getpid(), *protected}
+    table = _scan(proc_root)
+    notes: list[str] = []
+    envs, fields = _candidates(table, skip, uid, proc_root)
+    worker_of, workers = _workers(table, envs, fields)
     agent_cache: dict[int, bool] = {}
     jobs: dict[str, Job] = {}
     for pid in sorted(set(fields) - set(worker_of)):

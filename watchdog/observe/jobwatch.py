@@ -55,13 +55,24 @@ class RemoteRecord:
         self.path = os.path.join(job.name, name)
         self.r, self.inode, self.dev = info.r, info.ino, info.dev
         self.gen = job.gen
+        self.prefetched: RecordSnapshot | Exception | None = None
+        self.replaced_seen: bool | None = None
 
     def read(self, since_step: int = -1) -> RecordSnapshot:
+        got = self.prefetched
+        if got is not None:  # this poll's batch read it already (``JobWatch._prefetch``)
+            self.prefetched = None
+            if isinstance(got, Exception):
+                raise got
+            return got
         if self.gen != self.job.gen:
             raise ReaderError("the reader was respawned: the record is reopened")
         return self.job.read_record(self.r, since_step, self.path)
 
     def replaced(self) -> bool:
+        if self.replaced_seen is not None:
+            seen, self.replaced_seen = self.replaced_seen, None
+            return seen
         if self.gen != self.job.gen:
             return True  # a respawned reader: reopen by name (the same inode keeps its identity)
         return self.job.replaced(self.r)
@@ -147,6 +158,7 @@ class JobWatch:
             except ReaderError:
                 self.job_info = {}
         budget = self.policy.max_records_per_job
+        self._prefetch_replaced()
         for name in names:
             m = jobdir.RANK_FILE.match(name)
             if not m:
@@ -287,10 +299,35 @@ class JobWatch:
         st.stopped_since_ns = None
         return RUNNING
 
+    def _current(self) -> list[RankState]:
+        return [st for st in self.ranks.values() if st.reader.gen == self.job.gen]
+
+    def _prefetch(self) -> None:
+        """Every record of this job read in one exchange with its reader (not one per record)."""
+        for st in self.ranks.values():
+            st.reader.replaced_seen = None  # this cycle's refresh has used them
+        sts = self._current()
+        if len(sts) < 2:
+            return
+        try:
+            got = self.job.read_many([(st.reader.r, st.cursor, st.reader.path) for st in sts])
+        except ReaderError:
+            return  # each record's own read then says so
+        for st, snap in zip(sts, got, strict=True):
+            st.reader.prefetched = snap
+
+    def _prefetch_replaced(self) -> None:
+        sts = self._current()
+        if len(sts) < 2:
+            return
+        for st, seen in zip(sts, self.job.replaced_many([st.reader.r for st in sts]), strict=True):
+            st.reader.replaced_seen = seen
+
     def poll(self) -> list[RankView]:
         self.polls += 1
         now = time.monotonic_ns()
         views = []
+        self._prefetch()
         for rank, st in sorted(self.ranks.items()):
             try:
                 snap = st.reader.read(since_step=st.cursor)

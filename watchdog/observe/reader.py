@@ -34,7 +34,7 @@ import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordSnapshot
 
 from . import jobdir
-from .wire import WireError, recv_frame, send_frame, snapshot_from_doc, snapshot_to_doc, w_int, w_str
+from .wire import WireError, recv_frame, send_frame, snapshot_from_doc, snapshot_to_doc, w_float, w_int, w_str
 
 log = structlog.get_logger("rankwatch.reader")
 
@@ -150,6 +150,38 @@ class ReaderCore:
         assert isinstance(snap, RecordSnapshot)
         return {"snap": snapshot_to_doc(snap)}
 
+    def op_rec_read_many(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """Every record of a job in one exchange (a poll of 256 records is one round trip, not 256: on a loaded
+        host each round trip waits for the reader to be scheduled)."""
+        reads = req.get("reads")
+        if not isinstance(reads, list):
+            raise ValueError("reads must be a list")
+        out: list[dict[str, Any]] = []
+        for item in reads[: self.policy.max_records]:
+            if not isinstance(item, list) or len(item) != 2:
+                out.append({"error": "malformed read"})
+                continue
+            r, since = item
+            rec = self._recs.get(r) if isinstance(r, int) else None
+            if rec is None:
+                out.append({"error": "no such record"})
+                continue
+            try:
+                snap = rec.read(since if isinstance(since, int) and not isinstance(since, bool) else -1)
+            except (RecordFormatError, OSError) as exc:
+                out.append({"unreadable": str(exc)[:300]})
+                continue
+            assert isinstance(snap, RecordSnapshot)
+            out.append({"snap": snapshot_to_doc(snap)})
+        return {"snaps": out}
+
+    def op_rec_replaced_many(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        rs = req.get("rs")
+        if not isinstance(rs, list):
+            raise ValueError("rs must be a list")
+        return {"replaced": [isinstance(r, int) and r in self._recs and self._recs[r].replaced()
+                             for r in rs[: self.policy.max_records]]}
+
     def op_rec_replaced(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         return {"replaced": self._recs[w_int(req.get("r"))].replaced()}
 
@@ -170,19 +202,73 @@ class ReaderCore:
         removed, empty = jobdir.remove_finished(self._dir(req), [w_int(i) for i in inodes[:100_000]])
         return {"removed": removed, "empty": empty}
 
-    def op_pyspy(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    def _pyspy_exe(self) -> str | None:
+        return self.pyspy if self.pyspy is not None else (None if self.fixed_pyspy else _pyspy_path())
+
+    def _run_pyspy(self, pid: int, timeout_s: float, nonblocking: bool, include_locals: bool,
+                   native: bool = False) -> tuple[Any, str | None]:
         from ..evidence.capture import run_pyspy
 
-        threads, err = run_pyspy(
-            self.pyspy if self.pyspy is not None else (None if self.fixed_pyspy else _pyspy_path()),
-            w_int(req.get("pid"), 1, 1 << 22),
-            float(req.get("timeout_s", 5.0)),
-            bool(req.get("nonblocking")),
-            bool(req.get("locals")),
-            self.policy.pyspy_max_bytes,
-            native=bool(req.get("native")),
-        )
+        return run_pyspy(self._pyspy_exe(), pid, timeout_s, nonblocking, include_locals,
+                         self.policy.pyspy_max_bytes, native=native)
+
+    def op_pyspy(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        threads, err = self._run_pyspy(w_int(req.get("pid"), 1, 1 << 22), w_float(req.get("timeout_s", 5.0)),
+                                       bool(req.get("nonblocking")), bool(req.get("locals")),
+                                       native=bool(req.get("native")))
         return {"threads": threads, "error": err}
+
+    def op_capture(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        """One rank's whole capture as its owner: responder asked and its answer parsed, py-spy run; the job
+        dir comes as an fd (the one root opened), its socket reached through it."""
+        from ..core.policy import CapturePolicy
+        from ..evidence.capture import capture_as_owner
+
+        if len(fds) != 1:
+            for fd in fds:
+                jobdir.close_quietly(fd)
+            raise ValueError("capture needs exactly one dir fd")
+        try:
+            pid = w_int(req.get("pid"), 1, 1 << 22)
+            policy = CapturePolicy(pyspy_timeout_s=w_float(req.get("pyspy_timeout_s")),
+                                   responder_timeout_s=w_float(req.get("responder_timeout_s")),
+                                   include_locals=req.get("locals") is True)
+            stopped = req.get("stopped") is True
+            return capture_as_owner(
+                w_int(req.get("rank"), 0, 1 << 31), pid, stopped, f"/proc/self/fd/{fds[0]}",
+                w_str(req.get("token"), 128), policy,
+                lambda nonblocking: self._run_pyspy(pid, policy.pyspy_timeout_s, nonblocking, policy.include_locals),
+            )
+        finally:
+            jobdir.close_quietly(fds[0])
+
+    def op_fr_debug_server(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """The rank's flight recorder from its torch debug server, asked and parsed as its owner."""
+        from ..evidence.capture import FR_WIRE_BYTES
+        from ..evidence.debug_server import fr_from_debug_server
+        from ..evidence.flight_recorder import fr_wire_doc
+
+        dump = fr_from_debug_server(w_int(req.get("pid"), 1, 1 << 22), os.geteuid())
+        if dump is None:
+            return {"none": True}
+        if dump.body is None:
+            return {"why": dump.source}
+        doc, note = fr_wire_doc(dump.body, FR_WIRE_BYTES)
+        return {"fr": doc, "note": note, "source": dump.source}
+
+    def op_fr_file(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """A flight-recorder file the job's environment names, read and parsed as its owner."""
+        from ..evidence.capture import FR_WIRE_BYTES
+        from ..evidence.flight_recorder import fr_wire_doc
+        from ..evidence.inspect_capture import MAX_FR_FILE_BYTES, read_owned_file
+
+        got = read_owned_file(w_str(req.get("path"), 4096), os.geteuid(), MAX_FR_FILE_BYTES)
+        if isinstance(got, str):
+            return {"why": got}
+        if got[:1] == b"\x80":
+            return {"why": "pickled (not read: unpickling runs code); analyse it with torch's fr_trace"}
+        doc, note = fr_wire_doc(got, FR_WIRE_BYTES)
+        return {"fr": doc, "note": note}
 
 
 # -- root side ---------------------------------------------------------------------------------------
@@ -337,6 +423,9 @@ def _zygote(sock: socket.socket, pyspy_fd: int | None, policy: ReaderPolicy) -> 
                 _close_fds_except([mine.fileno(), *([pyspy_fd] if pyspy_fd is not None else [])])
                 pyspy = f"/proc/self/fd/{pyspy_fd}" if pyspy_fd is not None else None
                 _serve(mine, ReaderCore(policy, pyspy))
+            except BaseException as exc:  # said on the daemon's stderr; the root side sees the socket close
+                with contextlib.suppress(Exception):
+                    os.write(2, f"rankwatch reader of uid {uid}: {type(exc).__name__}: {exc}\n"[:500].encode())
             finally:
                 os._exit(0)
         mine.close()
@@ -344,6 +433,19 @@ def _zygote(sock: socket.socket, pyspy_fd: int | None, policy: ReaderPolicy) -> 
             send_frame(sock, {"pid": pid}, (theirs.fileno(),))
         finally:
             theirs.close()
+
+
+def _preload() -> None:
+    """Import, as root and before the fork, every module a reader's requests use: once it runs as a job's
+    owner it may not be able to read this installation (a venv or pyenv under /root), so nothing may be
+    imported lazily there."""
+    import concurrent.futures.thread  # noqa: F401
+    import encodings.ascii
+    import encodings.latin_1  # noqa: F401
+    import subprocess  # noqa: F401
+
+    from ..core import policy  # noqa: F401
+    from ..evidence import capture, debug_server, flight_recorder, inspect_capture  # noqa: F401
 
 
 def _owner_gid(uid: int, fallback: int) -> int:
@@ -370,6 +472,7 @@ class Readers:
             self._local = LocalChannel(ReaderCore(self.policy, None, fixed_pyspy=False))
 
     def _start_zygote(self, pyspy: str | None) -> None:
+        _preload()
         pyspy_fd = None
         if pyspy is not None:
             # opened as root: a reader runs it through /proc/self/fd even where its user cannot traverse
@@ -428,27 +531,39 @@ class Readers:
 
     def pyspy(self, uid: int, gid: int, pid: int, timeout_s: float, nonblocking: bool,
               include_locals: bool, native: bool = False) -> tuple[Any, str | None]:
-        """py-spy as the rank's owner: in a fresh one-shot reader, so captures of many ranks run in parallel
-        and a wedged one costs only itself."""
+        """py-spy as the rank's owner (``ask``)."""
         if uid < 0:
             return None, "the job dir is gone: no owner to run py-spy as"
         req = {"op": "pyspy", "pid": pid, "timeout_s": timeout_s, "nonblocking": nonblocking,
                "locals": include_locals, "native": native}
-        if not self.privileged:
-            out = self._local.call(req)
-        else:
-            ch = self._one_shot(uid, gid)
-            try:
-                out = ch.call(req, timeout_s=timeout_s + 5.0)
-            except ReaderError as exc:
-                return None, str(exc)
-            finally:
-                ch.close()
+        try:
+            out = self.ask(uid, gid, req, timeout_s=timeout_s + 5.0)
+        except ReaderError as exc:
+            return None, str(exc)
         from ..evidence.capture import shape_threads
 
         err = out.get("error")
         threads = shape_threads(out.get("threads")) if out.get("threads") is not None else None
         return threads, err if isinstance(err, str) else None
+
+    def ask(self, uid: int, gid: int, req: dict[str, Any], fds: tuple[int, ...] = (),
+            timeout_s: float = 10.0) -> dict[str, Any]:
+        """One request that reads or runs something as ``uid`` (py-spy, a rank's capture, a flight-recorder
+        source): in a fresh one-shot reader of that user, so many run in parallel and a wedged one costs only
+        itself. Unprivileged, in this process (its own authority is all it has). ReaderError when no reader
+        answers in ``timeout_s``."""
+        if not self.privileged:
+            # stateless ops: a core of their own, no lock (captures of many ranks stay parallel)
+            out = ReaderCore(self.policy, None, fixed_pyspy=False).handle(req, [os.dup(fd) for fd in fds])
+        else:
+            ch = self._one_shot(uid, gid)
+            try:
+                out = ch.call(req, fds, timeout_s=timeout_s)
+            finally:
+                ch.close()
+        if out.get("error") is not None and not isinstance(out["error"], str):
+            raise ReaderError("malformed answer")
+        return out
 
     def _one_shot(self, uid: int, gid: int) -> ChildChannel:
         with self._lock:
@@ -590,6 +705,38 @@ class JobDir:
             return snapshot_from_doc(out["snap"], path)
         except WireError as exc:
             raise ReaderError(f"malformed snapshot: {exc}") from None
+
+    def read_many(self, reads: list[tuple[int, int, str]]) -> list[RecordSnapshot | Exception]:
+        """``read_record`` for many records in one exchange: per record its snapshot, or the error it would
+        have raised (RecordFormatError: unreadable this poll; ReaderError: malformed). ReaderError when the
+        reader cannot answer at all."""
+        out = self._call({"op": "rec_read_many", "reads": [[r, since] for r, since, _ in reads]}).get("snaps")
+        if not isinstance(out, list) or len(out) != len(reads):
+            raise ReaderError("malformed batch answer")
+        got: list[RecordSnapshot | Exception] = []
+        for (_, _, path), item in zip(reads, out, strict=True):
+            if not isinstance(item, dict):
+                got.append(ReaderError("malformed answer"))
+            elif "unreadable" in item:
+                got.append(RecordFormatError(str(item["unreadable"])[:300]))
+            elif "snap" not in item:
+                got.append(ReaderError(str(item.get("error"))[:300]))
+            else:
+                try:
+                    got.append(snapshot_from_doc(item["snap"], path))
+                except WireError as exc:
+                    got.append(ReaderError(f"malformed snapshot: {exc}"))
+        return got
+
+    def replaced_many(self, rs: list[int]) -> list[bool]:
+        """``replaced`` for many records at once (all False when the reader cannot answer)."""
+        try:
+            out = self._call({"op": "rec_replaced_many", "rs": rs}).get("replaced")
+        except ReaderError:
+            return [False] * len(rs)
+        if not isinstance(out, list) or len(out) != len(rs):
+            return [False] * len(rs)
+        return [x is True for x in out]
 
     def replaced(self, r: int) -> bool:
         try:

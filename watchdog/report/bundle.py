@@ -16,6 +16,7 @@ from typing import Any
 
 from rankwatch.hooks.files import atomic_write, fsync_dir, write_new
 
+from ..core.fr_trace import MAX_ENTRIES, compact_dump
 from ..core.ranks import fmt_ranks
 from ..core.rules.weak import stack_groups
 from ..core.snapshot import RankView
@@ -95,7 +96,11 @@ def write_bundle(
                 },
             )
             write_new(os.path.join(stacks, f"rank-{v.rank}.txt"), render_text(cap).encode())
-            if cap.fr_json:
+            if cap.fr_trace is not None:
+                # the trace as the owner's reader parsed it and root checked it (a dump ``load_dump`` and
+                # torch's fr_trace read), never the rank's own bytes
+                write_json(os.path.join(fr, f"rank-{v.rank}.json"), compact_dump(cap.fr_trace, MAX_ENTRIES))
+            elif cap.fr_json:
                 write_new(os.path.join(fr, f"rank-{v.rank}.json"), cap.fr_json)
         write_new(os.path.join(stacks, "groups.txt"), groups_text(views, captures).encode())
         fsync_dir(tmp)

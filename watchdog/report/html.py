@@ -19,9 +19,9 @@ from typing import Any
 
 from rankwatch.hooks.files import atomic_write
 
+from ..core.phases import COMPUTE_PHASES, DISPLAY_ORDER, INPUT_PHASES, SYNC_PHASES
 from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_of
-from ..core.straggler import COMPUTE_PHASES, INPUT_PHASES, SYNC_PHASES
 from ..core.text import BLOCK, PROSE, clean
 from ..errors import UserError
 from .text import next_step
@@ -40,7 +40,7 @@ PHASE_COLOURS = {
 }
 EXTRA_COLOURS = ("#edc948", "#9c755f", "#8cd17d", "#86bcb6", "#f1ce63", "#a0cbe8", "#e6a157", "#6f9bd1")
 # the order phases are listed and stacked in charts (not core.snapshot.STEP_PHASE_ORDER, the rule order)
-DISPLAY_PHASE_ORDER = ("dataloader", "forward", "backward", "optimizer", "grad_sync", "collective", "idle")
+DISPLAY_PHASE_ORDER = DISPLAY_ORDER
 STRAGGLER = "#d62728"
 RANK_COLOURS = ("#4e79a7", "#59a14f", "#76b7b2", "#edc948", "#b07aa1", "#9c755f", "#f28e2b", "#86bcb6",
                 "#8cd17d", "#a0cbe8", "#ff9da7", "#bab0ac")
@@ -287,17 +287,35 @@ def _family(phase: str | None) -> str:
 
 
 def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mapping[str, str]) -> str:
-    label = str(doc.get("diagnosis") or "NO DIAGNOSIS")
     who = _ranks(doc.get("straggler_ranks") or [])
     stragglers = set(who)
-    phase = doc.get("phase")
     ranks = _dict(doc, "ranks")
     phases_doc = _dict(doc, "phases")
-    st = _dict(doc, "step_time_ms")
     names = ordered_phases(
         set(phases_doc) | {p for r in ranks.values() if isinstance(r, dict) for p in (r.get("phases") or {})}
     )
     colours = phase_colours(names)
+    out = [
+        f'<section class="doc summary" id="{esc(anchor)}">',
+        f"<h2>Run summary · job {esc(doc.get('job_id'))}</h2>",
+        *_summary_headlines(doc, who, incident_anchors),
+        "<h3>Time per step by rank and phase</h3>",
+        phase_bars_svg({k: v for k, v in ranks.items() if isinstance(v, dict)}, stragglers, colours),
+        _legend([(p, colours[p]) for p in names]),
+        *_phase_table(doc, colours),
+        *_rank_table(ranks, names, stragglers),
+        *_timeline_part(doc.get("timeline"), stragglers),
+        *_incident_list(doc, incident_anchors),
+        "</section>",
+    ]
+    return "\n".join(out)
+
+
+def _summary_headlines(doc: Mapping[str, Any], who: list[int], incident_anchors: Mapping[str, str]) -> list[str]:
+    """The run's incidents first, then the straggler diagnosis, its step counts and why."""
+    label = str(doc.get("diagnosis") or "NO DIAGNOSIS")
+    phase = doc.get("phase")
+    st = _dict(doc, "step_time_ms")
     verdicts = [v for v in doc.get("incident_verdicts") or [] if isinstance(v, dict)]
     # a run with an incident is that incident first; the straggler diagnosis describes the steps before it
     # a straggler is a slowdown, an incident a stopped job: the steps before an incident are told in a
@@ -310,10 +328,7 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     if phase:
         headline += f" in <code>{esc(phase)}</code>"
     total = doc.get("steps_total")
-    out = [
-        f'<section class="doc summary" id="{esc(anchor)}">',
-        f"<h2>Run summary · job {esc(doc.get('job_id'))}</h2>",
-    ]
+    out = []
     for v in verdicts[:8]:
         v_ranks = _ranks(v.get("initiating_ranks") or [])
         v_who = fmt_ranks(v_ranks) if v_ranks else "no single rank"
@@ -327,20 +342,23 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
         f'<p class="{"context" if tone == "before" else "headline " + tone}">'
         + ("before the incident: " if verdicts else "") + f"{headline}</p>",
         '<p class="meta">' + (f"{esc(total)} steps · " if total is not None else "")
-        + f'the last {esc(doc.get("steps"))} common steps compared · {len(ranks)} ranks · mean step '
+        + f'the last {esc(doc.get("steps"))} common steps compared · {len(_dict(doc, "ranks"))} ranks · mean step '
         f'{_fmt(st.get("mean", st.get("median")))} ms · worst {_fmt(st.get("worst"))} ms '
         f'(rank {esc(st.get("worst_rank"))})</p>',
     ]
     if doc.get("why"):
         out.append(f'<div class="why"><b>why:</b> {esc(doc["why"])}</div>')
+    return out
 
-    out.append("<h3>Time per step by rank and phase</h3>")
-    out.append(phase_bars_svg({k: v for k, v in ranks.items() if isinstance(v, dict)}, stragglers, colours))
-    out.append(_legend([(p, colours[p]) for p in names]))
 
-    out.append("<h3>Phases</h3>")
-    out.append('<table><tr><th class="l">phase</th><th class="l">kind</th><th>mean ms</th><th>median ms</th>'
-               "<th>worst ms</th><th>worst rank</th><th>skew ms</th></tr>")
+def _phase_table(doc: Mapping[str, Any], colours: Mapping[str, str]) -> list[str]:
+    """Per phase, the ranks' mean/median/worst/skew (the diagnosed phase highlighted), then the step."""
+    phases_doc = _dict(doc, "phases")
+    st = _dict(doc, "step_time_ms")
+    phase = doc.get("phase")
+    out = ["<h3>Phases</h3>",
+           '<table><tr><th class="l">phase</th><th class="l">kind</th><th>mean ms</th><th>median ms</th>'
+           "<th>worst ms</th><th>worst rank</th><th>skew ms</th></tr>"]
     for p in sorted(phases_doc, key=lambda q: -(_num(_dict(phases_doc, q).get("mean_ms")) or 0.0)):
         s = phases_doc[p] if isinstance(phases_doc[p], dict) else {}
         cls = ' class="hl"' if p == phase else ""
@@ -353,9 +371,13 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     out.append(f'<tr><td class="l"><b>step</b></td><td></td><td>{_fmt(st.get("mean"))}</td>'
                f'<td>{_fmt(st.get("median"))}</td>'
                f'<td>{_fmt(st.get("worst"))}</td><td>{esc(st.get("worst_rank", "–"))}</td><td></td></tr></table>')
+    return out
 
-    out.append("<details><summary>Per-rank means per step (ms)</summary><table><tr><th>rank</th><th>steps</th>"
-               "<th>step</th>" + "".join(f"<th>{esc(p)}</th>" for p in names) + "</tr>")
+
+def _rank_table(ranks: Mapping[str, Any], names: Sequence[str], stragglers: set[int]) -> list[str]:
+    """Per rank, its mean time per phase (stragglers highlighted), folded away."""
+    out = ["<details><summary>Per-rank means per step (ms)</summary><table><tr><th>rank</th><th>steps</th>"
+           "<th>step</th>" + "".join(f"<th>{esc(p)}</th>" for p in names) + "</tr>"]
     for k in sorted(ranks, key=_int_key):
         r = ranks[k] if isinstance(ranks[k], dict) else {}
         cls = ' class="hl"' if _int_key(k)[0] in stragglers else ""
@@ -363,8 +385,12 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
         out.append(f"<tr{cls}><td>{esc(k)}</td><td>{esc(r.get('steps', '–'))}</td>"
                    f"<td>{_fmt(r.get('step_time_ms'))}</td>{cells}</tr>")
     out.append("</table></details>")
+    return out
 
-    timeline = doc.get("timeline")
+
+def _timeline_part(timeline: Any, stragglers: set[int]) -> list[str]:
+    """The per-step charts: own work and waiting by rank (or step time, for an older summary)."""
+    out = []
     if not isinstance(timeline, dict):
         out.append('<h3>Step time per rank</h3><p class="meta">no per-step timeline in this summary</p>')
     elif any(isinstance(v, list) and v and isinstance(v[0], list) and len(v[0]) >= 4 for v in timeline.values()):
@@ -383,17 +409,16 @@ def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mappi
     if any(isinstance(v, list) and v and isinstance(v[0], list) and v[0][:1] == [0]
            for v in (timeline or {}).values()):
         out.append('<p class="meta">step 0 (start-up) is left out of the timeline.</p>')
+    return out
 
+
+def _incident_list(doc: Mapping[str, Any], incident_anchors: Mapping[str, str]) -> list[str]:
     incidents = [str(i) for i in doc.get("incidents") or []]
-    out.append("<h3>Incidents</h3>")
-    if incidents:
-        out.append("<ul>" + "".join(
-            f'<li><a href="#{esc(incident_anchors[i])}">{esc(i)}</a></li>' if i in incident_anchors
-            else f"<li>{esc(i)}</li>" for i in incidents) + "</ul>")
-    else:
-        out.append('<p class="meta">none</p>')
-    out.append("</section>")
-    return "\n".join(out)
+    if not incidents:
+        return ["<h3>Incidents</h3>", '<p class="meta">none</p>']
+    return ["<h3>Incidents</h3>", "<ul>" + "".join(
+        f'<li><a href="#{esc(incident_anchors[i])}">{esc(i)}</a></li>' if i in incident_anchors
+        else f"<li>{esc(i)}</li>" for i in incidents) + "</ul>"]
 
 
 # -- verdict --------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class Notice:
     bundle: str | None = None
     incident: bool = True
     verdict: Mapping[str, Any] = field(default_factory=dict)
+    owner: int = -1  # the job owner's uid: whose share of the queue it uses, beside its job's
 
     def body(self) -> bytes:
         return json.dumps(self.doc, default=str).encode()

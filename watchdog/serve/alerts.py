@@ -5,9 +5,11 @@ An alert must never cost detection, nor one receiver another: every target (each
 sender thread and a bounded queue of its own, so a webhook that hangs, trickles or refuses delays only
 itself; each POST has a total deadline (``webhook``), each command a timeout and a subreaper that takes
 everything it started down with it (``reaper``). The poll loop and the incident pipeline only enqueue.
-A queue keeps every job its share: when one job floods it, that job's oldest notices are dropped, never
-another job's. A URL ending in ``/api/v2/alerts`` gets Alertmanager's v2 format (re-sent while firing, so
-an alert whose daemon died expires by itself); any other URL the JSON document (``alert_docs``).
+A queue keeps every job and every job owner its share: when one job (or one user's many jobs) floods it,
+that job's (that user's) oldest notices are dropped, never another's; and owners are sent in turn, so one
+user's backlog never holds up another user's alert. A URL ending in ``/api/v2/alerts`` gets
+Alertmanager's v2 format (re-sent while firing, so an alert whose daemon died expires by itself); any
+other URL the JSON document (``alert_docs``).
 The command runs without a shell: its words come from the operator's command line, the bundle path and
 the verdict's gist come as an argument and in the environment, so nothing from a verdict becomes syntax.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -71,39 +74,64 @@ Poster = Callable[[str, bytes, float], int]
 
 
 class FairQueue:
-    """A bounded queue of notices where each job keeps its share: a job over ``per_job`` loses its own
-    oldest notice; a full queue loses the oldest notice of the job holding the most."""
+    """A bounded queue of notices where each job and each job owner keeps its share: a job over ``per_job``
+    loses its own oldest notice, an owner over ``per_owner`` (across their jobs) their own oldest; a full
+    queue loses the oldest notice of the biggest job of the owner holding the most. ``get`` takes owners in
+    turn (each owner's notices in order), so one owner's backlog never delays another's notice."""
 
-    def __init__(self, limit: int, per_job: int) -> None:
+    def __init__(self, limit: int, per_job: int, per_owner: int | None = None) -> None:
         self.limit, self.per_job = max(1, limit), max(1, per_job)
-        self._items: collections.deque[Notice | None] = collections.deque()
+        self.per_owner = max(1, per_owner if per_owner is not None else limit)
+        self._items: collections.deque[Notice] = collections.deque()
+        self._end = False
+        self._turn = 0
+        self._served: dict[int, int] = {}  # owner -> the turn they were last served on
         self._cond = threading.Condition()
 
     def put(self, n: Notice | None) -> Notice | None:
-        """Queue ``n`` (None: the end); returns the notice dropped to make room, if any."""
+        """Queue ``n`` (None: the end, after what is queued); returns the notice dropped to make room, if any."""
         with self._cond:
             lost = None
-            if n is not None:
-                mine = [x for x in self._items if x is not None and x.job_id == n.job_id]
+            if n is None:
+                self._end = True
+            else:
+                mine = [x for x in self._items if x.job_id == n.job_id]
+                theirs = [x for x in self._items if x.owner == n.owner]
                 if len(mine) >= self.per_job:
                     lost = mine[0]
+                elif len(theirs) >= self.per_owner:
+                    lost = theirs[0]
                 elif len(self._items) >= self.limit:
-                    counts = collections.Counter(x.job_id for x in self._items if x is not None)
-                    if counts:
-                        big = max(counts, key=lambda j: counts[j])
-                        lost = next(x for x in self._items if x is not None and x.job_id == big)
+                    owners = collections.Counter(x.owner for x in self._items)
+                    big_owner = max(owners, key=lambda o: owners[o])
+                    jobs = collections.Counter(x.job_id for x in self._items if x.owner == big_owner)
+                    big = max(jobs, key=lambda j: jobs[j])
+                    lost = next(x for x in self._items if x.job_id == big)
                 if lost is not None:
                     self._items.remove(lost)
-            self._items.append(n)
+                self._items.append(n)
             self._cond.notify()
             return lost
 
     def get(self, timeout_s: float | None) -> tuple[bool, Notice | None]:
         """(True, notice or None for the end) or (False, None) when nothing came within ``timeout_s``."""
         with self._cond:
-            if not self._items and not self._cond.wait_for(lambda: bool(self._items), timeout_s):
+            if not self._items and not self._end and not self._cond.wait_for(
+                lambda: bool(self._items) or self._end, timeout_s
+            ):
                 return False, None
-            return True, self._items.popleft()
+            if not self._items:
+                return True, None
+            # the owner served longest ago (never: first), their oldest notice
+            owner = min(dict.fromkeys(x.owner for x in self._items), key=lambda o: self._served.get(o, -1))
+            n = next(x for x in self._items if x.owner == owner)
+            self._items.remove(n)
+            self._turn += 1
+            self._served[owner] = self._turn
+            if len(self._served) > 4 * self.limit:  # bounded: owners with nothing queued are forgotten
+                queued = {x.owner for x in self._items}
+                self._served = {o: t for o, t in self._served.items() if o in queued}
+            return True, n
 
     def __len__(self) -> int:
         with self._cond:
@@ -117,7 +145,7 @@ class _Target:
 
     def __init__(self, policy: AlertPolicy) -> None:
         self.policy = policy
-        self.queue = FairQueue(policy.max_queued, policy.max_queued_per_job)
+        self.queue = FairQueue(policy.max_queued, policy.max_queued_per_job, policy.max_queued_per_owner)
         self.stop = threading.Event()  # set when sending must end now (shutdown past its deadline)
         self.thread = threading.Thread(target=self._loop, name=f"rankwatch-alerts-{self.name}", daemon=True)
 
@@ -128,7 +156,7 @@ class _Target:
         lost = self.queue.put(n)
         if lost is not None:
             log.error("alert_dropped", target=self.label, job=lost.job_id, alert=list(lost.key),
-                      why="the job's share of the alert queue is full")
+                      owner_uid=lost.owner, why="the job's or its owner's share of the alert queue is full")
 
     @property
     def label(self) -> str:
@@ -336,6 +364,7 @@ class Alerter:
         # incidents the webhooks were told of, with when they started: only these get a resolved notice
         self._notified: collections.OrderedDict[tuple[str, ...], Notice] = collections.OrderedDict()
         self._straggling: dict[tuple[str, ...], Notice] = {}
+        self._owners: dict[str, int] = {}  # job id -> its owner's uid (from the incidents submitted)
         for t in self._targets:
             t.start()
 
@@ -347,10 +376,15 @@ class Alerter:
     def enabled(self) -> bool:
         return bool(self.urls or self.command)
 
-    def submit(self, verdict: dict[str, Any], bundle: str | None, *, notify: bool = True, command: bool = True) -> None:
+    def submit(self, verdict: dict[str, Any], bundle: str | None, *, notify: bool = True, command: bool = True,
+               owner: int = -1) -> None:
         """Queue the alerts of one incident; the caller decides which (webhooks once per job, the command
-        once the bundle exists)."""
-        n = incident_notice(verdict, bundle, time.time())
+        once the bundle exists). ``owner``: the job owner's uid, whose share of each queue it uses."""
+        n = dataclasses.replace(incident_notice(verdict, bundle, time.time()), owner=owner)
+        with self._lock:
+            self._owners[n.job_id] = owner
+            while len(self._owners) > self.policy.max_remembered:
+                self._owners.pop(next(iter(self._owners)))
         if notify and self._hooks:
             with self._lock:
                 self._notified[n.key] = n
@@ -367,7 +401,8 @@ class Alerter:
             fired = self._notified.pop(("incident", job_id, incident_id), None)
         if fired is None:
             return
-        n = incident_notice(fired.verdict, fired.bundle, fired.starts_unix, RESOLVED, why)
+        n = dataclasses.replace(incident_notice(fired.verdict, fired.bundle, fired.starts_unix, RESOLVED, why),
+                                owner=fired.owner)
         for t in self._hooks:
             t.put(n)
 
@@ -382,7 +417,9 @@ class Alerter:
         """A live straggler started (``started``) or ended; sent only with ``stragglers`` (opt-in)."""
         if not (self.stragglers and self._hooks):
             return
-        fresh = straggler_notice(job_id, node, doc, time.time())
+        with self._lock:
+            owner = self._owners.get(job_id, -1)
+        fresh = dataclasses.replace(straggler_notice(job_id, node, doc, time.time()), owner=owner)
         with self._lock:
             if started:
                 self._straggling[fresh.key] = fresh
@@ -391,7 +428,7 @@ class Alerter:
                 first = self._straggling.pop(fresh.key, None)
                 if first is None:
                     return
-                n = straggler_notice(job_id, node, doc, first.starts_unix, RESOLVED)
+                n = dataclasses.replace(straggler_notice(job_id, node, doc, first.starts_unix, RESOLVED), owner=owner)
         for t in self._hooks:
             t.put(n)
 

@@ -427,6 +427,7 @@ class Daemon:
             trusted=shared is None or (correlator is not None and correlator.authenticated),
             notes=tuple(incident_notes(entry.live_stragglers, time.time())),
             prior=prior_verdict(entry.verdicts[-1:], killed=self.config.on_stall == "kill"),
+            owner_uid=watch.owner_uid,
         )
         entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
         self._mark_owner(job_id, watch.owner_uid)

@@ -73,6 +73,7 @@ class IncidentRequest:
     # what the loop saw before the stall (live stragglers), added to the evidence as it stands
     notes: tuple[str, ...] = ()
     prior: PriorVerdict | None = None  # the job's last verdict when rankwatch killed for it (engine.after_kill)
+    owner_uid: int = -1  # the job dir's owner: whose share of the alert queues its alerts use
 
 
 @dataclass
@@ -320,7 +321,7 @@ class IncidentPipeline:
             if path is None:
                 with self._unwritten_lock:
                     self._command_waits[req.incident_id] = verdict
-            self.alerts.submit(verdict, path, notify=notify, command=path is not None)
+            self.alerts.submit(verdict, path, notify=notify, command=path is not None, owner=req.owner_uid)
         log.warning(
             "verdict",
             job=req.job_id,
@@ -392,7 +393,7 @@ class IncidentPipeline:
                 with self._unwritten_lock:
                     waiting_verdict = self._command_waits.pop(req.incident_id, None)
                 if self.alerts is not None and waiting_verdict is not None:
-                    self.alerts.submit(waiting_verdict, path, notify=False, command=True)
+                    self.alerts.submit(waiting_verdict, path, notify=False, command=True, owner=req.owner_uid)
                 if self.on_late_bundle is not None:
                     try:
                         self.on_late_bundle(req.job_id, req.incident_id, path)

@@ -170,6 +170,7 @@ def abort_on_mismatch(found: dict[str, RuleFinding | None], present: Sequence[Ra
         f"{fmt_ranks(v.rank for v in dead)} died without an exit mark inside a collective: gloo aborts a rank "
         f"that receives a mismatched collective — a consequence of the mismatch ({exits.reason})"
     )
+    fr.data["aborted_receivers"] = sorted(v.rank for v in dead)  # gloo's abort: a consequence, not a cause
     found["exits"] = None
 
 
@@ -206,4 +207,7 @@ def abort_with_odd_counts(found: dict[str, RuleFinding | None], present: Sequenc
               if fr is not None and fr.kind == "collective_mismatch" else []),
         ],
         rule="exits",
+        data={"shape": "abort_with_odd_counts", "aborted_receivers": sorted(v.rank for v in dead),
+              "counts": {seq: sorted(rs) for seq, rs in by_seq.items()},
+              "fr_mismatch_tie": fr is not None and fr.kind == "collective_mismatch"},
     )

@@ -1,0 +1,72 @@
+"""Waits over facts, through the engine's wait-for graph (``core.engine.blame``).
+
+``wait_for``: the sinks of the graph PyTorch's desync report draws (every other rank waits for the lagging
+ones), else the one NCCL's per-op counts draw (a member waits for those whose last op is below its own).
+``outside``: ranks whose lines show them waiting for someone they cannot name wait for *anyone* that
+waits for nobody — the ranks that printed no wait are the sinks. ``same_collective``: every rank waits,
+nobody is a sink: a communication hang, no initiator. Pure; words in ``report.findings``.
+"""
+
+from __future__ import annotations
+
+from ..engine import Finding, blame
+from ..facts import DESYNC_REPORT, NCCL_OP_COUNTS, PEER_GONE, STORE_KEYS, FactSet, Rung, Silent, Waits
+from ..schema import COMM_HANG, DEAD_RANK, HANG
+
+WAIT_FOR = "wait_for"
+OUTSIDE = "outside"
+SAME_COLLECTIVE = "same_collective"
+
+
+def rule_wait_for(facts: FactSet) -> Finding | None:
+    for source in (DESYNC_REPORT, NCCL_OP_COUNTS, STORE_KEYS):
+        waits = [w for w in facts.waits if w.source == source]
+        if not waits:
+            continue
+        found = blame(FactSet(ranks=facts.ranks, waits=waits))
+        if found is None or not found.ranks:
+            continue
+        lead = next((i for i in facts.in_op if i.source == DESYNC_REPORT and i.rank == found.ranks[0]), None)
+        # the desync report is torch's own analysis of every rank's trace in the store
+        confidence = "high" if source == DESYNC_REPORT and found.confidence != "low" else "medium"
+        return Finding(WAIT_FOR, HANG, list(found.ranks), found.strength, confidence, {
+            **found.data, "source": source, "lagging": lead.op if lead is not None else None,
+            "phase": "collective" if lead is not None and "joined" in lead.op else None})
+    return None
+
+
+def waiting_graph(facts: FactSet, waiting: set[int]) -> FactSet:
+    """Ranks whose lines show them waiting on a peer (a timeout, a lost peer) wait for someone they cannot
+    name; a rank that printed no such line is silent about it: the candidate the waiters wait for."""
+    out = FactSet(ranks=facts.ranks)
+    out.waits = [Waits(r, None, "", None, None, Rung.WAITING) for r in facts.ranks if r in waiting]
+    out.silent = [Silent(r) for r in facts.ranks if r not in waiting]
+    return out
+
+
+def rule_outside(facts: FactSet) -> Finding | None:
+    waiting = facts.inside()
+    found = blame(waiting_graph(facts, waiting))
+    outside = list(found.ranks) if found is not None else []
+    if not waiting or not outside:
+        return None
+    inside = sorted(waiting)
+    told = sorted({t.rank for t in facts.told} & set(outside))
+    gone = {w.rank for w in facts.waits if w.source == PEER_GONE}
+    peer_only = all(r in gone for r in inside)
+    data = {"waiting": inside, "told": told, "peer_only": peer_only}
+    if len(outside) >= len(inside):
+        # as many silent ranks as waiting ones: any of them could be the one that never arrived
+        return Finding(OUTSIDE, HANG, [], Rung.WAITING, "low", {**data, "decided": False, "silent": outside})
+    return Finding(OUTSIDE, DEAD_RANK if peer_only else HANG, outside, Rung.WAITING, "medium", data)
+
+
+def rule_same_collective(facts: FactSet) -> Finding | None:
+    waiting = facts.inside()
+    if not waiting or len(waiting) != len(facts.ranks):
+        return None
+    stacks = [i for i in facts.in_op if i.source == "stack"]
+    ops, sites = {i.op for i in stacks}, {i.site for i in stacks}
+    same = {"op": next(iter(ops)), "site": next(iter(sites))} if len(ops) == 1 and len(sites) == 1 else None
+    return Finding(SAME_COLLECTIVE, COMM_HANG, [], Rung.WAITING, "low",
+                   {"decided": False, "phase": "collective", "waiting": sorted(waiting), "same": same})
