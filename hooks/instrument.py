@@ -97,6 +97,8 @@ class OutermostForward:
             return
         self.promoted = True
         try:
+            if _compiled_something():
+                return  # removing the global hooks would recompile every compiled graph: keep them
             tops = [m for m in self.tops.values() if any(True for _ in m.parameters())]
             if not tops or self.depth != 0:
                 return  # nothing safe to promote to: keep the global hooks
@@ -110,6 +112,18 @@ class OutermostForward:
             pass  # the global hooks stay: slower, still correct
         finally:
             self.tops.clear()
+
+
+def _compiled_something() -> bool:
+    """torch.compile has produced a graph in this process. Dynamo guards compiled code on the number of
+    global module hooks, so removing them after the first step makes every compiled function recompile
+    (minutes on a large model, past the stall timeout, at step 1)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    try:
+        return bool(counters and counters["stats"]["unique_graphs"])
+    except Exception:
+        return False
 
 
 # The wrappers below run on every step: what they need is bound once, when they are made (the tracker's

@@ -27,6 +27,7 @@ EXPECTED: dict[str, tuple[list[int], str]] = {
     "console/uneven_data_r1.log": ([1], "dead_rank"),  # absent from the failure report: it had exited 0
     "console/uneven_data_sigtermed.log": ([], "hang"),  # the early leaver was SIGTERMed like the rest
     "console/skipped_collective_gloo_abort.log": ([], "collective_mismatch"),  # gloo aborts the receiver
+    "console/pre_init_store_wait_r3.log": ([3], "hang"),  # the others' start-up store waits name its key
     # templated NCCL / CUDA / Slurm / kernel formats
     "templated/nccl_behind_r2.log": ([2], "hang"),
     "templated/nccl_optype_mismatch_r1.log": ([1], "collective_mismatch"),

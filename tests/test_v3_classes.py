@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -42,12 +43,12 @@ STAY_RIGHT = ("ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init"
 TWO_NODES = ("tpdp-tp2", "node-loss")  # wrong on the old verdict (a TP pair; a survivor that lost its peer)
 
 
-def run_tracked(procs, cmd: list[str], logs: Path, timeout: float):  # type: ignore[no-untyped-def]
+def run_tracked(procs, cmd: list[str], logs: Path, timeout: float, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     """Run ``cmd`` (output to files: nothing blocks on a full pipe) and kill, at the end, every process it
     started — also those re-parented away when their parent was killed (child-hang's helper outlives its
     rank)."""
     with open(logs / "stdout.txt", "w") as so, open(logs / "stderr.txt", "w") as se:
-        proc = procs.start(cmd, stdout=so, stderr=se)
+        proc = procs.start(cmd, stdout=so, stderr=se, env=None if env is None else {**os.environ, **env})
     seen: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -83,7 +84,7 @@ def test_v3_class_right_today_stays_right(procs, tmp_path, name):
         "--on-stall", "kill", "--quiet", *plan.rw_args, "--",
         *torchrun_args(plan.nproc, f"v3-{name}", *plan.job),
     )
-    rc, stdout, stderr = run_tracked(procs, cmd, tmp_path, timeout=420)
+    rc, stdout, stderr = run_tracked(procs, cmd, tmp_path, timeout=420, env=dict(plan.env))
     found = bundle_dirs(out / "incidents")
     if not k.truth:  # no incident is right: the job finishes
         assert (rc, found) == (0, []), stdout[-2000:] + stderr[-3000:]

@@ -254,6 +254,13 @@ class Klass:
     action_node: int = 1
     steps: int = 400
     rw_args: tuple[str, ...] = ()  # extra `rankwatch run` options
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the job
+    # where else the fault may sit (repeats rotate through fault_rank, then these); only for classes whose
+    # truth is the faulting rank itself — a whole node's truth or "no incident" does not move with it
+    other_ranks: tuple[int, ...] = ()
+
+    def ranks(self) -> tuple[int, ...]:
+        return (self.fault_rank, *self.other_ranks)
 
 
 CLASSES: dict[str, Klass] = {
@@ -263,6 +270,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=1,
+        other_ranks=(2, 0, 3),
         truth=(1,),
         kinds=("hang",),
         phase="forward",
@@ -278,6 +286,7 @@ CLASSES: dict[str, Klass] = {
         nodes=2,
         nproc=4,
         fault_rank=5,
+        other_ranks=(2, 7),
         truth=(5,),
         kinds=("hang",),
         phase="forward",
@@ -293,6 +302,7 @@ CLASSES: dict[str, Klass] = {
         nodes=2,
         nproc=4,
         fault_rank=2,
+        other_ranks=(5, 0),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -308,6 +318,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=2,
+        other_ranks=(0, 3),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -322,6 +333,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=2,
+        other_ranks=(0, 3),
         truth=(2,),
         kinds=("hang",),
         phase="forward",
@@ -371,15 +383,17 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(1, 2),
         truth=(3,),
         kinds=("hang",),
         phase=None,
         why="rank 3 blocks before init_process_group; ranks 0-2 wait in it (the rendezvous store) for rank 3. "
-        "--startup-timeout 10 (below the job's 60 s process-group timeout: with the default 300 s the others' "
-        "store timeouts end the job first)",
+        "--startup-timeout 30 (below the job's 60 s process-group timeout: with the default 300 s the others' "
+        "store timeouts end the job first; above the ~10-20 s that 4 ranks take to import torch on 2 loaded "
+        "cores: at 10 s rankwatch run stopped a job whose ranks had not started yet)",
         offline=False,
         offline_why="nothing printed before the kill",
-        rw_args=("--startup-timeout", "10"),
+        rw_args=("--startup-timeout", "30"),
     ),
     "pre-init-default": Klass(
         "loop.py",
@@ -387,14 +401,16 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(1, 2),
         truth=(3,),
         kinds=("hang", "dead_rank"),
         phase=None,
         why="pre-init under the default --startup-timeout (300 s): the others' rendezvous-store waits time out "
         "first (60 s pg timeout, DistStoreError naming the key of rank 3 they waited for) and they exit; rank 3 "
         "is the one they waited for",
-        offline=False,
-        offline_why="each survivor prints the store key it waited for (rank 3's): not read offline yet",
+        offline=True,
+        offline_why="each survivor's DistStoreError names the gloo rendezvous key it waited for: the faulting "
+        "rank's (/default_pg/0//cpu//0/<rank>)",
     ),
     "ckpt-declared": Klass(
         "loop.py",
@@ -417,6 +433,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=0,
+        other_ranks=(2, 3),
         truth=(0,),
         kinds=("hang",),
         phase="idle",
@@ -432,6 +449,7 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=1,
+        other_ranks=(3, 0),
         truth=(1,),
         kinds=("hang",),
         phase="idle",
@@ -446,13 +464,17 @@ CLASSES: dict[str, Klass] = {
         nodes=1,
         nproc=4,
         fault_rank=3,
+        other_ranks=(0, 1),
         truth=(3,),
         kinds=("hang",),
         phase="forward",
-        why="DDP(torch.compile(model)) (inductor); the forward has a graph break and the Python run at the break "
+        why="DDP(torch.compile(model)) (aot_eager); the forward has a graph break and the Python run at the break "
         "blocks on rank 3 at step 5: the others wait in DDP's all_reduce",
         offline=False,
         offline_why="nothing printed before the kill",
+        # the same dynamo graphs, graph break and DDP bucketing without inductor's C++ code generation, which
+        # takes minutes for 4 ranks on 2 loaded cores (runs timed out before the fault step)
+        env=(("RW_COMPILE_BACKEND", "aot_eager"),),
     ),
 }
 
@@ -492,6 +514,7 @@ class Plan:
     action: str | None = None
     action_node: int = 1
     rw_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def plan_fault(model: str, fault: str, position: str) -> Plan:
@@ -500,16 +523,20 @@ def plan_fault(model: str, fault: str, position: str) -> Plan:
     return Plan(model, fault, position, nodes, WORLD // nodes, rank, truth, tuple(job_args(model, fault, rank)))
 
 
-def plan_class(name: str) -> Plan:
+def plan_class(name: str, turn: int = 0) -> Plan:
+    """The class's ``turn``-th run: the fault at ``k.ranks()[turn]`` (cycling), the truth moving with it
+    where the truth is the faulting rank."""
     k = CLASSES[name]
-    job = (str(HERE / "jobs" / k.script), *k.args, "--fault-rank", str(k.fault_rank), "--fault-step",
+    rank = k.ranks()[turn % len(k.ranks())]
+    truth = (rank,) if k.truth == (k.fault_rank,) else k.truth
+    job = (str(HERE / "jobs" / k.script), *k.args, "--fault-rank", str(rank), "--fault-step",
            str(FAULT_STEP), "--steps", str(k.steps))
     if "--pg-timeout-s" not in k.args:
         job += ("--pg-timeout-s", "60")
-    where = f"rank {k.fault_rank} of {k.nodes}x{k.nproc}"
+    where = f"rank {rank} of {k.nodes}x{k.nproc}"
     return Plan(
-        "v3", name, where, k.nodes, k.nproc, k.fault_rank, k.truth, job, k.stall_timeout, k.action, k.action_node,
-        k.rw_args,
+        "v3", name, where, k.nodes, k.nproc, rank, truth, job, k.stall_timeout, k.action, k.action_node,
+        k.rw_args, k.env,
     )
 
 
@@ -708,6 +735,7 @@ def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bo
         RES_OPTIONS="timeout:1 attempts:1",
         PYTHONUNBUFFERED="1",
     )
+    env.update(plan.env)
     env.pop("RANKWATCH_JOB_ID", None)
     rdzv_port, master_port, store_port = free_port(), free_port(), free_port()
     common = ["--stall-timeout", plan.stall_timeout, "--on-stall", "kill", "--json-logs", *plan.rw_args]
@@ -1070,30 +1098,57 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def class_outcome(r: dict[str, Any]) -> str:
+    """right / wrong / abstained for one class run: wrong names a rank outside the truth (first incident or a
+    later one) or gives an incident where none is right; abstained names nobody (or misses the incident)."""
+    s = r["score"]
+    if s["rank"]:
+        return "right"
+    if s["named"] or s.get("later_wrong") or not r["truth"]:
+        return "wrong"
+    return "abstained"
+
+
 def report_classes(runs: list[dict[str, Any]]) -> list[str]:
-    """The v3 classes' table: one row per class, what was named against the truth, and the misses."""
+    """The v3 classes' table: one row per class, right / wrong (with its confidence) / abstained, split by
+    hogs, the ranks the fault sat at, and the misses."""
+    hogs = sorted({r["hogs"] for r in runs})
     out = [
         "**v3 classes** (`--classes`)",
         "",
-        "| class | runs | layout | truth | right rank | right kind | right phase | named (confidence) | later "
-        "incidents blaming others | offline named | median fault→verdict s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| class | runs | fault at ranks | truth | right rank | "
+        + " | ".join(f"right, hogs {h}" for h in hogs)
+        + " | wrong (confidence) | abstained | right kind | right phase | later incidents blaming others "
+        "| offline named | median fault→verdict s |",
+        "|---|---|---|---|---|" + "---|" * len(hogs) + "---|---|---|---|---|---|---|",
     ]
     for name in CLASSES:
         cr = [r for r in runs if r["fault"] == name]
         if not cr:
             continue
         sc = [r["score"] for r in cr]
-        named = "; ".join(
-            f"{s['named'] or 'none'}" + (f" ({s.get('confidence')})" if s.get("confidence") else "") for s in sc
+        wrong = [r for r in cr if class_outcome(r) == "wrong"]
+        wrong_txt = (
+            f"{len(wrong)} ("
+            + ", ".join(f"{r['score']['named'] or 'incident'} {r['score'].get('confidence') or '-'}" for r in wrong)
+            + ")"
+            if wrong
+            else "0"
         )
+        by_hogs = [frac([r["score"]["rank"] for r in cr if r["hogs"] == h]) for h in hogs]
         out.append(
-            f"| {name} | {len(cr)} | {cr[0]['position']} | {cr[0]['truth'] or 'no incident'} | "
-            f"{frac([s['rank'] for s in sc])} | {frac([s['kind'] for s in sc])} | {frac([s['phase'] for s in sc])} | "
-            f"{named} | {sum(s['later_wrong'] for s in sc)} | "
+            f"| {name} | {len(cr)} | {', '.join(str(x) for x in dict.fromkeys(r['rank'] for r in cr))} | "
+            f"{'per run' if len({tuple(r['truth']) for r in cr}) > 1 else (cr[0]['truth'] or 'no incident')} | "
+            f"{frac([s['rank'] for s in sc])} | {' | '.join(by_hogs)} | {wrong_txt} | "
+            f"{sum(class_outcome(r) == 'abstained' for r in cr)} | {frac([s['kind'] for s in sc])} | "
+            f"{frac([s['phase'] for s in sc])} | {sum(s['later_wrong'] for s in sc)} | "
             f"{'; '.join(str(s['offline_named'] or 'none') for s in sc)} | "
             f"{med([r['fault_to_verdict_s'] for r in cr])} |"
         )
+    total = len(runs)
+    right = sum(class_outcome(r) == "right" for r in runs)
+    out += ["", f"All classes: right rank {right}/{total}"
+            + (f" ({100 * right / total:.1f} %)" if total else "") + "."]
     out += ["", "**Misses (v3 classes)**", ""]
     n = 0
     for r in runs:
@@ -1112,7 +1167,8 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
             f"{i['kind']} {i['initiating_ranks']} (node {i['node']})" for i in r["incidents"][1:]
         ]
         out.append(
-            f"- {r['fault']} — wrong {', '.join(wrong)}; truth {r['truth'] or 'no incident'}; said {said}"
+            f"- {r['fault']} at rank {r['rank']} hogs {r['hogs']} #{r['repeat']} — wrong {', '.join(wrong)}; "
+            f"truth {r['truth'] or 'no incident'}; said {said}"
             + (f"; later incidents: {', '.join(later)}" if later else "")
         )
     if not n:
@@ -1191,7 +1247,13 @@ def main(argv: list[str] | None = None) -> int:
             for pos in positions
             for f in a.faults
         ]
-    matrix += [("v3", c, plan_class(c).position, h, rep) for h in hogs for rep in range(repeats) for c in classes]
+    # a class's runs rotate its fault through k.ranks(): turn = hog index × repeats + repeat
+    matrix += [
+        ("v3", c, plan_class(c, hi * repeats + rep).position, h, rep)
+        for hi, h in enumerate(hogs)
+        for rep in range(repeats)
+        for c in classes
+    ]
     print(f"{len(matrix)} runs → {a.out}/{stamp}.json", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     t0 = time.time()
@@ -1228,7 +1290,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         for i, (m, f, pos, h, rep) in enumerate(matrix, 1):
-            plan = plan_class(f) if m == "v3" else plan_fault(m, f, pos)
+            plan = plan_class(f, hogs.index(h) * repeats + rep) if m == "v3" else plan_fault(m, f, pos)
             r = run_one(i, plan, h, rep, work, a.keep)
             runs.append(r)
             s = r["score"]

@@ -93,6 +93,7 @@ class Waits:
 
 DESYNC_REPORT = "desync_report"  # PyTorch's desync report: computed from every rank's trace in the store
 NCCL_OP_COUNTS = "nccl_op_counts"  # NCCL INFO per-op lines: the last op each member of a communicator enqueued
+STORE_KEYS = "store_key_waits"  # a start-up store wait timed out on a peer's gloo rendezvous key: waits for it
 OWN_TIMEOUT = "own_timeout"  # a rank's own timeout / mismatch line: it waits, for whom it cannot say
 PEER_GONE = "peer_gone"  # a rank's own "connection closed/reset by peer" and no timeout: its peer went away
 OWN_WAITS = frozenset({OWN_TIMEOUT, PEER_GONE})

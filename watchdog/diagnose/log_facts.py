@@ -25,6 +25,7 @@ from ..core.facts import (
     NCCL_OP_COUNTS,
     OWN_TIMEOUT,
     PEER_GONE,
+    STORE_KEYS,
     Ended,
     Exited,
     FactSet,
@@ -40,6 +41,7 @@ from ..core.facts import (
 from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
 from . import events as ev
+from . import patterns as pt
 from .facts import Evidence, RankFacts
 
 DEFAULT_POLICY = OfflinePolicy()
@@ -202,6 +204,7 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
         facts.size_mismatch = [SizeMismatch(r, unowned.detail) for r in facts.ranks
                                if enforce_aborted(logs, logs.ranks[r])]
     facts.waits += _op_count_waits(logs)
+    facts.waits += _store_key_waits(logs)
     facts.logged = _logged_verdict(logs)
     return facts
 
@@ -222,6 +225,33 @@ def _op_count_waits(logs: Evidence) -> list[Waits]:
             if below:
                 out.append(Waits(r, below, pg, n, None, Rung.COUNTERS, NCCL_OP_COUNTS))
     return out
+
+
+def _store_key_waits(logs: Evidence) -> list[Waits]:
+    """Ranks whose start-up store wait timed out on a peer's gloo rendezvous key ("DistStoreError: wait
+    timeout after 60000ms, keys: /default_pg/0//cpu//0/3") wait for that peer, which never reached
+    ``init_process_group`` (the default group's keys name global ranks). A line without a rank prefix is a
+    rank other than the one it names: every known rank but the awaited ones is taken to wait (the usual
+    console: torchrun's report lists them all, the tracebacks are unprefixed)."""
+    lines = [e for e in logs.unattributed if e.family == ev.COMM_ERROR]
+    lines += [e for f in logs.ranks.values() if (e := f.first.get(ev.COMM_ERROR)) is not None]
+    awaited: set[int] = set()
+    printers: set[int] = set()
+    anonymous = False
+    for e in lines:
+        m = pt.STORE_WAIT_KEY.search(e.text) if "keys: " in e.text else None
+        if m is None or m.group(2) != "0":  # "0": the default group's name (its group ranks are global)
+            continue
+        awaited.add(int(m.group(3)))
+        if e.rank is None:
+            anonymous = True
+        else:
+            printers.add(e.rank)
+    known = set(logs.ranks) | awaited
+    if not awaited or not known - awaited:
+        return []
+    waiters = (known - awaited) if anonymous else printers - awaited
+    return [Waits(r, frozenset(awaited), "", None, None, Rung.COUNTERS, STORE_KEYS) for r in sorted(waiters)]
 
 
 def _logged_verdict(logs: Evidence) -> LoggedVerdict | None:

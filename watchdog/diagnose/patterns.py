@@ -292,6 +292,11 @@ NCCL_WARN = re.compile(
 )
 
 # --- gloo (third_party/gloo/gloo/transport/tcp/{unbound_buffer,pair}.cc) ---------------------------
+# a rank that gave up waiting for a store key at start-up (torch's DistStoreError). Gloo's full-mesh
+# rendezvous keys are <store prefix>/<group name>//<device>//<device index>/<group rank>: each rank sets its
+# own group rank's key and waits for every peer's, so the key names the peer that never published its
+# address (it never reached init_process_group). Only gloo's ("cpu") keys: NCCL's name a counter, not a rank.
+STORE_WAIT_KEY = re.compile(r"wait timeout after (\d+)ms, keys: /?(?:default_pg/)?([^/\s]+)//cpu//\d+/(\d{1,7})\b")
 GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (recv|send) operation to complete")
 PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by (?:remote )?peer(?: \[([^\]]+)\]:(\d+))?|Read error \[([^\]]+)\]:(\d+)"

@@ -48,7 +48,10 @@ class RankCapture:
     # the dump as the owner's reader parsed, bounded and typed it, validated again here (what root uses)
     fr_trace: RankTrace | None = None
     notes: list[str] = field(default_factory=list)
-    vanished: bool = False  # gone (or a zombie) when py-spy failed: it died during capture
+    # gone (or a zombie) when py-spy failed, or read with no Python frame in its main thread (an interpreter
+    # finalizing after an uncaught exception: a rank whose store wait timed out as it was captured): it is
+    # dying during capture, and the incident waits for its exit to show before deciding
+    vanished: bool = False
 
     def main_frames(self) -> list[Frame]:
         """The training thread's frames, innermost first, from py-spy if it worked, else the responder. Both
@@ -514,6 +517,8 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
     if cap.pyspy_threads is None:
         st_ = read_stat(pid)
         cap.vanished = st_ is None or st_.state in ("Z", "X")
+    elif not stopped and not cap.main_frames():
+        cap.vanished = True
     if cap.pyspy_error:
         log.warning("pyspy_failed", rank=rank, pid=pid, error=cap.pyspy_error)
     return cap

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.engine import Finding
-from ..core.facts import DESYNC_REPORT
+from ..core.facts import DESYNC_REPORT, STORE_KEYS
 from ..core.ranks import fmt_ranks
 
 
@@ -128,6 +128,9 @@ def _wait_for(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     if d.get("source") == DESYNC_REPORT:
         reason = (f"PyTorch's desync report names {who} as the lagging rank(s) ({d.get('lagging') or 'lagging'}): "
                   "every other rank waited for it")
+    elif d.get("source") == STORE_KEYS:
+        reason = (f"{who} never published its rendezvous key: the other ranks' start-up store waits timed out "
+                  "on it (DistStoreError … keys: …/<rank>), so it never reached init_process_group")
     else:
         reason = (f"{who} enqueued fewer NCCL operations than its communicator's other members (NCCL INFO "
                   "opCount): they waited for it")

@@ -12,7 +12,10 @@ import argparse
 import datetime
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "examples"))
@@ -49,3 +52,33 @@ def init(args: argparse.Namespace) -> tuple[int, int]:
 
 def rank_from_env() -> int:
     return int(os.environ.get("RANK", "-1"))
+
+
+def optimize(opt: Any, loss: Any) -> Any:
+    """One optimizer step on ``loss`` (zero the gradients, backward, step); returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def run_steps(args: argparse.Namespace, step: Callable[[int], Any], after: Callable[[int], None] | None = None) -> int:
+    """The loop every job shares: ``step(i)`` does the layout's forward, backward and optimizer step and
+    returns its loss; the loss is all-reduced over the world for logging (a world collective every step, in
+    every layout), then ``after(i)`` (a checkpoint) and the idle time per step. Ends in a barrier and
+    destroys the group, so a healthy job exits 0 on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    loss_sum = torch.zeros(1)
+    for i in range(args.steps):
+        loss = step(i)
+        loss_sum.copy_(loss.detach().reshape(-1)[:1])
+        dist.all_reduce(loss_sum)
+        if after is not None:
+            after(i)
+        if args.step_sleep_ms:
+            time.sleep(args.step_sleep_ms / 1000.0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

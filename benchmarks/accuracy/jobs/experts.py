@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import time
-
 import _common
 import torch
 import torch.distributed as dist
@@ -49,22 +47,13 @@ def main() -> int:
     model = DistributedDataParallel(moe)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
-    loss_sum = torch.zeros(1)
-    for step in range(args.steps):
-        moe.step = step
-        x = torch.randn(TOKENS_PER_PEER * world, HIDDEN, generator=gen)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        if args.step_sleep_ms:
-            time.sleep(args.step_sleep_ms / 1000.0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
+    def step(i: int) -> torch.Tensor:
+        moe.step = i
+        x = torch.randn(TOKENS_PER_PEER * world, HIDDEN, generator=gen)
+        return _common.optimize(opt, model(x).pow(2).mean())
+
+    return _common.run_steps(args, step)
 
 if __name__ == "__main__":
     raise SystemExit(main())

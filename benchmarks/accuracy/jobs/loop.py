@@ -112,41 +112,34 @@ def main() -> int:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
-    loss_sum = torch.zeros(1)
     faulty = rank == args.fault_rank
-    for step in range(args.steps):
-        STATE["step"] = step
-        at_fault = faulty and step == args.fault_step
+
+    def step(i: int) -> torch.Tensor:
+        STATE["step"] = i
+        at_fault = faulty and i == args.fault_step
         if at_fault and args.scenario == "forward-hang":
-            _common.mark("forward-hang", rank, step)
+            _common.mark("forward-hang", rank, i)
             (model._orig_mod if hasattr(model, "_orig_mod") else model).spin = True
         if at_fault and args.scenario == "node-signal":
-            _common.mark("ready", rank, step)
+            _common.mark("ready", rank, i)
         if at_fault and args.scenario == "child-hang":
-            _common.mark("child-hang", rank, step)
+            _common.mark("child-hang", rank, i)
             hung_child()
         x, y = torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        if step == args.fault_step and args.scenario in ("checkpoint-declared", "checkpoint-undeclared"):
+        return _common.optimize(opt, nn.functional.mse_loss(ddp(x), y))
+
+    def after(i: int) -> None:
+        if i == args.fault_step and args.scenario in ("checkpoint-declared", "checkpoint-undeclared"):
             if faulty:  # one rank saves (rank-0-only checkpoints are the common case), the others wait
                 declared = args.scenario == "checkpoint-declared" and rw_phase is not None
                 with (
                     rw_phase("checkpoint", budget_s=args.checkpoint_budget_s) if declared else contextlib.nullcontext()
                 ):
-                    _common.mark(args.scenario, rank, step)
+                    _common.mark(args.scenario, rank, i)
                     save_checkpoint(model, args.checkpoint_s)
             dist.barrier()
-        if args.step_sleep_ms:
-            time.sleep(args.step_sleep_ms / 1000.0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
+    return _common.run_steps(args, step, after)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,8 +10,6 @@ waits, directly (its recv from that stage) or through a chain of recvs, or in th
 
 from __future__ import annotations
 
-import time
-
 import _common
 import torch
 import torch.distributed as dist
@@ -29,7 +27,8 @@ def main() -> int:
     opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
     first, last = rank == 0, rank == world - 1
     gen = torch.Generator().manual_seed(1234)  # the same data on every stage: only the first reads it
-    for step in range(args.steps):
+
+    def step(i: int) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         inputs, outputs = [], []
         loss_sum = torch.zeros(1)
@@ -39,15 +38,14 @@ def main() -> int:
                 x = torch.empty(8, HIDDEN)
                 dist.recv(x, src=rank - 1)
             x.requires_grad_(not first)
-            if args.scenario == "stage-spin" and rank == args.fault_rank and step == args.fault_step and mb == 0:
-                _common.mark("stage-spin", rank, step)
+            if args.scenario == "stage-spin" and rank == args.fault_rank and i == args.fault_step and mb == 0:
+                _common.mark("stage-spin", rank, i)
                 stage.register_forward_pre_hook(lambda _m, _a: _common.spin_forever())
             y = stage(x)
             inputs.append(x)
             outputs.append(y)
             if last:
-                loss = y.pow(2).mean()
-                loss_sum += loss.detach()
+                loss_sum += y.pow(2).mean().detach()
             else:
                 dist.send(y.detach(), dst=rank + 1)
         for mb in reversed(range(args.micro_batches)):  # backward of every micro-batch (GPipe drain)
@@ -60,13 +58,9 @@ def main() -> int:
             if not first:
                 dist.send(inputs[mb].grad, dst=rank - 1)
         opt.step()
-        dist.all_reduce(loss_sum)  # the loss, for logging, on every stage
-        if args.step_sleep_ms:
-            time.sleep(args.step_sleep_ms / 1000.0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+        return loss_sum  # the last stage's; the shared loop all-reduces it for logging on every stage
 
+    return _common.run_steps(args, step)
 
 if __name__ == "__main__":
     raise SystemExit(main())

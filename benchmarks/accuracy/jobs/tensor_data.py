@@ -12,7 +12,6 @@ peers — which wait in the TP group. Only the faulty rank waits for nobody.
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import _common
@@ -59,22 +58,13 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     # a TP group sees the same input; DP replicas see different data
     gen = torch.Generator().manual_seed(rank // tp)
-    loss_sum = torch.zeros(1)
-    for step in range(args.steps):
-        layer.step = step
-        x = torch.randn(16, HIDDEN, generator=gen)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)  # logging, over the world
-        if args.step_sleep_ms:
-            time.sleep(args.step_sleep_ms / 1000.0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
+    def step(i: int) -> torch.Tensor:
+        layer.step = i
+        x = torch.randn(16, HIDDEN, generator=gen)
+        return _common.optimize(opt, model(x).pow(2).mean())
+
+    return _common.run_steps(args, step)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,7 +10,7 @@ nobody is a sink: a communication hang, no initiator. Pure; words in ``report.fi
 from __future__ import annotations
 
 from ..engine import Finding, blame
-from ..facts import DESYNC_REPORT, NCCL_OP_COUNTS, PEER_GONE, FactSet, Rung, Silent, Waits
+from ..facts import DESYNC_REPORT, NCCL_OP_COUNTS, PEER_GONE, STORE_KEYS, FactSet, Rung, Silent, Waits
 from ..schema import COMM_HANG, DEAD_RANK, HANG
 
 WAIT_FOR = "wait_for"
@@ -19,7 +19,7 @@ SAME_COLLECTIVE = "same_collective"
 
 
 def rule_wait_for(facts: FactSet) -> Finding | None:
-    for source in (DESYNC_REPORT, NCCL_OP_COUNTS):
+    for source in (DESYNC_REPORT, NCCL_OP_COUNTS, STORE_KEYS):
         waits = [w for w in facts.waits if w.source == source]
         if not waits:
             continue
