@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +64,9 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> Procs:
+        # a SIGTERM (the quick-run test's timeout, a user's kill) unwinds through __exit__: no job outlives us
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         return self
 
     def __exit__(self, *exc: object) -> None:

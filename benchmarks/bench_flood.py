@@ -115,9 +115,8 @@ def one_run(mode: str, tmp: Path) -> float | None:
     shm, out, log = tmp / f"shm-{mode}", tmp / f"out-{mode}", tmp / f"daemon-{mode}.log"
     shm.mkdir(mode=0o700, parents=True)
     shm.chmod(0o1777)  # shared like /dev/shm (another user's jobs in ``incidents``)
-    for p in (tmp, *tmp.parents):
-        if str(p).startswith(tempfile.gettempdir() + os.sep):
-            p.chmod(0o755)
+    for p in (tmp, tmp.parent):  # the run's dir and the benchmark's own: ``nobody`` imports the hook from there
+        p.chmod(0o755)
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm))
     try:
@@ -179,7 +178,9 @@ def main() -> None:
     args = p.parse_args()
     repeats = 1 if args.quick else args.repeats
     raw: dict[str, list[float | None]] = {}
-    with tempfile.TemporaryDirectory(prefix="rw-flood-") as d:
+    # as root another user runs jobs from here: under /tmp itself, never below a private dir (pytest's, $TMPDIR)
+    base = "/tmp" if os.geteuid() == 0 and os.path.isdir("/tmp") else None
+    with tempfile.TemporaryDirectory(prefix="rw-flood-", dir=base) as d:
         for i in range(repeats):
             for mode in ("quiet", "records", "torn", "incidents"):  # interleaved: load drifts alike over the modes
                 raw.setdefault(mode, []).append(one_run(mode, Path(d) / f"{mode}-{i}"))

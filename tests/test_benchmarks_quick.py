@@ -10,10 +10,12 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,14 +92,43 @@ def test_every_benchmark_is_listed() -> None:
     assert scripts == set(CASES), "a benchmark without a --quick run here"
 
 
+def _kill_tagged(tag: str) -> None:
+    """Whatever the run started and left (jobs in their own sessions included) carries its tag in its env."""
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RANKWATCH_BENCH_RUN") == tag:
+                p.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
+# a quick run is minutes of real jobs on a busy machine: its own limit, below the test's, so that a run that
+# hangs is stopped with SIGTERM (benchmarks unwind and kill their jobs) rather than killed mid-job
+RUN_LIMIT_S = 1200
+
+
+@pytest.mark.timeout(RUN_LIMIT_S + 120)
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_quick_run(script: str, tmp_path: Path) -> None:
     extra, check = CASES[script]
     out = tmp_path / "result.json"
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    res = subprocess.run(
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, TMPDIR=str(tmp_path), RANKWATCH_BENCH_RUN=tag)
+    proc = subprocess.Popen(
         [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=1500, env=env,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    assert res.returncode == 0, f"{script} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    try:
+        stdout, stderr = proc.communicate(timeout=RUN_LIMIT_S)
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    finally:
+        _kill_tagged(tag)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     check(json.loads(out.read_text()))
