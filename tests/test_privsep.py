@@ -463,6 +463,21 @@ def test_one_users_incidents_prune_only_that_users_bundles(users, world, daemons
     assert len(bundle_dirs(d.out / "job-a" / "incidents")) + len(bundle_dirs(d.out / "job-a2" / "incidents")) == 1
 
 
+# the patched ranks' common end: a hooked job that hangs in forward at step 2
+HANG_AT_STEP_2 = """
+import rankwatch.hooks as rw
+assert rw.init()
+print("ready", os.getpid(), flush=True)
+for step in range(3):
+    with rw.phase("forward"):
+        if step == 2:
+            while True:
+                time.sleep(60)
+        time.sleep(0.05)
+    rw.step()
+"""
+
+
 PATCHED_RANK = """
 import json, os, sys, time
 import rankwatch.hooks.responder as resp
@@ -479,17 +494,7 @@ def answer(rank):  # a responder that is slow (a rank busy in C code) and/or ser
 
 resp.answer = answer
 resp.flight_recorder_json = lambda: (body, None)
-import rankwatch.hooks as rw
-assert rw.init()
-print("ready", os.getpid(), flush=True)
-for step in range(3):
-    with rw.phase("forward"):
-        if step == 2:
-            while True:
-                time.sleep(60)
-        time.sleep(0.05)
-    rw.step()
-"""
+""" + HANG_AT_STEP_2
 
 
 def patched_ranks(user: User, world: dict, shm: Path, jobs: list[str], entries: int, delay: float):
@@ -659,17 +664,7 @@ def spy(sock):  # every process that asks this rank's responder for a dump, by u
 
 resp.peer_cred = spy
 resp.flight_recorder_json = lambda: (fr, None)  # a real NCCL dump (the recorded fixture), 'from torch'
-import rankwatch.hooks as rw
-assert rw.init()
-print("ready", os.getpid(), flush=True)
-for step in range(3):
-    with rw.phase("forward"):
-        if step == 2:
-            while True:
-                time.sleep(60)
-        time.sleep(0.05)
-    rw.step()
-"""
+""" + HANG_AT_STEP_2
 
 
 def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(users, world, daemons, tmp_path):
