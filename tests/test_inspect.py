@@ -96,6 +96,24 @@ def test_root_takes_a_rank_only_under_a_torchrun_agent_of_the_same_user(tmp_path
     assert found.jobs == [] and "not a torchrun agent" in found.notes[0]
 
 
+def test_as_root_a_users_environments_come_from_that_users_reader(tmp_path):
+    """Root never parses a job's environment itself: each owner's pids go to ``env_reader`` (the owner's
+    reader), only root's own are read directly; what the reader could not read is simply not a rank."""
+    torchrun_tree(tmp_path)
+    proc_entry(tmp_path, 300, 1, uid=0, env=rank_env(0, 0, world=1, run_id="rootjob"), cmdline=b"python\0x.py\0")
+    asked: list[tuple[int, list[int]]] = []
+
+    def reader(uid: int, pids: list[int]) -> dict[int, dict[str, str] | None]:
+        asked.append((uid, sorted(pids)))
+        return {pid: (None if pid == 102 else rank_env(0 if pid == 101 else 1, 0 if pid == 101 else 1))
+                for pid in pids}
+
+    found = discover(proc_root=str(tmp_path), caller_uid=0, env_reader=reader)
+    assert asked == [(1000, [100, 101, 102, 103])]
+    ranks = {(j.job_id, r.rank, r.pid) for j in found.jobs for r in j.ranks}
+    assert ("job1", 0, 101) in ranks and not any(pid == 102 for _, _, pid in ranks)
+
+
 def test_inconsistent_jobs_are_left_out(tmp_path):
     proc_entry(tmp_path, 100, 1, cmdline=AGENT_CMD)
     proc_entry(tmp_path, 101, 100, env=rank_env(0, 0))

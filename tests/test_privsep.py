@@ -753,15 +753,20 @@ job = Job("j", len(pids), [RankProc(p, r, r, len(pids), read_proc(p), {}) for r,
 cap = capture_job(job, timeout_s=20)
 sources = {}
 notes = attach_debug_server_dumps(job, cap.ranks, sources)
-print(json.dumps({"notes": notes, "ranks": {r: {"stacks": c.pyspy_threads is not None, "error": c.pyspy_error,
-                                                "fr": len(getattr(c, "fr_trace", None) and c.fr_trace.entries or ())}
-                                            for r, c in cap.ranks.items()}}))
+from rankwatch.watchdog.observe.discover import read_environ
+from rankwatch.watchdog.observe.reader import default_readers
+by_owner = default_readers().environs(uid, pids)  # what discovery as root uses
+env = {r: {"owner": by_owner[p] is not None, "root": read_environ(p) is not None} for r, p in enumerate(pids)}
+ranks = {r: {"stacks": c.pyspy_threads is not None, "error": c.pyspy_error,
+             "fr": len(getattr(c, "fr_trace", None) and c.fr_trace.entries or ())} for r, c in cap.ranks.items()}
+print(json.dumps({"env": env, "notes": notes, "ranks": ranks}))
 """
 
 
 def test_inspect_as_root_reads_a_job_only_with_its_owners_authority(users, world, tmp_path):
-    """``rankwatch inspect`` run as root: py-spy runs, the debug server is asked and its dump parsed as the
-    job's owner. So a process the owner may not ptrace stays unread, and the server sees the owner's uid."""
+    """``rankwatch inspect`` run as root: py-spy runs, environments are read, the debug server is asked and
+    its dump parsed as the job's owner. So a process the owner may not ptrace stays unread, and the server sees
+    the owner's uid."""
     from rankwatch.watchdog.evidence.capture import pyspy_available
 
     if pyspy_available() is None:
@@ -792,6 +797,9 @@ def test_inspect_as_root_reads_a_job_only_with_its_owners_authority(users, world
         assert server["stacks"], out  # py-spy as the owner reads the owner's ordinary process
         # root's ptrace right was not lent: the owner cannot read that process, so neither did inspect
         assert not nodump["stacks"] and nodump["error"], out
+        # environments (job-written bytes) are read by the owner's reader too: what it may not read stays unread
+        assert out["env"]["0"] == {"owner": True, "root": True}, out
+        assert out["env"]["1"] == {"owner": False, "root": True}, out
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):

@@ -205,7 +205,13 @@ def main(argv: list[str]) -> int:
 
     if pyspy_available() is None:
         raise UserError("py-spy not found (pip install py-spy): it reads the ranks' stacks")
-    found = discover(protected=protected_pids())
+    # as root, each user's environments are read and parsed by that user's reader, never by root
+    env_reader = None
+    if os.geteuid() == 0:
+        from ..observe.reader import default_readers
+
+        env_reader = default_readers().environs
+    found = discover(protected=protected_pids(), env_reader=env_reader)
     jobs, err = select(found, pids=args.pid, job_id=args.job)
     if err is not None:
         raise UserError(err)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 MAX_ENVIRON_BYTES = 1 << 20
@@ -186,6 +186,15 @@ def parse_environ(raw: bytes) -> dict[str, str]:
     return out
 
 
+def checked_env(value: object) -> dict[str, str] | None:
+    """An environment as a reader sent it, held to what ``parse_environ`` keeps (anything else: None)."""
+    if not isinstance(value, dict) or len(value) > len(KEPT_KEYS):
+        return None
+    ok = all(isinstance(k, str) and k in KEPT_KEYS and isinstance(v, str) and len(v) <= MAX_ENV_VALUE
+             and v.isascii() and v.isprintable() for k, v in value.items())
+    return dict(value) if ok else None
+
+
 def read_environ(pid: int, proc_root: str = "/proc") -> dict[str, str] | None:
     """The process's kept environment; None when the kernel refuses (not ours to ptrace) or it is gone."""
     try:
@@ -251,21 +260,33 @@ def _scan(proc_root: str) -> dict[int, Proc]:
     return table
 
 
+EnvReader = Callable[[int, list[int]], Mapping[int, "dict[str, str] | None"]]
+"""(owner uid, pids of that owner) → each one's kept environment, read with that owner's authority."""
+
+
 def _candidates(
-    table: Mapping[int, Proc], skip: set[int], uid: int, proc_root: str
+    table: Mapping[int, Proc], skip: set[int], uid: int, proc_root: str, env_reader: EnvReader | None
 ) -> tuple[dict[int, dict[str, str]], dict[int, tuple[int, int, int]]]:
     """The live processes the caller may read whose environment names a rank: (environ, rank fields) by pid."""
-    envs: dict[int, dict[str, str]] = {}
-    fields: dict[int, tuple[int, int, int]] = {}
+    by_owner: dict[int, list[int]] = defaultdict(list)
     for pid, p in table.items():
         if pid in skip or p.state in ("Z", "X"):
             continue
         if uid != 0 and p.uid != uid:
             continue  # not ours: the kernel would refuse its environment anyway
-        env = read_environ(pid, proc_root)
-        if env is None or (f := rank_fields(env)) is None:
-            continue
-        envs[pid], fields[pid] = env, f
+        by_owner[p.uid].append(pid)
+    envs: dict[int, dict[str, str]] = {}
+    fields: dict[int, tuple[int, int, int]] = {}
+    for owner, pids in by_owner.items():
+        if env_reader is not None and owner != 0:
+            got = env_reader(owner, pids)
+        else:
+            got = {pid: read_environ(pid, proc_root) for pid in pids}
+        for pid in pids:
+            env = got.get(pid)
+            if env is None or (f := rank_fields(env)) is None:
+                continue
+            envs[pid], fields[pid] = env, f
     return envs, fields
 
 
@@ -297,13 +318,16 @@ def discover(
     proc_root: str = "/proc",
     caller_uid: int | None = None,
     protected: Iterable[int] = (),
+    env_reader: EnvReader | None = None,
 ) -> Discovery:
-    """Every job with ranks on this node that the caller may inspect (pure reads of ``proc_root``)."""
+    """Every job with ranks on this node that the caller may inspect (pure reads of ``proc_root``; a user's
+    environments through ``env_reader`` where given — as root, the job owner's reader: root never parses
+    what a job wrote)."""
     uid = os.geteuid() if caller_uid is None else caller_uid
     skip = {0, 1, os.getpid(), *protected}
     table = _scan(proc_root)
     notes: list[str] = []
-    envs, fields = _candidates(table, skip, uid, proc_root)
+    envs, fields = _candidates(table, skip, uid, proc_root, env_reader)
     worker_of, workers = _workers(table, envs, fields)
     agent_cache: dict[int, bool] = {}
     jobs: dict[str, Job] = {}

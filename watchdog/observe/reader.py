@@ -256,6 +256,16 @@ class ReaderCore:
         doc, note = fr_wire_doc(dump.body, FR_WIRE_BYTES)
         return {"fr": doc, "note": note, "source": dump.source}
 
+    def op_environ(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """The kept rank keys of each process's environment, read and parsed as their owner (the kernel's
+        ptrace read check applies to this uid: another user's process answers None)."""
+        from .discover import read_environ
+
+        pids = req.get("pids")
+        if not isinstance(pids, list) or len(pids) > 4096:
+            raise ValueError("pids: a list of at most 4096")
+        return {"envs": {str(pid): read_environ(pid) for pid in (w_int(x, 1, 1 << 22) for x in pids)}}
+
     def op_fr_file(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         """A flight-recorder file the job's environment names, read and parsed as its owner."""
         from ..evidence.capture import FR_WIRE_BYTES
@@ -446,6 +456,7 @@ def _preload() -> None:
 
     from ..core import policy  # noqa: F401
     from ..evidence import capture, debug_server, flight_recorder, inspect_capture  # noqa: F401
+    from . import discover  # noqa: F401
 
 
 def _owner_gid(uid: int, fallback: int) -> int:
@@ -545,6 +556,20 @@ class Readers:
         err = out.get("error")
         threads = shape_threads(out.get("threads")) if out.get("threads") is not None else None
         return threads, err if isinstance(err, str) else None
+
+    def environs(self, uid: int, pids: list[int]) -> dict[int, dict[str, str] | None]:
+        """Each process's kept environment read by ``uid``'s reader and checked here (discovery as root);
+        unreadable (no reader, late, malformed) is None for all: those processes are simply not found."""
+        from .discover import checked_env
+
+        try:
+            out = self.ask(uid, uid, {"op": "environ", "pids": pids}, timeout_s=10.0)
+        except ReaderError:
+            return {}
+        envs = out.get("envs")
+        if not isinstance(envs, dict):
+            return {}
+        return {pid: checked_env(envs.get(str(pid))) for pid in pids}
 
     def ask(self, uid: int, gid: int, req: dict[str, Any], fds: tuple[int, ...] = (),
             timeout_s: float = 10.0) -> dict[str, Any]:
