@@ -89,6 +89,9 @@ class StragglerPolicy:
     # a rank-wide straggler is slower by at least this share of the threshold in two or more phases (below
     # it a phase is noise), and the excess summed over all its own phases clears the threshold
     rank_wide_phase_share: float = 0.2
+    # ... on at least this share of the steps: a whole-process slowdown is steady; a rank slow on a third of
+    # its steps beside CPU hogs is the scheduler's noise (a balanced 2-rank job at 2 hogs: 12 of 39 steps)
+    rank_wide_steady_share: float = 0.5
 
 
 @dataclass
@@ -624,7 +627,8 @@ def _rank_wide(
         summed = [math.fsum(per_step_excess[(r, p)][i] for p in phases) for i in range(n)]
         total = trimmed_mean(summed, policy.trim_share)
         slow = sum(1 for e in summed if e >= threshold)
-        if total >= threshold and slow >= policy.min_slow_steps and (best is None or total > best[1]):
+        steady = slow >= max(policy.min_slow_steps, policy.rank_wide_steady_share * n)
+        if total >= threshold and steady and (best is None or total > best[1]):
             best = (r, total, slower)
     return best
 
