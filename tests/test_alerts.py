@@ -9,6 +9,7 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -224,7 +225,8 @@ def test_a_trickling_webhook_holds_only_itself_and_not_the_shutdown():
         healthy.close()
 
 
-def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
+def gated_webhook() -> tuple[threading.Event, threading.Event, list[tuple[str, str]], Any]:
+    """A webhook that holds each POST until ``gate`` is set: (gate, entered, sent (job, incident), post)."""
     gate, entered = threading.Event(), threading.Event()
     sent: list[tuple[str, str]] = []
 
@@ -234,6 +236,12 @@ def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
         doc = json.loads(body)
         sent.append((doc["job_id"], doc["incident_id"]))
         return 200
+
+    return gate, entered, sent, post
+
+
+def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
+    gate, entered, sent, post = gated_webhook()
 
     alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=8, max_queued_per_job=4), post=post)
     alerts.submit({"incident_id": "first", "job_id": "quiet", "kind": "hang", "initiating_ranks": []}, None)
@@ -250,15 +258,7 @@ def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
 def test_one_users_many_jobs_never_starve_another_users_alert():
     """User 1001 floods with 10 jobs (each within its job share) while the webhook is busy: user 1002's one
     alert is sent next all the same, and user 1001 keeps only their own share of the queue."""
-    gate, entered = threading.Event(), threading.Event()
-    sent: list[tuple[str, str]] = []
-
-    def post(url: str, body: bytes, timeout_s: float) -> int:
-        entered.set()
-        gate.wait(30)
-        doc = json.loads(body)
-        sent.append((doc["job_id"], doc["incident_id"]))
-        return 200
+    gate, entered, sent, post = gated_webhook()
 
     policy = AlertPolicy(max_queued=16, max_queued_per_job=4, max_queued_per_owner=8)
     alerts = Alerter(["http://127.0.0.1:9/x"], None, policy, post=post)

@@ -667,20 +667,26 @@ resp.flight_recorder_json = lambda: (fr, None)  # a real NCCL dump (the recorded
 """ + HANG_AT_STEP_2
 
 
+def owner_files(world: dict, user: User, name: str, text: str, log_name: str) -> tuple[Path, Path, Path]:
+    """(script, flight-recorder fixture, empty log the user may write): what a user's process runs and reports to."""
+    script = world["dir"] / f"{name}-{time.monotonic_ns()}.py"
+    script.write_text(text)
+    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
+    fr.write_bytes(FR_FIXTURE.read_bytes())
+    log = world["dir"] / f"{log_name}-{time.monotonic_ns()}.log"
+    log.write_text("")
+    for p in (script, fr):
+        p.chmod(0o644)
+    os.chown(log, user.uid, user.gid)
+    return script, fr, log
+
+
 def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(users, world, daemons, tmp_path):
     from rankwatch.watchdog.evidence.flight_recorder import load_dump
 
     a, _ = users
     shm = fresh_shm(world)
-    script = world["dir"] / f"spied-{time.monotonic_ns()}.py"
-    script.write_text(SPIED_RANK)
-    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
-    fr.write_bytes(FR_FIXTURE.read_bytes())
-    peers = world["dir"] / f"peers-{time.monotonic_ns()}.log"
-    peers.write_text("")
-    for p in (script, fr):
-        p.chmod(0o644)
-    os.chown(peers, a.uid, a.gid)
+    script, fr, peers = owner_files(world, a, "spied", SPIED_RANK, "peers")
     env = dict(world["env"], RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="job-fr", RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     rank = a.popen([world["python"], str(script), str(peers), str(fr)], env, cwd=str(world["dir"]),
@@ -772,15 +778,7 @@ def test_inspect_as_root_reads_a_job_only_with_its_owners_authority(users, world
     if pyspy_available() is None:
         pytest.skip("py-spy not installed")
     a, _ = users
-    script = world["dir"] / f"owner-side-{time.monotonic_ns()}.py"
-    script.write_text(OWNER_SIDE)
-    fr = world["dir"] / f"fr-{time.monotonic_ns()}.json"
-    fr.write_bytes(FR_FIXTURE.read_bytes())
-    log = world["dir"] / f"clients-{time.monotonic_ns()}.log"
-    log.write_text("")
-    for p in (script, fr):
-        p.chmod(0o644)
-    os.chown(log, a.uid, a.gid)
+    script, fr, log = owner_files(world, a, "owner-side", OWNER_SIDE, "clients")
     procs = [a.popen([world["python"], str(script), mode, str(fr), str(log)], world["env"], cwd=str(world["dir"]),
                      start_new_session=True) for mode in ("server", "nodump")]
     try:

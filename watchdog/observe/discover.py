@@ -170,6 +170,12 @@ def read_proc(pid: int, proc_root: str = "/proc") -> Proc | None:
         return None
 
 
+def _kept(key: object, value: object) -> bool:
+    """The one rule for an environment entry we keep: a kept key, a bounded printable ASCII value."""
+    return (isinstance(key, str) and key in KEPT_KEYS and isinstance(value, str) and len(value) <= MAX_ENV_VALUE
+            and value.isascii() and value.isprintable())
+
+
 def parse_environ(raw: bytes) -> dict[str, str]:
     """The kept keys of a NUL-separated environment block; odd entries are skipped, never guessed at."""
     out: dict[str, str] = {}
@@ -181,7 +187,7 @@ def parse_environ(raw: bytes) -> dict[str, str]:
             k, v = key.decode("ascii"), value.decode("ascii")
         except UnicodeDecodeError:
             continue
-        if k in KEPT_KEYS and v.isprintable():
+        if _kept(k, v):
             out[k] = v
     return out
 
@@ -190,9 +196,7 @@ def checked_env(value: object) -> dict[str, str] | None:
     """An environment as a reader sent it, held to what ``parse_environ`` keeps (anything else: None)."""
     if not isinstance(value, dict) or len(value) > len(KEPT_KEYS):
         return None
-    ok = all(isinstance(k, str) and k in KEPT_KEYS and isinstance(v, str) and len(v) <= MAX_ENV_VALUE
-             and v.isascii() and v.isprintable() for k, v in value.items())
-    return dict(value) if ok else None
+    return dict(value) if all(_kept(k, v) for k, v in value.items()) else None
 
 
 def read_environ(pid: int, proc_root: str = "/proc") -> dict[str, str] | None:
