@@ -228,7 +228,18 @@ def test_a_declared_checkpoint_is_reported_as_itself_not_as_communication(procs,
 @pytest.mark.slow
 def test_the_same_error_on_every_rank_names_nobody(procs, tmp_path):
     script = tmp_path / "broken.py"
-    script.write_text("import time\ntime.sleep(2)\nraise ValueError('bad config: lr must be > 0')\n")
+    # every rank raises at the same moment (a file barrier): ranks that start seconds apart on a busy host
+    # would otherwise let torchrun tear the late one down before it reaches the error, a different job
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    script.write_text(
+        "import os, time\n"
+        f"gate = {str(gate)!r}\n"
+        "open(os.path.join(gate, os.environ['RANK']), 'w').close()\n"
+        "while len(os.listdir(gate)) < int(os.environ['WORLD_SIZE']):\n"
+        "    time.sleep(0.002)\n"
+        "raise ValueError('bad config: lr must be > 0')\n"
+    )
     result, out, _ = _run(procs, tmp_path, *torchrun_args(2, "same-error", str(script)), options=("--quiet",))
     assert result.returncode != 0
     (bundle,) = bundle_dirs(out / "incidents")
