@@ -130,14 +130,16 @@ class Exited:
 
 @dataclass(slots=True)
 class InOp:
-    """A rank says which collective it is in: c10d's fingerprint check (``source`` "fingerprint"), NCCL's
-    watchdog at a sequence number ("watchdog"), or a traceback while waiting ("stack", at ``site``)."""
+    """A rank says which collective it is in: the flight recorder's entry at a (group, sequence number)
+    (``source`` "flight_recorder", live), c10d's fingerprint check ("fingerprint"), NCCL's watchdog at a
+    sequence number ("watchdog"), or a traceback while waiting ("stack", at ``site``)."""
 
     rank: int
     op: str
     source: str
     seq: int | None = None
     site: str | None = None
+    group: str | None = None  # the process group the sequence number counts in, where known
 
 
 @dataclass(slots=True)
