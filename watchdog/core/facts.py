@@ -96,7 +96,9 @@ NCCL_OP_COUNTS = "nccl_op_counts"  # NCCL INFO per-op lines: the last op each me
 STORE_KEYS = "store_key_waits"  # a start-up store wait timed out on a peer's gloo rendezvous key: waits for it
 OWN_TIMEOUT = "own_timeout"  # a rank's own timeout / mismatch line: it waits, for whom it cannot say
 PEER_GONE = "peer_gone"  # a rank's own "connection closed/reset by peer" and no timeout: its peer went away
-OWN_WAITS = frozenset({OWN_TIMEOUT, PEER_GONE})
+IN_COLLECTIVE = "in_collective"  # live: the hook's record says it is inside a Python-level collective
+OWN_WAITS = frozenset({OWN_TIMEOUT, PEER_GONE, IN_COLLECTIVE})
+IN_OP_CALLS = frozenset({"stack", "counters"})  # InOp sources that say which call a rank waits in
 
 
 @dataclass(slots=True)
@@ -130,14 +132,17 @@ class Exited:
 
 @dataclass(slots=True)
 class InOp:
-    """A rank says which collective it is in: c10d's fingerprint check (``source`` "fingerprint"), NCCL's
-    watchdog at a sequence number ("watchdog"), or a traceback while waiting ("stack", at ``site``)."""
+    """A rank says which collective it is in: the flight recorder's entry at a (group, sequence number)
+    (``source`` "flight_recorder", live), c10d's fingerprint check ("fingerprint"), NCCL's watchdog at a
+    sequence number ("watchdog"), a traceback while waiting ("stack", at ``site``), or the hook's
+    Python-level collective counter ("counters", live)."""
 
     rank: int
     op: str
     source: str
     seq: int | None = None
     site: str | None = None
+    group: str | None = None  # the process group the sequence number counts in, where known
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from .facts import Busy, Ended, FactSet, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
+from .facts import Busy, Ended, FactSet, InOp, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
 from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role
 from .fr_hints import FrHints
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
@@ -109,6 +109,19 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
         own = roles[v.rank] == INITIATING
         peer_ended = not own and bool(v.exit_cause) and PEER_ENDED.search(v.exit_cause or "") is not None
         out.append(Ended(v.rank, own=own, cause=v.exit_cause, pid=v.pid, peer_ended=peer_ended))
+    return out
+
+
+def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:
+    """What the flight recorder says each rank entered at a (group, seq) where ranks disagree, as the
+    facts ``rules.mismatch`` reads (offline it reads fingerprints and watchdog SeqNums alike). A mismatch
+    whose odd ranks are not all alive is left out: a gone rank's last entry is no evidence of a live one."""
+    live = set(live_ranks)
+    out: list[InOp] = []
+    for mm in fr.mismatches:
+        if set(mm.odd_ranks) <= live:
+            out.extend(InOp(r, desc, "flight_recorder", seq=mm.seq, group=mm.pg)
+                       for desc, ranks in mm.variants.items() for r in ranks)
     return out
 
 

@@ -89,7 +89,7 @@ def _backing(f: Finding, logs: Evidence, p: OfflinePolicy) -> tuple[list[str], l
         d["line"] = first.text
         return [quote(first)], []
     if f.rule == "exit_cause":
-        if d.get("same_failure"):
+        if d.get("same_failure") or d.get("all_failed"):
             return [quote(evs[0]) for r in d["failed"][:4] if (evs := primary_events(facts[r], p))], []
         return [quote(e) for e in primary_events(facts[f.ranks[0]], p)[:3]], []
     if f.rule == "mismatch" and d.get("source") == "size":

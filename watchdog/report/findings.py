@@ -71,6 +71,13 @@ def _exit_action(d: Mapping[str, Any], who: str) -> str:
 
 
 def _exit_cause(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
+    if d.get("all_failed"):
+        return Words(
+            f"every rank ({fmt_ranks(d['failed'])}) failed by its own cause and none waited on another: no "
+            "rank held the others back (independent failures, or several jobs' logs read as one)",
+            "diagnose each job's logs on their own; look at each rank's own failure",
+            "per-job logs (one job's console and per-rank logs per run)",
+        )
     if d.get("same_failure"):
         return Words(
             f"every rank ({fmt_ranks(d['failed'])}) failed the same way ({failure_label(d)}) with nothing that "

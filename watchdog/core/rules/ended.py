@@ -9,7 +9,7 @@ waiting, so it is never taken on its own word when better evidence exists.
 
 from __future__ import annotations
 
-from collections import Counter
+import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
@@ -43,19 +43,47 @@ def cause_of(e: Ended) -> dict[str, object]:
     return {"cause": e.cause, "detail": e.detail[:120], "signal": e.signal, "site": e.site, "node": e.node}
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def failure_label(e: Ended) -> tuple[str, str, str] | None:
+    """How an end failed, with its numbers blanked (``GPU 3``, ``rank 5``, a pid: the same error on every
+    rank differs only there); None when nothing says how (a kill without any mark)."""
+    if not e.cause and not e.signal:
+        return None
+    return (e.cause or "", _NUMBER.sub("N", (e.detail or "")[:120]), "" if e.cause else e.signal or "")
+
+
+def rule_same_failure(facts: FactSet) -> Finding | None:
+    """Every rank ended the same way (one exception, one signal) and none waited on a peer: the job's own
+    failure (its code, data or environment), which no rank started — whichever ended a millisecond first
+    is named by nobody. The one rule live (``rules.exits``) and offline (``rule_exit_cause``) ask."""
+    ended = {e.rank: e for e in facts.ended}
+    if len(facts.ranks) < 2 or any(r not in ended for r in facts.ranks) or facts.waiting() - set(ended):
+        return None
+    labels = {failure_label(e) for e in ended.values()}
+    if len(labels) != 1 or None in labels:
+        return None
+    lead = ended[facts.ranks[0]]
+    # the kind is unknown (no rank's failure); the live verdict keeps calling it a dead-rank incident
+    return Finding(EXIT_CAUSE, UNKNOWN, [], Rung.EXIT_CAUSE, "low",
+                   {"decided": False, "same_failure": True, "failed": sorted(ended), **cause_of(lead)})
+
+
 def rule_exit_cause(facts: FactSet, policy: OfflinePolicy) -> Finding | None:
     own = [e for e in facts.ended if e.own]
     if not own:
         return None
+    if (same := rule_same_failure(facts)) is not None:
+        return same
     prim = [e.rank for e in own]
     waiting = sorted(facts.waiting() - set(prim))
-    if len(own) == len(facts.ranks) and len(facts.ranks) > 1 and not waiting:
-        # every rank failed alike and nothing orders them: a cause common to all ranks, not one rank
-        labels = Counter((e.cause, e.detail[:120], None if e.cause else e.signal) for e in own)
-        (cause, detail, signal), _ = labels.most_common(1)[0]
+    if len(own) == len(facts.ranks) > 1 and not waiting:
+        # every rank failed by its own, different cause and none waited on another: no rank held the
+        # others back (several jobs' logs read as one, independent failures)
         return Finding(EXIT_CAUSE, UNKNOWN, [], Rung.EXIT_CAUSE, "low",
-                       {"decided": False, "same_failure": True, "failed": prim,
-                        "cause": cause, "detail": detail, "signal": signal})
+                       {"decided": False, "same_failure": False, "all_failed": True, "failed": prim,
+                        **cause_of(own[0])})
     first = own
     if len(own) > 1 and all(e.ts is not None for e in own):
         first = earliest_ends(sorted(own, key=lambda e: e.ts or 0.0), at=lambda e: e.ts or 0.0,

@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..facts import FactSet
 from ..failures import CONSEQUENCE, INITIATING
-from ..live_facts import exit_roles, left_early
+from ..live_facts import ended_facts, exit_roles, left_early
 from ..policy import VerdictPolicy
 from ..ranks import fmt_ranks, outside_majority
 from ..render import phase_kind
 from ..snapshot import CRASHED, DEAD, EXITED, GONE_STATES, RUNNING, STOPPED, RankView
-from .ended import earliest_ends
+from .ended import earliest_ends, rule_same_failure
 from .finding import RuleFinding
 
 
@@ -46,24 +47,24 @@ def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView])
     )
 
 
-def _same_failure_everywhere(views: Sequence[RankView]) -> RuleFinding | None:
-    """Every rank crashed with the same error (a SyntaxError, a bad config): the job's own failure, which
-    no rank started — whichever exited a millisecond first is named by nobody."""
-    causes = {v.exit_cause for v in views if v.state == CRASHED}
-    if len(views) < 2 or any(v.state != CRASHED for v in views) or len(causes) != 1 or not next(iter(causes)):
+def _same_failure_everywhere(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding | None:
+    """The shared rule (``rules.ended.rule_same_failure``) over the views' ends, in the live verdict's words."""
+    facts = FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, policy.exit_order_tolerance_s))
+    same = rule_same_failure(facts)
+    if same is None:
         return None
-    cause, first = next(iter(causes)), views[0]
+    cause, first = views[0].exit_cause, views[0]
     steps = sorted({v.step for v in views})
     at = f"at step {steps[0]}" if len(steps) == 1 else f"at steps {steps[0]}–{steps[-1]}"
     return RuleFinding(
         "dead_rank",
         [],
-        "high",
+        "high",  # that nobody is to blame is certain: every rank ended alike
         f"every rank ({len(views)}) exited with the same error ({cause}) {at}: a failure of the job itself "
         "(its code, data or environment), not of one rank",
         [f"{fmt_ranks(v.rank for v in views)} exited with: {cause}", f"phase of rank {first.rank}: "
          f"{first.phase or 'idle'}"],
-        data={"same_failure": True, "cause": cause},
+        data={"same_failure": True, "cause": cause, "failed": same.data["failed"]},
     )
 
 
@@ -74,7 +75,7 @@ def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding |
     gone = [v for v in views if v.state in GONE_STATES] + early
     if not gone:
         return None
-    if (same := _same_failure_everywhere(views)) is not None:
+    if (same := _same_failure_everywhere(views, policy)) is not None:
         return same
     # larger exit age = exited earlier; node-local order breaks ties within a node
     ordered = sorted(gone, key=lambda v: (-(v.exit_age_s or 0.0), v.exit_order if v.exit_order is not None else 0))

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..fr_analysis import Mismatch
+from ..engine import Finding
+from ..facts import FactSet
 from ..fr_hints import FrHints
-from ..ranks import fmt_ranks, majority, ranks_verb
+from ..live_facts import mismatch_facts
+from ..ranks import fmt_ranks, ranks_verb
 from ..render import phase_kind
+from ..schema import lower_confidence
 from ..snapshot import RankView
 from .finding import RuleFinding
+from .mismatch import rule_mismatch
 
 
-def _fr_mismatch_finding(mm: Mismatch, covered: bool, live: Sequence[RankView]) -> RuleFinding:
+def _fr_mismatch_finding(found: Finding, hints: FrHints, covered: bool, live: Sequence[RankView]) -> RuleFinding:
+    """The shared rule's mismatch (``rules.mismatch``) in the live verdict's words."""
+    d = found.data
+    mm = next(m for m in hints.mismatches if (m.pg, m.seq) == (d["group"], d["seq"]))
     evidence = [
-        f"flight recorder: {fmt_ranks(rs)} entered collective #{mm.seq} as {d}" for d, rs in mm.variants.items()
+        f"flight recorder: {fmt_ranks(rs)} entered collective #{mm.seq} as {desc}" for desc, rs in mm.variants.items()
     ]
     evidence += [f"rank {v.rank}: python-level collective #{v.coll_seq} {v.coll_op or ''}" for v in live]
-    top_desc = majority(mm.variants)
-    if not mm.odd_ranks or top_desc is None:
+    if not found.ranks:
         # a tie: nobody is named (naming every rank, or a majority, would be wrong)
         return RuleFinding(
             "collective_mismatch",
@@ -29,14 +35,14 @@ def _fr_mismatch_finding(mm: Mismatch, covered: bool, live: Sequence[RankView]) 
             evidence,
             rule="fr",
         )
-    odd_desc = "; ".join(d for d, rs in mm.variants.items() if d != top_desc)
+    top_desc = d["majority_op"]
     return RuleFinding(
         "collective_mismatch",
-        list(mm.odd_ranks),
-        "high" if covered else "medium",
+        list(found.ranks),
+        found.confidence if covered else lower_confidence(found.confidence),
         f"collective mismatch ({mm.kind}) at collective #{mm.seq} of process group {mm.pg}, seen in the flight "
-        f"recorder: {fmt_ranks(mm.odd_ranks)} entered it as {odd_desc} while {fmt_ranks(mm.variants[top_desc])} "
-        f"entered it as {top_desc}",
+        f"recorder: {fmt_ranks(found.ranks)} entered it as {'; '.join(x for x in mm.variants if x != top_desc)} while "
+        f"{fmt_ranks(mm.variants[top_desc])} entered it as {top_desc}",
         evidence,
         rule="fr",
     )
@@ -69,14 +75,14 @@ def rule_fr(hints: FrHints, live: Sequence[RankView]) -> RuleFinding | None:
         return None
     live_ranks = {v.rank for v in live}
     covered = live_ranks <= set(hints.ranks)
-    mismatches = [m for m in hints.mismatches if set(m.odd_ranks) <= live_ranks]
-    decisive = next((m for m in mismatches if m.odd_ranks), None)
-    if decisive is not None:
-        return _fr_mismatch_finding(decisive, covered, live)
+    # the one mismatch rule (``rules.mismatch``), over the recorder's entries as facts
+    mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(live_ranks)), in_op=mismatch_facts(hints, live_ranks)))
+    if mismatch is not None and mismatch.ranks:
+        return _fr_mismatch_finding(mismatch, hints, covered, live)
     behind = [r for r in hints.behind_ranks if r in live_ranks]
     if not behind:
         # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
-        return _fr_mismatch_finding(mismatches[0], covered, live) if mismatches else None
+        return _fr_mismatch_finding(mismatch, hints, covered, live) if mismatch is not None else None
     relaying = {b.rank for b in hints.behind if b.waiting}
     arrived_never = [r for r in behind if r not in relaying]
     if arrived_never and len(arrived_never) < len(behind):

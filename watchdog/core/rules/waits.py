@@ -4,13 +4,14 @@
 ones), else the one NCCL's per-op counts draw (a member waits for those whose last op is below its own).
 ``outside``: ranks whose lines show them waiting for someone they cannot name wait for *anyone* that
 waits for nobody — the ranks that printed no wait are the sinks. ``same_collective``: every rank waits,
-nobody is a sink: a communication hang, no initiator. Pure; words in ``report.findings``.
+nobody is a sink: a communication hang, no initiator
+(live asks it too, ``rules.weak``, and adds GPU use). Pure; words in ``report.findings``.
 """
 
 from __future__ import annotations
 
 from ..engine import Finding, blame
-from ..facts import DESYNC_REPORT, NCCL_OP_COUNTS, PEER_GONE, STORE_KEYS, FactSet, Rung, Silent, Waits
+from ..facts import DESYNC_REPORT, IN_OP_CALLS, NCCL_OP_COUNTS, PEER_GONE, STORE_KEYS, FactSet, Rung, Silent, Waits
 from ..schema import COMM_HANG, DEAD_RANK, HANG
 
 WAIT_FOR = "wait_for"
@@ -65,7 +66,7 @@ def rule_same_collective(facts: FactSet) -> Finding | None:
     waiting = facts.inside()
     if not waiting or len(waiting) != len(facts.ranks):
         return None
-    stacks = [i for i in facts.in_op if i.source == "stack"]
+    stacks = [i for i in facts.in_op if i.source in IN_OP_CALLS]
     ops, sites = {i.op for i in stacks}, {i.site for i in stacks}
     same = {"op": next(iter(ops)), "site": next(iter(sites))} if len(ops) == 1 and len(sites) == 1 else None
     return Finding(SAME_COLLECTIVE, COMM_HANG, [], Rung.WAITING, "low",

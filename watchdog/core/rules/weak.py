@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..facts import IN_COLLECTIVE, FactSet, InOp, Rung, Waits
 from ..policy import VerdictPolicy
 from ..ranks import fmt_ranks, outside_majority
 from ..schema import raise_confidence
 from ..snapshot import RankView
 from .finding import RuleFinding
+from .waits import rule_same_collective as facts_same_collective
 
 
 def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
@@ -54,8 +56,18 @@ def rule_stacks(present: Sequence[RankView]) -> RuleFinding | None:
 
 def rule_same_collective(live: Sequence[RankView], policy: VerdictPolicy) -> RuleFinding | None:
     """Every live rank in the same collective: only outside evidence (GPU) singles one out."""
-    if not live or any(not v.in_collective for v in live) or len({v.coll_op for v in live}) != 1:
+    if not live:
         return None
+    # the one rule (``rules.waits.rule_same_collective``) over the hook's records as facts
+    facts = FactSet(
+        ranks=tuple(v.rank for v in live),
+        waits=[Waits(v.rank, None, "", v.coll_seq, v.coll_op, Rung.COUNTERS, IN_COLLECTIVE) for v in live
+               if v.in_collective],
+        in_op=[InOp(v.rank, v.coll_op or "", "counters", seq=v.coll_seq) for v in live if v.in_collective],
+    )
+    shared = facts_same_collective(facts)
+    if shared is None or shared.data["same"] is None:
+        return None  # not every rank in one call: other rungs decide
     seq, op = live[0].coll_seq, live[0].coll_op
     idle = [v for v in live if v.gpu_util is not None and v.gpu_util <= policy.gpu_idle_pct]
     busy = [v for v in live if v.gpu_util is not None and v.gpu_util >= policy.gpu_busy_pct]
