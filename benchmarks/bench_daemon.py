@@ -18,7 +18,7 @@
     module (``correlate``), and a ``JobStore`` construction, which needs TCPStore.
 
     python benchmarks/bench_daemon.py            # 60 s at 50 ms steps + 30 s at 5 ms steps (~2.5 min)
-    python benchmarks/bench_daemon.py --quick    # 15 s each
+    python benchmarks/bench_daemon.py --quick    # 6 s each after a 2 s warm-up, 2 import reps
 """
 
 from __future__ import annotations
@@ -297,20 +297,22 @@ def main() -> int:
         shm, job, rank, world, step_ms, max_s = sys.argv[2:8]
         return writer_main(shm, job, int(rank), int(world), float(step_ms), float(max_s))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="15 s per footprint run, 3 import reps")
+    p.add_argument("--quick", action="store_true", help="6 s per footprint run, 2 import reps")
     p.add_argument("--seconds", type=float, default=None, help="measurement window at 50 ms steps (default 60)")
     p.add_argument("--import-reps", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    long_s = args.seconds or (15.0 if args.quick else 60.0)
-    short_s = 15.0 if args.quick else 30.0
-    reps = args.import_reps or (3 if args.quick else 7)
+    # --quick proves the benchmark still runs (the test suite runs it); its CPU figure is not one to quote
+    long_s = args.seconds or (6.0 if args.quick else 60.0)
+    short_s = 6.0 if args.quick else 30.0
+    warmup = 2.0 if args.quick else 5.0
+    reps = args.import_reps or (2 if args.quick else 7)
 
     raw: dict = {"footprint": []}
     rows = []
     for step_ms, secs in ((50.0, long_s), (5.0, short_s)):
         print(f"(1) daemon watching {N_RANKS} fake ranks at {step_ms:g} ms/step for {secs:g} s", flush=True)
-        f = footprint(step_ms, secs, warmup=5.0)
+        f = footprint(step_ms, secs, warmup=warmup)
         raw["footprint"].append(f)
         print(f"  {f}", flush=True)
         ok = f["cpu_percent"] < 1.0

@@ -21,7 +21,7 @@ from verdict.json: ≥ T, up to T + one poll interval) and the rest (py-spy of e
 responder, verdict, bundle write). Target: latency ≤ T + 2 s.
 
     python benchmarks/bench_detection.py            # 6 runs, T = 3 s  (~2.5 min)
-    python benchmarks/bench_detection.py --quick    # 3 runs
+    python benchmarks/bench_detection.py --quick    # 2 runs
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def one_run(procs: Procs, i: int, timeout_s: float, nproc: int, fault_rank: int,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="3 runs instead of 6")
+    p.add_argument("--quick", action="store_true", help="2 runs instead of 6")
     p.add_argument("--runs", type=int, default=None)
     p.add_argument("--stall-timeout", type=float, default=3.0)
     p.add_argument("--nproc", type=int, default=4)
@@ -131,7 +131,7 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=10)
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = p.parse_args()
-    runs = args.runs or (3 if args.quick else 6)
+    runs = args.runs or (2 if args.quick else 6)
     T = args.stall_timeout
     results = []
     with Procs() as procs:

@@ -260,6 +260,26 @@ SLOW_MODULES = frozenset({
 })
 # modules whose tests read one cached result per input (a `rankwatch diagnose` run per log): on one worker
 SHARED_CACHE_MODULES = frozenset({"test_public_logs.py"})
+# Longest first under xdist: workers take tests in collection order, so a minute-long test collected last
+# runs alone at the end while the other workers idle. Modules by their longest test (--durations, 2 cores at
+# load 12-30: the quick benchmarks 50-250 s, v3 classes 50-94 s, torchrun's own parser and the two-node
+# jobs ~60 s, then the 35-55 s jobs); the rest of the slow tier after these, the fast tier last.
+LONG_POLES = (
+    "test_benchmarks_quick.py",
+    "test_v3_classes.py",
+    "test_torchrun_args.py",
+    "test_multinode.py",
+    "test_inspect.py",
+    "test_straggler.py",
+    "test_watchdog_e2e.py",
+    "test_lifecycle.py",
+    "test_slurm_example.py",
+    "test_hook_robust.py",
+    "test_real_bugs.py",
+    "test_run_output.py",
+    "test_store_auth.py",
+    "test_works_with.py",
+)
 
 
 def _shares_module_fixture(item) -> bool:
@@ -281,6 +301,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return 2 * cores
 
 
+def _longest_first(item) -> int:
+    """Sort key: the long-pole modules in their order (their torch-child tests are long without being in
+    the slow tier), then the rest of the slow tier, then the fast tier."""
+    name = item.path.name
+    if name in LONG_POLES:
+        return LONG_POLES.index(name)
+    return len(LONG_POLES) + (0 if item.get_closest_marker("slow") else 1)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
@@ -289,6 +318,10 @@ def pytest_collection_modifyitems(config, items):
         # once, and two workers never create the same throwaway users
         if _shares_module_fixture(item) or item.path.name in SHARED_CACHE_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+    # only on xdist workers (every worker sorts the same collection the same way): in one process, tests
+    # that share a module fixture stay next to each other and it is set up once
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_longest_first)
 
 
 def resolve_and_decide(corr, inc, views, node: str, world: int, decide, **kw):
