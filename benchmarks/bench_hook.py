@@ -8,6 +8,9 @@
 (a2) Per step, one process: the demo's small-step loop (DDP world size 1) under ``instrument()``, in blocks
     of 10 steps with the hook switched off and on alternately (``HookSwitch``): the median paired
     difference of the training thread's CPU time per step is the hook's cost inside real steps.
+(a3) ``--breakdown``: the same loop, each group of points alone (dataloader, input, forward, backward,
+    optimizer, collective) against every point off, once with the tracker recording and once with it
+    disabled (the wrappers and torch's hook paths run, no record write): where the per-step cost lies.
 (b) End-to-end: ``benchmarks/ddp_timed.py`` (the demo's balanced loop — same model, data, DDP,
     optimizer and per-step all_reduce as examples/ddp_demo.py, imported from it — plus a timer around
     the steps after a warm-up) under ``torchrun --nproc-per-node 2``, with and without
@@ -21,6 +24,7 @@
 
     python benchmarks/bench_hook.py            # ~5 min on 2 shared cores
     python benchmarks/bench_hook.py --quick    # ~1.5 min
+    python benchmarks/bench_hook.py --quick --no-e2e --breakdown   # + (a3), without the wall-clock A/B
 """
 
 from __future__ import annotations
@@ -192,20 +196,36 @@ class HookSwitch:
         dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]
         self.dicts = [(d, dict(d)) for d in dicts]
         assert all(hasattr(f, "__rankwatch_wrapped__") for _, _, f in self.attrs[:3]), "instrument() not installed"
+        # the points by what they time (breakdown_child): indices into attrs / dicts above
+        ncoll = len(self.attrs) - 3
+        self.groups: dict[str, tuple[list[int], list[int]]] = {
+            "dataloader": ([0], []),  # __next__ wrapper: the dataloader phase
+            "input": ([1], []),  # _next_data wrapper: batch production time
+            "forward": ([], [2, 3, 4]),  # the DDP instance's forward hooks (Module._call_impl's slow path)
+            "backward": ([2], list(range(5, len(self.dicts)))),  # backward wrapper + DDP split hook
+            "optimizer": ([], [0, 1]),  # global optimizer pre/post hooks: optimizer phase and step()
+            "collective": (list(range(3, 3 + ncoll)), []),  # torch.distributed wrappers
+        }
 
-    def set(self, on: bool) -> None:
-        for owner, name, fn in self.attrs:
-            setattr(owner, name, fn if on else getattr(fn, "__rankwatch_wrapped__", fn))
-        for d, saved in self.dicts:
+    def set(self, on: bool, only: str | None = None) -> None:
+        """All points on or off; with ``only``, that group ``on`` and every other point off."""
+        keep = self.groups[only] if only else None
+        for i, (owner, name, fn) in enumerate(self.attrs):
+            this = on if keep is None else i in keep[0]
+            setattr(owner, name, fn if this else getattr(fn, "__rankwatch_wrapped__", fn))
+        for i, (d, saved) in enumerate(self.dicts):
+            this = on if keep is None else i in keep[1]
             d.clear()
-            if on:
+            if this:
                 d.update(saved)
 
 
-def step_child(steps: int) -> None:
+def step_child(steps: int, breakdown: bool = False) -> None:
     """The demo's small-step loop (ddp_timed.py's pieces) in one process (gloo, world size 1) under
     ``instrument()``, in blocks of steps alternately with the hook switched off and on (HookSwitch);
-    prints the training thread's CPU time per step of each block, as JSON."""
+    prints the training thread's CPU time per step of each block, as JSON. ``breakdown``: instead, each
+    group of points alone (``HookSwitch.groups``), with the tracker recording and with it disabled (the
+    wrappers and torch's hook paths still run, the record is not written), as paired differences."""
     sys.path.insert(0, str(REPO / "examples"))
     import torch
     import torch.distributed as dist
@@ -241,6 +261,12 @@ def step_child(steps: int) -> None:
 
     block(30)  # warm-up, hooked: the forward hooks move onto the model at the first optimizer step
     switch = HookSwitch(ddp)
+    if breakdown:
+        print(json.dumps(breakdown_blocks(switch, block, steps)), flush=True)
+        switch.set(True)
+        dist.destroy_process_group()
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     timing = ddp_timing.active()
     splits = timing.split_count if timing else 0
     per = 10
@@ -254,6 +280,119 @@ def step_child(steps: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     out["splits"] = [float((timing.split_count if timing else 0) - splits)]
     print(json.dumps(out), flush=True)
+
+
+# (a3)'s "all/log" arm: the Tracker's entry points with their bodies swapped for one append of a
+# (code, ns) word to a ring (what an append-only transition log in the record would cost the training
+# thread; nothing reads it). Names resolve in hooks/tracker.py's globals (_now, _ident), as the real ones.
+def _log_enter(self, slot, budget_s=0.0):  # type: ignore[no-untyped-def]
+    if not self.enabled or slot < 0 or _ident() != self.thread_id:  # noqa: F821
+        return
+    n = self._n
+    self._log[n & 8191] = ((16 | slot) << 56) + _now() - self._t0  # noqa: F821
+    self._n = n = n + 1
+    self._log[8192] = n
+
+
+def _log_exit(self, slot, split_ns=0, tail_slot=-1, failing=False):  # type: ignore[no-untyped-def]
+    if not self.enabled or slot < 0 or _ident() != self.thread_id:  # noqa: F821
+        return
+    n = self._n
+    self._log[n & 8191] = ((32 | slot) << 56) + _now() - self._t0  # noqa: F821
+    self._n = n = n + 1
+    self._log[8192] = n
+
+
+def _log_event(self, *args):  # type: ignore[no-untyped-def]  # collective_enter/exit, step
+    if not self.enabled or _ident() != self.thread_id:  # noqa: F821
+        return
+    n = self._n
+    self._log[n & 8191] = (64 << 56) + _now() - self._t0  # noqa: F821
+    self._n = n = n + 1
+    self._log[8192] = n
+
+
+def _log_bodies(tracker, on: bool, saved: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
+    from rankwatch.hooks.tracker import Tracker
+
+    bodies = {"enter": _log_enter, "exit": _log_exit, "collective_enter": _log_event,
+              "collective_exit": _log_event, "step": _log_event}
+    if not saved:
+        saved.update({k: getattr(Tracker, k).__code__ for k in bodies})
+        tracker._n, tracker._t0 = 0, time.monotonic_ns()
+        tracker._log = memoryview(bytearray(8 * 8193)).cast("Q")
+    for k, fn in bodies.items():
+        getattr(Tracker, k).__code__ = fn.__code__.replace(co_name=k) if on else saved[k]
+
+
+def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median paired difference (µs per step) of blocks with one group on (tracker recording, then
+    disabled: ``/off``) against blocks with every point off; ``none`` (nothing on) is the noise floor."""
+    from rankwatch.hooks import api
+
+    tracker = api.current()
+    assert tracker is not None
+    per = 10
+    out: dict[str, float] = {}
+    saved: dict = {}  # type: ignore[type-arg]
+    for group in ["none", *switch.groups, "all", "all/log"]:
+        for recording in (True, False):
+            if group in ("none", "all/log") and not recording:
+                continue
+            _log_bodies(tracker, group == "all/log", saved)
+            tracker.enabled = recording
+            diffs = []
+            for i in range(max(2, steps // (2 * per * (2 * len(switch.groups) + 3)))):
+                t = {}
+                for on in ((False, True) if i % 2 == 0 else (True, False)):
+                    if not on:
+                        switch.set(False)
+                    elif group.startswith("all"):
+                        switch.set(True)
+                    elif group == "none":
+                        switch.set(False)
+                    else:
+                        switch.set(True, only=group)
+                    t[on] = block(per)
+                diffs.append(t[True] - t[False])
+            out[group if recording else f"{group}/off"] = median(diffs)
+    _log_bodies(tracker, False, saved)
+    tracker.enabled = True
+    return out
+
+
+def breakdown(steps: int) -> dict[str, float]:
+    """One child in breakdown mode (step_child): the hook's CPU per step by group of points."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000")
+    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-breakdown")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
+        env.pop(key, None)
+    try:
+        with Procs() as procs:
+            cmd = [sys.executable, __file__, "--step-child", str(steps), "--breakdown"]
+            res = procs.run(cmd, timeout=600, text=True, env=env)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
+    if res.returncode != 0 or line is None:
+        raise RuntimeError(f"breakdown run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return {k: float(v) for k, v in json.loads(line).items()}
+
+
+def breakdown_rows(bd: dict[str, float]) -> list[str]:
+    groups = [g for g in bd if "/" not in g and g not in ("none", "all")]
+    log = bd.get("all/log")
+    parts = ", ".join(f"{g} {bd[g]:+.0f} ({bd[g + '/off']:+.0f})" for g in groups)
+    return [
+        f"| hook CPU per step by group of points, one process (each group alone vs every point off, paired "
+        f"blocks; in brackets: the tracker disabled, i.e. the wrappers and torch's hook paths without the "
+        f"record writes) | {parts}; all {bd['all']:+.0f} ({bd['all/off']:+.0f}) µs; noise floor (nothing on) "
+        f"{bd['none']:+.0f} µs | — | — |",
+        f"| … all points, the Tracker's bodies swapped for one ring append of a (code, ns) word each (what an "
+        f"append-only transition log would cost; benchmark only) | **{log:+.0f} µs** (recording as now: "
+        f"{bd['all']:+.0f}; no record writes: {bd['all/off']:+.0f}) | <= 20 µs | {'yes' if log <= 20 else 'NO'} |",
+    ]
 
 
 def per_step(steps: int) -> dict[str, float]:
@@ -362,10 +501,12 @@ def main() -> int:
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
+    p.add_argument("--breakdown", action="store_true",
+                   help="(a3) also the hook's CPU per step by group of points, with and without the record writes")
     p.add_argument("--step-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.step_child:
-        step_child(args.step_child)
+        step_child(args.step_child, args.breakdown)
         return 0
     pairs = args.pairs or (3 if args.quick else 6)
     batches, calls = (100, 1000) if args.quick else (1000, 1000)
@@ -410,6 +551,12 @@ def main() -> int:
         print("  " + ", ".join(f"{k} {v:.1f}" for k, v in ps.items()), flush=True)
         raw["per_step"] = ps
         rows += per_step_rows(ps)
+        if args.breakdown:
+            print(f"(a3) breakdown: {n_steps * 8} steps, each group of points alone", flush=True)
+            bd = breakdown(n_steps * 8)
+            print("  " + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()), flush=True)
+            raw["breakdown"] = bd
+            rows += breakdown_rows(bd)
     if not args.micro_only and not args.no_e2e:
         arms = ["base", "hook", *args.extra_arms]
         print(f"(b) end to end: {pairs} interleaved rounds of {arms}, 2 ranks", flush=True)
