@@ -1,5 +1,6 @@
 """The verdict-v3 fault classes, end to end (issue 19): those the old verdict named right ("must stay right")
-and the most important ones the v3 engine fixed (pp; tpdp-tp2 and node-loss across two nodes).
+and the most important ones the v3 engine fixed (pp; tpdp-tp2 and node-loss across two nodes), plus two hung
+ranks on two nodes.
 
 Each is the real job of benchmarks/accuracy/jobs/ under `rankwatch run --on-stall kill` + torchrun (gloo,
 4 ranks, one node), with the layout, fault and truth taken from the one table the accuracy suite scores
@@ -40,7 +41,8 @@ SUITE = _accuracy_suite()
 CLASSES, plan_class = SUITE.CLASSES, SUITE.plan_class
 
 STAY_RIGHT = ("ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init", "compile", "pp")
-TWO_NODES = ("tpdp-tp2", "node-loss")  # wrong on the old verdict (a TP pair; a survivor that lost its peer)
+# wrong on the old verdict (a TP pair; a survivor that lost its peer), and two hung ranks, one on each node
+TWO_NODES = ("tpdp-tp2", "node-loss", "two-hung-2n")
 
 
 def run_tracked(procs, cmd: list[str], logs: Path, timeout: float, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

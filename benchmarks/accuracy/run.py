@@ -258,6 +258,9 @@ class Klass:
     # where else the fault may sit (repeats rotate through fault_rank, then these); only for classes whose
     # truth is the faulting rank itself — a whole node's truth or "no incident" does not move with it
     other_ranks: tuple[int, ...] = ()
+    # slow, not stuck: no incident is right and the run summary must name the faulting rank (``kinds``:
+    # the summary's diagnosis, ``phase``: its phase)
+    straggler: bool = False
 
     def ranks(self) -> tuple[int, ...]:
         return (self.fault_rank, *self.other_ranks)
@@ -475,6 +478,99 @@ CLASSES: dict[str, Klass] = {
         # the same dynamo graphs, graph break and DDP bucketing without inductor's C++ code generation, which
         # takes minutes for 4 ranks on 2 loaded cores (runs timed out before the fault step)
         env=(("RW_COMPILE_BACKEND", "aot_eager"),),
+    ),
+    "node-loss-4n": Klass(
+        "loop.py",
+        ("--scenario", "node-signal"),
+        nodes=4,
+        nproc=2,
+        fault_rank=4,
+        truth=(4, 5),
+        kinds=("dead_rank", "hang", "node_lost", "node_down", "unknown"),
+        phase=None,
+        why="node-loss on 4 nodes x 2: the runner SIGKILLs node 2 whole (ranks 4, 5, its agent and its watchdog): "
+        "nodes 0, 1, 3 lose their peers; the silent node's ranks are the answer",
+        offline=False,
+        offline_why="as node-loss",
+        action="node-kill",
+        action_node=2,
+    ),
+    "node-freeze-4n": Klass(
+        "loop.py",
+        ("--scenario", "node-signal"),
+        nodes=4,
+        nproc=2,
+        fault_rank=6,
+        truth=(6, 7),
+        kinds=("stopped_rank",),
+        phase=None,
+        why="node-freeze on 4 nodes x 2: the runner SIGSTOPs node 3's ranks (6, 7): both stopped, the other six "
+        "wait for them; after --on-stall kill no second incident on any node may blame a rank of nodes 0-2",
+        offline=False,
+        offline_why="as node-freeze",
+        action="node-freeze",
+        action_node=3,
+    ),
+    "two-hung-2n": Klass(
+        "loop.py",
+        ("--scenario", "forward-hang", "--also-ranks", "2"),
+        nodes=2,
+        nproc=2,
+        fault_rank=1,
+        truth=(1, 2),
+        kinds=("hang",),
+        phase="forward",
+        why="2 nodes x 2; rank 1 (node 0) and rank 2 (node 1) both spin in forward at step 5: ranks 0 and 3 wait "
+        "in DDP's all_reduce; both hung ranks, one on each node, are the answer",
+        offline=False,
+        offline_why="nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "two-hung-4n": Klass(
+        "loop.py",
+        ("--scenario", "forward-hang", "--also-ranks", "4"),
+        nodes=4,
+        nproc=2,
+        fault_rank=3,
+        truth=(3, 4),
+        kinds=("hang",),
+        phase="forward",
+        why="4 nodes x 2; rank 3 (node 1) and rank 4 (node 2) both spin in forward at step 5: the other six wait "
+        "in DDP's all_reduce; both hung ranks are the answer",
+        offline=False,
+        offline_why="nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "hang-4n": Klass(
+        "loop.py",
+        ("--scenario", "forward-hang"),
+        nodes=4,
+        nproc=2,
+        fault_rank=5,
+        other_ranks=(0, 7),
+        truth=(5,),
+        kinds=("hang",),
+        phase="forward",
+        why="4 nodes x 2; one rank spins in forward at step 5 (node 2, then the leader's rank 0, then the last "
+        "node's rank 7): the other seven wait for it in DDP's all_reduce",
+        offline=False,
+        offline_why="nothing printed; every rank ends by the same SIGTERM",
+    ),
+    "slow-30": Klass(
+        "loop.py",
+        ("--scenario", "slow-step", "--slow-share", "0.3"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        truth=(1,),
+        kinds=("COMPUTE STRAGGLER",),
+        phase="forward",
+        why="from step 5 on the rank's forward spins 30 % of its own median step time before the fault (the "
+        "others then wait for it in DDP's all_reduce every step): slow, never stuck — no incident is right, "
+        "the run summary must name it (straggler_ranks == [r], COMPUTE STRAGGLER in forward)",
+        offline=False,
+        offline_why="the job ends normally; there is nothing to diagnose",
+        steps=60,
+        straggler=True,
     ),
 }
 
@@ -760,7 +856,7 @@ def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bo
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load1": round(os.getloadavg()[0], 2),  # the machine's 1-min load average as the run starts
     }
-    timeout = 240 + 120 * (hogs > 0) + 60 * (nodes > 1)
+    timeout = 240 + 120 * (hogs > 0) + 60 * (nodes > 1) + 120 * (nodes > 2)  # 8 ranks importing torch
     t0 = time.time()
     agents = []
     files = contextlib.ExitStack()
@@ -912,6 +1008,13 @@ def score_class(r: dict[str, Any], k: Klass) -> dict[str, Any]:
         if inc.get("incident_id") not in firsts and set(inc.get("initiating_ranks") or []) - set(truth)
     ]
     named = sorted((v.get("initiating_ranks") or []) if v else [])
+    if k.straggler:  # no incident is right, and the summary names the slow rank
+        summ = r.get("summary") or {}
+        named = named or sorted(summ.get("straggler_ranks") or [])
+        ok = v is None and not r.get("timed_out") and all(rc == 0 for rc in r["rc"])
+        return {"named": named, "rank": ok and named == truth, "kind": ok and summ.get("diagnosis") in k.kinds,
+                "phase": ok and summ.get("phase") == k.phase, "offline_named": off_named, "offline": None,
+                "later_wrong": len(later), "confidence": None}
     if not truth:
         right = v is None and not r.get("timed_out") and all(rc == 0 for rc in r["rc"])
         return {"named": named, "rank": right, "kind": right, "phase": None, "offline_named": off_named,
@@ -1158,9 +1261,13 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
             continue
         n += 1
         v = r["verdict"]
+        summ = r.get("summary") or {}
         said = (
             f"{v['kind']} {v['initiating_ranks']} phase {v['phase']} ({v['confidence']}): {v['reason']}"
             if v
+            else f"no incident; summary {summ.get('diagnosis')} {summ.get('straggler_ranks')} phase "
+            f"{summ.get('phase')}: {summ.get('why')}"
+            if CLASSES[r["fault"]].straggler
             else "no incident (" + ("; ".join(r["notes"]) or f"job ended, rc {r['rc']}") + ")"
         )
         later = [

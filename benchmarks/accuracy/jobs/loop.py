@@ -5,7 +5,8 @@ of the v3 classes that are about *when and where* a rank stops rather than the p
 scenario                    what ``--fault-rank`` does at ``--fault-step``
 ==========================  ================================================================================
 forward-hang                spins in forward (with ``--pg-timeout-s 8`` under a 30 s stall timeout the
-                            healthy ranks' gloo timeouts fire first and they exit)
+                            healthy ranks' gloo timeouts fire first and they exit); ``--also-ranks`` spin
+                            too (several hung ranks, e.g. on two nodes)
 node-signal                 marks "ready" and goes on: the runner then kills or freezes a whole node
 pre-init-hang               (before any step) blocks before ``init_process_group``; the others wait in it
 checkpoint-declared         a long checkpoint (``--checkpoint-s``) inside ``phase("checkpoint", budget_s=…)``,
@@ -14,12 +15,16 @@ checkpoint-undeclared       the same checkpoint without declaring it: the others
 child-hang                  waits on a child process that never exits (``subprocess.run`` of a hung helper)
 compile-graph-break         ``DDP(torch.compile(model))``; the forward has a graph break, and the Python
                             code run at the break blocks on that rank
+slow-step                   from ``--fault-step`` on, every forward also spins ``--slow-share`` (0.3) of the
+                            rank's own median step time before the fault: 30 % slower every step, never
+                            stuck (a straggler; the job finishes)
 ==========================  ================================================================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -41,6 +46,7 @@ SCENARIOS = (
     "checkpoint-undeclared",
     "child-hang",
     "compile-graph-break",
+    "slow-step",
     "none",
 )
 
@@ -66,6 +72,8 @@ class MLP(nn.Module):
         self.b = nn.Linear(HIDDEN, 1)
         self.args = args
         self.spin = False
+        self.slow_s = 0.0  # slow-step: extra busy time per forward
+
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x).relu()
@@ -74,6 +82,11 @@ class MLP(nn.Module):
             at_graph_break(self.args)
         while self.spin:  # forward-hang
             h = h * 1.0
+        if self.slow_s:  # slow-step: busy, not stuck (a CPU-bound extra in the rank's own forward)
+            end = time.perf_counter() + self.slow_s
+            with torch.no_grad():  # outside autograd: recorded ops would move the extra work into backward
+                while time.perf_counter() < end:
+                    torch.mul(h, 1.0)
         return self.b(h)
 
 
@@ -99,6 +112,8 @@ def main() -> int:
     p = _common.parser(__doc__, SCENARIOS)
     p.add_argument("--checkpoint-s", type=float, default=12.0)
     p.add_argument("--checkpoint-budget-s", type=float, default=60.0)
+    p.add_argument("--also-ranks", type=int, nargs="*", default=[], help="forward-hang: more ranks that hang")
+    p.add_argument("--slow-share", type=float, default=0.3, help="slow-step: extra time per step, share of a step")
     args = p.parse_args()
     env_rank = _common.rank_from_env()
     if args.scenario == "pre-init-hang" and env_rank == args.fault_rank:
@@ -112,14 +127,20 @@ def main() -> int:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
-    faulty = rank == args.fault_rank
+    faulty = rank == args.fault_rank or (args.scenario == "forward-hang" and rank in args.also_ranks)
+    starts: list[float] = []  # slow-step: each step's start, to calibrate the extra on the rank's own steps
 
     def step(i: int) -> torch.Tensor:
         STATE["step"] = i
+        starts.append(time.perf_counter())
         at_fault = faulty and i == args.fault_step
         if at_fault and args.scenario == "forward-hang":
             _common.mark("forward-hang", rank, i)
             (model._orig_mod if hasattr(model, "_orig_mod") else model).spin = True
+        if at_fault and args.scenario == "slow-step":
+            durations = sorted(b - a for a, b in itertools.pairwise(starts))
+            model.slow_s = args.slow_share * (durations[len(durations) // 2] if durations else 0.02)
+            _common.mark("slow-step", rank, i)
         if at_fault and args.scenario == "node-signal":
             _common.mark("ready", rank, i)
         if at_fault and args.scenario == "child-hang":
