@@ -21,10 +21,26 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = str(REPO / "examples" / "ddp_demo.py")
 
 
+_PORT_BLOCK = 1500  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
+_port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range: a port the kernel handed out (bind to 0) can be taken by any
+    outgoing connection (gloo opens hundreds) before the job binds it — a store or rendezvous then fails with
+    EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + (int(worker) if worker.isdigit() else 0) % 8 * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = base + _port_next[0] % _PORT_BLOCK
+        _port_next[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + _PORT_BLOCK - 1}")
 
 
 def torchrun_args(
