@@ -22,6 +22,7 @@ DEMO = str(REPO / "examples" / "ddp_demo.py")
 
 
 _PORT_BLOCK = 1500  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
+_PORT_STRIDE = 4  # the ports a test derives from one it drew (port + 1 ...) are never drawn
 _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
 
 
@@ -31,8 +32,9 @@ def free_port() -> int:
     EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     base = 20000 + (int(worker) if worker.isdigit() else 0) % 8 * _PORT_BLOCK
-    for _ in range(_PORT_BLOCK):
-        port = base + _port_next[0] % _PORT_BLOCK
+    for _ in range(_PORT_BLOCK // _PORT_STRIDE):
+        # a stride: callers use the ports just above the one drawn too (the Slurm example's store is MASTER_PORT+1)
+        port = base + _port_next[0] * _PORT_STRIDE % _PORT_BLOCK
         _port_next[0] += 1
         with socket.socket() as s:
             try:
