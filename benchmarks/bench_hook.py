@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -361,23 +362,28 @@ def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:
     return out
 
 
-def breakdown(steps: int) -> dict[str, float]:
-    """One child in breakdown mode (step_child): the hook's CPU per step by group of points."""
+def _step_child_json(steps: int, job_id: str, what: str, *extra: str) -> dict[str, Any]:
+    """One step_child run in its own shm dir, without a launcher's rank environment; its JSON line."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000")
     shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
-    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-breakdown")
+    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID=job_id)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
         env.pop(key, None)
     try:
         with Procs() as procs:
-            cmd = [sys.executable, __file__, "--step-child", str(steps), "--breakdown"]
+            cmd = [sys.executable, __file__, "--step-child", str(steps), *extra]
             res = procs.run(cmd, timeout=600, text=True, env=env)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
     if res.returncode != 0 or line is None:
-        raise RuntimeError(f"breakdown run failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return {k: float(v) for k, v in json.loads(line).items()}
+        raise RuntimeError(f"{what} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return dict(json.loads(line))
+
+
+def breakdown(steps: int) -> dict[str, float]:
+    """One child in breakdown mode (step_child): the hook's CPU per step by group of points."""
+    return {k: float(v) for k, v in _step_child_json(steps, "bench-breakdown", "breakdown", "--breakdown").items()}
 
 
 def breakdown_rows(bd: dict[str, float]) -> list[str]:
@@ -398,20 +404,7 @@ def breakdown_rows(bd: dict[str, float]) -> list[str]:
 def per_step(steps: int) -> dict[str, float]:
     """One child (step_child): per-step training-thread CPU with the hook off / on, medians over the
     blocks, and the median of the paired (adjacent) block differences."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000")
-    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
-    env.update(RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-step")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
-        env.pop(key, None)
-    try:
-        with Procs() as procs:
-            res = procs.run([sys.executable, __file__, "--step-child", str(steps)], timeout=600, text=True, env=env)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), None)
-    if res.returncode != 0 or line is None:
-        raise RuntimeError(f"per-step run failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    r = json.loads(line)
+    r = _step_child_json(steps, "bench-step", "per-step")
     off, on = r["off"], r["on"]
     paired = median([b - a for a, b in zip(off, on, strict=True)])
     return {"off_us": median(off), "on_us": median(on), "paired_us": paired,
