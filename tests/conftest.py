@@ -176,6 +176,22 @@ class LineReader:
             return "".join(self.lines)
 
 
+def stop_daemon(proc: subprocess.Popen, log: LineReader | None = None, timeout: float = 30) -> None:
+    """SIGTERM a daemon and wait for it; one that outlives ``timeout`` fails the test with its threads'
+    stacks (py-spy) and its last log lines, so a shutdown that hangs says where."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    dump = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
+    tail = "".join(log.lines[-30:]) if log is not None else ""
+    proc.kill()
+    proc.wait(timeout=30)
+    pytest.fail(f"daemon {proc.pid} still running {timeout:.0f}s after SIGTERM\n{dump.stdout}{dump.stderr}\n{tail}")
+
+
 def healthz_polls(port: int) -> int | None:
     """How many polls the daemon serving ``--metrics-port port`` has started (None: not answering yet)."""
     try:

@@ -496,9 +496,8 @@ def test_forged_incident_in_a_healthy_job_makes_no_bundle(procs, tmp_path, with_
     for _, _, out in daemons:
         assert not list(out.glob("*/incidents/*")), [log.lines[-20:] for log in logs]
     assert all(j.poll() is None for j in jobs), "a forged claim must never kill"
-    for d, _, _ in daemons:
-        d.terminate()
-        d.wait(timeout=30)
+    for (d, _, _), log in zip(daemons, logs, strict=True):
+        stop_daemon(d, log)
     logs = [log.text() for log in logs]
     if with_secret:
         assert all('"store_value_rejected"' in log and "incident/current" in log for log in logs), logs
