@@ -178,6 +178,38 @@ def _decode_str(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
+def _ring_steps(buf: bytes, names: tuple[str, ...], first: int, done: int) -> list[StepTiming]:
+    """The ring's completed steps ``first``..``done``-1; a slot not yet written for its step is skipped."""
+    from rankwatch.watchdog.core.steps import StepTiming  # here, not at the top: the hook never builds one
+
+    n = len(names)
+    steps: list[StepTiming] = []
+    if first >= done:
+        return steps
+    # one cast over the ring instead of a ctypes attribute walk per field: the daemon decodes every
+    # step of every rank (hundreds per second at 5 ms steps)
+    words = memoryview(buf)[_RING_OFFSET : _RING_OFFSET + RING_STEPS * _ENTRY_SIZE].cast("Q")
+    per = _ENTRY_SIZE // 8
+    for s in range(first, done):
+        base = (s % RING_STEPS) * per
+        if words[base] != s:  # slot not yet written for this step (cannot happen under the seqlock)
+            continue
+        ns = words[base + 3 : base + 3 + n]
+        inp = base + 3 + MAX_PHASES
+        steps.append(
+            StepTiming(
+                step=s,
+                start_ns=words[base + 1],
+                end_ns=words[base + 2],
+                phases_ms={names[i]: v / 1e6 for i, v in enumerate(ns) if v},
+                input_ms=words[inp] / 1e6,
+                input_batches=min(words[inp + 1], 1 << 32),
+                input_workers=min(words[inp + 2], 1 << 16),
+            )
+        )
+    return steps
+
+
 def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSnapshot:
     """Decode a record copy; ``since_step`` limits the ring to steps after it (the daemon's cursor)."""
     if len(buf) >= 8 and buf[:8] != MAGIC:
@@ -202,32 +234,7 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
     names = tuple(_decode_str(bytes(rec.phase_names[i])) for i in range(n))
     budgets = tuple(float(rec.phase_budget_s[i]) for i in range(n))
     done = int(rec.steps_done)
-    from rankwatch.watchdog.core.steps import StepTiming  # here, not at the top: the hook never builds one
-
-    first = max(since_step + 1, done - RING_STEPS, 0)
-    steps = []
-    if first < done:
-        # one cast over the ring instead of a ctypes attribute walk per field: the daemon decodes every
-        # step of every rank (hundreds per second at 5 ms steps)
-        words = memoryview(buf)[_RING_OFFSET : _RING_OFFSET + RING_STEPS * _ENTRY_SIZE].cast("Q")
-        per = _ENTRY_SIZE // 8
-        for s in range(first, done):
-            base = (s % RING_STEPS) * per
-            if words[base] != s:  # slot not yet written for this step (cannot happen under the seqlock)
-                continue
-            ns = words[base + 3 : base + 3 + n]
-            inp = base + 3 + MAX_PHASES
-            steps.append(
-                StepTiming(
-                    step=s,
-                    start_ns=words[base + 1],
-                    end_ns=words[base + 2],
-                    phases_ms={names[i]: v / 1e6 for i, v in enumerate(ns) if v},
-                    input_ms=words[inp] / 1e6,
-                    input_batches=min(words[inp + 1], 1 << 32),
-                    input_workers=min(words[inp + 2], 1 << 16),
-                )
-            )
+    steps = _ring_steps(buf, names, max(since_step + 1, done - RING_STEPS, 0), done)
     op = _decode_str(rec.coll_op)
     return RecordSnapshot(
         path=path,
