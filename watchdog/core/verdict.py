@@ -167,7 +167,8 @@ def decide(
             finding.confidence = "medium"
     if missing:
         notes.append(("missing", {"ranks": [v.rank for v in missing]}))
-    chosen = [v for v in views if v.rank in set(finding.ranks)]
+    named = set(finding.ranks)
+    chosen = [v for v in views if v.rank in named]
     return Verdict(
         job_id=job_id,
         incident_id=incident_id,

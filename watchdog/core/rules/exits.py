@@ -115,7 +115,8 @@ def abort_on_mismatch(found: dict[str, Finding | None], present: Sequence[RankVi
     exits, fr = found.get("exits"), found.get("flight_recorder")
     if exits is None or fr is None or fr.kind != COLLECTIVE_MISMATCH or not fr.ranks:
         return
-    dead = [v for v in present if v.rank in set(exits.ranks)]
+    named = set(exits.ranks)
+    dead = [v for v in present if v.rank in named]
     if not dead or any(v.state != DEAD or v.phase not in ("collective", "backward") for v in dead):
         return
     fr.data["aborted_receivers"] = sorted(v.rank for v in dead)  # gloo's abort: a consequence, not a cause
@@ -130,7 +131,8 @@ def abort_with_odd_counts(found: dict[str, Finding | None], present: Sequence[Ra
     exits, fr = found.get("exits"), found.get("flight_recorder")
     if exits is None or (fr is not None and fr.ranks):
         return
-    dead = [v for v in present if v.rank in set(exits.ranks)]
+    named = set(exits.ranks)
+    dead = [v for v in present if v.rank in named]
     if not dead or any(v.state != DEAD or v.phase != "collective" for v in dead):
         return
     by_seq: dict[int, list[int]] = defaultdict(list)
@@ -138,7 +140,8 @@ def abort_with_odd_counts(found: dict[str, Finding | None], present: Sequence[Ra
         by_seq[v.coll_seq].append(v.rank)
     odd = outside_majority(by_seq)
     # the odd ranks were communicating too: counts that differ while a rank still computes are just lag
-    if odd is None or any(v.phase not in ("collective", "backward") for v in present if v.rank in set(odd)):
+    odd_set = set(odd or ())
+    if odd is None or any(v.phase not in ("collective", "backward") for v in present if v.rank in odd_set):
         return
     found["exits_aborted"] = exits
     found["exits"] = Finding(EXITS, COLLECTIVE_MISMATCH, list(odd), Rung.EXIT_CAUSE, "medium", {

@@ -74,7 +74,8 @@ def rule_fr(hints: FrHints, live: Sequence[RankView]) -> Finding | None:
         # stuck rank never received): the rank that never arrived is among those the recorder does not cover
         return Finding(FR, HANG, [], Rung.FLIGHT_RECORDER, "low",
                        {**data, "shape": "fr_behind_uncovered", "uncovered": sorted(live_ranks - set(hints.ranks))})
-    lead = next(v for v in live if v.rank in set(behind))
+    behind_set = set(behind)
+    lead = next(v for v in live if v.rank in behind_set)
     confidence = "high" if covered and len(behind) < len(live) / 2 else "medium"
     return Finding(FR, HANG, behind, Rung.FLIGHT_RECORDER, confidence, {
         **data, "shape": "fr_behind", "lead": lead.rank, "phase": lead.phase, "step": lead.step,
