@@ -12,9 +12,9 @@ from rankwatch.watchdog.cluster.correlate import validate_verdict
 from rankwatch.watchdog.cluster.inspect_exchange import parse_verdict
 from rankwatch.watchdog.cluster.store import ValueRejected
 from rankwatch.watchdog.core.doc_checks import STORE_VERDICT_FIELDS, VERDICT_FIELDS, document_problems
-from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.diagnose.facts import Evidence
 from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
+from rankwatch.watchdog.report.verdict_words import decide
 
 
 def live_verdict() -> dict[str, Any]:

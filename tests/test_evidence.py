@@ -15,12 +15,13 @@ import pytest
 from rankwatch.watchdog.cluster.store import fr_share, node_doc, parse_evidence_doc
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_trace import compact_dump, parse_dump
-from rankwatch.watchdog.core.verdict import FrBehind, FrHints, decide
+from rankwatch.watchdog.core.verdict import FrBehind, FrHints
 from rankwatch.watchdog.evidence import flight_recorder as evidence_mod
 from rankwatch.watchdog.evidence.capture import RankCapture
 from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, fr_hints, with_remote
 from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.evidence.ras_watch import RasWatch
+from rankwatch.watchdog.report.verdict_words import decide
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml

@@ -13,10 +13,10 @@ import pytest
 from rankwatch.watchdog.core.snapshot import RUNNING, RankView
 from rankwatch.watchdog.core.steps import StepTiming
 from rankwatch.watchdog.core.straggler import diagnose_stragglers
-from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.errors import UserError
 from rankwatch.watchdog.report.html import EXTRA_COLOURS, PHASE_COLOURS, nice_ticks, render_html, write_html
 from rankwatch.watchdog.report.text import summary_text
+from rankwatch.watchdog.report.verdict_words import decide
 
 EVIL = "<script>alert('x')</script>"
 MS = 1_000_000

@@ -20,8 +20,8 @@ from rankwatch.watchdog.cli import inspect as inspect_cli
 from rankwatch.watchdog.core.inspect_facts import RankFact, views_from_facts
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
 from rankwatch.watchdog.core.stacks import Frame
-from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.observe.discover import MAX_ENV_VALUE, discover, parse_environ, select
+from rankwatch.watchdog.report.verdict_words import decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
 import hung

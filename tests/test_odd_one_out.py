@@ -9,13 +9,13 @@ from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_trace import parse_dump
 from rankwatch.watchdog.core.ranks import fmt_ranks, outside_majority
 from rankwatch.watchdog.core.snapshot import RankView
-from rankwatch.watchdog.core.verdict import decide
 from rankwatch.watchdog.diagnose.facts import collect
 from rankwatch.watchdog.diagnose.parser import SourceParser
 from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
 from rankwatch.watchdog.diagnose.render import render_text
 from rankwatch.watchdog.evidence.flight_recorder import fr_hints
 from rankwatch.watchdog.report.text import headline
+from rankwatch.watchdog.report.verdict_words import decide
 
 SEQ = 7
 # ops as the hook / the flight recorder name them, and as the NCCL watchdog prints them

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rankwatch.hooks.record import CANONICAL_PHASES
 from rankwatch.watchdog.core import phases
-from rankwatch.watchdog.core.render import phase_kind
 from rankwatch.watchdog.core.snapshot import STEP_PHASE_ORDER
 from rankwatch.watchdog.report.html import DISPLAY_PHASE_ORDER
+from rankwatch.watchdog.report.live_words import phase_kind
 
 
 def test_the_hook_writes_the_canonical_phases_of_the_table() -> None:

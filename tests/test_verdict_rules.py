@@ -57,7 +57,8 @@ def test_rank_behind_in_collective_count():
     ]
     v = verdict(views)
     assert v["initiating_ranks"] == [1] and v["phase"] == "checkpoint"
-    want = {"shape": "behind", "by": "collective_seq", "low": 11, "high": 12, "op": "all_reduce", "phase": "checkpoint"}
+    want = {"shape": "behind", "by": "collective_seq", "low": 11, "high": 12, "op": "all_reduce", "phase": "checkpoint",
+            "behind": [1], "ahead": [0, 2], "phases": ["checkpoint"]}
     assert v["finding"]["data"] == want
 
 
@@ -352,7 +353,7 @@ def test_a_rank_one_collective_short_that_waits_on_its_peers_skipped_one():
     v = verdict(views)
     assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [2]), v["reason"]
     assert v["finding"]["data"] == {"shape": "skipped_collective", "by": "collective_seq", "seq": 6, "op": "all_reduce",
-                                    "at": 5}
+                                    "at": 5, "behind": [2], "ahead": [0, 1, 3], "phases": ["forward"]}
     # the same counts while rank 2 computes (its stack is its own code, or unknown): it is just late
     for waiting in (False, None):
         late = [*views[:2], dataclasses.replace(views[2], waiting=waiting), views[3]]

@@ -22,10 +22,10 @@ from ..core.policy import CapturePolicy
 from ..core.snapshot import RankView
 from ..core.stacks import Frame
 from ..core.text import NAME, clean
-from ..core.verdict import decide
 from ..errors import UserError
 from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
+from ..report.verdict_words import decide
 from .options import host_port, positive_float
 from .parser import Parser
 

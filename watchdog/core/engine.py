@@ -2,7 +2,8 @@
 
 The live verdict (``core.verdict.decide``) and the offline diagnosis (``diagnose.reasoning``) both turn
 their sources into a ``FactSet`` (``core.live_facts``, ``diagnose.log_facts``) and ask ``blame``. Findings
-are data (rule, ranks, strength, data); ``core.render`` turns them into words.
+are data (rule, ranks, strength, data) — every live rung returns this type too; ``report.findings`` turns
+them into words.
 """
 
 from __future__ import annotations

@@ -24,18 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import engine
+from .engine import Finding
 from .facts import PriorVerdict
 from .facts import Rung as FactRung
 from .fr_hints import FrBehind, FrGroup, FrHints
 from .live_facts import ended_facts, is_waiting, live_facts
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
-from .render import phase_kind
 from .rules.exits import abort_on_mismatch, abort_with_odd_counts
-from .rules.finding import RuleFinding
 from .rules.ladder import LADDER, LIVE_LADDER, LadderRung, LiveCase
-from .rules.weak import apply_gpu, stack_backing, stack_groups
-from .schema import VERDICT_SCHEMA, lower_confidence, raise_confidence
+from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
+from .schema import UNKNOWN, VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import MISSING, RUNNING, RankView
 
 DEFAULT_VERDICT_POLICY = VerdictPolicy()
@@ -50,7 +49,6 @@ __all__ = [
     "fmt_ranks",
     "fold_rank_lines",
     "is_waiting",
-    "phase_kind",
     "rank_entry",
     "stack_groups",
 ]
@@ -69,6 +67,10 @@ class Verdict:
     ranks: dict[str, dict[str, Any]]
     evidence: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the words are made of (``report.verdict_words`` fills ``reason`` and ``evidence``); not in the JSON
+    finding: Finding | None = None  # the deciding finding
+    found: dict[str, Finding | None] = field(default_factory=dict)  # every rung's, by rung name
+    notes: list[Note] = field(default_factory=list)  # the evidence after the finding's own, as data
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -123,9 +125,9 @@ _RUNG_NAME = {
 }
 
 
-def _names_everyone(f: RuleFinding, present: Sequence[RankView]) -> bool:
+def _names_everyone(f: Finding, present: Sequence[RankView]) -> bool:
     """Names every rank that gave evidence: no single initiator ("a shared cause")."""
-    return bool(present) and {v.rank for v in present} <= set(f.initiators)
+    return bool(present) and {v.rank for v in present} <= set(f.ranks)
 
 
 def decide(
@@ -134,52 +136,53 @@ def decide(
     job_id: str,
     incident_id: str,
     detected_after_s: float,
-    extra_evidence: Sequence[str] = (),
     fr_hints: FrHints | None = None,
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
 ) -> Verdict:
-    """The verdict for one incident over every rank's view (all nodes).
+    """The verdict for one incident over every rank's view (all nodes), as data: ``reason`` and
+    ``evidence`` are left empty for ``report.verdict_words`` (what every caller asks) to fill from
+    ``finding``, ``found`` and ``notes``.
 
     Every rung of ``EVIDENCE_LADDER`` is asked; the strongest rung that names a rank decides, weaker ones
-    that agree back it and weaker ones that single out someone else lower the confidence (both said in
-    ``evidence``). A majority of ranks is named only on strong evidence. ``fr_hints`` (from
-    ``evidence.flight_recorder``) are the flight-recorder rung; they appear under ``flight_recorder``.
-    ``prior``/``killed``: the job was already decided and rankwatch killed ``killed`` for it (exits that
-    follow are that kill's consequences, ``engine.after_kill``). ``finding`` in the document is the
-    structured conclusion (rule, ranks, strength, data).
+    that agree back it and weaker ones that single out someone else lower the confidence (both noted). A
+    majority of ranks is named only on strong evidence. ``fr_hints`` (from ``evidence.flight_recorder``)
+    are the flight-recorder rung. ``prior``/``killed``: the job was already decided and rankwatch killed
+    ``killed`` for it (exits that follow are that kill's consequences, ``engine.after_kill``). ``finding``
+    in the document is the structured conclusion (rule, ranks, strength, data).
     """
     views = sorted(views, key=lambda v: v.rank)
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
     found = _findings(views, present, live, fr_hints, policy, prior, killed)
-    finding = _conclude(found, present, live, missing, policy)
-    evidence = list(finding.evidence)
-    if finding.initiators and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
-        line, agrees = stack_backing(present, finding.initiators)
-        if line:
-            evidence.append(line)
+    notes: list[Note] = []
+    finding = _conclude(found, present, live, missing, policy, notes)
+    if finding.ranks and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
+        note, agrees = stack_backing(present, finding.ranks)
+        if note is not None:
+            notes.append(note)
         if agrees is False and finding.confidence == "high":
             finding.confidence = "medium"
     if missing:
-        evidence.append(f"missing evidence from {fmt_ranks(v.rank for v in missing)}")
-    evidence.extend(extra_evidence)
-    initiator_set = set(finding.initiators)
-    chosen = [v for v in views if v.rank in initiator_set]
+        notes.append(("missing", {"ranks": [v.rank for v in missing]}))
+    named = set(finding.ranks)
+    chosen = [v for v in views if v.rank in named]
     return Verdict(
         job_id=job_id,
         incident_id=incident_id,
         kind=finding.kind,
-        initiating_ranks=finding.initiators,
+        initiating_ranks=list(finding.ranks),
         phase=_phase_of(chosen) if chosen else None,
         confidence=finding.confidence,
-        reason=finding.reason,
+        reason="",
         detected_after_s=detected_after_s,
         ranks={str(v.rank): rank_entry(v) for v in views},
-        evidence=fold_rank_lines(evidence),
         extra=_extra(finding, found, missing, fr_hints),
+        finding=finding,
+        found=found,
+        notes=notes,
     )
 
 
@@ -191,11 +194,12 @@ def _findings(
     policy: VerdictPolicy,
     prior: PriorVerdict | None,
     killed: Sequence[int],
-) -> dict[str, RuleFinding | None]:
+) -> dict[str, Finding | None]:
     """What every rung of the ladder found, by rung name (each finding's ``rule`` set to it); the weaker
-    rungs are asked only when no own exit, stop or shared failure already decides."""
+    rungs are asked only when no own exit, stop or shared failure already decides. An exit set aside as
+    a consequence of a mismatch stays as ``exits_aborted`` (no rung: its words are quoted)."""
     case = LiveCase(views, present, live, fr_hints, policy)
-    found: dict[str, RuleFinding | None] = {r.name: r.live(case) for r in LIVE_LADDER if r.first and r.live}
+    found: dict[str, Finding | None] = {r.name: r.live(case) for r in LIVE_LADDER if r.first and r.live}
     for name, f in found.items():
         if f is not None:
             f.rule = name
@@ -213,7 +217,7 @@ def _findings(
         found["flight_recorder"], found["fr_behind"] = None, fr
         fr.rule = "fr_behind"
     # an own exit or a stop decides and is never weighed: the graph and the weaker rungs are not needed
-    decisive = any((f := found.get(n)) is not None and f.initiators for n in ("exits", "stopped"))
+    decisive = any((f := found.get(n)) is not None and f.ranks for n in ("exits", "stopped"))
     # ... and so does the same error on every rank, which names nobody (the job's own failure)
     decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
     if prior is not None or not decisive:
@@ -229,56 +233,50 @@ def _findings(
 
 
 def _conclude(
-    found: Mapping[str, RuleFinding | None],
+    found: Mapping[str, Finding | None],
     present: Sequence[RankView],
     live: Sequence[RankView],
     missing: Sequence[RankView],
     policy: VerdictPolicy,
-) -> RuleFinding:
+    notes: list[Note],
+) -> Finding:
     """The deciding finding: the strongest rung that singles ranks out, weighed against the weaker ones;
     a finding naming nobody (or everyone) only when none does; else ``unknown``."""
     ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
-    singling = [
-        r for r in ladder if (f := found[r.name]) is not None and f.initiators and not _names_everyone(f, present)
-    ]
+    singling = [r for r in ladder if (f := found[r.name]) is not None and f.ranks and not _names_everyone(f, present)]
     rung = singling[0] if singling else (ladder[0] if ladder else None)
     finding = found[rung.name] if rung is not None else None
     if finding is not None and rung is not None and rung.name not in ("exits", "stopped", "after_kill"):
         # the stopped or dead cannot be second-guessed; everything else is weighed against the weaker rungs
-        _weigh(finding, rung, found, present)
-        apply_gpu(finding, live, policy)
+        _weigh(finding, rung, found, present, notes)
+        if (gpu := apply_gpu(finding, live, policy)) is not None:
+            notes.append(gpu)
     if finding is None and missing:
-        finding = RuleFinding(
-            "unknown",
-            sorted(v.rank for v in missing),
-            "low",
-            f"no evidence from {fmt_ranks(v.rank for v in missing)} (node {missing[0].node} did not answer); "
-            "a node that never answers is the likeliest cause",
-            [],
-        )
+        return Finding("", UNKNOWN, sorted(v.rank for v in missing), FactRung.SILENCE, "low",
+                       {"shape": "no_answer", "node": missing[0].node})
     if finding is None:
-        finding = RuleFinding("unknown", [], "low", "no rule singled out a rank", [])
+        return Finding("", UNKNOWN, [], FactRung.SILENCE, "low", {"shape": "nothing"})
     return finding
 
 
 def _extra(
-    finding: RuleFinding,
-    found: Mapping[str, RuleFinding | None],
+    finding: Finding,
+    found: Mapping[str, Finding | None],
     missing: Sequence[RankView],
     fr_hints: FrHints | None,
 ) -> dict[str, Any]:
     """The verdict document's own fields: which rung decided, the structured finding, the flight
     recorder's role."""
     decided_by = _DECIDED_BY.get(finding.rule, finding.rule) or "none"
-    if finding.rule == "wait_for" and finding.structured is not None:
-        decided_by = _wait_for_label(finding.structured, found)
+    if finding.rule == engine.WAIT_FOR:
+        decided_by = _wait_for_label(finding, found)
     extra: dict[str, Any] = {
         "decided_by": decided_by,
         "finding": _finding_doc(finding, decided_by),
         "missing_ranks": [v.rank for v in missing],
     }
-    if finding.structured is not None and finding.structured.rule == engine.AFTER_KILL:
-        extra["follows_incident"] = finding.structured.data.get("follows_incident")
+    if finding.rule == engine.AFTER_KILL:
+        extra["follows_incident"] = finding.data.get("follows_incident")
     if fr_hints is not None:
         fr_role = "decided" if decided_by == "flight_recorder" else _fr_role(
             found.get("flight_recorder") or found.get("fr_behind"), finding)
@@ -286,18 +284,16 @@ def _extra(
     return extra
 
 
-def _finding_doc(finding: RuleFinding, decided_by: str) -> dict[str, Any]:
-    """The structured finding of the document: the engine's own, or the rung's, with what weighing added
-    (``backed_by``, ``questioned_by``, ``gpu``)."""
-    if finding.structured is not None:
-        doc = finding.structured.to_json()
-        doc["data"].update(engine.jsonable(finding.data))
-        return doc
-    return {"rule": finding.rule or "none", "ranks": list(finding.initiators), "strength": decided_by,
-            "data": engine.jsonable(finding.data)}
+def _finding_doc(finding: Finding, decided_by: str) -> dict[str, Any]:
+    """The structured finding of the document, with what weighing added (``backed_by``, ``questioned_by``,
+    ``gpu``): the engine's own strength, else the ladder name that decided."""
+    doc = finding.to_json()
+    if finding.rule not in (engine.WAIT_FOR, engine.AFTER_KILL):
+        doc["rule"], doc["strength"] = finding.rule or "none", decided_by
+    return doc
 
 
-def _wait_for_label(f: engine.Finding, found: Mapping[str, RuleFinding | None]) -> str:
+def _wait_for_label(f: Finding, found: Mapping[str, Finding | None]) -> str:
     """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a per-group
     count that names the same ranks (the flight recorder's, then the counters')."""
     if f.kind == "comm_hang" or f.data.get("peer_ended"):
@@ -307,65 +303,55 @@ def _wait_for_label(f: engine.Finding, found: Mapping[str, RuleFinding | None]) 
     label = _RUNG_NAME.get(f.data.get("edge_strength", FactRung.WAITING), "waiting")
     for name, as_label in (("fr_behind", "flight_recorder"), ("counters", "counters")):
         other = found.get(name)
-        if label in ("waiting", "counters") and other is not None and set(other.initiators) == set(f.ranks):
+        if label in ("waiting", "counters") and other is not None and set(other.ranks) == set(f.ranks):
             return as_label if label == "waiting" or as_label == "flight_recorder" else label
     return label
 
 
-def _fr_role(fr: RuleFinding | None, finding: RuleFinding) -> str:
-    if fr is None or not fr.initiators:
+def _fr_role(fr: Finding | None, finding: Finding) -> str:
+    if fr is None or not fr.ranks:
         return "none"
-    return "backed" if set(fr.initiators) == set(finding.initiators) else "disagreed"
+    return "backed" if set(fr.ranks) == set(finding.ranks) else "disagreed"
 
 
 def _weigh(
-    finding: RuleFinding, rung: LadderRung, found: Mapping[str, RuleFinding | None], present: Sequence[RankView]
+    finding: Finding, rung: LadderRung, found: Mapping[str, Finding | None], present: Sequence[RankView],
+    notes: list[Note],
 ) -> None:
-    """Back or question the decision with every weaker rung; refuse to blame a majority on weak evidence."""
-    chosen = set(finding.initiators)
+    """Back or question the decision with every weaker rung (each a ``weighed`` note); refuse to blame a
+    majority on weak evidence."""
+    chosen = set(finding.ranks)
     below = list(EVIDENCE_LADDER)[[r.name for r in EVIDENCE_LADDER].index(rung.name) + 1 :]
     # the wait-for graph already read groups, p2p peers and counters: their per-group "behind" is no
     # independent evidence against it (pipeline stages and subgroups make it disagree by design)
     subsumed = {"exits_consequence", "fr_behind", "counters", "waiting"} if rung.name == "wait_for" else set()
     # ranks the graph shows waiting for a named peer: a weaker rung that names them beside the sinks (a TP
     # peer waiting in its own collective has a stack nobody else shares) says nothing against the sinks
-    graph = finding.structured.data if rung.name == "wait_for" and finding.structured is not None else {}
+    graph = finding.data if rung.name == "wait_for" else {}
     named_waiters = set(graph.get("waiters", ())) - set(graph.get("via_anyone", ()))
     for r in below:
         other = found.get(r.name)
-        if other is None or not other.initiators or _names_everyone(other, present):
+        if other is None or not other.ranks or _names_everyone(other, present):
             continue
-        if r.name in subsumed and set(other.initiators) != chosen:
+        if r.name in subsumed and set(other.ranks) != chosen:
             continue
         if other.data.get("shape") == "shared_cause":
             continue  # "every live rank stuck alike" singles nobody out: not backing, even when one is live
-        if (extra := set(other.initiators) - chosen) and extra <= named_waiters and chosen <= set(other.initiators):
-            finding.evidence.append(
-                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}: "
-                f"{fmt_ranks(extra)} wait(s) for a named peer in the graph above"
-            )
-            continue
-        if set(other.initiators) == chosen:
+        about = {"rung": r.name, "ranks": list(other.ranks)}
+        if (extra := set(other.ranks) - chosen) and extra <= named_waiters and chosen <= set(other.ranks):
+            notes.append(("weighed", {**about, "how": "named_waiters", "waiters": sorted(extra)}))
+        elif set(other.ranks) == chosen:
             finding.data.setdefault("backed_by", []).append(r.name)
-            finding.evidence.append(f"{r.name.replace('_', ' ')} agrees: {other.reason}")
+            notes.append(("weighed", {**about, "how": "agrees"}))
             if r.name in ("flight_recorder", "fr_behind", "counters", "waiting"):
                 finding.confidence = raise_confidence(finding.confidence)
-        elif len(other.initiators) < len(present) / 2:
+        elif len(other.ranks) < len(present) / 2:
             finding.data.setdefault("questioned_by", []).append(r.name)
-            finding.evidence.append(
-                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)} instead: "
-                f"{other.reason}"
-            )
+            notes.append(("weighed", {**about, "how": "instead"}))
             finding.confidence = lower_confidence(finding.confidence)
         else:
-            finding.evidence.append(
-                f"{r.name.replace('_', ' ')} (weaker evidence) names {fmt_ranks(other.initiators)}, a majority: "
-                "explained by the stronger evidence above"
-            )
-    if not rung.strong and finding.initiators and len(finding.initiators) > len(present) / 2:
+            notes.append(("weighed", {**about, "how": "majority"}))
+    if not rung.strong and finding.ranks and len(finding.ranks) > len(present) / 2:
         finding.confidence = "low"
         finding.data["majority_on_weak_evidence"] = True
-        finding.evidence.append(
-            f"naming {len(finding.initiators)} of {len(present)} ranks on {rung.name.replace('_', ' ')} evidence "
-            "alone: a majority is only blamed on strong evidence (an exit, a stop, the flight recorder)"
-        )
+        notes.append(("weak_majority", {"rung": rung.name, "named": len(finding.ranks), "of": len(present)}))

@@ -1,8 +1,12 @@
-"""Findings of the fact rules (``core.rules.ladder``) in words: reason, next action, what would decide.
+"""Findings in words: the one place the sentences of the live verdict and of the offline diagnosis are
+written, one phrase per finding (``words``).
 
-The one place the offline diagnosis's sentences are written; rules hand over data (``Finding.data``) and
-tests assert on that data, not on these words. Every value may come from a hostile log: the parser bounds
-it and the text renderer (``diagnose.render``) cleans it before it reaches a terminal.
+Every rule of ``core`` (the ladder's rungs, the engine) hands over a structured ``Finding`` (rule, kind,
+ranks, strength, data) and the live verdict adds notes (what weaker rungs, stacks, GPU use and silent
+nodes say) as data; tests assert on that data, not on these words. Offline a finding becomes a reason, a
+next action and what would decide; live a reason and evidence lines, which ``report.verdict_words``
+writes into the verdict document. Every value may come from a hostile log or record: the parser bounds
+it and the renderers (``diagnose.render``, ``report.text``/``html``) clean it before it is shown.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from typing import Any
 from ..core.engine import Finding
 from ..core.facts import DESYNC_REPORT, STORE_KEYS
 from ..core.ranks import fmt_ranks
+from .live_words import LiveContext, live_words
 
 
 @dataclass
 class Words:
     reason: str
-    next_action: str
+    next_action: str = ""
     would_decide: str = ""
     notes: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)  # live: the verdict's evidence lines for the finding
 
 
 _CAUSE = {"cuda_oom": "CUDA out of memory", "host_oom": "killed by the host OOM killer"}
@@ -284,8 +290,12 @@ _WORDS: dict[str, Callable[[Finding, str, Mapping[str, Any]], Words]] = {
 }
 
 
-def words(f: Finding) -> Words:
-    """The words of a fact-rule finding."""
+def words(f: Finding, live: LiveContext | None = None) -> Words:
+    """The words of a finding: live (``live`` given: the ranks' views and every rung's finding, which
+    the phrases quote) by its shape, or by its rule for the engine's; offline by its rule."""
+    if live is not None:
+        reason, evidence = live_words(f, live)
+        return Words(reason, evidence=evidence)
     render = _WORDS.get(f.rule, _none)
     out = render(f, fmt_ranks(f.ranks), f.data)
     if victims := f.data.get("root_cause_victims"):

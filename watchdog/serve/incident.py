@@ -30,7 +30,7 @@ from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from ..core.stacks import signature, stack_top, waiting_on_peers
-from ..core.verdict import decide, rank_entry
+from ..core.verdict import rank_entry
 from ..evidence.capture import RankCapture, capture_all
 from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
 from ..evidence.gpu import GpuWatch
@@ -38,6 +38,7 @@ from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
 from ..report.text import verdict_text
+from ..report.verdict_words import decide
 from .act import Killer
 from .alerts import Alerter
 

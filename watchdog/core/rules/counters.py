@@ -1,176 +1,94 @@
 """The hook's counters: steps and Python-level collective counts and ops (ranks behind, odd ops), and the phase
-of ranks when nobody waits. Pure."""
+of ranks when nobody waits. Pure; findings are data (``report.findings`` puts them in words)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
+from ..engine import Finding
+from ..facts import Rung
 from ..live_facts import is_waiting
 from ..ranks import behind as ranks_behind
-from ..ranks import fmt_ranks, majority, outside_majority
-from ..render import phase_kind
+from ..ranks import majority, outside_majority
+from ..schema import COLLECTIVE_MISMATCH, HANG
 from ..snapshot import STEP_PHASE_ORDER, RankView
-from .finding import RuleFinding
+
+COUNTERS = "counters"
+WAITING = "waiting"
 
 
-def _odd_views(groups: dict[Any, list[RankView]]) -> list[RankView] | None:
-    """The views of every rank outside the strictly largest group (``ranks.outside_majority``)."""
-    odd = outside_majority({k: [v.rank for v in vs] for k, vs in groups.items()})
-    if odd is None:
-        return None
-    chosen = set(odd)
-    return sorted((v for vs in groups.values() for v in vs if v.rank in chosen), key=lambda v: v.rank)
+def _confidence(behind: Sequence[object], live: Sequence[RankView]) -> str:
+    return "high" if len(behind) < len(live) / 2 else "medium"
 
 
-def rule_behind(live: Sequence[RankView]) -> RuleFinding | None:
-    top_step = max(v.step for v in live)
-    low_step = min(v.step for v in live)
+def rule_behind(live: Sequence[RankView]) -> Finding | None:
+    """Ranks at the lowest step, else at the lowest Python-level collective count (``ranks.behind``); with
+    every rank waiting, a majority "behind" means the few ahead entered a collective the others never
+    issue, and a few behind that wait on peers skipped the one the others are in."""
     by_step = set(ranks_behind({v.rank: v.step for v in live}))
     if by_step:
         behind = [v for v in live if v.rank in by_step]
-        return RuleFinding(
-            "hang",
-            sorted(v.rank for v in behind),
-            "high" if len(behind) < len(live) / 2 else "medium",
-            f"{fmt_ranks(v.rank for v in behind)} is stuck at step {low_step} in "
-            f"{phase_kind(behind[0].phase)} ({behind[0].phase or 'idle'}) while the others reached step {top_step}",
-            [f"rank {v.rank}: step {v.step}, phase {v.phase or 'idle'}" for v in live],
-            data={"shape": "behind", "by": "step", "low": low_step, "high": top_step, "phase": behind[0].phase},
-        )
-    top_seq = max(v.coll_seq for v in live)
+        return Finding(COUNTERS, HANG, sorted(by_step), Rung.COUNTERS, _confidence(behind, live), {
+            "shape": "behind", "by": "step", "low": min(v.step for v in live), "high": max(v.step for v in live),
+            "phase": behind[0].phase})
     by_seq = set(ranks_behind({v.rank: v.coll_seq for v in live}))
-    if by_seq:
-        behind = [v for v in live if v.rank in by_seq]
-        ahead = [v for v in live if v.coll_seq == top_seq]
-        if len(behind) > len(live) / 2 and all(is_waiting(v) for v in live):
-            # most ranks "behind" yet every rank waits: the few ahead entered a collective the others never
-            # issue (a rank-conditional barrier); the others wait in one Python counters cannot see (DDP)
-            return RuleFinding(
-                "collective_mismatch",
-                sorted(v.rank for v in ahead),
-                "medium",
-                f"{fmt_ranks(v.rank for v in ahead)} entered collective #{top_seq} ({ahead[0].coll_op}) that "
-                f"{fmt_ranks(v.rank for v in behind)} never issue: they wait in "
-                f"{', '.join(sorted({v.phase or 'idle' for v in behind}))} (a collective Python-level counters do "
-                "not see, such as DDP's gradient all-reduce) — a collective only some ranks call",
-                [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
-                data={"shape": "extra_collective", "by": "collective_seq", "seq": top_seq, "op": ahead[0].coll_op},
-            )
-        if (
-            len(behind) < len(live) / 2
-            and all(v.waiting is True and not v.in_collective for v in behind)
-            and all(v.in_collective for v in live if v.rank not in by_seq)
-        ):
-            # the few behind are not computing: their stacks wait on peers in a collective Python counters
-            # do not see (DDP's buffer broadcast in the next forward) — they skipped the one the others are in
-            return RuleFinding(
-                "collective_mismatch",
-                sorted(v.rank for v in behind),
-                "medium",
-                f"{fmt_ranks(v.rank for v in behind)} issued fewer Python-level collectives than the others "
-                f"(#{behind[0].coll_seq} against #{top_seq}) yet waits on its peers in "
-                f"{', '.join(sorted({v.phase or 'idle' for v in behind}))}: it skipped collective #{top_seq} "
-                f"({ahead[0].coll_op}) that {fmt_ranks(v.rank for v in ahead)} wait in, and is inside one they "
-                "never issue",
-                [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}, "
-                 f"{'waiting' if is_waiting(v) else 'not waiting'}" for v in live],
-                data={
-                    "shape": "skipped_collective",
-                    "by": "collective_seq",
-                    "seq": top_seq,
-                    "op": ahead[0].coll_op,
-                    "at": behind[0].coll_seq,
-                },
-            )
-        return RuleFinding(
-            "hang",
-            sorted(v.rank for v in behind),
-            "high" if len(behind) < len(live) / 2 else "medium",
-            f"{fmt_ranks(v.rank for v in behind)} is stuck in {phase_kind(behind[0].phase)} "
-            f"({behind[0].phase or 'idle'}) before collective #{top_seq} ({ahead[0].coll_op}) that "
-            f"{fmt_ranks(v.rank for v in ahead)} already entered",
-            [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op or ''}, phase {v.phase or 'idle'}" for v in live],
-            data={
-                "shape": "behind",
-                "by": "collective_seq",
-                "low": behind[0].coll_seq,
-                "high": top_seq,
-                "op": ahead[0].coll_op,
-                "phase": behind[0].phase,
-            },
-        )
-    return None
+    if not by_seq:
+        return None
+    top_seq = max(v.coll_seq for v in live)
+    behind = [v for v in live if v.rank in by_seq]
+    ahead = [v for v in live if v.coll_seq == top_seq]
+    data = {"by": "collective_seq", "op": ahead[0].coll_op,
+            "behind": sorted(by_seq), "ahead": sorted(v.rank for v in ahead),
+            "phases": sorted({v.phase or "idle" for v in behind})}
+    if len(behind) > len(live) / 2 and all(is_waiting(v) for v in live):
+        # most ranks "behind" yet every rank waits: the few ahead entered a collective the others never
+        # issue (a rank-conditional barrier); the others wait in one Python counters cannot see (DDP)
+        return Finding(COUNTERS, COLLECTIVE_MISMATCH, sorted(v.rank for v in ahead), Rung.COUNTERS, "medium",
+                       {**data, "shape": "extra_collective", "seq": top_seq})
+    if (
+        len(behind) < len(live) / 2
+        and all(v.waiting is True and not v.in_collective for v in behind)
+        and all(v.in_collective for v in live if v.rank not in by_seq)
+    ):
+        # the few behind are not computing: their stacks wait on peers in a collective Python counters
+        # do not see (DDP's buffer broadcast in the next forward) — they skipped the one the others are in
+        return Finding(COUNTERS, COLLECTIVE_MISMATCH, sorted(by_seq), Rung.COUNTERS, "medium",
+                       {**data, "shape": "skipped_collective", "seq": top_seq, "at": behind[0].coll_seq})
+    return Finding(COUNTERS, HANG, sorted(by_seq), Rung.COUNTERS, _confidence(behind, live), {
+        **data, "shape": "behind", "low": behind[0].coll_seq, "high": top_seq, "phase": behind[0].phase})
 
 
-def rule_not_waiting(live: Sequence[RankView]) -> RuleFinding | None:
+def rule_not_waiting(live: Sequence[RankView]) -> Finding | None:
     """Nobody waits (the wait-for graph has no edge): the ranks earliest in the step, else a shared cause."""
-    waiting = [v for v in live if is_waiting(v)]
     busy = [v for v in live if not is_waiting(v)]
-    if busy and not waiting:
-        by_order: dict[int, list[RankView]] = defaultdict(list)
-        for v in busy:
-            by_order[STEP_PHASE_ORDER.get(v.phase or "", 0)].append(v)
-        if len(by_order) > 1:
-            earliest = by_order[min(by_order)]
-            lead = earliest[0]
-            return RuleFinding(
-                "hang",
-                sorted(v.rank for v in earliest),
-                "medium",
-                f"{fmt_ranks(v.rank for v in earliest)} is stuck earliest in the step, in "
-                f"{phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}",
-                [f"rank {v.rank}: phase {v.phase or 'idle'}" for v in live],
-                data={"shape": "earliest_in_step", "phase": lead.phase},
-            )
-        lead = busy[0]
-        return RuleFinding(
-            "hang",
-            sorted(v.rank for v in busy),
-            "low",
-            f"every rank is stuck in {phase_kind(lead.phase)} ({lead.phase or 'idle'}) at step {lead.step}: "
-            "a shared cause (filesystem, data service, host) rather than one rank",
-            [],
-            data={"shape": "shared_cause", "phase": lead.phase},
-        )
-    return None
+    if not busy or len(busy) != len(live):
+        return None
+    by_order: dict[int, list[RankView]] = defaultdict(list)
+    for v in busy:
+        by_order[STEP_PHASE_ORDER.get(v.phase or "", 0)].append(v)
+    if len(by_order) > 1:
+        earliest = by_order[min(by_order)]
+        return Finding(WAITING, HANG, sorted(v.rank for v in earliest), Rung.WAITING, "medium",
+                       {"shape": "earliest_in_step", "phase": earliest[0].phase, "step": earliest[0].step})
+    return Finding(WAITING, HANG, sorted(v.rank for v in busy), Rung.WAITING, "low",
+                   {"shape": "shared_cause", "phase": busy[0].phase, "step": busy[0].step})
 
 
-def rule_collective(live: Sequence[RankView]) -> RuleFinding | None:
+def rule_collective(live: Sequence[RankView]) -> Finding | None:
     """Every live rank in a Python-level collective at the same seq but with different ops."""
     if not live or any(not v.in_collective for v in live) or len({v.coll_seq for v in live}) != 1:
         return None
-    by_op: dict[str, list[RankView]] = defaultdict(list)
+    by_op: dict[str, list[int]] = defaultdict(list)
     for v in live:
-        by_op[v.coll_op or "?"].append(v)
-    seq = live[0].coll_seq
-    if len(by_op) > 1:
-        by_op_ranks = {op: [v.rank for v in vs] for op, vs in by_op.items()}
-        top_op = majority(by_op_ranks)
-        odd = outside_majority(by_op_ranks)
-        ops = ", ".join(f"{op} on {fmt_ranks(rs)}" for op, rs in sorted(by_op_ranks.items()))
-        if top_op is None or odd is None:
-            # a tie: naming every rank (or a majority of them) would be wrong, so nobody is named
-            return RuleFinding(
-                "collective_mismatch",
-                [],
-                "low",
-                f"collective #{seq} differs across ranks ({ops}); no majority says which side is wrong",
-                [],
-                data={"shape": "op_tie", "seq": seq, "ops": by_op_ranks},
-            )
-        odd_ops = sorted(op for op in by_op_ranks if op != top_op)
-        odd_desc = (
-            odd_ops[0] if len(odd_ops) == 1 else ", ".join(f"{op} ({fmt_ranks(by_op_ranks[op])})" for op in odd_ops)
-        )
-        return RuleFinding(
-            "collective_mismatch",
-            list(odd),
-            "high",
-            f"collective mismatch at collective #{seq}: {fmt_ranks(odd)} called {odd_desc} while the others "
-            f"({fmt_ranks(by_op_ranks[top_op])}) called {top_op}",
-            [f"rank {v.rank}: collective #{v.coll_seq} {v.coll_op}" for v in live],
-            data={"shape": "odd_op", "seq": seq, "ops": by_op_ranks, "majority_op": top_op},
-        )
-    return None
+        by_op[v.coll_op or "?"].append(v.rank)
+    if len(by_op) < 2:
+        return None
+    seq, ops = live[0].coll_seq, dict(by_op)
+    top_op, odd = majority(ops), outside_majority(ops)
+    if top_op is None or odd is None:
+        # a tie: naming every rank (or a majority of them) would be wrong, so nobody is named
+        return Finding(COUNTERS, COLLECTIVE_MISMATCH, [], Rung.COUNTERS, "low",
+                       {"shape": "op_tie", "seq": seq, "ops": ops})
+    return Finding(COUNTERS, COLLECTIVE_MISMATCH, list(odd), Rung.COUNTERS, "high",
+                   {"shape": "odd_op", "seq": seq, "ops": ops, "majority_op": top_op})

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .. import engine, render
+from .. import engine
 from ..engine import Finding
 from ..facts import FactSet, Rung
 from ..fr_hints import FrHints
@@ -27,7 +27,6 @@ from .counters import rule_behind as counters_behind
 from .counters import rule_collective, rule_not_waiting
 from .ended import rule_exit_cause, rule_report_only
 from .exits import rule_gone, rule_stopped
-from .finding import RuleFinding
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
@@ -53,7 +52,7 @@ class LiveCase:
 
 
 OfflineRule = Callable[[FactSet, OfflinePolicy], Finding | None]
-LiveRule = Callable[[LiveCase], RuleFinding | None]
+LiveRule = Callable[[LiveCase], Finding | None]
 
 
 @dataclass(frozen=True)
@@ -76,33 +75,23 @@ class LadderRung:
         return self.decided_by or self.name
 
 
-def engine_finding(f: Finding | None, views: Sequence[RankView]) -> RuleFinding | None:
-    """An engine finding in the live ladder's shape (rendered by ``core.render``)."""
-    if f is None:
-        return None
-    by_rank = {v.rank: v for v in views}
-    rule = "after_kill" if f.rule == engine.AFTER_KILL else "wait_for"
-    return RuleFinding(f.kind, list(f.ranks), f.confidence, render.reason(f, by_rank), render.evidence(f),
-                       rule=rule, structured=f)
+def _live_after_kill(c: LiveCase) -> Finding | None:
+    return engine.after_kill(c.facts) if c.facts is not None else None
 
 
-def _live_after_kill(c: LiveCase) -> RuleFinding | None:
-    return engine_finding(engine.after_kill(c.facts), c.views) if c.facts is not None else None
+def _live_wait_for(c: LiveCase) -> Finding | None:
+    return engine.blame(c.facts) if c.facts is not None else None
 
 
-def _live_wait_for(c: LiveCase) -> RuleFinding | None:
-    return engine_finding(engine.blame(c.facts), c.views) if c.facts is not None else None
-
-
-def _live_fr(c: LiveCase) -> RuleFinding | None:
+def _live_fr(c: LiveCase) -> Finding | None:
     return rule_fr(c.fr_hints, c.live) if c.fr_hints is not None else None
 
 
-def _live_counters(c: LiveCase) -> RuleFinding | None:
+def _live_counters(c: LiveCase) -> Finding | None:
     return (counters_behind(c.live) or rule_collective(c.live)) if c.live else None
 
 
-def _live_waiting(c: LiveCase) -> RuleFinding | None:
+def _live_waiting(c: LiveCase) -> Finding | None:
     return rule_not_waiting(c.live) if c.live and not any(is_waiting(v) for v in c.live) else None
 
 

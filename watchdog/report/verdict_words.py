@@ -1,0 +1,49 @@
+"""The verdict as users read it: ``core.verdict.decide`` (data) with its ``reason`` and ``evidence`` written
+in words (``report.findings``). What every caller asks — the incident pipeline, ``rankwatch inspect``, the
+cross-node exchange, benchmarks — so the document keeps its reason line and evidence lines while the rules
+in ``core`` hand over only structured findings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..core.facts import PriorVerdict
+from ..core.fr_hints import FrHints
+from ..core.policy import VerdictPolicy
+from ..core.ranks import fold_rank_lines
+from ..core.snapshot import RankView
+from ..core.verdict import DEFAULT_VERDICT_POLICY, Verdict
+from ..core.verdict import decide as decide_data
+from .findings import words
+from .live_words import LiveContext, note_words
+
+
+def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[str] = ()) -> Verdict:
+    """Write the verdict's reason and evidence from its finding and notes; ``extra_evidence`` (lines the
+    caller already has in words: capture notes, the flight recorder's per-group lines) follows them."""
+    if verdict.finding is None:
+        return verdict
+    ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found)
+    said = words(verdict.finding, ctx)
+    verdict.reason = said.reason
+    lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *extra_evidence]
+    verdict.evidence = fold_rank_lines(lines)
+    return verdict
+
+
+def decide(
+    views: Sequence[RankView],
+    *,
+    job_id: str,
+    incident_id: str,
+    detected_after_s: float,
+    extra_evidence: Sequence[str] = (),
+    fr_hints: FrHints | None = None,
+    policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
+    prior: PriorVerdict | None = None,
+    killed: Sequence[int] = (),
+) -> Verdict:
+    """``core.verdict.decide`` in words: the verdict document every sink (bundle, alert, console) reads."""
+    verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
+                          fr_hints=fr_hints, policy=policy, prior=prior, killed=killed)
+    return fill_words(verdict, views, extra_evidence)
