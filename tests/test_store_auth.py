@@ -27,6 +27,7 @@ from conftest import (
     rankwatch_cmd,
     resolve_and_decide,
     start_daemon,
+    stop_daemon,
     torchrun_args,
     wait_for,
 )
