@@ -40,7 +40,10 @@ def _accuracy_suite():  # type: ignore[no-untyped-def]
 SUITE = _accuracy_suite()
 CLASSES, plan_class = SUITE.CLASSES, SUITE.plan_class
 
-STAY_RIGHT = ("ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init", "compile", "pp")
+STAY_RIGHT = (
+    "ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init", "compile", "pp",
+    "eval-rank0", "pickle-gather", "fork-lock",
+)
 # wrong on the old verdict (a TP pair; a survivor that lost its peer), and two hung ranks, one on each node
 TWO_NODES = ("tpdp-tp2", "node-loss", "two-hung-2n")
 

@@ -554,6 +554,56 @@ CLASSES: dict[str, Klass] = {
         offline=False,
         offline_why="nothing printed; every rank ends by the same SIGTERM",
     ),
+    "eval-rank0": Klass(
+        "in_process.py",
+        ("--scenario", "eval-forever"),
+        nodes=1,
+        nproc=4,
+        fault_rank=0,
+        truth=(0,),
+        kinds=("hang",),
+        phase=None,
+        why="after step 5's all_reduce rank 0 alone evaluates (the unwrapped model under no_grad) over a streaming "
+        "eval set that never ends: busy, making forward calls, no collective; ranks 1-3 wait for it in the next "
+        "step's DDP all_reduce. No phase: the eval loop alternates its forward calls and its own batches, and "
+        "no canonical phase names an evaluation",
+        offline=False,
+        offline_why="nothing printed before the kill",
+    ),
+    "pickle-gather": Klass(
+        "in_process.py",
+        ("--scenario", "pickle-deadlock"),
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        other_ranks=(0, 3),
+        truth=(2,),
+        kinds=("hang",),
+        phase="collective",
+        why="every rank gathers its metrics with dist.all_gather_object each step; on rank 2 a background thread "
+        "holds the lock the metrics object's __getstate__ takes: it blocks pickling inside all_gather_object, "
+        "before that call's first collective, while the others wait inside the same call's all_gather. Every "
+        "rank is 'in all_gather_object'; only rank 2 never entered its collective",
+        offline=False,
+        offline_why="nothing printed before the kill",
+    ),
+    "fork-lock": Klass(
+        "in_process.py",
+        ("--scenario", "fork-lock"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        truth=(1,),
+        kinds=("hang",),
+        phase="dataloader",
+        why="each epoch forks a DataLoader worker (num_workers=1, fork); at step 5's epoch a thread of rank 1 holds "
+        "the lock the dataset takes while the worker is forked, then lets it go: the worker's copy stays held, "
+        "the worker deadlocks on its first item (alive, no CPU) and rank 1 waits in next() forever; the others "
+        "wait for it in DDP's all_reduce",
+        offline=False,
+        offline_why="nothing printed before the kill (a deadlocked worker is alive: no worker-exit error)",
+    ),
     "slow-30": Klass(
         "loop.py",
         ("--scenario", "slow-step", "--slow-share", "0.3"),
