@@ -10,12 +10,17 @@ before), elsewhere a pipe, as it was. The copy is byte for byte; only a bounded 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import struct
 import sys
+import termios
 import threading
+import time
 
 ROOT_CAUSE = b"Root Cause (first observed failure)"
 TAIL_BYTES = 64 * 1024  # torchrun's failure report is a few KB; the marker is searched across reads
+DRAIN_CAP_S = 30.0  # bytes already written are copied before rankwatch's last words, however busy the node
 
 
 class StderrTee:
@@ -23,18 +28,15 @@ class StderrTee:
         self._out = sys.stderr.fileno() if out_fd is None else out_fd
         self.root_cause_seen = False
         self._tail = b""
+        self._copying = False  # between a read that returned bytes and their write: not yet on our stderr
         if os.isatty(self._out):
             import pty
-            import termios
 
             master, slave = pty.openpty()
             attrs = termios.tcgetattr(slave)
             attrs[1] &= ~termios.OPOST  # no "\n" -> "\r\n": the bytes reach the real terminal as written
             termios.tcsetattr(slave, termios.TCSANOW, attrs)
             with contextlib.suppress(OSError):  # the ranks see the real terminal's size
-                import fcntl
-                import struct
-
                 size = fcntl.ioctl(self._out, termios.TIOCGWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
                 fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
             self._read_fd, self.child_fd = master, slave
@@ -55,15 +57,31 @@ class StderrTee:
                 break
             if not data:
                 break
+            self._copying = True
             with contextlib.suppress(OSError):
                 os.write(self._out, data)
             self._tail = (self._tail + data)[-TAIL_BYTES:]
             if ROOT_CAUSE in self._tail:
                 self.root_cause_seen = True
+            self._copying = False
+
+    def _unread(self) -> int:
+        """Bytes written into the stream that the copy has not taken yet."""
+        try:
+            return int(struct.unpack("i", fcntl.ioctl(self._read_fd, termios.FIONREAD, b"\0" * 4))[0])
+        except OSError:
+            return 0
 
     def close(self, timeout_s: float) -> None:
-        """Wait until every writer is gone (a rank's orphaned child may hold the stream: not forever)."""
+        """Wait until every writer is gone (a rank's orphaned child may hold the stream: not forever).
+
+        On a busy node the copy can lag the writers: what was already written (torchrun's dying words)
+        is copied before the caller prints its own, even past the timeout; a writer that lingers and
+        writes later is later."""
         self._thread.join(timeout_s)
+        deadline = time.monotonic() + DRAIN_CAP_S
+        while self._thread.is_alive() and (self._copying or self._unread()) and time.monotonic() < deadline:
+            self._thread.join(0.05)
         if not self._thread.is_alive():
             with contextlib.suppress(OSError):
                 os.close(self._read_fd)
