@@ -185,7 +185,9 @@ def test_a_rendezvous_that_never_completes_stops_within_the_startup_timeout(proc
     )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert "no rank started within the startup timeout (8 s)" in last and "all 2 nodes started" in last, last
+    assert "no rank started within the startup timeout (8 s)" in last and "all 2 nodes started" in last, (
+        f"exit {result.returncode}; stderr ends:\n{result.stderr[-2000:]}"
+    )
     _no_empty_summary(result, out)
 
 

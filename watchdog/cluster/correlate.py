@@ -191,6 +191,9 @@ class Correlator:
 
     def close(self) -> None:
         self._stop.set()
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
 
     # -- every poll -------------------------------------------------------------------------------
     def publish_snapshot(self, node: str, views: list[RankView]) -> None:

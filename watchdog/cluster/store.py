@@ -336,6 +336,7 @@ class JobStore:
         self.address = f"{host}:{port}"
         self._io = _StoreThread(f"rankwatch-store-{job_id[:16]}", timeout_s)
         self._polled: dict[str, Future[Any]] = {}
+        self._waiter: Any = None  # the second connection ``wait_for`` blocks on (prepare_waits)
         self._last: dict[str, bytes | None] = {}
         try:
             self._store = self._io.call(
@@ -354,7 +355,19 @@ class JobStore:
             raise StoreError(f"cannot {'host' if host_server else 'reach'} store {self.address}: {exc}") from exc
         self.hosting = host_server
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Release the connections (and the server, when hosting) on the store's thread, then stop it: left
+        to the interpreter's exit, a TCPStore is torn down in whatever order finalisation picks, beside
+        threads still inside it."""
+
+        def release() -> None:
+            self._store = None  # a call in flight holds its own reference: it finishes first
+            self._waiter = None
+
+        fut = self._io.submit(release)
+        if fut is not None:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=timeout_s)
         self._io.close()
 
     def _k(self, key: str) -> str:
@@ -466,7 +479,7 @@ class JobStore:
         """Open the second connection that ``wait_for`` blocks on: a client serialises its requests, so a
         wait of seconds on the shared one would hold up every other call (the poll loop's snapshots).
         Called once from the connecting thread; ``wait_for`` falls back to the shared one without it."""
-        if getattr(self, "_waiter", None) is not None:
+        if self._waiter is not None:
             return
         import torch.distributed as dist
 
@@ -485,7 +498,7 @@ class JobStore:
         if not keys:
             return True
         full = [self._k(k) for k in keys]
-        waiter = getattr(self, "_waiter", None) or self._store
+        waiter = self._waiter or self._store
         try:
             waiter.wait(full, datetime.timedelta(seconds=max(0.001, timeout_s)))
             return True
