@@ -91,3 +91,17 @@ def test_several_sources_at_once() -> None:
     p = run(str(LOGS / "templated/ecc_r1/slurm-771.out"), str(LOGS / "templated/ecc_r1/dmesg.txt"))
     assert p.returncode == 0 and p.stdout.startswith("INITIATOR: rank 1")
     assert "Xid 48" in p.stdout or "Xid (PCI" in p.stdout
+
+
+def test_a_whole_node_lost_at_once_is_undecided() -> None:
+    # 4 nodes x 2 ranks, node 2 (ranks 4, 5) SIGKILLed with its agent: its console is empty, rank 7 was torn
+    # down by its agent before it printed; the rest lost a peer. Was: "dead_rank [7]" (a healthy survivor).
+    p = run("--json", str(LOGS / "console/node_lost_4n"))
+    assert p.returncode == 1, p.stderr  # undecided
+    doc = json.loads(p.stdout)
+    assert (doc["initiating_ranks"], doc["decided"], doc["confidence"]) == ([], False, "low")
+    assert doc["finding"]["rule"] == "outside"
+    assert doc["finding"]["data"]["unseen"] == [4, 5]  # never printed a line, yet they exist
+    assert doc["finding"]["data"]["silent"] == [4, 5, 7]
+    text = run(str(LOGS / "console/node_lost_4n")).stdout
+    assert text.startswith("NO SINGLE INITIATOR") and "rank 7" in text.splitlines()[1]

@@ -28,6 +28,7 @@ EXPECTED: dict[str, tuple[list[int], str]] = {
     "console/uneven_data_sigtermed.log": ([], "hang"),  # the early leaver was SIGTERMed like the rest
     "console/skipped_collective_gloo_abort.log": ([], "collective_mismatch"),  # gloo aborts the receiver
     "console/pre_init_store_wait_r3.log": ([3], "hang"),  # the others' start-up store waits name its key
+    "console/node_lost_4n": ([], "hang"),  # ranks 4, 5 (one node) SIGKILLed at once: the log cannot decide
     # templated NCCL / CUDA / Slurm / kernel formats
     "templated/nccl_behind_r2.log": ([2], "hang"),
     "templated/nccl_optype_mismatch_r1.log": ([1], "collective_mismatch"),

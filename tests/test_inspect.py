@@ -230,6 +230,19 @@ def test_a_stopped_rank_is_named():
     assert (v["kind"], v["initiating_ranks"]) == ("stopped_rank", [1])
 
 
+def test_without_a_record_the_reason_names_no_step():
+    # inspect reads no record: every step counter is 0 and phase timers 0.0 s, which the reason leaves out
+    for facts in ([fact(r, "idle", proc_state="T") if r == 1 else fact(r, "collective") for r in range(3)],
+                  [fact(r, "dataloader") if r == 2 else fact(r, "backward", frames=WAITING[1]) for r in range(4)]):
+        views, lines = views_from_facts(facts)
+        plain = decide(views, job_id="j", incident_id="i", detected_after_s=0.0, extra_evidence=lines)
+        bare = decide(views, job_id="j", incident_id="i", detected_after_s=0.0, extra_evidence=lines,
+                      steps_known=False)
+        assert " at step 0" in plain.reason and " at step" not in bare.reason and " for 0.0s" not in bare.reason
+        assert bare.reason == plain.reason.replace(" at step 0 for 0.0s", "").replace(" at step 0", "")
+        assert (bare.initiating_ranks, bare.evidence) == (plain.initiating_ranks, plain.evidence)
+
+
 def test_a_killed_rank_beats_the_peers_that_lost_it():
     # rank 1 killed by SIGKILL; 0 and 2 exited 1 (their connection closed) and 3 was torn down by SIGTERM
     facts = [
@@ -340,6 +353,7 @@ def test_compute_hang_in_forward(plain_job, tmp_path):
     hung.wait_hung(marks, 3, "compute-hang", 2, 3, HANG_TIMEOUT_S, agent)
     v = inspect_json(agent, tmp_path / "out")
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "forward")
+    assert " at step" not in v["reason"]  # no record was read: no step to name
 
 
 @pytest.mark.slow

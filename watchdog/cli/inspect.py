@@ -107,10 +107,9 @@ def _decide(
     verdict = decide(
         views, job_id=job.job_id, incident_id=incident_id, detected_after_s=0.0,
         extra_evidence=[*fr.lines, *notes], fr_hints=fr.hints,
+        steps_known=False,  # no record: step counters and phase timers are unknown, the reason names none
     ).to_json()
     verdict["source"] = "inspect"
-    # no record: step counters and phase timers are unknown, so the rules' "at step 0 for 0.0s" says nothing
-    verdict["reason"] = str(verdict["reason"]).replace(" at step 0 for 0.0s", "").replace(" at step 0", "")
     return verdict, fr
 
 

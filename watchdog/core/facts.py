@@ -211,6 +211,8 @@ class FactSet:
     reached: list[Reached] = field(default_factory=list)
     size_mismatch: list[SizeMismatch] = field(default_factory=list)
     logged: LoggedVerdict | None = None
+    # ranks known to exist (a stated world size, the highest rank seen) that no line is about: silent
+    unseen: tuple[int, ...] = ()
 
     def waiting_own(self) -> set[int]:
         """Ranks whose own lines show them waiting on a peer (a timeout, a lost peer, a mismatch)."""

@@ -39,6 +39,7 @@ SLURM = "slurm"  # srun/slurmstepd task exits and cancellations
 FINISHED = "finished"  # the rank reached its normal end (last training-loop line, at-exit warning)
 DESYNC = "desync"  # PyTorch's desync report names this rank as lagging ("finished #N, but didn't join #N+1")
 NCCL_OP = "nccl_op"  # NCCL INFO "<Op>: opCount N … count C … [nranks=K]": the last op the rank enqueued
+WORLD = "world_size"  # a launcher / torch / NCCL line stating how many ranks the job (or a communicator) has
 RANKWATCH = "rankwatch"  # rankwatch's own verdict line in a console log (detail: "kind|confidence|phase")
 
 PEER_SIGNALLED = ("another rank", "rank ")  # DUMP_SIGNAL details that name a peer, not this rank
@@ -77,6 +78,7 @@ class Event:
     exitcode: int | None = None
     signal: str | None = None  # SIGKILL, SIGTERM, …
     root_cause: bool = False  # listed under torchrun's "Root Cause (first observed failure)"
+    size: int | None = None  # WORLD: the number of ranks the line states (a lower bound of the world size)
     pg: str | None = None  # process group of ``seq`` ("0", "3", "nranks=8" for NCCL's own op lines); None: unknown
     detail: str = ""  # short family-specific text: call site, peer, error message
 

@@ -102,6 +102,7 @@ class Evidence:
     files: list[str] = field(default_factory=list)
     local_only: bool = False  # some ranks are local ranks that no report mapped to global ones
     slurm_cancel: ev.Event | None = None
+    world: int = 0  # the most ranks any line states the job (or one of its communicators) has
     bytes: int = 0
     lines: int = 0
 
@@ -135,6 +136,9 @@ class Collector:
         if e.family == ev.AGENT_TERM:
             if e.pid is not None and len(self._agent_pids) < 1_000_000:
                 self._agent_pids.add(e.pid)
+            return
+        if e.family == ev.WORLD:
+            logs.world = max(logs.world, e.size or 0)
             return
         if e.family == ev.SLURM and e.rank is None:
             logs.slurm_cancel = logs.slurm_cancel or e
@@ -171,6 +175,7 @@ class Collector:
         for name in theirs.files:
             self.note_file(name)
         logs.slurm_cancel = logs.slurm_cancel or theirs.slurm_cancel
+        logs.world = max(logs.world, theirs.world)
         logs.bytes += theirs.bytes
         logs.lines += theirs.lines
         for e in theirs.unattributed:

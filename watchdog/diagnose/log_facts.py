@@ -45,6 +45,8 @@ from . import patterns as pt
 from .facts import Evidence, RankFacts
 
 DEFAULT_POLICY = OfflinePolicy()
+MAX_UNSEEN_WORLD = 65_536
+"""A stated world size above this is not turned into one silent rank each (a stray number, not a job)."""
 
 
 def waited(f: RankFacts) -> bool:
@@ -206,7 +208,19 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
     facts.waits += _op_count_waits(logs)
     facts.waits += _store_key_waits(logs)
     facts.logged = _logged_verdict(logs)
+    facts.unseen = unseen_ranks(logs)
     return facts
+
+
+def unseen_ranks(logs: Evidence) -> tuple[int, ...]:
+    """Ranks that exist but no line is about: ranks are 0 … world-1, so every index below the highest seen
+    one, and below the most ranks a line states (WORLD_SIZE, torchrun's world sizes, NCCL's ``nranks`` of a
+    communicator, its op lines' ``[nranks=N]``), is a rank. A node killed at once leaves no line at all."""
+    if not logs.ranks:
+        return ()
+    sizes = [int(pg[7:]) for f in logs.ranks.values() for pg in f.ops if pg.startswith("nranks=") and pg[7:].isdigit()]
+    world = max([max(logs.ranks) + 1, *sizes, logs.world if logs.world <= MAX_UNSEEN_WORLD else 0])
+    return tuple(r for r in range(min(world, MAX_UNSEEN_WORLD)) if r not in logs.ranks)
 
 
 def _op_count_waits(logs: Evidence) -> list[Waits]:

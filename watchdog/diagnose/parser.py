@@ -500,6 +500,11 @@ def _watchdog_abort(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, r
     return [mk(ev.WATCHDOG_ABORT, **p._pg_rank(s, rank))]
 
 
+def _world(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    n = int(_m(m).group(1))
+    return [mk(ev.WORLD, rank=None, local_rank=None, size=n)] if 0 < n <= pt.MAX_RANK + 1 else []
+
+
 def _finished(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     return [mk(ev.FINISHED, detail=s[:120])]
 
@@ -539,6 +544,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("Slurm cancel", ("CANCELLED",), pt.SLURM_CANCEL, _slurm_cancel),
     Pattern("torch elastic failed", ("exitcode",), pt.ELASTIC_FAILED, _elastic_failed),
     Pattern("torch elastic closing signal", ("closing signal",), pt.ELASTIC_CLOSING, _elastic_closing),
+    Pattern("world size", ("world_size", "WORLD_SIZE", "world size", "nranks "), pt.WORLD_SIZE, _world),
     Pattern("NCCL error", (), pt.NCCL_ERROR, _nccl_error),
     Pattern("NCCL watchdog abort", ("rocess", "NCCL"), pt.WATCHDOG_ABORT, _watchdog_abort),
     Pattern("finished", tuple(pt.FINISHED_WORDS), pt.FINISHED, _finished),

@@ -37,6 +37,8 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     b"didn't finish collective", b"lagging ranks", b"opCount", b"pirun noticed", b"rankwatch: ",
     # DeepSpeed's launcher (deepspeed/launcher/launch.py sigkill_handler)
     b"exits with return code", b"Killing subprocess",
+    # how many ranks the job has (WORLD_SIZE below): ranks that never printed a line are still ranks
+    b"world_size", b"WORLD_SIZE", b"world size", b" nranks ",
 )
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -335,6 +337,15 @@ HOST_OOM = re.compile(
 # srun: "srun: error: node12: task 5: Killed", "srun: error: node3: tasks 0-3: Exited with exit code 1"
 SLURM_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
 SLURM_CANCEL = re.compile(r"\*\*\* (?:STEP|JOB) (\S+) ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([^*]+?))? \*\*\*")
+
+# --- how many ranks there are (each a lower bound of the world: a communicator may be a subgroup) -----
+# "WORLD_SIZE=8", "world_size: 8", torchrun's rendezvous "global_world_sizes=[8, 8]", NCCL's init
+# "comm 0x… rank 3 nranks 8 cudaDev 3"; never torchrun's "group_world_size" / "local_world_size" (nodes,
+# ranks per node)
+WORLD_SIZE = re.compile(
+    r"(?:(?<![A-Za-z_])(?:WORLD_SIZE|world_size|world size)\s*[=:]?\s*|global_world_sizes=\[|\brank \d{1,7} nranks )"
+    r"(\d{1,7})\b"
+)
 
 # --- torch elastic (torch/distributed/elastic/multiprocessing/{api,errors/error_handler}.py) --------
 # "failed (exitcode: -9) local_rank: 2 (pid: 8751) of binary: /usr/bin/python3"

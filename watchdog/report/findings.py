@@ -214,9 +214,15 @@ def _outside(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     note = (f" ({fmt_ranks(told)} only received another rank's flight-recorder dump signal: told of the timeout, "
             "not timed out)") if told else ""
     if not d.get("decided", True):
+        unseen = d.get("unseen") or ()
+        quiet = [r for r in d.get("silent") or () if r not in unseen]
+        silent = f"{fmt_ranks(d.get('silent') or ())} printed no timeout of its own"
+        if unseen:
+            silent = f"{fmt_ranks(unseen)} left no line in the log at all (a node lost at once leaves none)" + (
+                f" and {fmt_ranks(quiet)} printed no error of its own" if quiet else "")
         return Words(
-            f"{waiting} timed out or lost a peer, but {fmt_ranks(d.get('silent') or ())} printed no timeout of "
-            "its own: any of them could be the one that never arrived" + note,
+            f"{waiting} timed out or lost a peer, but {silent}: any of them could be the one that never arrived"
+            + note,
             "collect each rank's own stderr (torchrun --log-dir … --tee 3) before deciding",
             "per-rank logs of the silent ranks, or stacks taken during the hang (rankwatch run / py-spy dump), "
             "or NCCL watchdog messages with sequence numbers",

@@ -39,11 +39,21 @@ class LiveContext:
 
     views: Sequence[RankView]
     found: Mapping[str, Finding | None] = field(default_factory=dict)
+    # False where no record was read (``rankwatch inspect``): every step counter and phase timer is 0, and
+    # "at step 0 for 0.0s" would say nothing
+    steps_known: bool = True
 
     def __post_init__(self) -> None:
         self.by_rank = {v.rank: v for v in self.views}
         self.present = [v for v in self.views if v.state != MISSING]
         self.live = [v for v in self.present if v.state == RUNNING]
+
+    def at_step(self, step: object, in_phase_s: float | None = None) -> str:
+        """" at step N" (and " for S s" with ``in_phase_s``), or nothing where steps are unknown."""
+        at = "" if not self.steps_known and not step else f" at step {step}"
+        if in_phase_s is None or (not self.steps_known and not in_phase_s):
+            return at
+        return at + f" for {in_phase_s:.1f}s"
 
 
 Phrase = Callable[[Finding, Mapping[str, Any], LiveContext], tuple[str, list[str]]]
@@ -62,7 +72,7 @@ def _coll_lines(c: LiveContext, *, waiting: bool = False) -> list[str]:
 def _finished_but_one(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     what = f"collective #{d['seq']} ({d['op']})" if d.get("op") else f"{d.get('phase')}"
     return (
-        f"{fmt_ranks(d['stuck'])} is still in {what} at step {d.get('step')} after {fmt_ranks(d['finished'])} "
+        f"{fmt_ranks(d['stuck'])} is still in {what}{c.at_step(d.get('step'))} after {fmt_ranks(d['finished'])} "
         "finished and exited normally: it issued what no other rank did",
         [f"rank {v.rank}: {v.state} at step {v.step}, phase {v.phase or 'idle'}" for v in c.present],
     )
@@ -70,9 +80,9 @@ def _finished_but_one(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple
 
 def _same_failure(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     low, high = d.get("steps") or (0, 0)
-    at = f"at step {low}" if low == high else f"at steps {low}–{high}"
+    at = c.at_step(low) if low == high else f" at steps {low}–{high}"
     return (
-        f"every rank ({len(c.present)}) exited with the same error ({d.get('cause')}) {at}: a failure of the job "
+        f"every rank ({len(c.present)}) exited with the same error ({d.get('cause')}){at}: a failure of the job "
         "itself (its code, data or environment), not of one rank",
         [f"{fmt_ranks(v.rank for v in c.present)} exited with: {d.get('cause')}",
          f"phase of rank {d.get('lead')}: {d.get('phase') or 'idle'}"],
@@ -92,7 +102,7 @@ def _first_exit(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, 
     others = len(order) - len(f.ranks)
     reason = (
         f"{fmt_ranks(f.ranks)} {_HOW_GONE.get(d.get('how') or '', 'died (killed, no normal-exit mark)')} first, in "
-        f"{_in(d.get('phase'))} at step {d.get('step')}{cause}"
+        f"{_in(d.get('phase'))}{c.at_step(d.get('step'))}{cause}"
         + (f"; {others} other rank(s) exited after it" if others > 0 else "")
     )
     lines = []
@@ -116,8 +126,8 @@ def _first_exit(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, 
 
 def _stopped(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     return (
-        f"{fmt_ranks(f.ranks)} is stopped (SIGSTOP or a debugger) in phase {d.get('phase') or 'idle'} at step "
-        f"{d.get('step')}; the others wait for it",
+        f"{fmt_ranks(f.ranks)} is stopped (SIGSTOP or a debugger) in phase {d.get('phase') or 'idle'}"
+        f"{c.at_step(d.get('step'))}; the others wait for it",
         [f"rank {r} process state T (stopped)" for r in f.ranks],
     )
 
@@ -185,15 +195,16 @@ def _fr_behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, l
             [f"flight recorder: {detail}; {behind} still in flight (waiting)", covers],
         )
     others = d.get("others") or ()
-    reason = (f"{fmt_ranks(f.ranks)} is behind in the flight recorder ({detail}); it is in {_in(d.get('phase'))} at "
-              f"step {d.get('step')}" + (f" while {ranks_verb(others, 'waits', 'wait')} for it" if others else ""))
+    reason = (f"{fmt_ranks(f.ranks)} is behind in the flight recorder ({detail}); it is in "
+              f"{_in(d.get('phase'))}{c.at_step(d.get('step'))}"
+              + (f" while {ranks_verb(others, 'waits', 'wait')} for it" if others else ""))
     return reason, [f"flight recorder: {detail}", *([] if d.get("covered") else [covers])]
 
 
 def _behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     if d.get("by") == "step":
         return (
-            f"{fmt_ranks(f.ranks)} is stuck at step {d['low']} in {_in(d.get('phase'))} while the others reached "
+            f"{fmt_ranks(f.ranks)} is stuck{c.at_step(d['low'])} in {_in(d.get('phase'))} while the others reached "
             f"step {d['high']}",
             [f"rank {v.rank}: step {v.step}, phase {v.phase or 'idle'}" for v in c.live],
         )
@@ -224,9 +235,9 @@ def _skipped(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, lis
 
 def _earliest(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     if d.get("shape") == "shared_cause":
-        return (f"every rank is stuck in {_in(d.get('phase'))} at step {d.get('step')}: a shared cause (filesystem, "
+        return (f"every rank is stuck in {_in(d.get('phase'))}{c.at_step(d.get('step'))}: a shared cause (filesystem, "
                 "data service, host) rather than one rank", [])
-    return (f"{fmt_ranks(f.ranks)} is stuck earliest in the step, in {_in(d.get('phase'))} at step {d.get('step')}",
+    return (f"{fmt_ranks(f.ranks)} is stuck earliest in the step, in {_in(d.get('phase'))}{c.at_step(d.get('step'))}",
             [f"rank {v.rank}: phase {v.phase or 'idle'}" for v in c.live])
 
 
@@ -293,7 +304,7 @@ def _wait_for_reason(f: Finding, d: Mapping[str, Any], c: LiveContext) -> str:
     if f.kind == "dead_rank":
         return f"{who} ended by its own cause; {wait} for it"
     lead = c.by_rank.get(f.ranks[0]) if f.ranks else None
-    where = f" in {_in(lead.phase)} at step {lead.step} for {lead.in_phase_s:.1f}s" if lead is not None else ""
+    where = f" in {_in(lead.phase)}{c.at_step(lead.step, lead.in_phase_s)}" if lead is not None else ""
     return f"{who} waits for nobody{where} while {wait} for it"
 
 

@@ -18,12 +18,14 @@ from .findings import words
 from .live_words import LiveContext, note_words
 
 
-def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[str] = ()) -> Verdict:
+def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[str] = (), *,
+               steps_known: bool = True) -> Verdict:
     """Write the verdict's reason and evidence from its finding and notes; ``extra_evidence`` (lines the
-    caller already has in words: capture notes, the flight recorder's per-group lines) follows them."""
+    caller already has in words: capture notes, the flight recorder's per-group lines) follows them.
+    ``steps_known``: False where no record gave step counters (``inspect``): the reason names no step."""
     if verdict.finding is None:
         return verdict
-    ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found)
+    ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found, steps_known)
     said = words(verdict.finding, ctx)
     verdict.reason = said.reason
     lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *extra_evidence]
@@ -42,8 +44,9 @@ def decide(
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
+    steps_known: bool = True,
 ) -> Verdict:
     """``core.verdict.decide`` in words: the verdict document every sink (bundle, alert, console) reads."""
     verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
                           fr_hints=fr_hints, policy=policy, prior=prior, killed=killed)
-    return fill_words(verdict, views, extra_evidence)
+    return fill_words(verdict, views, extra_evidence, steps_known=steps_known)

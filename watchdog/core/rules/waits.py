@@ -46,6 +46,10 @@ def waiting_graph(facts: FactSet, waiting: set[int]) -> FactSet:
 
 
 def rule_outside(facts: FactSet) -> Finding | None:
+    """The ranks the waiters' unnamed waits reach. Ranks known to exist that left no line at all
+    (``facts.unseen``: a whole node killed at once) are candidates as good as a silent one that printed: they
+    only ever take a naming away (undecided), never make one — an excerpt often shows only some ranks.
+    Undecided too when there are as many candidates as waiters."""
     waiting = facts.inside()
     found = blame(waiting_graph(facts, waiting))
     outside = list(found.ranks) if found is not None else []
@@ -55,10 +59,11 @@ def rule_outside(facts: FactSet) -> Finding | None:
     told = sorted({t.rank for t in facts.told} & set(outside))
     gone = {w.rank for w in facts.waits if w.source == PEER_GONE}
     peer_only = all(r in gone for r in inside)
-    data = {"waiting": inside, "told": told, "peer_only": peer_only}
-    if len(outside) >= len(inside):
-        # as many silent ranks as waiting ones: any of them could be the one that never arrived
-        return Finding(OUTSIDE, HANG, [], Rung.WAITING, "low", {**data, "decided": False, "silent": outside})
+    data = {"waiting": inside, "told": told, "peer_only": peer_only, "unseen": list(facts.unseen)}
+    if len(outside) >= len(inside) or facts.unseen:
+        # any of the silent ranks could be the one that never arrived
+        silent = sorted({*outside, *facts.unseen})
+        return Finding(OUTSIDE, HANG, [], Rung.WAITING, "low", {**data, "decided": False, "silent": silent})
     return Finding(OUTSIDE, DEAD_RANK if peer_only else HANG, outside, Rung.WAITING, "medium", data)
 
 
