@@ -8,7 +8,7 @@
 (a2) Per step, one process: the demo's small-step loop (DDP world size 1) under ``instrument()``, in blocks
     of 10 steps with the hook switched off and on alternately (``HookSwitch``): the median paired
     difference of the training thread's CPU time per step is the hook's cost inside real steps.
-(a3) ``--breakdown``: the same loop, each group of points alone (dataloader, input, forward, backward,
+(a3) ``--breakdown``: the same loop, each group of points alone (dataloader, forward, backward,
     optimizer, collective) against every point off, once with the tracker recording and once with it
     disabled (the wrappers and torch's hook paths run, no record write): where the per-step cost lies.
 (b) End-to-end: ``benchmarks/ddp_timed.py`` (the demo's balanced loop — same model, data, DDP,
@@ -179,8 +179,8 @@ class HookSwitch:
     """Switches ``instrument()``'s installed points off and on again in this process (benchmark only):
     the same loop, interleaved block by block with and without the hook, so the load of other jobs on
     shared cores drifts equally over both. Swaps the wrapped functions for their originals and empties /
-    refills the hook dicts torch reads on each call (global optimizer hooks, the DDP instance's forward
-    hooks, the parameters' post-accumulate-grad hooks)."""
+    refills the hook dicts torch reads on each call (global optimizer hooks, the parameters'
+    post-accumulate-grad hooks)."""
 
     def __init__(self, ddp) -> None:  # type: ignore[no-untyped-def]
         import torch
@@ -188,22 +188,21 @@ class HookSwitch:
         import torch.optim.optimizer as optim_mod
         import torch.utils.data.dataloader as dl
         from rankwatch.hooks.instrument import COLLECTIVES
+        from torch.nn.parallel import DistributedDataParallel
 
-        owners = [(dl._BaseDataLoaderIter, "__next__"), (dl._SingleProcessDataLoaderIter, "_next_data"),
+        owners = [(dl._BaseDataLoaderIter, "__next__"), (DistributedDataParallel, "forward"),
                   (torch.autograd, "backward"), *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
         self.attrs = [(o, n, getattr(o, n)) for o, n in owners]
-        dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks,
-                 ddp._forward_pre_hooks, ddp._forward_hooks, ddp._forward_hooks_always_called]
+        dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks]
         dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]
         self.dicts = [(d, dict(d)) for d in dicts]
         assert all(hasattr(f, "__rankwatch_wrapped__") for _, _, f in self.attrs[:3]), "instrument() not installed"
         # the points by what they time (breakdown_child): indices into attrs / dicts above
         ncoll = len(self.attrs) - 3
         self.groups: dict[str, tuple[list[int], list[int]]] = {
-            "dataloader": ([0], []),  # __next__ wrapper: the dataloader phase
-            "input": ([1], []),  # _next_data wrapper: batch production time
-            "forward": ([], [2, 3, 4]),  # the DDP instance's forward hooks (Module._call_impl's slow path)
-            "backward": ([2], list(range(5, len(self.dicts)))),  # backward wrapper + DDP split hook
+            "dataloader": ([0], []),  # __next__ wrapper: the dataloader phase and (no workers) batch production
+            "forward": ([1], []),  # the DDP class's forward wrapper (the model's, after the first step)
+            "backward": ([2], list(range(2, len(self.dicts)))),  # backward wrapper + DDP split hook
             "optimizer": ([], [0, 1]),  # global optimizer pre/post hooks: optimizer phase and step()
             "collective": (list(range(3, 3 + ncoll)), []),  # torch.distributed wrappers
         }
@@ -260,7 +259,7 @@ def step_child(steps: int, breakdown: bool = False) -> None:
             dist.all_reduce(loss_sum)
         return (clock() - c) / n / 1e3
 
-    block(30)  # warm-up, hooked: the forward hooks move onto the model at the first optimizer step
+    block(30)  # warm-up, hooked: forward timing moves from the global hooks to DDP.forward at the first optimizer step
     switch = HookSwitch(ddp)
     if breakdown:
         print(json.dumps(breakdown_blocks(switch, block, steps)), flush=True)

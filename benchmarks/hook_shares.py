@@ -45,6 +45,7 @@ TOOL_FRAMES = {
 WORK_FRAMES = (
     "ddp_timed.py",
     "torch/nn/modules/",
+    "torch/nn/parallel/",  # DDP's own forward (_pre_forward, _post_forward): below a forward wrapper
     "_engine_run_backward",
     "torch/utils/data/",
     "torch/distributed/",

@@ -1,12 +1,13 @@
 """Input pipeline timing: how long producing a batch (fetch + collate) takes, where it happens.
 
-Without workers the training thread produces its own batches: ``_SingleProcessDataLoaderIter._next_data``
-is timed there (two clock reads, no syscall). With workers, each DataLoader worker process times its own
-``fetcher.fetch`` and adds the result to its slot of the rank's record (``RecordLayout.input_slots``, one
-[ns, batches] pair per worker, written by that worker only); the training thread sums the slots at step
-end — plain memory reads, no syscall, no lock. The worker finds the record through a picklable
-``worker_init_fn`` wrapper (works with fork, spawn and forkserver), which calls the script's own
-``worker_init_fn`` afterwards. A worker that cannot open the record trains on unwatched.
+Without workers the training thread produces its own batches: the ``dataloader`` phase of a
+``_SingleProcessDataLoaderIter`` is booked as production time too (the phase's own clock reads, no
+syscall). With workers, each DataLoader worker process times its own ``fetcher.fetch`` and adds the
+result to its slot of the rank's record (``RecordLayout.input_slots``, one [ns, batches] pair per
+worker, written by that worker only); the training thread sums the slots at step end — plain memory
+reads, no syscall, no lock. The worker finds the record through a picklable ``worker_init_fn`` wrapper
+(works with fork, spawn and forkserver), which calls the script's own ``worker_init_fn`` afterwards. A
+worker that cannot open the record trains on unwatched.
 
 Why: with workers, time in ``dataloader`` on the training thread is only the wait for the pipeline, and
 which rank waits there (rather than in ``grad_sync``) is an accident of phase. The pipeline's own time
@@ -85,20 +86,9 @@ def _patch_fetchers() -> None:
 
 
 def install(tracker: Tracker, dl: Any) -> None:
-    """Time batch production in the main process (no workers) and hand workers their record slots."""
-    single = dl._SingleProcessDataLoaderIter
-    next_data = single._next_data
-
-    @functools.wraps(next_data)
-    def timed_next_data(self: Any) -> Any:
-        t0 = time.monotonic_ns()
-        out = next_data(self)
-        tracker.input_produced(time.monotonic_ns() - t0)
-        return out
-
-    timed_next_data.__rankwatch_wrapped__ = next_data  # type: ignore[attr-defined]
-    single._next_data = timed_next_data
-
+    """Hand DataLoader workers their record slots. Batches made on the training thread (no workers) are
+    timed by the ``__next__`` wrapper itself (``instrument._wrap_next``): with no workers the
+    ``dataloader`` phase *is* the batch's production, and its two clock reads serve both."""
     multi = dl._MultiProcessingDataLoaderIter
     init = multi.__init__
     path = tracker._writer.path

@@ -59,7 +59,8 @@ class OutermostForward:
     milliseconds per step for models with thousands of module calls). After the first optimizer step the
     top-level modules that hold parameters (the model, its DDP wrapper; GAN pairs) are known: per-instance
     hooks on them replace the global hooks, so inner module calls cost nothing. Top-level modules first
-    called later, and parameter-free ones (loss functions), are then no longer timed as ``forward``.
+    called later, and parameter-free ones (loss functions), are then no longer timed as ``forward``. A
+    top-level DDP model gets no hooks: ``DistributedDataParallel.forward`` is wrapped (``_wrap_ddp_forward``).
     """
 
     def __init__(self, tracker: Tracker, module_mod: Any) -> None:
@@ -102,7 +103,11 @@ class OutermostForward:
             tops = [m for m in self.tops.values() if any(True for _ in m.parameters())]
             if not tops or self.depth != 0:
                 return  # nothing safe to promote to: keep the global hooks
+            ddp = _ddp_class()
             for module in tops:
+                if ddp is not None and type(module).forward is ddp.forward:
+                    self._wrap_ddp_forward(ddp)  # no module hooks on it: Module._call_impl's fast path
+                    continue
                 module.register_forward_pre_hook(self._pre)
                 module.register_forward_hook(self._post, always_call=True)
             for handle in self.global_handles:
@@ -112,6 +117,44 @@ class OutermostForward:
             pass  # the global hooks stay: slower, still correct
         finally:
             self.tops.clear()
+
+
+    def _wrap_ddp_forward(self, ddp: Any) -> None:
+        """Time ``DistributedDataParallel.forward`` itself (the class attribute, once): a module with
+        hooks makes every call take ``Module._call_impl``'s slow path (a closure, a set, the hook dict
+        walks); one wrapper frame costs a fraction of it. On the class, not the instance: an instance
+        attribute would be copied by ``copy.deepcopy`` (EMA) and pickled by ``torch.save(model)``."""
+        fn = ddp.forward
+        if getattr(fn, "__rankwatch_wrapped__", None) is not None:
+            return
+        enter, exit_ = self._enter, self._exit
+        fwd = self
+
+        @functools.wraps(fn)
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            fwd.depth = depth = fwd.depth + 1
+            if depth == 1:
+                enter(FORWARD)
+            try:
+                out = fn(module, *args, **kwargs)
+            except BaseException:
+                fwd.depth = depth - 1
+                if depth == 1:
+                    exit_(FORWARD, 0, NO_PHASE, True)
+                raise
+            fwd.depth = depth - 1
+            if depth == 1:
+                exit_(FORWARD)
+            return out
+
+        forward.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+        ddp.forward = forward
+
+
+def _ddp_class() -> Any:
+    """``DistributedDataParallel`` when this torch has it (imported by the script already), else None."""
+    mod = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(mod, "DistributedDataParallel", None)
 
 
 def _compiled_something() -> bool:
@@ -140,6 +183,27 @@ def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable
             exit_(slot, failing=True)
             raise
         exit_(slot)
+        return out
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) -> Callable[..., Any]:
+    """``DataLoader`` iterators' ``__next__`` as the ``dataloader`` phase. An iterator of class ``single``
+    (no workers: this thread fetches and collates) books the phase's time as the batch's production time
+    too, from the same two clock reads (``input_timing.py``); ``None``: input timing is off."""
+    enter, exit_batch = tracker.enter, tracker.exit_batch
+
+    @functools.wraps(fn)
+    def wrapper(self: Any) -> Any:
+        enter(DATALOADER)
+        try:
+            out = fn(self)
+        except BaseException:
+            tracker.exit(DATALOADER, failing=True)
+            raise
+        exit_batch(DATALOADER, self.__class__ is single)
         return out
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
@@ -203,17 +267,19 @@ def install(tracker: Tracker) -> None:
 
         tracker.attach_gpu_timing(EventPool.create())
 
-    # DataLoader: every iterator class inherits __next__ from the base iterator.
-    base_iter = dl._BaseDataLoaderIter
-    base_iter.__next__ = _wrap_phase(base_iter.__next__, tracker, DATALOADER)  # type: ignore[method-assign]
     # the input pipeline's own time per batch, in the workers or on this thread (input_timing.py)
+    single: type | None = None
     if os.environ.get("RANKWATCH_INPUT_TIMING", "1") != "0":
         try:
             from . import input_timing
 
             input_timing.install(tracker, dl)
+            single = dl._SingleProcessDataLoaderIter
         except Exception as exc:
             warnings.warn(f"rankwatch: input pipeline timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
+    # DataLoader: every iterator class inherits __next__ from the base iterator.
+    base_iter = dl._BaseDataLoaderIter
+    base_iter.__next__ = _wrap_next(base_iter.__next__, tracker, single)  # type: ignore[method-assign]
 
     # Forward: only the outermost module call counts (a DDP wrapper, or the bare model).
     forward = OutermostForward(tracker, module_mod)
@@ -231,14 +297,13 @@ def install(tracker: Tracker) -> None:
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    enter, exit_, step = tracker.enter, tracker.exit, tracker.step
+    enter, exit_step = tracker.enter, tracker.exit_step
 
     def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         enter(OPTIMIZER)
 
     def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        exit_(OPTIMIZER)
-        step(False)
+        exit_step(OPTIMIZER)
         if not forward.promoted:
             forward.promote()
 

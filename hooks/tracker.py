@@ -203,8 +203,8 @@ class Tracker:
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.begin(slot)
 
-    def _pop(self, slot: int, split_ns: int, tail_slot: int, failing: bool) -> bool:
-        """Close ``slot`` (inside a section); False when it was not open."""
+    def _pop(self, slot: int, split_ns: int, tail_slot: int, failing: bool) -> int:
+        """Close ``slot`` (inside a section): how long it was open (ns), -1 when it was not open."""
         stack = self._stack
         if not stack or stack[-1][0] != slot:
             # unbalanced (an exception skipped an exit): unwind to the matching entry if any
@@ -212,7 +212,7 @@ class Tracker:
                 stack.pop()
             if not stack:
                 self._cur = IDLE_SLOT
-                return False
+                return -1
         now = _now()
         last = self._last
         acc = self._acc
@@ -222,7 +222,7 @@ class Tracker:
         else:
             acc[slot] += now - last
         self._last = now
-        budget = stack.pop()[2]
+        _, started, budget = stack.pop()
         self._cur = stack[-1][0] if stack else IDLE_SLOT
         q = self._q
         if failing:
@@ -248,7 +248,7 @@ class Tracker:
                 self._budget = 0.0
                 q[_BUDGET_START] = 0
             self._d[_BUDGET_D] = self._budget
-        return True
+        return now - started
 
     def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
         """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
@@ -264,6 +264,23 @@ class Tracker:
             q[_SEQ] = seq = self._seq + 1
             self._pop(slot, split_ns, tail_slot, failing)
             q[_SEQ] = self._seq = seq + 1
+        except Exception as exc:
+            self._fail(exc)
+
+    def exit_batch(self, slot: int, produced: bool) -> None:
+        """Close ``slot`` (the DataLoader's ``__next__``); ``produced``: this thread made the batch itself
+        (no workers), so the phase's own time is the batch's production time (``input_timing.py``)."""
+        if not self.enabled or _ident() != self.thread_id:
+            return
+        try:
+            q = self._q
+            q[_SEQ] = seq = self._seq + 1
+            spent = self._pop(slot, 0, NO_PHASE, False)
+            q[_SEQ] = self._seq = seq + 1
+            if produced and spent >= 0:
+                self._input_ns += spent
+                self._input_batches += 1
+                self.input_workers = 0
         except Exception as exc:
             self._fail(exc)
 
@@ -303,13 +320,6 @@ class Tracker:
             self._fail(exc)
 
     # -- input pipeline ---------------------------------------------------------------------------
-    def input_produced(self, ns: int) -> None:
-        """A batch produced on the training thread (a DataLoader without workers) took ``ns``."""
-        if self.enabled and _ident() == self.thread_id:
-            self._input_ns += ns
-            self._input_batches += 1
-            self.input_workers = 0
-
     def input_worker_slots(self, workers: int) -> int:
         """First of ``workers`` consecutive slots (modulo ``INPUT_SLOTS``) for a new set of DataLoader workers."""
         base = self.input_slot_next
@@ -334,46 +344,65 @@ class Tracker:
         elif not explicit and self.explicit_steps:
             return
         try:
-            now = _now()
-            acc = self._acc
-            if now > self._last:
-                acc[self._cur] += now - self._last
-            self._last = now
-            if self.input_slots_used:
-                busy, batches = self._input_totals()
-            else:
-                busy, batches = self._input_ns, self._input_batches
             q = self._q
-            done = self._steps_done
-            base = _RING + (done % RING_STEPS) * _ENTRY_WORDS
-            self._seq += 1
-            q[_SEQ] = self._seq
-            q[base] = done
-            q[base + 1] = self._step_start
-            q[base + 2] = now
-            q[base + _E_PHASES : base + _E_PHASES + MAX_PHASES] = acc
-            q[base + _E_INPUT] = max(0, busy - self._seen_ns)
-            q[base + _E_INPUT + 1] = max(0, batches - self._seen_batches)
-            q[base + _E_INPUT + 2] = self.input_workers
-            self._seen_ns = busy
-            self._seen_batches = batches
-            if self._gpu is not None:
-                rec = self._rec
-                for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
-                    rec.gpu_phase_ms[gslot] += gpu_ms
-            self._steps_done = done = done + 1
-            q[_STEPS_DONE] = done
-            q[_STEP] = done
-            q[_STEP_START] = now
-            q[_PROGRESS] = now
-            self._transitions += 1
-            q[_TRANSITIONS] = self._transitions
-            self._seq += 1
-            q[_SEQ] = self._seq
-            self._step_start = now
-            acc[:] = self._zero
+            q[_SEQ] = seq = self._seq + 1
+            self._end_step(_now())
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
+
+    def exit_step(self, slot: int) -> None:
+        """``exit(slot)`` then the automatic ``step()``, in one section: the optimizer's post hook (one
+        call and one seqlock section per step fewer than the two)."""
+        if not self.enabled or _ident() != self.thread_id:
+            return
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.end(slot)
+        try:
+            q = self._q
+            q[_SEQ] = seq = self._seq + 1
+            self._pop(slot, 0, NO_PHASE, False)
+            if not self.explicit_steps:
+                self._end_step(self._last)
+            q[_SEQ] = self._seq = seq + 1
+        except Exception as exc:
+            self._fail(exc)
+
+    def _end_step(self, now: int) -> None:
+        """The step ending at ``now`` into the ring and the live state (inside a section)."""
+        acc = self._acc
+        if now > self._last:
+            acc[self._cur] += now - self._last
+        self._last = now
+        if self.input_slots_used:
+            busy, batches = self._input_totals()
+        else:
+            busy, batches = self._input_ns, self._input_batches
+        q = self._q
+        done = self._steps_done
+        base = _RING + (done % RING_STEPS) * _ENTRY_WORDS
+        q[base] = done
+        q[base + 1] = self._step_start
+        q[base + 2] = now
+        q[base + _E_PHASES : base + _E_PHASES + MAX_PHASES] = acc
+        q[base + _E_INPUT] = max(0, busy - self._seen_ns)
+        q[base + _E_INPUT + 1] = max(0, batches - self._seen_batches)
+        q[base + _E_INPUT + 2] = self.input_workers
+        self._seen_ns = busy
+        self._seen_batches = batches
+        if self._gpu is not None:
+            rec = self._rec
+            for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
+                rec.gpu_phase_ms[gslot] += gpu_ms
+        self._steps_done = done = done + 1
+        q[_STEPS_DONE] = done
+        q[_STEP] = done
+        q[_STEP_START] = now
+        q[_PROGRESS] = now
+        self._transitions = t = self._transitions + 1
+        q[_TRANSITIONS] = t
+        self._step_start = now
+        acc[:] = self._zero
 
     def mark_crashed(self, info: str = "") -> None:
         """The script is ending with an exception or non-zero exit; ``info`` ("Type: message") lets the

@@ -191,3 +191,41 @@ def test_forward_hooks_move_from_every_module_to_the_model_after_the_first_step(
     assert rec.steps_done == 4
     for s in rec.recent_steps:  # the model's forward is still timed after the switch
         assert s.phases_ms.get("forward", 0) > 0
+
+
+DDP_FORWARD = r"""
+import copy, io, os, tempfile, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+ddp = DDP(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for step in range(4):
+    loss = nn.functional.mse_loss(ddp(torch.randn(4, 8)), torch.randn(4, 1))
+    opt.zero_grad(); loss.backward(); opt.step()
+print("HOOKS", len(ddp._forward_pre_hooks) + len(ddp._forward_hooks), "forward" in vars(ddp), flush=True)
+ema = copy.deepcopy(ddp.module)  # an EMA copy: a plain module, nothing of the hook in it
+buf = io.BytesIO(); torch.save(ddp.module, buf); buf.seek(0)
+print("COPIES", type(torch.load(buf, weights_only=False)).__name__, type(ema).__name__, flush=True)
+try:
+    ddp(torch.randn(4, 3))  # a shape error inside DDP's forward reaches the script unchanged
+except RuntimeError:
+    print("RAISED", flush=True)
+loss = nn.functional.mse_loss(ddp(torch.randn(4, 8)), torch.randn(4, 1))
+opt.zero_grad(); loss.backward(); opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_forward_is_timed_without_module_hooks_after_the_first_step(run_hooked, tmp_path):
+    shm = tmp_path / "shm"
+    result = run_hooked(DDP_FORWARD, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    assert result.returncode == 0, result.stderr
+    # no hooks and no instance attribute on the DDP model: Module._call_impl keeps its fast path
+    assert "HOOKS 0 False" in result.stdout, result.stdout
+    assert "COPIES Sequential Sequential" in result.stdout and "RAISED" in result.stdout, result.stdout
+    rec = read_record(str(shm / "j" / "rank-0.hb"))
+    assert rec.steps_done == 5 and rec.phase is None
+    for s in rec.recent_steps:  # DDP's forward stays timed after the switch, the failed one included
+        assert s.phases_ms.get("forward", 0) > 0, s
