@@ -114,6 +114,22 @@ def give(path: Path, user: User) -> None:
         os.lchown(p, user.uid, user.gid)
 
 
+def staged(world: dict) -> Path:
+    """A scratch dir on the shm dirs' filesystem, where a job dir is built before ``move_in``."""
+    stage = world["devshm"] / f"stage-{time.monotonic_ns()}"
+    stage.mkdir(mode=0o700)
+    return stage
+
+
+def move_in(job: Path, shm: Path, user: User) -> Path:
+    """``job`` (built by this root test in a ``staged`` dir) becomes ``user``'s, then appears in ``shm`` in one
+    rename, as a job dir its user made: a running daemon that saw it half-chowned would take root for its
+    owner and reject the user's records (a test race, not an attack: only root can chown)."""
+    give(job, user)
+    os.rename(job, shm / job.name)
+    return shm / job.name
+
+
 def discovered(d: DaemonProc, job: str, **match):
     return d.wait(lambda e: e.get("event") == "rank_discovered" and e.get("job") == job
                   and all(e.get(k) == v for k, v in match.items()))
@@ -127,8 +143,9 @@ def test_a_record_naming_another_users_verified_rank_is_rejected(users, world, d
     d = daemons(tmp_path, shm)
     assert discovered(d, "job-b", verified=True, pid=victim.pid)
     # A plants a record of their own naming B's verified rank, stalled: --on-stall kill would hit B
-    tracker = stalled_record(shm, "job-a", pid=victim.pid)
-    give(shm / "job-a", a)
+    stage = staged(world)
+    tracker = stalled_record(stage, "job-a", pid=victim.pid)
+    move_in(stage / "job-a", shm, a)
     seen = discovered(d, "job-a", pid=victim.pid)
     assert seen is not None and seen["verified"] is False, seen
     assert d.wait(lambda e: e.get("event") == "rank_unverified" and e.get("job") == "job-a", timeout=30)
@@ -264,11 +281,11 @@ def test_fd_exhaustion_makes_ranks_unreadable_never_dead(users, world, daemons, 
     d = daemons(tmp_path, shm, prefix=("prlimit", "--nofile=1024:1024", "--"))
     assert discovered(d, "job-b", verified=True, pid=victim.pid)
     # A's flood: 1,100 valid records, all mapped by one live process of A's (so each is a verified rank)
-    job = shm / "job-flood"
+    job = staged(world) / "job-flood"
     job.mkdir(mode=0o700)
     # a fresh record (no step yet: the start-up budget keeps this job from an incident of its own)
     t = new_tracker(job / "template")
-    give(job, a)
+    job = move_in(job, shm, a)
     script = world["dir"] / "mapper.py"
     script.write_text(MAPPER)
     script.chmod(0o644)
