@@ -69,19 +69,22 @@ def _nonempty(doc: Any) -> None:
 
 # script → (extra arguments, what its JSON must hold), longest first (measured, --durations): xdist hands the
 # tests out in this order, so the longest runs start first instead of ending the suite alone on one worker
+# The extra arguments cut repetitions of one path, never a path: each loop still runs once (a run proves the
+# benchmark works at the current code; its figures are not quoted, so one repetition of a measurement is as
+# good as five).
 CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_inspect.py": ([], _inspect),
     # (c) at 400 steps still gives every arm py-spy samples (100 Hz on both ranks) at half the quick default
     "bench_hook.py": (["--no-e2e", "--shares-steps", "400"], _hook),
-    "bench_daemon.py": ([], _nonempty),
+    "bench_daemon.py": (["--seconds", "3", "--import-reps", "1"], _nonempty),  # both footprint runs, each import
     "bench_ddp_timing.py": ([], _nonempty),
-    "bench_detection.py": ([], _nonempty),
+    "bench_detection.py": (["--runs", "1"], _nonempty),  # one 4-rank hang: every run is the same job
     "bench_store.py": (["--nodes", "8", "16"], _store),  # two sizes: the per-size loop, worker processes
     "bench_footprint.py": ([], _nonempty),
     "gpu_check.py": ([], _gpu),
     "bench_flood.py": ([], _nonempty),
     "bench_capture.py": ([], _nonempty),
-    "bench_diagnose.py": ([], _diagnose),
+    "bench_diagnose.py": (["--sizes-mb", "20", "--rounds", "1"], _diagnose),  # diagnose, grep and start-up once
     "bench_verdict.py": ([], _verdict),
     "bench_fr_share.py": ([], _nonempty),
     "bench_traceml.py": ([], _traceml),
