@@ -327,7 +327,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (addopts): two workers per core. Most slow tests wait rather than compute (torchrun
     start-up, stall timeouts, py-spy, daemons' polls), so a third and fourth job overlap the waits of the
     first two: measured on 2 cores at load 17-25, tests/test_watchdog_e2e.py took 283-384 s with 4 workers
-    against 433 s with 2. ``-n 2`` (or ``-n 0``) on the command line still wins."""
+    against 433 s with 2. Not more: the start-ups are CPU (torch's import in every rank), and two workers
+    already keep 1.3 cores busy (the same module at load 5-7: 182 s of CPU in 136 s). ``-n 2`` (or ``-n 0``)
+    on the command line still wins."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

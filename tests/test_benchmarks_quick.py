@@ -6,6 +6,7 @@ the JSON holds the measurement."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -59,29 +60,58 @@ def _gpu(doc: Any) -> None:
     assert doc["counts"]["FAIL"] == 0 and doc["checks"]
 
 
-def _inspect(doc: Any) -> None:
-    assert doc["timing"] and doc["classes"]
+def _inspect_timing(doc: Any) -> None:
+    assert doc["timing"] and not doc["classes"]
+
+
+def _inspect_classes(names: tuple[str, ...]) -> Callable[[Any], None]:
+    def check(doc: Any) -> None:
+        assert not doc["timing"] and [r["fault"] for r in doc["classes"]] == list(names)
+
+    return check
+
+
+def _inspect_classes_of_the_script() -> tuple[str, ...]:
+    """bench_inspect.py's CLASSES, read from its source (a script: importing it needs its own sys.path)."""
+    tree = ast.parse((BENCH / "bench_inspect.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CLASSES" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("bench_inspect.py has no CLASSES")
+
+
+# bench_inspect runs a job per hang class, one after another (its whole --quick run was the suite's longest
+# test, 343 s at -n 2): the 8-rank timing run and the classes in two halves are three tests that run side by
+# side, every class still once
+INSPECT_CLASSES = _inspect_classes_of_the_script()
+INSPECT_HALVES = (INSPECT_CLASSES[: len(INSPECT_CLASSES) // 2], INSPECT_CLASSES[len(INSPECT_CLASSES) // 2:])
 
 
 def _nonempty(doc: Any) -> None:
     assert doc
 
 
-# script → (extra arguments, what its JSON must hold), longest first (measured, --durations): xdist hands the
-# tests out in this order, so the longest runs start first instead of ending the suite alone on one worker
+# script (":part" where one script's run is split) → (extra arguments, what its JSON must hold), longest first
+# (measured, --durations): xdist hands the tests out in this order, so the longest runs start first instead
+# of ending the suite alone on one worker.
+# The extra arguments cut repetitions of one path, never a path: each loop still runs once (a run proves the
+# benchmark works at the current code; its figures are not quoted, so one repetition of a measurement is as
+# good as five).
 CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
-    "bench_inspect.py": ([], _inspect),
+    "bench_inspect.py:timing": (["--classes"], _inspect_timing),
+    **{f"bench_inspect.py:classes-{i}": (["--reps", "0", "--classes", *half], _inspect_classes(half))
+       for i, half in enumerate(INSPECT_HALVES, 1)},
     # (c) at 400 steps still gives every arm py-spy samples (100 Hz on both ranks) at half the quick default
     "bench_hook.py": (["--no-e2e", "--shares-steps", "400"], _hook),
-    "bench_daemon.py": ([], _nonempty),
+    "bench_daemon.py": (["--seconds", "3", "--import-reps", "1"], _nonempty),  # both footprint runs, each import
     "bench_ddp_timing.py": ([], _nonempty),
-    "bench_detection.py": ([], _nonempty),
+    "bench_detection.py": (["--runs", "1"], _nonempty),  # one 4-rank hang: every run is the same job
     "bench_store.py": (["--nodes", "8", "16"], _store),  # two sizes: the per-size loop, worker processes
     "bench_footprint.py": ([], _nonempty),
     "gpu_check.py": ([], _gpu),
     "bench_flood.py": ([], _nonempty),
     "bench_capture.py": ([], _nonempty),
-    "bench_diagnose.py": ([], _diagnose),
+    "bench_diagnose.py": (["--sizes-mb", "20", "--rounds", "1"], _diagnose),  # diagnose, grep and start-up once
     "bench_verdict.py": ([], _verdict),
     "bench_fr_share.py": ([], _nonempty),
     "bench_traceml.py": ([], _traceml),
@@ -91,7 +121,8 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
 
 def test_every_benchmark_is_listed() -> None:
     scripts = {p.name for p in BENCH.glob("bench_*.py")} | {"gpu_check.py"}
-    assert scripts == set(CASES), "a benchmark without a --quick run here"
+    assert scripts == {case.split(":")[0] for case in CASES}, "a benchmark without a --quick run here"
+    assert sum(INSPECT_HALVES, ()) == INSPECT_CLASSES and all(INSPECT_HALVES)
 
 
 def _kill_tagged(tag: str) -> None:
@@ -110,9 +141,10 @@ RUN_LIMIT_S = 1200
 
 
 @pytest.mark.timeout(RUN_LIMIT_S + 120)
-@pytest.mark.parametrize("script", list(CASES))
-def test_benchmark_quick_run(script: str, tmp_path: Path) -> None:
-    extra, check = CASES[script]
+@pytest.mark.parametrize("case", list(CASES))
+def test_benchmark_quick_run(case: str, tmp_path: Path) -> None:
+    extra, check = CASES[case]
+    script = case.split(":")[0]
     out = tmp_path / "result.json"
     tag = uuid.uuid4().hex
     env = dict(os.environ, TMPDIR=str(tmp_path), RANKWATCH_BENCH_RUN=tag)

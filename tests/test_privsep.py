@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, bundle_dirs, new_tracker, rankwatch_cmd, stalled_record, wait_for
+from conftest import REPO, bundle_dirs, free_port, new_tracker, rankwatch_cmd, stalled_record, wait_for, wait_polls
 from test_multiuser import User, users, world  # noqa: F401  (fixtures: throwaway users, a world for them)
 
 pytestmark = [
@@ -31,11 +31,15 @@ class DaemonProc:
     """``rankwatch daemon`` as root, JSON logs into a file the test reads while it runs."""
 
     def __init__(self, tmp: Path, shm: Path, *extra: str, prefix: tuple[str, ...] = (), env: dict | None = None,
-                 stall: str = "1", on_stall: str = "kill") -> None:
+                 stall: str = "1", on_stall: str = "kill", counted: bool = False) -> None:
         self.out = tmp / f"out-{time.monotonic_ns()}"
         self.log = tmp / f"daemon-{time.monotonic_ns()}.log"
+        # counted: /healthz says how many polls it made, so a test waits for "it looked again" (``looked``)
+        self.port = free_port() if counted else None
+        metrics = ("--metrics-port", str(self.port)) if self.port else ()
         cmd = [*prefix, *rankwatch_cmd("daemon", "--shm-dir", str(shm), "--out", str(self.out), "--stall-timeout",
-                                       stall, "--poll-interval", "0.2", "--on-stall", on_stall, "--json-logs", *extra)]
+                                       stall, "--poll-interval", "0.2", "--on-stall", on_stall, "--json-logs",
+                                       *metrics, *extra)]
         self._err = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._err, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env=env)
@@ -51,6 +55,11 @@ class DaemonProc:
 
     def wait(self, pred, timeout: float = 60) -> dict | None:
         return wait_for(lambda: next((e for e in self.events() if pred(e)), None), timeout)
+
+    def looked(self, polls: int) -> None:
+        """Until ``polls`` more whole polls are done: a fixed sleep covers fewer of them on a loaded host."""
+        assert self.port is not None, "start the daemon with counted=True"
+        wait_polls(self.port, more=polls + 1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -114,6 +123,22 @@ def give(path: Path, user: User) -> None:
         os.lchown(p, user.uid, user.gid)
 
 
+def staged(world: dict) -> Path:
+    """A scratch dir on the shm dirs' filesystem, where a job dir is built before ``move_in``."""
+    stage = world["devshm"] / f"stage-{time.monotonic_ns()}"
+    stage.mkdir(mode=0o700)
+    return stage
+
+
+def move_in(job: Path, shm: Path, user: User) -> Path:
+    """``job`` (built by this root test in a ``staged`` dir) becomes ``user``'s, then appears in ``shm`` in one
+    rename, as a job dir its user made: a running daemon that saw it half-chowned would take root for its
+    owner and reject the user's records (a test race, not an attack: only root can chown)."""
+    give(job, user)
+    os.rename(job, shm / job.name)
+    return shm / job.name
+
+
 def discovered(d: DaemonProc, job: str, **match):
     return d.wait(lambda e: e.get("event") == "rank_discovered" and e.get("job") == job
                   and all(e.get(k) == v for k, v in match.items()))
@@ -124,16 +149,17 @@ def test_a_record_naming_another_users_verified_rank_is_rejected(users, world, d
     a, b = users
     shm = fresh_shm(world)
     victim = ranks(b, world, shm, "job-b")  # healthy, stepping
-    d = daemons(tmp_path, shm)
+    d = daemons(tmp_path, shm, counted=True)
     assert discovered(d, "job-b", verified=True, pid=victim.pid)
     # A plants a record of their own naming B's verified rank, stalled: --on-stall kill would hit B
-    tracker = stalled_record(shm, "job-a", pid=victim.pid)
-    give(shm / "job-a", a)
+    stage = staged(world)
+    tracker = stalled_record(stage, "job-a", pid=victim.pid)
+    move_in(stage / "job-a", shm, a)
     seen = discovered(d, "job-a", pid=victim.pid)
     assert seen is not None and seen["verified"] is False, seen
     assert d.wait(lambda e: e.get("event") == "rank_unverified" and e.get("job") == "job-a", timeout=30)
-    # several stall timeouts later: nothing of B's was signalled, no incident names it
-    time.sleep(4)
+    # twenty polls later (0.2 s apart: several 1 s stall timeouts): nothing of B's was signalled, no incident
+    d.looked(20)
     assert victim.poll() is None, "B's healthy rank was killed through A's record"
     assert not [e for e in d.events() if e.get("event") in ("killing_job", "incident_detected")]
     del tracker
@@ -151,9 +177,9 @@ def test_job_json_symlinked_to_a_root_only_file_is_never_read(users, world, daem
     job.mkdir(mode=0o700)
     (job / "job.json").symlink_to(secret)
     give(job, a)
-    d = daemons(tmp_path, shm)
+    d = daemons(tmp_path, shm, counted=True)
     assert d.wait(lambda e: e.get("event") == "job_discovered" and e.get("job") == "job-s")
-    time.sleep(2)  # ten polls: each one would have read job.json again
+    d.looked(10)  # each poll would have read job.json again
     assert d.proc.poll() is None
     assert os.stat(secret).st_atime == 0, "the root daemon read a root-only file through the user's symlink"
 
@@ -170,9 +196,9 @@ def test_job_json_symlinked_to_a_pty_never_becomes_the_daemons_terminal(users, w
         job.mkdir(mode=0o700)
         (job / "job.json").symlink_to(tty)
         give(job, a)
-        d = daemons(tmp_path, shm)
+        d = daemons(tmp_path, shm, counted=True)
         assert d.wait(lambda e: e.get("event") == "job_discovered" and e.get("job") == "job-t")
-        time.sleep(2)  # ten polls
+        d.looked(10)
         os.write(master, b"\x1c\x03")  # ^\ (SIGQUIT) and ^C to whoever has this terminal as its own
         time.sleep(1)
         assert d.proc.poll() is None, f"the daemon died (rc {d.proc.returncode}) from ^\\ typed on a user's pty"
@@ -192,12 +218,12 @@ def test_a_job_dir_swapped_for_a_symlink_after_discovery_is_not_followed(users, 
     shm_b = fresh_shm(world)
     own = ranks(a, world, shm_a, "job-a")
     victim = ranks(b, world, shm_b, "job-b", "--stall-after", "1")  # B's rank, stalled: an incident target
-    d = daemons(tmp_path, shm_a)
+    d = daemons(tmp_path, shm_a, counted=True)
     assert discovered(d, "job-a", verified=True, pid=own.pid)
     os.rename(shm_a / "job-a", shm_a / "job-a.old")
     (shm_a / "job-a").symlink_to(shm_b / "job-b")
     os.lchown(shm_a / "job-a", a.uid, a.gid)
-    time.sleep(4)  # twenty polls, several stall timeouts
+    d.looked(20)  # several stall timeouts
     mine = [e for e in d.events() if e.get("job") == "job-a" and e.get("pid") == victim.pid]
     assert not mine, f"B's rank was adopted into A's job through the swapped dir: {mine}"
     assert victim.poll() is None
@@ -264,11 +290,11 @@ def test_fd_exhaustion_makes_ranks_unreadable_never_dead(users, world, daemons, 
     d = daemons(tmp_path, shm, prefix=("prlimit", "--nofile=1024:1024", "--"))
     assert discovered(d, "job-b", verified=True, pid=victim.pid)
     # A's flood: 1,100 valid records, all mapped by one live process of A's (so each is a verified rank)
-    job = shm / "job-flood"
+    job = staged(world) / "job-flood"
     job.mkdir(mode=0o700)
     # a fresh record (no step yet: the start-up budget keeps this job from an incident of its own)
     t = new_tracker(job / "template")
-    give(job, a)
+    job = move_in(job, shm, a)
     script = world["dir"] / "mapper.py"
     script.write_text(MAPPER)
     script.chmod(0o644)
