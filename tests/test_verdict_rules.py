@@ -108,6 +108,29 @@ def test_a_killed_rank_beats_a_peer_whose_connection_error_was_seen_first():
     assert v["finding"]["data"]["roles"] == {"2": "consequence", "1": "initiating"}
 
 
+def test_live_and_offline_ends_are_ordered_by_one_rule():
+    """The same two own ends 30 ms apart on one node: live (the node's exact exit order) names the first,
+    offline (log times only) cannot order them and names both — one rule over the facts each path makes."""
+    from rankwatch.watchdog.core.facts import Ended, FactSet
+    from rankwatch.watchdog.core.policy import OfflinePolicy
+    from rankwatch.watchdog.core.rules.ended import rule_exit_cause
+
+    views = [
+        rv(0),
+        rv(1, state="dead", exit_age_s=0.23, exit_order=0),
+        rv(2, state="dead", exit_age_s=0.20, exit_order=1),
+        rv(3),
+    ]
+    live = verdict(views)
+    assert (live["initiating_ranks"], live["finding"]["data"]["exit_order"]) == ([1], [1, 2])
+    ends = [Ended(1, own=True, cause="cuda_error", ts=100.00, node="h0"),
+            Ended(2, own=True, cause="cuda_error", ts=100.03, node="h0")]
+    facts = FactSet(ranks=(0, 1, 2, 3), ended=ends)
+    offline = rule_exit_cause(facts, OfflinePolicy(tie_s=0.05))
+    assert offline is not None and (offline.ranks, offline.data["exit_order"]) == ([1, 2], [1, 2])
+    assert offline.data["lead"] == 1
+
+
 def test_across_nodes_cause_decides_where_clocks_cannot():
     # node n1's evidence was captured two seconds after n0's: ages across nodes are not comparable
     views = [

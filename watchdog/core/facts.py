@@ -43,8 +43,16 @@ class Ended:
     strength: Rung = Rung.EXIT_CAUSE
     pid: int | None = None  # the process that ended (tells a restarted generation from the one decided)
     peer_ended: bool = False  # a consequence whose cause says a peer's process closed the connection (gone)
-    # what a log says about it (offline): when, by which signal, whether its own message states the cause
+    # when it ended, on one clock per fact set (offline: the log's time; live: minus the exit's age); None:
+    # not known (an untimed log line), then its end is not ordered against the others
     ts: float | None = None
+    # its place in its node's exit order (live: exact, the node sees its own ranks end); None: unknown (logs),
+    # then ends close in time tie even on one node
+    order: int | None = None
+    verified: bool = True  # False (live): it ended before rankwatch saw its process; its time is when noticed
+    how: str | None = None  # live: how the process went (``snapshot`` state: dead, crashed, exited early)
+    step: int | None = None  # live: the step it was in
+    # what a log says about it (offline): by which signal, whether its own message states the cause
     signal: str | None = None
     stated: bool = True  # False: a bare death by signal, no message of its own
     detail: str = ""  # the cause's own words (exception, CUDA error), bounded by the parser

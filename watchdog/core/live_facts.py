@@ -101,14 +101,20 @@ def live_facts(
 
 
 def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ended]:
-    """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``)."""
-    gone = [v for v in views if v.state in GONE_STATES or (v.state == EXITED and left_early(v, views))]
+    """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``), with when it
+    ended (minus its exit age: one clock for every node) and its place in its node's exact exit order."""
+    # the gone before the early leavers: ends of one time and node place keep this order
+    gone = [v for v in views if v.state in GONE_STATES]
+    gone += [v for v in views if v.state == EXITED and left_early(v, views)]
     roles = exit_roles(gone, exit_tolerance_s)
     out = []
     for v in gone:
         own = roles[v.rank] == INITIATING
         peer_ended = not own and bool(v.exit_cause) and PEER_ENDED.search(v.exit_cause or "") is not None
-        out.append(Ended(v.rank, own=own, cause=v.exit_cause, pid=v.pid, peer_ended=peer_ended))
+        node = v.node if v.node_rank < 0 else f"#{v.node_rank}"  # ``node_key``: hostnames repeat across nodes
+        out.append(Ended(v.rank, own=own, cause=v.exit_cause, pid=v.pid, peer_ended=peer_ended,
+                         ts=-(v.exit_age_s or 0.0), order=v.exit_order if v.exit_order is not None else 0,
+                         verified=v.verified, how=v.state, step=v.step, phase=v.phase, node=node))
     return out
 
 

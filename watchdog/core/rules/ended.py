@@ -10,11 +10,11 @@ waiting, so it is never taken on its own word when better evidence exists.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from ..engine import Finding
 from ..facts import Ended, FactSet, Rung
+from ..failures import CONSEQUENCE, INITIATING
 from ..policy import OfflinePolicy
 from ..ranks import first_by_time
 from ..schema import DEAD_RANK, UNKNOWN
@@ -22,20 +22,21 @@ from ..schema import DEAD_RANK, UNKNOWN
 EXIT_CAUSE = "exit_cause"
 REPORT_ONLY = "report_only"
 
-T = TypeVar("T")
 
-
-def earliest_ends(ordered: Sequence[T], *, at: Callable[[T], float], tolerance: float,
-                  node: Callable[[T], Hashable] | None = None) -> list[T]:
-    """The ends that came first, the one rule live (``rules.exits``) and offline share: the first of
-    ``ordered`` (time order, ties pre-broken by the caller), and every other end within ``tolerance`` of it
-    (times that close are not ordered with confidence). With ``node``: only ends on another node tie —
-    within a node the exit order is exact."""
+def earliest_ends(ordered: Sequence[Ended], tolerance: float) -> list[Ended]:
+    """The ends that came first: the first of ``ordered`` (time order, ties pre-broken by the caller), and
+    every other end within ``tolerance`` of it (times that close are not ordered with confidence) — except
+    an end on the first one's node where both have a place in the node's exit order (``Ended.order``,
+    live): within a node that order is exact."""
     if not ordered:
         return []
     first = ordered[0]
-    near = first_by_time(ordered, key=at, tolerance=tolerance)
-    return [first, *(x for x in near if x is not first and (node is None or node(x) != node(first)))]
+    near = first_by_time(ordered, key=lambda e: e.ts or 0.0, tolerance=tolerance)
+
+    def exact(x: Ended) -> bool:
+        return x.order is not None and first.order is not None and x.node == first.node
+
+    return [first, *(x for x in near if x is not first and not exact(x))]
 
 
 def cause_of(e: Ended) -> dict[str, object]:
@@ -70,38 +71,60 @@ def rule_same_failure(facts: FactSet) -> Finding | None:
                    {"decided": False, "same_failure": True, "failed": sorted(ended), **cause_of(lead)})
 
 
+def rule_exit_order(facts: FactSet, tolerance: float) -> Finding | None:
+    """Who ended first by its own cause — the one exit-ordering rule live (``rules.exits``) and offline
+    (``rule_exit_cause``) ask, over the ``Ended`` facts of ``core.live_facts`` and ``diagnose.log_facts``.
+
+    Cause before time: an own end, however late it was seen, beats a consequence seen earlier; only when
+    every end is a consequence is the first consequence named (low confidence when there are several).
+    Then time (``Ended.ts``, the node's exit order breaking ties), with ends within ``tolerance`` of the
+    first named with it (``earliest_ends``); ends of unknown time are not ordered: all are named. A bare
+    SIGABRT (no message of its own) while nobody waited stays undecided: a rank's own abort and NCCL's
+    watchdog abort after a timeout end alike."""
+    if not facts.ended:
+        return None
+    timed = all(e.ts is not None for e in facts.ended)
+    ordered = sorted(facts.ended, key=lambda e: (e.ts or 0.0, e.order or 0)) if timed else list(facts.ended)
+    candidates = [e for e in ordered if e.own] or ordered
+    firsts = earliest_ends(candidates, tolerance) if timed else candidates
+    lead = firsts[0]
+    all_consequences = not any(e.own for e in ordered)
+    waiting = sorted(facts.waiting() - {e.rank for e in ordered if e.own})
+    unverified = [e.rank for e in firsts if not e.verified]
+    confidence = "high" if len(firsts) == 1 and (lead.stated or waiting) and not all_consequences else "medium"
+    if unverified and confidence == "high":
+        confidence = "medium"
+    if all_consequences and len(ordered) > 1:
+        confidence = "low"
+    bare_abort = not waiting and not lead.stated and lead.signal == "SIGABRT"
+    consequences = [e.rank for e in ordered if not e.own]
+    return Finding(EXIT_CAUSE, DEAD_RANK, sorted(e.rank for e in firsts), Rung.EXIT_CAUSE,
+                   "low" if bare_abort else confidence, {
+                       "shape": "first_exit", "decided": not bare_abort, "bare_abort": bare_abort,
+                       "waiting": waiting, "phase": lead.phase, **cause_of(lead), "lead": lead.rank,
+                       "how": lead.how, "step": lead.step, "exit_order": [e.rank for e in ordered],
+                       "roles": {e.rank: INITIATING if e.own else CONSEQUENCE for e in ordered},
+                       # consequences that were seen before the initiating exit
+                       "consequences_first": consequences if consequences and lead is not ordered[0] else [],
+                       "all_consequences": all_consequences, "unverified": unverified})
+
+
 def rule_exit_cause(facts: FactSet, policy: OfflinePolicy) -> Finding | None:
+    """Offline: an own end (the same failure everywhere names nobody; so does every rank failing by its
+    own, different cause while none waited), ordered by ``rule_exit_order``."""
     own = [e for e in facts.ended if e.own]
     if not own:
         return None
     if (same := rule_same_failure(facts)) is not None:
         return same
     prim = [e.rank for e in own]
-    waiting = sorted(facts.waiting() - set(prim))
-    if len(own) == len(facts.ranks) > 1 and not waiting:
+    if len(own) == len(facts.ranks) > 1 and not facts.waiting() - set(prim):
         # every rank failed by its own, different cause and none waited on another: no rank held the
         # others back (several jobs' logs read as one, independent failures)
         return Finding(EXIT_CAUSE, UNKNOWN, [], Rung.EXIT_CAUSE, "low",
                        {"decided": False, "same_failure": False, "all_failed": True, "failed": prim,
                         **cause_of(own[0])})
-    first = own
-    if len(own) > 1 and all(e.ts is not None for e in own):
-        first = earliest_ends(sorted(own, key=lambda e: e.ts or 0.0), at=lambda e: e.ts or 0.0,
-                              tolerance=policy.tie_s)
-    first = sorted(first, key=lambda e: e.rank)
-    lead = first[0]
-    confidence = "high" if (lead.stated or waiting) and len(first) == 1 else "medium"
-    # its own abort and NCCL's watchdog abort after a timed-out collective end alike
-    bare_abort = not waiting and not lead.stated and lead.signal == "SIGABRT"
-    return Finding(
-        EXIT_CAUSE,
-        DEAD_RANK,
-        [e.rank for e in first],
-        Rung.EXIT_CAUSE,
-        "low" if bare_abort else confidence,
-        {"decided": not bare_abort, "bare_abort": bare_abort, "waiting": waiting, "phase": lead.phase,
-         **cause_of(lead)},
-    )
+    return rule_exit_order(facts, policy.tie_s)
 
 
 def rule_report_only(facts: FactSet) -> Finding | None:

@@ -9,13 +9,12 @@ from collections.abc import Sequence
 
 from ..engine import Finding
 from ..facts import FactSet, Rung
-from ..failures import CONSEQUENCE, INITIATING
-from ..live_facts import ended_facts, exit_roles, left_early
+from ..live_facts import ended_facts, left_early
 from ..policy import VerdictPolicy
 from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, DEAD_RANK, HANG, STOPPED_RANK
 from ..snapshot import DEAD, EXITED, GONE_STATES, RUNNING, STOPPED, RankView
-from .ended import earliest_ends, rule_same_failure
+from .ended import rule_exit_order, rule_same_failure
 
 EXITS = "exits"
 STOPPED_RULE = "stopped"
@@ -58,46 +57,22 @@ def _same_failure_everywhere(views: Sequence[RankView], policy: VerdictPolicy) -
 
 
 def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> Finding | None:
-    """Who ended first by its own cause: cause before time (an initiating exit, however late it was seen,
-    beats a consequence seen earlier), then exit age (node-local order breaks ties within a node)."""
+    """Who ended first by its own cause: most ranks finished while a few are still inside a step
+    (``_rule_finished_but_one``), the same failure everywhere, else the one exit-ordering rule
+    (``rules.ended.rule_exit_order``: cause before time, then exit age; node-local order breaks ties within
+    a node) over the views' ``Ended`` facts (``core.live_facts.ended_facts``)."""
     early = [v for v in views if left_early(v, views)]
     if (finished := _rule_finished_but_one(views, early)) is not None:
         return finished
-    gone = [v for v in views if v.state in GONE_STATES] + early
-    if not gone:
+    if not early and not any(v.state in GONE_STATES for v in views):
         return None
     if (same := _same_failure_everywhere(views, policy)) is not None:
         return same
-    # larger exit age = exited earlier; node-local order breaks ties within a node
-    ordered = sorted(gone, key=lambda v: (-(v.exit_age_s or 0.0), v.exit_order if v.exit_order is not None else 0))
-    roles = exit_roles(gone, policy.exit_order_tolerance_s)
-    candidates = [v for v in ordered if roles[v.rank] == INITIATING] or ordered
-    first = candidates[0]
-    # exits within the tolerance are not ordered across nodes; within a node the exit order is exact
-    firsts = earliest_ends(candidates, at=lambda v: -(v.exit_age_s or 0.0), tolerance=policy.exit_order_tolerance_s,
-                           node=lambda v: v.node_key)
-    consequences = [v.rank for v in ordered if roles[v.rank] == CONSEQUENCE]
-    unverified = [v.rank for v in firsts if not v.verified]
-    all_consequences = not any(roles[v.rank] == INITIATING for v in gone)
-    confidence = "high" if len(firsts) == 1 and not all_consequences else "medium"
-    if unverified and confidence == "high":
-        confidence = "medium"
-    if all_consequences and len(gone) > 1:
-        confidence = "low"
-    return Finding(EXITS, DEAD_RANK, sorted(v.rank for v in firsts), Rung.EXIT_CAUSE, confidence, {
-        "shape": "first_exit",
-        "how": first.state,
-        "cause": first.exit_cause,
-        "lead": first.rank,
-        "phase": first.phase,
-        "step": first.step,
-        "exit_order": [v.rank for v in ordered],
-        "roles": {v.rank: roles[v.rank] for v in ordered},
-        # consequences that were seen before the initiating exit
-        "consequences_first": consequences if consequences and first is not ordered[0] else [],
-        "all_consequences": all_consequences,
-        "unverified": unverified,
-    })
+    ended = ended_facts(views, policy.exit_order_tolerance_s)
+    found = rule_exit_order(FactSet(ranks=tuple(v.rank for v in views), ended=ended), policy.exit_order_tolerance_s)
+    if found is not None:
+        found.rule = EXITS
+    return found
 
 
 def rule_stopped(views: Sequence[RankView]) -> Finding | None:
