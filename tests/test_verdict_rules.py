@@ -382,3 +382,26 @@ def test_a_rank_one_collective_short_that_waits_on_its_peers_skipped_one():
         late = [*views[:2], dataclasses.replace(views[2], waiting=waiting), views[3]]
         v = verdict(late)
         assert (v["kind"], v["initiating_ranks"]) == ("hang", [2]), v["reason"]
+
+
+def test_behind_is_the_lowest_count_of_a_group_and_ranks_in_between_are_waiters():
+    """Real dumps (tests/fixtures/fr/broadcast_root): in pg 0 rank 2, stuck in its input, entered #2; rank 0,
+    the root of DDP's buffer broadcast, entered #3 and waits in it; ranks 1, 3 entered #4. Only rank 2 is
+    behind (``core.ranks.behind``), in the flight recorder's own rung as in the counters'."""
+    from pathlib import Path
+
+    from rankwatch.watchdog.core.ranks import behind
+    from rankwatch.watchdog.evidence.capture import RankCapture
+    from rankwatch.watchdog.evidence.flight_recorder import fr_evidence
+
+    assert behind({0: 3, 1: 4, 2: 2, 3: 4}) == (2,) and behind({0: 4, 1: 4}) == ()
+    dumps = sorted((Path(__file__).parent / "fixtures" / "fr" / "broadcast_root").glob("rank-*.fr.json"))
+    caps = {int(p.name.split("-")[1].split(".")[0]): p.read_bytes() for p in dumps}
+    hints = fr_evidence({r: RankCapture(rank=r, pid=1000 + r, fr_json=b) for r, b in caps.items()}).hints
+    assert hints is not None and hints.behind_ranks == (2,) and [b.rank for b in hints.behind] == [2]
+    views = [rv(0, node="n0", phase="forward", waiting=True), rv(1, node="n0", waiting=True),
+             rv(2, node="n1", phase="dataloader", waiting=False), rv(3, node="n1", waiting=True)]
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=31.0, fr_hints=hints)
+    fr = v.found["fr_behind"]
+    assert v.initiating_ranks == [2] and fr is not None and fr.ranks == [2]
+    assert "fr_behind" in v.finding.data["backed_by"]

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .fr_trace import FrEntry, RankTrace
+from .ranks import behind as ranks_behind
 from .ranks import fmt_ranks, outside_majority
 
 MAX_REPORTED = 16
@@ -84,7 +85,7 @@ class PgAnalysis:
     desc: str
     members: tuple[int, ...]
     progress: Mapping[int, PgProgress]
-    behind: tuple[int, ...]
+    behind: tuple[int, ...]  # at the group's lowest entered count (``core.ranks.behind``); above it they wait
     completion_lag: tuple[int, ...]
     missing: tuple[MissingCollective, ...]
     mismatches: tuple[Mismatch, ...]
@@ -299,7 +300,7 @@ def _analyze_group(
     comparable = not any(e.collective_seq_id > 0 for es in pg_p2p.values() for e in es)
     progress = {r: _progress(traces[r], pg, by_rank.get(r, []), use_status=not pg_p2p) for r in members_t}
     top = max(p.entered for p in progress.values())
-    behind = tuple(r for r in members_t if progress[r].entered < top) if comparable else ()
+    behind = ranks_behind({r: progress[r].entered for r in members_t}) if comparable else ()
     top_completed = max(p.completed for p in progress.values())
     completion_lag = tuple(
         r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed

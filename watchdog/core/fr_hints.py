@@ -31,7 +31,8 @@ class FrGroup:
 
 @dataclass(frozen=True)
 class FrBehind:
-    """One rank's progress in one process group, when it entered fewer collectives than another member."""
+    """One rank's progress in one process group, when it is behind there (``core.ranks.behind``: at the
+    group's lowest entered count, below another member's)."""
 
     pg: str
     rank: int
@@ -58,7 +59,10 @@ class FrHints:
 
     @property
     def behind_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({b.rank for b in self.behind} | {r for m in self.missing for r in m.missing}))
+        """The ranks behind in some process group (``core.ranks.behind``: at its lowest count). A rank that
+        never joined a collective others entered (``missing``) is one of them or, above the lowest, a
+        waiter: not named for it."""
+        return tuple(sorted({b.rank for b in self.behind}))
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -48,8 +48,12 @@ def outside_majority(groups: Mapping[K, Collection[int]]) -> tuple[int, ...] | N
 
 
 def behind(values: Mapping[int, int]) -> tuple[int, ...]:
-    """Ranks whose value (step, sequence number) is the minimum, sorted, when the minimum is below the
-    maximum; () when all values are equal or there are none."""
+    """What "behind" means, everywhere: the ranks at the lowest count of one counter (a step, a collective
+    sequence number) within one process group, sorted, when that count is below the highest; () when all
+    counts are equal or there are none. Ranks in between are waiters (they got further and wait for the
+    ones below), not the ranks holding the job back. The live counters rule, the flight recorder's
+    per-group progress (``core.fr_analysis``) and offline SeqNums (``rules.progress``) all ask this;
+    callers pass one counter of one group (SeqNums of different groups are never compared)."""
     if not values:
         return ()
     low, high = min(values.values()), max(values.values())

@@ -177,11 +177,8 @@ def fr_detail(detail: Sequence[Mapping[str, Any]]) -> str:
     """'rank 1 entered collective #5 of pg 0 while others entered #6 (all_reduce)', per rank behind."""
     parts = []
     for b in detail:
-        if b.get("never"):
-            parts.append(f"rank {b['rank']} never joined collective #{b['seq']} ({b['op']}) of pg {b['pg']}")
-        else:
-            parts.append(f"rank {b['rank']} entered collective #{b['seq']} of pg {b['pg']} while others entered "
-                         f"#{b['top_seq']}" + (f" ({b['top_op']})" if b.get("top_op") else ""))
+        parts.append(f"rank {b['rank']} entered collective #{b['seq']} of pg {b['pg']} while others entered "
+                     f"#{b['top_seq']}" + (f" ({b['top_op']})" if b.get("top_op") else ""))
     return "; ".join(parts)
 
 

@@ -1,5 +1,6 @@
-"""The flight recorder's own findings for the ladder: a mismatch at one (pg, seq), ranks behind or missing.
-Pure; findings are data (``report.findings`` puts them in words)."""
+"""The flight recorder's own findings for the ladder: a mismatch at one (pg, seq), else the ranks behind in a
+process group (``core.ranks.behind``: at its lowest count; ranks in between wait). Pure; findings are data
+(``report.findings`` puts them in words)."""
 
 from __future__ import annotations
 
@@ -31,23 +32,19 @@ def _mismatch_finding(found: Finding, hints: FrHints, covered: bool) -> Finding:
 
 
 def behind_detail(hints: FrHints, ranks: Sequence[int]) -> list[dict[str, Any]]:
-    """Per rank, its widest gap (``seq`` against the others' ``top_seq`` in ``pg``) or the collective it
-    never joined (``never``): what the words say of a rank behind."""
+    """Per rank behind, its widest gap (``seq`` against the others' ``top_seq`` in ``pg``): what the words
+    say of it."""
     out: list[dict[str, Any]] = []
     for r in ranks:
         mine = [b for b in hints.behind if b.rank == r]
         if mine:
             b = max(mine, key=lambda b: b.top_seq - b.seq)
             out.append({"rank": r, "pg": b.pg, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op})
-            continue
-        m = next((m for m in hints.missing if r in m.missing), None)
-        if m is not None:
-            out.append({"rank": r, "pg": m.pg, "seq": m.seq, "op": m.op, "never": True})
     return out
 
 
 def rule_fr(hints: FrHints, live: Sequence[RankView]) -> Finding | None:
-    """What the flight recorder says on its own: a mismatch at one (pg, seq), else ranks behind or missing.
+    """What the flight recorder says on its own: a mismatch at one (pg, seq), else the ranks behind.
 
     It sees every collective of every process group, DDP's gradient all-reduces included, which the
     Python-level counters do not; so it outranks them (the evidence ladder)."""
