@@ -64,13 +64,12 @@ def rule_not_waiting(live: Sequence[RankView]) -> Finding | None:
     busy = [v for v in live if not is_waiting(v)]
     if not busy or len(busy) != len(live):
         return None
-    by_order: dict[int, list[RankView]] = defaultdict(list)
-    for v in busy:
-        by_order[STEP_PHASE_ORDER.get(v.phase or "", 0)].append(v)
-    if len(by_order) > 1:
-        earliest = by_order[min(by_order)]
-        return Finding(WAITING, HANG, sorted(v.rank for v in earliest), Rung.WAITING, "medium",
-                       {"shape": "earliest_in_step", "phase": earliest[0].phase, "step": earliest[0].step})
+    # the place in the step is one more counter: the ranks behind are those at its lowest (``ranks.behind``)
+    earliest = set(ranks_behind({v.rank: STEP_PHASE_ORDER.get(v.phase or "", 0) for v in busy}))
+    if earliest:
+        lead = next(v for v in busy if v.rank in earliest)
+        return Finding(WAITING, HANG, sorted(earliest), Rung.WAITING, "medium",
+                       {"shape": "earliest_in_step", "phase": lead.phase, "step": lead.step})
     return Finding(WAITING, HANG, sorted(v.rank for v in busy), Rung.WAITING, "low",
                    {"shape": "shared_cause", "phase": busy[0].phase, "step": busy[0].step})
 
