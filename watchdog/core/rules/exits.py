@@ -42,10 +42,9 @@ def _rule_finished_but_one(views: Sequence[RankView], early: Sequence[RankView])
     })
 
 
-def _same_failure_everywhere(views: Sequence[RankView], policy: VerdictPolicy) -> Finding | None:
+def _same_failure_everywhere(views: Sequence[RankView], facts: FactSet) -> Finding | None:
     """The shared rule (``rules.ended.rule_same_failure``) over the views' ends: a dead-rank incident that
     names nobody."""
-    facts = FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, policy.exit_order_tolerance_s))
     same = rule_same_failure(facts)
     if same is None:
         return None
@@ -66,10 +65,10 @@ def rule_gone(views: Sequence[RankView], policy: VerdictPolicy) -> Finding | Non
         return finished
     if not early and not any(v.state in GONE_STATES for v in views):
         return None
-    if (same := _same_failure_everywhere(views, policy)) is not None:
+    facts = FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, policy.exit_order_tolerance_s))
+    if (same := _same_failure_everywhere(views, facts)) is not None:
         return same
-    ended = ended_facts(views, policy.exit_order_tolerance_s)
-    found = rule_exit_order(FactSet(ranks=tuple(v.rank for v in views), ended=ended), policy.exit_order_tolerance_s)
+    found = rule_exit_order(facts, policy.exit_order_tolerance_s)
     if found is not None:
         found.rule = EXITS
     return found
