@@ -58,7 +58,7 @@ class Ended:
     detail: str = ""  # the cause's own words (exception, CUDA error), bounded by the parser
     phase: str | None = None
     site: str = ""  # where its traceback ends
-    node: str | None = None
+    node: str | None = None  # offline: the host a line names; live: "#N", the launcher's node rank (hosts repeat)
 
 
 @dataclass(slots=True)
