@@ -310,6 +310,20 @@ def test_unauthenticated_verdict_naming_a_progressing_local_rank_is_refused(unsi
     assert len(refused) == 1 and refused[0]["progressing_here"] == [2]
 
 
+def test_a_refused_verdict_naming_the_rank_this_nodes_own_evidence_names_is_adopted(unsigned):
+    # rank 2 ran on past a collective its peers wait in and blocked half a second ago: "progressing" by the
+    # stall timeout, but this node's own verdict names it too — the nodes write one verdict, not two
+    inc = SharedIncident(gen=1, incident_id="inc", by_node=0, trigger={})
+    unsigned.forge("verdict/1", verdict_doc("u", initiating=2))
+    local = [view(2, phase="forward", since=0.5), view(3, phase="backward", since=9.0)]
+    with structlog.testing.capture_logs() as logs:
+        verdict, _, decided_here = resolve_and_decide(unsigned.follower, inc, local, "n1", 4, decide_fn("u"),
+                                                        stall_timeout_s=3.0)
+    assert len(events(logs, "remote_verdict_refused")) == 1  # the check still ran
+    assert not decided_here and verdict["initiating_ranks"] == [2]
+    assert verdict["correlation"] == "leader node 0 over 2 node(s)", verdict["correlation"]
+
+
 def test_unauthenticated_verdict_consistent_with_local_views_is_adopted(unsigned):
     # the named local rank is stuck here too
     unsigned.forge("verdict/1", verdict_doc("u", initiating=2))

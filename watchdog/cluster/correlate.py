@@ -71,6 +71,23 @@ class Resolution:
     notes: Sequence[str] = ()
     remote_fr: Mapping[int, RankTrace] = field(default_factory=dict)
     publish: bool = False
+    # the leader's verdict this node refused (it names a rank this node saw progressing) while this node sees a
+    # stall of its own: the caller may still adopt it when its own verdict names the very same ranks — then it
+    # blames no rank this node would not
+    refused: dict[str, Any] | None = None
+
+
+def confirms_refused(local: dict[str, Any], refused: dict[str, Any] | None) -> bool:
+    """This node's own verdict names exactly the (non-empty) initiating ranks of the leader's verdict it
+    refused: then adopting the leader's blames no rank this node would not, and the nodes write one verdict
+    (a rank that ran on past its peers and then blocked looks "progressing" for a moment)."""
+    if refused is None:
+        return False
+
+    def ranks(doc: dict[str, Any]) -> list[int]:
+        return sorted(r for r in doc.get("initiating_ranks") or [] if isinstance(r, int) and not isinstance(r, bool))
+
+    return bool(ranks(local)) and ranks(local) == ranks(refused)
 
 
 @dataclass(frozen=True)
@@ -501,7 +518,9 @@ class Correlator:
             progressing_here=healthy[:16],
             stall_timeout_s=stall_timeout_s,
         )
-        return Resolution(why, views=local_views, notes=[why])
+        # only a node that sees a stall itself may still confirm it with its own evidence (caller's decision)
+        stalled_here = stall_timeout_s is not None and any(v.since_progress_s >= stall_timeout_s for v in local_views)
+        return Resolution(why, views=local_views, notes=[why], refused=verdict if stalled_here else None)
 
     def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
         """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from ..cluster.correlate import Correlator, SharedIncident
+from ..cluster.correlate import Correlator, SharedIncident, confirms_refused
 from ..core.detect import Trigger
 from ..core.facts import PriorVerdict
 from ..core.finalize import finalize_verdict, trigger_doc
@@ -301,9 +301,17 @@ class IncidentPipeline:
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
         if res.verdict is None:
             verdict = decide_over(res.views, res.notes, how, res.remote_fr)
-            if res.publish:
-                req.correlator.publish_verdict(req.shared, verdict)
-            return verdict, True
+            if not confirms_refused(verdict, res.refused):
+                if res.publish:
+                    req.correlator.publish_verdict(req.shared, verdict)
+                return verdict, True
+            # a rank that ran on past its peers and then blocked looked healthy a moment ago; this node's own
+            # evidence names the same ranks as the leader: the nodes agree, on the leader's verdict
+            log.info("remote_verdict_confirmed_locally", job=req.job_id, incident=req.incident_id,
+                     initiating_ranks=verdict["initiating_ranks"][:16])
+            res = dataclasses.replace(res, verdict=res.refused)
+        if res.verdict is None:  # never: adopted above only when there is one
+            return decide_over(res.views, res.notes, how, res.remote_fr), True
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
             res.verdict, trigger=req.trigger, correlation=str(res.verdict.get("correlation") or how),
