@@ -169,8 +169,12 @@ def main(argv: list[str]) -> int:
         extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
                                     exposure=exposure))
 
+    stopped_by: list[str] = []
+
     def stop(signum: int, _frame: Any) -> None:
-        log.info("daemon_stopping", signal=signal.Signals(signum).name)
+        # no logging here: the handler runs on the main thread, which may be inside the logger's (non-reentrant)
+        # lock when the signal lands — a log call would wait for itself forever (seen: a daemon deaf to SIGTERM)
+        stopped_by.append(signal.Signals(signum).name)
         notifier.stopping()
         daemon.stop()
 
@@ -196,6 +200,8 @@ def main(argv: list[str]) -> int:
     try:
         if not args.once:
             daemon.run(heartbeat=notifier.ping)
+        if stopped_by:
+            log.info("daemon_stopping", signal=stopped_by[0])
     finally:
         for extra in extras:
             extra.close()
