@@ -363,13 +363,13 @@ def pytest_collection_modifyitems(config, items):
 def resolve_and_decide(corr, inc, views, node: str, world: int, decide, **kw):
     """A correlator used as the incident pipeline uses it: exchange, decide where this node must (``decide``
     as ``(views, notes, how, remote_fr) -> verdict``), publish as the leader. (verdict, how, decided here)."""
-    from rankwatch.watchdog.cluster.correlate import confirms_refused
+    from rankwatch.watchdog.serve.incident import confirms_refused
 
     res = corr.resolve(inc, views, node, world, **kw)
     if res.verdict is not None:
         return res.verdict, res.how, False
     verdict = decide(res.views, res.notes, res.how, res.remote_fr)
-    if confirms_refused(verdict, res.refused):
+    if res.refused is not None and confirms_refused(verdict, res.refused):
         return res.refused, res.how, False
     if res.publish:
         corr.publish_verdict(inc, verdict)

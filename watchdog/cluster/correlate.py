@@ -77,19 +77,6 @@ class Resolution:
     refused: dict[str, Any] | None = None
 
 
-def confirms_refused(local: dict[str, Any], refused: dict[str, Any] | None) -> bool:
-    """This node's own verdict names exactly the (non-empty) initiating ranks of the leader's verdict it
-    refused: then adopting the leader's blames no rank this node would not, and the nodes write one verdict
-    (a rank that ran on past its peers and then blocked looks "progressing" for a moment)."""
-    if refused is None:
-        return False
-
-    def ranks(doc: dict[str, Any]) -> list[int]:
-        return sorted(r for r in doc.get("initiating_ranks") or [] if isinstance(r, int) and not isinstance(r, bool))
-
-    return bool(ranks(local)) and ranks(local) == ranks(refused)
-
-
 @dataclass(frozen=True)
 class SharedIncident:
     gen: int

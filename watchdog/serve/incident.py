@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from ..cluster.correlate import Correlator, SharedIncident, confirms_refused
+from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
 from ..core.facts import PriorVerdict
 from ..core.finalize import finalize_verdict, trigger_doc
@@ -37,7 +37,7 @@ from ..evidence.gpu import GpuWatch
 from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
-from ..report.text import verdict_text
+from ..report.text import int_ranks, verdict_text
 from ..report.verdict_words import decide
 from .act import Killer
 from .alerts import Alerter
@@ -299,9 +299,10 @@ class IncidentPipeline:
         )
         how = res.how
         log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
-        if res.verdict is None:
+        leader = res.verdict
+        if leader is None:
             verdict = decide_over(res.views, res.notes, how, res.remote_fr)
-            if not confirms_refused(verdict, res.refused):
+            if res.refused is None or not confirms_refused(verdict, res.refused):
                 if res.publish:
                     req.correlator.publish_verdict(req.shared, verdict)
                 return verdict, True
@@ -309,12 +310,10 @@ class IncidentPipeline:
             # evidence names the same ranks as the leader: the nodes agree, on the leader's verdict
             log.info("remote_verdict_confirmed_locally", job=req.job_id, incident=req.incident_id,
                      initiating_ranks=verdict["initiating_ranks"][:16])
-            res = dataclasses.replace(res, verdict=res.refused)
-        if res.verdict is None:  # never: adopted above only when there is one
-            return decide_over(res.views, res.notes, how, res.remote_fr), True
+            leader = res.refused
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
-            res.verdict, trigger=req.trigger, correlation=str(res.verdict.get("correlation") or how),
+            leader, trigger=req.trigger, correlation=str(leader.get("correlation") or how),
             local_views=ev.views,
         ), False
 
@@ -457,3 +456,11 @@ class IncidentPipeline:
         except Exception:
             log.exception("incident_publish_failed", job=req.job_id, incident=req.incident_id)
         return IncidentResult(req.incident_id, verdict, path, list(req.views))
+
+
+def confirms_refused(local: dict[str, Any], refused: dict[str, Any]) -> bool:
+    """This node's own verdict names exactly the (non-empty) initiating ranks of the leader's verdict it
+    refused: then adopting the leader's blames no rank this node would not, and the nodes write one verdict
+    (a rank that ran on past its peers and then blocked looks "progressing" for a moment)."""
+    mine = sorted(int_ranks(local.get("initiating_ranks")))
+    return bool(mine) and mine == sorted(int_ranks(refused.get("initiating_ranks")))
