@@ -44,3 +44,30 @@ def test_the_phase_an_exception_left_stays_on_record_until_the_next_phase(tmp_pa
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["forward: forward", "declared: checkpoint", "after: None"], out.stdout
+
+
+EPOCH = r"""
+import os
+import torch
+import rankwatch.hooks as rw
+from rankwatch.hooks.record import read_record
+
+assert rw.instrument()
+path = os.path.join(os.environ["RANKWATCH_SHM_DIR"], "job", "rank-0.hb")
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+for _ in loader:
+    pass
+print("epoch end:", read_record(path).phase)
+it = iter(loader)
+next(it)
+print("mid epoch:", read_record(path).phase)
+"""
+
+
+def test_the_end_of_an_epoch_is_a_normal_end_of_the_dataloader_phase(tmp_path):
+    # StopIteration from the iterator ends every epoch: booked as a failure, the record would name
+    # `dataloader` until the next phase began (a rank checkpointing after its epoch would look stuck there)
+    env = {"RANKWATCH_SHM_DIR": str(tmp_path), "RANKWATCH_JOB_ID": "job", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", EPOCH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["epoch end: None", "mid epoch: None"], out.stdout
