@@ -1,8 +1,10 @@
-"""Phase and step bookkeeping on the training thread, written straight into the shm record.
+"""Phase and step bookkeeping on the training thread: one event word per phase transition into the shm record.
 
-Time is attributed exclusively: entering a nested phase pauses its parent, so the per-phase times of a
-step add up to its wall duration (time outside any phase is ``idle``). Every public method swallows
-its own errors and disables tracking: the hook must never raise into training.
+The training thread appends ``kind | slot | ns`` words to the record's event ring (one store for the
+word, one for the count) and, once per step, a checkpoint of its open phases; the reader rebuilds the
+exclusive per-phase times (entering a nested phase pauses its parent, so the phases of a step add up to
+its wall duration; time outside any phase is ``idle``) and the live state (``record.decode``). Every
+public method swallows its own errors and disables tracking: the hook must never raise into training.
 """
 
 from __future__ import annotations
@@ -12,52 +14,57 @@ import sys
 import threading
 import time
 import warnings
-from array import array
 from typing import Any
 
 from .record import (
     CANONICAL_PHASES,
+    COLLECTIVE_SLOT,
     CRASH_LEN,
+    EV_COLL_ENTER,
+    EV_COLL_EXIT,
+    EV_ENTER,
+    EV_EXIT,
+    EV_EXIT_BATCH,
+    EV_EXIT_FAIL,
+    EV_SPLIT,
+    EVENT_MASK,
     FLAG_CRASHED,
     FLAG_DISABLED,
     FLAG_EXITED,
     FLAG_EXPLICIT_STEPS,
     FLAG_GPU_TIMING,
-    IDLE_SLOT,
+    FOLD_EVENTS,
     INPUT_SLOTS,
+    MAX_OPS,
     MAX_PHASES,
+    MAX_STACK,
     NAME_LEN,
     NO_PHASE,
-    RING_STEPS,
+    NS_BITS,
+    NS_MASK,
+    RING_SLOTS,
     RecordLayout,
     RecordWriter,
     StepEntry,
+    event_code,
+    event_origin,
 )
 
-COLLECTIVE_SLOT = CANONICAL_PHASES.index("collective")
+__all__ = ["COLLECTIVE_SLOT", "GPU_TIMED_SLOTS", "Tracker"]
+
 # phases whose GPU work is timed with CUDA events (where the kernels are launched)
 GPU_TIMED_SLOTS = frozenset(CANONICAL_PHASES.index(p) for p in ("forward", "backward", "optimizer"))
 _now = time.monotonic_ns
 _ident = threading.get_ident
 
 # Word indices into the record (same layout as RecordLayout, read by the daemon): a store through a
-# memoryview slot costs ~20 ns, a ctypes attribute ~50-70 ns and a ctypes sub-structure (the ring
-# entry) ~100 ns to create. Counters the writer alone changes (seq, transitions, ...) are mirrored in
-# Python ints, so no hot path reads the mapping back.
+# memoryview slot costs ~20 ns, a ctypes attribute ~50-70 ns. Counters the writer alone changes are
+# mirrored in Python ints, so no hot path reads the mapping back.
 _Q = 8  # bytes per uint64 / double word
 _SEQ = RecordLayout.seq.offset // _Q
-_STEP = RecordLayout.step.offset // _Q
-_STEP_START = RecordLayout.step_start_ns.offset // _Q
-_DEPTH_I32 = RecordLayout.depth.offset // 4
-_PHASE_DEPTH = RecordLayout.phase.offset // _Q  # the pair as one little-endian word: depth << 32 | phase
-_I32_MASK = 0xFFFFFFFF
-_NO_PHASE_DEPTH0 = NO_PHASE & _I32_MASK  # no phase open, depth 0
-_PHASE_START = RecordLayout.phase_start_ns.offset // _Q
-_PROGRESS = RecordLayout.last_progress_ns.offset // _Q
-_TRANSITIONS = RecordLayout.transitions.offset // _Q
-_COLL_ENTERED = RecordLayout.coll_seq_entered.offset // _Q
-_COLL_COMPLETED = RecordLayout.coll_seq_completed.offset // _Q
-_COLL_OP = RecordLayout.coll_op.offset  # bytes
+_EV = RecordLayout.events.offset // _Q
+_EV_COUNT = RecordLayout.ev_count.offset // _Q
+_FOLD = RecordLayout.fold.offset // _Q
 _BUDGET_D = RecordLayout.budget_s.offset // _Q
 _BUDGET_START = RecordLayout.budget_start_ns.offset // _Q
 _PHASE_BUDGET_D = RecordLayout.phase_budget_s.offset // _Q
@@ -65,54 +72,56 @@ _INPUT_SLOTS = RecordLayout.input_slots.offset // _Q
 _STEPS_DONE = RecordLayout.steps_done.offset // _Q
 _RING = RecordLayout.ring.offset // _Q
 _ENTRY_WORDS = ctypes.sizeof(StepEntry) // _Q
-_E_PHASES = StepEntry.phase_ns.offset // _Q
-_E_INPUT = StepEntry.input_ns.offset // _Q  # then input_batches, input_workers
-assert RecordLayout.depth.offset == RecordLayout.phase.offset + 4 and sys.byteorder == "little"
-assert all(
-    f.offset % _Q == 0
-    for f in (RecordLayout.phase, RecordLayout.seq, RecordLayout.ring, RecordLayout.budget_s, StepEntry.input_ns)
-)
+_E_CP = StepEntry.cp.offset // _Q
+_TOP = NS_BITS  # the event word's code byte
+_ENTER_CODE = [(EV_ENTER << 5) | s for s in range(MAX_PHASES)]  # an open phase's word >> _TOP
+_COLL_CODE = _ENTER_CODE[COLLECTIVE_SLOT]
+assert sys.byteorder == "little"
+assert all(f.offset % _Q == 0 for f in (RecordLayout.seq, RecordLayout.events, RecordLayout.fold, RecordLayout.ring))
 
 
 class Tracker:
     def __init__(self, writer: RecordWriter) -> None:
         self._writer = writer
         self._rec = writer.rec
-        # typed views of the mapping: plain indexed stores on the hot paths (see the offsets above)
         raw = memoryview(writer.map)
         self._b = raw
         self._q = raw.cast("Q")
-        self._i32 = raw.cast("i")
         self._d = raw.cast("d")
         self._slots: dict[str, int] = {name: i for i, name in enumerate(CANONICAL_PHASES)}
-        # open phases: (slot, start_ns, budget_s)
-        self._stack: list[tuple[int, int, float]] = []
-        self._cur = IDLE_SLOT  # the slot time is booked to now: the innermost open phase, idle outside any
-        # exclusive ns per slot in the running step; copied into the ring entry in one slice store
-        self._acc = array("Q", bytes(_Q * MAX_PHASES))
-        self._zero = array("Q", bytes(_Q * MAX_PHASES))
         q = self._q
         self._seq = q[_SEQ] + (q[_SEQ] & 1)  # even: no update in progress
-        self._transitions = q[_TRANSITIONS]
-        self._coll_entered = q[_COLL_ENTERED]
+        start = int(self._rec.start_ns) or _now()
+        self._origin = start = event_origin(start)
+        # event words less the clock: word = constant + now (the ns field counts from the record's origin)
+        self._k_in = [event_code(EV_ENTER, s) - start for s in range(MAX_PHASES)]
+        self._k_out = [event_code(EV_EXIT, s) - start for s in range(MAX_PHASES)]
+        self._k_fail = [event_code(EV_EXIT_FAIL, s) - start for s in range(MAX_PHASES)]
+        self._k_batch = [event_code(EV_EXIT_BATCH, s) - start for s in range(MAX_PHASES)]
+        self._k_split = [event_code(EV_SPLIT, s) - start for s in range(MAX_PHASES)]
+        self._k_coll_in = event_code(EV_ENTER, COLLECTIVE_SLOT) - start  # the open-phase form, on the stack
+        self._k_coll_out = event_code(EV_COLL_EXIT, 0) - start
+        self._ev_n = q[_EV_COUNT]  # events written (the ring index is this modulo EVENTS)
+        self._fold_at = self._ev_n + FOLD_EVENTS
+        # open phases: their enter words (slot and start in one int), outermost first; the reader rebuilds
+        # the same stack from the events, this copy is for the checkpoints
+        self._stack: list[int] = []
+        self._budgets: list[tuple[int, float, int]] = []  # (stack index, budget_s, start_ns) of budgeted phases
+        self._budget = 0.0
+        self._colls = 0
+        self._last_op = -1
+        self._ops: dict[str, int] = {}  # op name -> the collective-enter word less the clock
+        # an exception left a phase: (enter word, event index of the failing exit); the record keeps naming
+        # that phase until the next enter, so a rank that dies of it is reported in the phase it failed in
+        self._frozen: tuple[int, int] | None = None
         self._steps_done = q[_STEPS_DONE]
-        self._budget = self._d[_BUDGET_D]
-        start = q[RecordLayout.start_ns.offset // _Q] or _now()
-        self._last = start
-        self._step_start = start
-        self._op_names: dict[str, bytes] = {}
-        self._op_written = b""
+        self._step_start = int(self._rec.start_ns) or _now()
         self.explicit_steps = False
         self.thread_id = _ident()
         self.enabled = True
         self._gpu: Any = None  # cuda_timing.EventPool on CUDA ranks
-        # an exception left a phase: the record keeps naming that phase until the next enter(), so a rank
-        # that dies of it is reported in the phase it failed in, not "idle" after the unwinding
-        self._frozen = False
-        # input pipeline: batches produced on this thread (num_workers=0), the worker slots in use (the
-        # workers write their own slots) and the totals at the last step end
-        self._input_ns = 0
-        self._input_batches = 0
+        # input pipeline: the DataLoader worker slots in use (the workers write their own slots) and their
+        # totals at the last step end; batches made on this thread are EV_EXIT_BATCH events
         self.input_slots_used = 0
         self.input_slot_next = 0
         self.input_workers = 0
@@ -141,7 +150,7 @@ class Tracker:
         """True on the thread that may write the record (the one that initialised the hook)."""
         return _ident() == self.thread_id
 
-    # -- seqlock (the writer's sections; the reader retries while seq is odd or changed) -------------
+    # -- seqlock (rare sections: checkpoints, declarations, budgets, the end; the reader retries on them) --
     def _open_section(self) -> None:
         self._seq += 1
         self._q[_SEQ] = self._seq
@@ -167,103 +176,97 @@ class Tracker:
         return n
 
     # -- phases -----------------------------------------------------------------------------------
-    def _push(self, slot: int, budget_s: float) -> None:
-        """Open ``slot`` (inside a section): book the time so far to the current phase, store the live state."""
-        now = _now()
-        self._frozen = False
-        stack = self._stack
-        spent = now - self._last
-        if spent > 0:  # the slots are unsigned: a clock read out of order books nothing
-            self._acc[self._cur] += spent
-        self._last = now
-        self._cur = slot
-        stack.append((slot, now, budget_s))
-        q = self._q
-        q[_PHASE_DEPTH] = (len(stack) << 32) | (slot & _I32_MASK)  # phase and depth: one word
-        q[_PHASE_START] = now
-        q[_PROGRESS] = now
-        self._transitions = t = self._transitions + 1
-        q[_TRANSITIONS] = t
-        if budget_s > self._budget:
-            self._budget = budget_s
-            self._d[_BUDGET_D] = budget_s
-            q[_BUDGET_START] = now
-            self._d[_PHASE_BUDGET_D + slot] = budget_s
-
+    # The hot paths: the event word, the count, the writer's own stack; all else (budgets, a phase an
+    # exception left, the fold checkpoint, unbalanced exits) is the rare path behind one test.
     def enter(self, slot: int, budget_s: float = 0.0) -> None:
         if not self.enabled or slot < 0 or _ident() != self.thread_id:
             return
         try:
+            w = self._k_in[slot] + _now()
+            n = self._ev_n
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            self._push(slot, budget_s)
-            q[_SEQ] = self._seq = seq + 1
+            q[_EV + (n & EVENT_MASK)] = w
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            self._stack.append(w)
+            if budget_s > 0 or n >= self._fold_at or self._frozen is not None:
+                self._entered_slow(budget_s, n)
         except Exception as exc:
             self._fail(exc)
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.begin(slot)
 
-    def _pop(self, slot: int, split_ns: int, tail_slot: int, failing: bool) -> int:
-        """Close ``slot`` (inside a section): how long it was open (ns), -1 when it was not open."""
-        stack = self._stack
-        if not stack or stack[-1][0] != slot:
-            # unbalanced (an exception skipped an exit): unwind to the matching entry if any
-            while stack and stack[-1][0] != slot:
-                stack.pop()
-            if not stack:
-                self._cur = IDLE_SLOT
-                return -1
-        now = _now()
-        last = self._last
-        acc = self._acc
-        if tail_slot >= 0 and last < split_ns < now:
-            acc[slot] += split_ns - last
-            acc[tail_slot] += now - split_ns
-        else:
-            acc[slot] += now - last
-        self._last = now
-        _, started, budget = stack.pop()
-        self._cur = stack[-1][0] if stack else IDLE_SLOT
-        q = self._q
-        if failing:
-            self._frozen = True
-        if self._frozen:  # the phase an exception left stays on record until the next phase begins
-            self._i32[_DEPTH_I32] = len(stack)
-        elif stack:
-            top = stack[-1]
-            q[_PHASE_DEPTH] = (len(stack) << 32) | top[0]
-            q[_PHASE_START] = top[1]
-        else:
-            q[_PHASE_DEPTH] = _NO_PHASE_DEPTH0
-            q[_PHASE_START] = now
-        q[_PROGRESS] = now
-        self._transitions = t = self._transitions + 1
-        q[_TRANSITIONS] = t
-        if budget and budget >= self._budget:
-            best = max(stack, key=lambda e: e[2], default=None)
-            if best is not None and best[2] > 0:
-                self._budget = best[2]
-                q[_BUDGET_START] = best[1]
-            else:
-                self._budget = 0.0
-                q[_BUDGET_START] = 0
+    def _entered_slow(self, budget_s: float, n: int) -> None:
+        """After an enter: a new phase ends the naming of the one an exception left; budgets; the fold."""
+        self._frozen = None
+        if budget_s > 0:
+            w = self._stack[-1]
+            started = (w & NS_MASK) + self._origin
+            self._budgets.append((len(self._stack) - 1, budget_s, started))
+            if budget_s > self._budget:
+                self._open_section()
+                self._budget = budget_s
+                self._d[_BUDGET_D] = budget_s
+                self._q[_BUDGET_START] = started
+                self._d[_PHASE_BUDGET_D + ((w >> _TOP) & 31)] = budget_s
+                self._close_section()
+        if n >= self._fold_at:
+            self._fold(n)
+
+    def _fold(self, n: int) -> None:
+        """A mid-step checkpoint after event ``n``-1, at its time: the reader never replays more than
+        about FOLD_EVENTS events for the live state, however long a step runs (or if none ever ends)."""
+        self._fold_at = n + FOLD_EVENTS
+        self._open_section()
+        self._write_cp(_FOLD, n, (self._q[_EV + ((n - 1) & EVENT_MASK)] & NS_MASK) + self._origin)
+        self._close_section()
+
+    def _exited_slow(self, slot: int, n: int, failing: bool) -> None:
+        """The stack after an exit that is not the plain close of the innermost phase: unwind to the
+        matching phase (an exception skipped an exit; none matches: every phase is closed), note the
+        phase a failing exit left, recompute the budget. The reader applies the same rule to the events."""
+        st = self._stack
+        code = _ENTER_CODE[slot]
+        while st and st[-1] >> _TOP != code:
+            st.pop()
+        if st:
+            w = st.pop()
+            if failing:
+                self._frozen = (w, n - 1)
+        if self._budgets and any(depth >= len(st) for depth, _, _ in self._budgets):
+            self._budgets = [b for b in self._budgets if b[0] < len(st)]
+            best = max(self._budgets, key=lambda b: b[1], default=None)
+            self._budget = best[1] if best is not None else 0.0
+            self._open_section()
             self._d[_BUDGET_D] = self._budget
-        return now - started
+            self._q[_BUDGET_START] = best[2] if best is not None else 0
+            self._close_section()
+        if n >= self._fold_at:  # exits without enters (unbalanced calls) must not outrun the checkpoints
+            self._fold(n)
 
     def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
         """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
         attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
         for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged.
-        ``failing``: an exception is leaving the phase (the record keeps naming it, see ``_frozen``)."""
+        ``failing``: an exception is leaving the phase (the record keeps naming it until the next enter)."""
         if not self.enabled or slot < 0 or _ident() != self.thread_id:
             return
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.end(slot)
         try:
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            self._pop(slot, split_ns, tail_slot, failing)
-            q[_SEQ] = self._seq = seq + 1
+            n = self._ev_n
+            if tail_slot >= 0 and split_ns > self._origin:  # the split word first: the reader applies it to the exit
+                q[_EV + (n & EVENT_MASK)] = self._k_split[tail_slot] + split_ns
+                n += 1
+            q[_EV + (n & EVENT_MASK)] = (self._k_fail if failing else self._k_out)[slot] + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not failing and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, failing)
         except Exception as exc:
             self._fail(exc)
 
@@ -274,36 +277,54 @@ class Tracker:
             return
         try:
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            spent = self._pop(slot, 0, NO_PHASE, False)
-            q[_SEQ] = self._seq = seq + 1
-            if produced and spent >= 0:
-                self._input_ns += spent
-                self._input_batches += 1
+            n = self._ev_n
+            q[_EV + (n & EVENT_MASK)] = (self._k_batch if produced else self._k_out)[slot] + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, False)
+            if produced and self.input_workers:
                 self.input_workers = 0
         except Exception as exc:
             self._fail(exc)
 
     # -- collectives ------------------------------------------------------------------------------
+    def _op_word(self, op: str) -> int:
+        """The collective-enter word less the clock for ``op``, its name declared in the record's op table
+        on first use (a full table reuses the last entry)."""
+        rec = self._rec
+        idx = min(int(rec.n_ops), MAX_OPS - 1)
+        if idx == int(rec.n_ops):
+            self._open_section()
+            rec.op_names[idx].value = op.encode()[: NAME_LEN - 1]
+            rec.n_ops = idx + 1
+            self._close_section()
+        k = self._ops[op] = event_code(EV_COLL_ENTER, idx) - self._origin
+        return k
+
     def collective_enter(self, op: str) -> None:
-        """A Python-level collective starts: its sequence number and name, and the ``collective`` phase,
-        in one section."""
+        """A Python-level collective starts: its op and the ``collective`` phase, in one event (the reader
+        counts them: the collective sequence number)."""
         if not self.enabled or _ident() != self.thread_id:
             return
         try:
-            raw = self._op_names.get(op)
-            if raw is None:
-                # NUL-padded to the field: one slice store replaces the previous name whole
-                raw = self._op_names[op] = op.encode()[: NAME_LEN - 1].ljust(NAME_LEN, b"\0")
+            k = self._ops.get(op)
+            if k is None:
+                k = self._op_word(op)
+            t = _now()
+            n = self._ev_n
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            self._coll_entered += 1
-            q[_COLL_ENTERED] = self._coll_entered
-            if raw is not self._op_written:
-                self._b[_COLL_OP : _COLL_OP + NAME_LEN] = raw
-                self._op_written = raw
-            self._push(COLLECTIVE_SLOT, 0.0)
-            q[_SEQ] = self._seq = seq + 1
+            q[_EV + (n & EVENT_MASK)] = k + t
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            self._stack.append(self._k_coll_in + t)
+            self._colls += 1
+            self._last_op = k
+            if n >= self._fold_at or self._frozen is not None:
+                self._entered_slow(0.0, n)
         except Exception as exc:
             self._fail(exc)
 
@@ -312,10 +333,15 @@ class Tracker:
             return
         try:
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            self._pop(COLLECTIVE_SLOT, 0, NO_PHASE, False)
-            q[_COLL_COMPLETED] = self._coll_entered
-            q[_SEQ] = self._seq = seq + 1
+            n = self._ev_n
+            q[_EV + (n & EVENT_MASK)] = self._k_coll_out + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _COLL_CODE and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(COLLECTIVE_SLOT, n, False)
         except Exception as exc:
             self._fail(exc)
 
@@ -331,7 +357,7 @@ class Tracker:
     def _input_totals(self) -> tuple[int, int]:
         n = 2 * self.input_slots_used
         slots = self._q[_INPUT_SLOTS : _INPUT_SLOTS + n].tolist()  # a worker may be mid-update of its own pair
-        return self._input_ns + sum(slots[0::2]), self._input_batches + sum(slots[1::2])
+        return sum(slots[0::2]), sum(slots[1::2])
 
     # -- steps ------------------------------------------------------------------------------------
     def step(self, explicit: bool = False) -> None:
@@ -352,57 +378,69 @@ class Tracker:
             self._fail(exc)
 
     def exit_step(self, slot: int) -> None:
-        """``exit(slot)`` then the automatic ``step()``, in one section: the optimizer's post hook (one
-        call and one seqlock section per step fewer than the two)."""
+        """``exit(slot)`` then the automatic ``step()`` at the exit's clock read: the optimizer's post hook
+        (one call per step fewer than the two)."""
         if not self.enabled or _ident() != self.thread_id:
             return
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.end(slot)
         try:
             q = self._q
-            q[_SEQ] = seq = self._seq + 1
-            self._pop(slot, 0, NO_PHASE, False)
+            n = self._ev_n
+            t = _now()
+            q[_EV + (n & EVENT_MASK)] = self._k_out[slot] + t
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, False)
             if not self.explicit_steps:
-                self._end_step(self._last)
-            q[_SEQ] = self._seq = seq + 1
+                q[_SEQ] = seq = self._seq + 1
+                self._end_step(t)
+                q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
 
+    def _write_cp(self, base: int, n: int, at: int) -> None:
+        """A checkpoint (record.Checkpoint) at word ``base``: the state the reader replays events from."""
+        q = self._q
+        q[base] = n
+        q[base + 1] = at
+        q[base + 2] = self._colls
+        q[base + 3] = ((self._last_op + self._origin) >> _TOP) & 31 if self._last_op >= 0 else (1 << 64) - 1
+        q[base + 4] = self._frozen[0] if self._frozen is not None else 0
+        st = self._stack
+        q[base + 5] = len(st)
+        for i, w in enumerate(st[-MAX_STACK:]):
+            q[base + 6 + i] = w
+
     def _end_step(self, now: int) -> None:
-        """The step ending at ``now`` into the ring and the live state (inside a section)."""
-        acc = self._acc
-        if now > self._last:
-            acc[self._cur] += now - self._last
-        self._last = now
+        """The step ending at ``now`` into the step ring, with its checkpoint (inside a section)."""
         if self.input_slots_used:
             busy, batches = self._input_totals()
         else:
-            busy, batches = self._input_ns, self._input_batches
+            busy = batches = 0
         q = self._q
         done = self._steps_done
-        base = _RING + (done % RING_STEPS) * _ENTRY_WORDS
+        base = _RING + (done % RING_SLOTS) * _ENTRY_WORDS
         q[base] = done
         q[base + 1] = self._step_start
         q[base + 2] = now
-        q[base + _E_PHASES : base + _E_PHASES + MAX_PHASES] = acc
-        q[base + _E_INPUT] = max(0, busy - self._seen_ns)
-        q[base + _E_INPUT + 1] = max(0, batches - self._seen_batches)
-        q[base + _E_INPUT + 2] = self.input_workers
+        q[base + 3] = max(0, busy - self._seen_ns)
+        q[base + 4] = max(0, batches - self._seen_batches)
+        q[base + 5] = self.input_workers
         self._seen_ns = busy
         self._seen_batches = batches
+        self._write_cp(base + _E_CP, self._ev_n, now)
         if self._gpu is not None:
             rec = self._rec
             for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
                 rec.gpu_phase_ms[gslot] += gpu_ms
         self._steps_done = done = done + 1
         q[_STEPS_DONE] = done
-        q[_STEP] = done
-        q[_STEP_START] = now
-        q[_PROGRESS] = now
-        self._transitions = t = self._transitions + 1
-        q[_TRANSITIONS] = t
         self._step_start = now
-        acc[:] = self._zero
 
     def mark_crashed(self, info: str = "") -> None:
         """The script is ending with an exception or non-zero exit; ``info`` ("Type: message") lets the

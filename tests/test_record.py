@@ -156,16 +156,14 @@ def test_truncated_foreign_and_corrupt_files_are_rejected_clearly(tmp_path):
     with pytest.raises(RecordFormatError, match="version 99"):
         RecordReader(str(tmp_path / "ver.hb"))
 
-    # a record of the previous layout (version 2: ring entries without input pipeline timing, 24 bytes
-    # shorter each) is rejected by version, not decoded with the wrong offsets
-    from rankwatch.hooks.record import RING_STEPS
-
-    v2 = bytearray(data[: RECORD_SIZE - RING_STEPS * 24 - 32 * 16])
-    v2[8:12] = (2).to_bytes(4, "little")
-    v2[12:16] = len(v2).to_bytes(4, "little")
-    (tmp_path / "v2.hb").write_bytes(bytes(v2))
-    with pytest.raises(RecordFormatError, match="record version 2, expected 3"):
-        RecordReader(str(tmp_path / "v2.hb"))
+    # a record of the previous layout (version 3: per-phase times in a 512-step ring, no event ring) is
+    # rejected by version, not decoded with the wrong offsets
+    v3 = bytearray(data[:91_824])  # version 3's size
+    v3[8:12] = (3).to_bytes(4, "little")
+    v3[12:16] = len(v3).to_bytes(4, "little")
+    (tmp_path / "v3.hb").write_bytes(bytes(v3))
+    with pytest.raises(RecordFormatError, match="record version 3, expected 4"):
+        RecordReader(str(tmp_path / "v3.hb"))
 
     corrupt = bytearray(data)
     from rankwatch.hooks.record import RecordLayout
