@@ -62,6 +62,23 @@ class Ended:
 
 
 @dataclass(slots=True)
+class Progress:
+    """Where a rank is in its step: ``how`` its process went or goes (``core.snapshot`` states: running,
+    stopped, dead, crashed, exited), ``phase`` and ``step``, and the Python-level collective it is inside
+    (``in_collective``) or issued last (``seq``, ``op``). Live: every rank that answered
+    (``core.live_facts.progress_facts``); offline: ranks whose lines say where they ended
+    (``diagnose.log_facts``: a normal end, a timeout in a collective)."""
+
+    rank: int
+    how: str
+    phase: str | None
+    step: int | None = None
+    in_collective: bool = False
+    seq: int | None = None
+    op: str | None = None
+
+
+@dataclass(slots=True)
 class Stopped:
     """Stopped by SIGSTOP or a debugger: it waits for nobody."""
 
@@ -211,6 +228,7 @@ class FactSet:
     waits: list[Waits] = field(default_factory=list)
     killed: list[KilledByRankwatch] = field(default_factory=list)
     prior: PriorVerdict | None = None
+    progress: list[Progress] = field(default_factory=list)
     # what logs add (offline); live leaves them empty
     told: list[Told] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)

@@ -12,7 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from .facts import Busy, Ended, FactSet, InOp, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
+from .facts import (
+    Busy,
+    Ended,
+    FactSet,
+    InOp,
+    KilledByRankwatch,
+    PriorVerdict,
+    Progress,
+    Rung,
+    Silent,
+    Stopped,
+    Waits,
+)
 from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role
 from .fr_hints import FrHints
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
@@ -116,6 +128,19 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
                          ts=-(v.exit_age_s or 0.0), order=v.exit_order if v.exit_order is not None else 0,
                          verified=v.verified, how=v.state, step=v.step, phase=v.phase, node=node))
     return out
+
+
+def progress_facts(views: Sequence[RankView]) -> list[Progress]:
+    """Where every view's rank is: its state, phase, step and Python-level collective (what the exit rules
+    of ``rules.exits`` read)."""
+    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op) for v in views]
+
+
+def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
+    """The facts the exit rungs read, made once per verdict: who ended how (``ended_facts``) and where every
+    rank is (``progress_facts``), over the ranks that answered."""
+    return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s),
+                   progress=progress_facts(views))
 
 
 def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:

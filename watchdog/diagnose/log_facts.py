@@ -32,6 +32,7 @@ from ..core.facts import (
     Finished,
     InOp,
     LoggedVerdict,
+    Progress,
     Reached,
     Rung,
     SizeMismatch,
@@ -40,6 +41,7 @@ from ..core.facts import (
 )
 from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
+from ..core.snapshot import EXITED, RUNNING
 from . import events as ev
 from . import patterns as pt
 from .facts import Evidence, RankFacts
@@ -142,6 +144,17 @@ def _ended(f: RankFacts, p: OfflinePolicy) -> Ended:
     )
 
 
+def _progress(f: RankFacts) -> Progress | None:
+    """Where a rank's lines say it ended: a normal end (exited), or inside the collective it timed out in
+    (its phase a collective, at the number its watchdog states); None when they do not say."""
+    if finished(f):
+        return Progress(f.rank, EXITED, None)
+    if not waited(f):
+        return None
+    t = f.nccl_timeout
+    return Progress(f.rank, RUNNING, "collective", None, True, t.seq if t else None, t.op if t else None)
+
+
 def _last_seq(f: RankFacts) -> tuple[int, str | None] | None:
     """The highest collective number the rank is known to have entered, and the group it counts in."""
     vals = [v for v in (f.status.enqueued if f.status else None, f.nccl_timeout.seq if f.nccl_timeout else None)
@@ -175,6 +188,8 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
             facts.told.append(Told(r, pending, s.completed if s is not None else None))
         if finished(f):
             facts.finished.append(Finished(r))
+        if (where := _progress(f)) is not None:
+            facts.progress.append(where)
         if f.exit is not None:
             facts.exited.append(Exited(r, f.exit.signal, f.exit.exitcode, bool(f.exit.root_cause)))
         if f.counts[ev.SIZE_MISMATCH]:
