@@ -171,14 +171,17 @@ class InOp:
 
 
 @dataclass(slots=True)
-class Reached:
-    """The highest collective number a rank is known to have entered in ``group`` (None: the line names no
-    group; SeqNums count per group). ``source``: "enqueued" (PG status) or "timeout" (the watchdog's)."""
+class Count:
+    """One counter's value for a rank in one process group: what "behind" is read from
+    (``core.rules.behind``). Counters: ``step`` and ``collective_seq`` (the hook's, live, group ""),
+    ``entered`` (the flight recorder's highest collective seq entered in ``group``), offline SeqNums
+    ``enqueued`` (PG status), ``timeout`` (the watchdog's) and ``last`` (the higher of both). ``group``
+    None: a log line that names no group (SeqNums count per group)."""
 
     rank: int
-    seq: int
     group: str | None
-    source: str
+    counter: str
+    value: int
 
 
 @dataclass(slots=True)
@@ -234,7 +237,7 @@ class FactSet:
     finished: list[Finished] = field(default_factory=list)
     exited: list[Exited] = field(default_factory=list)
     in_op: list[InOp] = field(default_factory=list)
-    reached: list[Reached] = field(default_factory=list)
+    counts: list[Count] = field(default_factory=list)
     size_mismatch: list[SizeMismatch] = field(default_factory=list)
     logged: LoggedVerdict | None = None
     # ranks known to exist (a stated world size, the highest rank seen) that no line is about: silent

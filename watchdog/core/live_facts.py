@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 
 from .facts import (
     Busy,
+    Count,
     Ended,
     FactSet,
     InOp,
@@ -134,6 +135,18 @@ def progress_facts(views: Sequence[RankView]) -> list[Progress]:
     """Where every view's rank is: its state, phase, step and Python-level collective (what the exit rules
     of ``rules.exits`` read)."""
     return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op) for v in views]
+
+
+STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
+"""The live counters "behind" is read from (``rules.behind``): the hook's step and Python-level collective
+count (one group: the hook counts every collective the script calls), the flight recorder's per group."""
+
+
+def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
+    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every view, as ``Count`` facts (group "")."""
+    if counter == STEP:
+        return [Count(v.rank, "", STEP, v.step) for v in views]
+    return [Count(v.rank, "", COLLECTIVE_SEQ, v.coll_seq) for v in views]
 
 
 def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:

@@ -8,7 +8,7 @@ didn't join collective #183") says every other rank waits for the lagging ones (
 trace in the store: flight-recorder strength); NCCL's per-op INFO lines ("AllReduce: opCount 2f …
 [nranks=8]") say a rank that enqueued op N of a communicator waits for the members whose last op there is
 below N (counter strength); fingerprints, watchdog SeqNums and stacks are ``InOp``; PG status and timeout
-numbers ``Reached``; launcher exit reports ``Exited``; rankwatch's own line ``LoggedVerdict``. Decisions are
+numbers ``Count``; launcher exit reports ``Exited``; rankwatch's own line ``LoggedVerdict``. Decisions are
 the rules' (``core.rules``), words the report's. Pure.
 
 "Waited" is own evidence: a timeout, a lost peer, a DUMP_SIGNAL "from this local rank", or another rank's
@@ -26,6 +26,7 @@ from ..core.facts import (
     OWN_TIMEOUT,
     PEER_GONE,
     STORE_KEYS,
+    Count,
     Ended,
     Exited,
     FactSet,
@@ -33,7 +34,6 @@ from ..core.facts import (
     InOp,
     LoggedVerdict,
     Progress,
-    Reached,
     Rung,
     SizeMismatch,
     Told,
@@ -205,12 +205,12 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
         if tb is not None and (tb.op or tb.detail) and is_waiting(f):
             facts.in_op.append(InOp(r, tb.op or "", "stack", site=tb.detail or None))  # "": a call site, no op
         if f.status is not None and f.status.enqueued is not None:
-            facts.reached.append(Reached(r, f.status.enqueued, f.status.pg, "enqueued"))
+            facts.counts.append(Count(r, f.status.pg, "enqueued", f.status.enqueued))
         if t is not None and t.seq is not None:
-            facts.reached.append(Reached(r, t.seq, t.pg, "timeout"))
+            facts.counts.append(Count(r, t.pg, "timeout", t.seq))
         last = _last_seq(f)
         if last is not None:
-            facts.reached.append(Reached(r, last[0], last[1], "last"))
+            facts.counts.append(Count(r, last[1], "last", last[0]))
         if lagging and r not in lagging:
             facts.waits.append(Waits(r, lagging, "", None, None, Rung.FLIGHT_RECORDER, DESYNC_REPORT))
         d = f.first.get(ev.DESYNC)
