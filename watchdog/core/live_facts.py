@@ -41,14 +41,22 @@ def is_waiting(v: RankView) -> bool:
     return v.waiting is None and v.phase == "backward"
 
 
-def left_early(v: RankView, views: Sequence[RankView]) -> bool:
-    """A normal exit while a peer that did not exit was still inside a step at least as far along: the peer
-    still needed it (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``)."""
-    return v.state == EXITED and any(
-        o.state != EXITED and o.state in (RUNNING, STOPPED, *GONE_STATES) and o.phase not in (None, "idle")
-        and o.step >= v.step
-        for o in views
-    )
+def inside_step(p: Progress) -> bool:
+    """Still inside a step: alive, stopped, or ended by what the others' leaving did to it (a connection
+    error), in a phase of the step."""
+    return p.how != EXITED and p.how in (RUNNING, STOPPED, *GONE_STATES) and p.phase not in (None, "idle")
+
+
+def early_leavers(progress: Sequence[Progress]) -> list[Progress]:
+    """Normal exits while a peer still inside a step was at least as far along: the peer still needed them
+    (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``). A step not known
+    (a log) is as far along as any."""
+    stuck = [o for o in progress if inside_step(o)]
+    if not stuck:
+        return []
+    steps = [o.step for o in stuck]
+    top = None if None in steps else max(s for s in steps if s is not None)
+    return [p for p in progress if p.how == EXITED and (top is None or p.step is None or p.step <= top)]
 
 
 def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
@@ -60,7 +68,7 @@ def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
     """
     roles: dict[int, str] = {}
     for v in gone:
-        if v.state == EXITED:  # only early leavers get here (``left_early``): their peers still needed them
+        if v.state == EXITED:  # only early leavers get here (``early_leavers``): their peers still needed them
             roles[v.rank] = INITIATING
             continue
         if v.state == CRASHED:
@@ -113,12 +121,15 @@ def live_facts(
     return facts
 
 
-def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ended]:
+def ended_facts(
+    views: Sequence[RankView], exit_tolerance_s: float, progress: Sequence[Progress] | None = None
+) -> list[Ended]:
     """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``), with when it
     ended (minus its exit age: one clock for every node) and its place in its node's exact exit order."""
     # the gone before the early leavers: ends of one time and node place keep this order
     gone = [v for v in views if v.state in GONE_STATES]
-    gone += [v for v in views if v.state == EXITED and left_early(v, views)]
+    early = {p.rank for p in early_leavers(progress if progress is not None else progress_facts(views))}
+    gone += [v for v in views if v.state == EXITED and v.rank in early]
     roles = exit_roles(gone, exit_tolerance_s)
     out = []
     for v in gone:
@@ -152,8 +163,9 @@ def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
 def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
     """The facts the exit rungs read, made once per verdict: who ended how (``ended_facts``) and where every
     rank is (``progress_facts``), over the ranks that answered."""
-    return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s),
-                   progress=progress_facts(views))
+    progress = progress_facts(views)
+    return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s, progress),
+                   progress=progress)
 
 
 def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:

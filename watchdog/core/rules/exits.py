@@ -1,6 +1,7 @@
-"""Exits and stops: who ended by its own cause (by cause, then time), early normal exits, and gloo's abort of the
-receiver of a mismatched collective (a consequence of the mismatch). Pure; findings are data, put in words
-by ``report.findings``."""
+"""Exits and stops over facts (``Progress``, ``Ended``; live ``core.live_facts.exit_facts``): who ended by its
+own cause (by cause, then time), most ranks finished while a few are inside a step, gloo's abort of the
+receiver of a mismatched collective (a consequence of the mismatch), every exit a consequence. Pure;
+findings are data, put in words by ``report.findings``."""
 
 from __future__ import annotations
 
@@ -9,20 +10,15 @@ from collections.abc import Sequence
 
 from ..engine import Finding
 from ..facts import FactSet, Progress, Rung
+from ..live_facts import early_leavers, inside_step
 from ..policy import VerdictPolicy
 from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, DEAD_RANK, HANG, STOPPED_RANK
-from ..snapshot import DEAD, EXITED, GONE_STATES, RUNNING, STOPPED, RankView
+from ..snapshot import DEAD, GONE_STATES, STOPPED, RankView
 from .ended import rule_exit_order, rule_same_failure
 
 EXITS = "exits"
 STOPPED_RULE = "stopped"
-
-
-def inside_step(p: Progress) -> bool:
-    """Still inside a step: alive, stopped, or ended by what the others' leaving did to it (a connection
-    error), in a phase of the step."""
-    return p.how != EXITED and p.how in (RUNNING, STOPPED, *GONE_STATES) and p.phase not in (None, "idle")
 
 
 def rule_finished_but_one(facts: FactSet) -> Finding | None:
@@ -33,9 +29,7 @@ def rule_finished_but_one(facts: FactSet) -> Finding | None:
     stuck = sorted((p for p in facts.progress if inside_step(p)), key=lambda p: p.rank)
     if not stuck or len(stuck) >= n / 2:
         return None
-    # a normal exit while a peer still inside a step was at least as far along (``live_facts.left_early``)
-    early = [p for p in facts.progress if p.how == EXITED
-             and any(o.step is None or p.step is None or o.step >= p.step for o in stuck)]
+    early = early_leavers(facts.progress)
     if len(early) <= n / 2:
         return None
     lead = stuck[0]
