@@ -91,11 +91,13 @@ def live_facts(
     exit_tolerance_s: float,
     prior: PriorVerdict | None = None,
     killed: Collection[int] = (),
+    ended: list[Ended] | None = None,
 ) -> FactSet:
-    """Every view (all nodes) and the flight recorder as one fact set."""
+    """Every view (all nodes) and the flight recorder as one fact set; ``ended``: the views' ends where the
+    caller already made them (``exit_facts``: a node that never answered has none)."""
     facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
     facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
-    facts.ended = ended_facts(views, exit_tolerance_s)
+    facts.ended = ended if ended is not None else ended_facts(views, exit_tolerance_s)
     live: list[RankView] = []
     for v in views:
         if v.state == RUNNING:
@@ -128,8 +130,9 @@ def ended_facts(
     ended (minus its exit age: one clock for every node) and its place in its node's exact exit order."""
     # the gone before the early leavers: ends of one time and node place keep this order
     gone = [v for v in views if v.state in GONE_STATES]
-    early = {p.rank for p in early_leavers(progress if progress is not None else progress_facts(views))}
-    gone += [v for v in views if v.state == EXITED and v.rank in early]
+    if any(v.state == EXITED for v in views):
+        early = {p.rank for p in early_leavers(progress if progress is not None else progress_facts(views))}
+        gone += [v for v in views if v.state == EXITED and v.rank in early]
     roles = exit_roles(gone, exit_tolerance_s)
     out = []
     for v in gone:
@@ -162,8 +165,10 @@ def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
 
 def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
     """The facts the exit rungs read, made once per verdict: who ended how (``ended_facts``) and where every
-    rank is (``progress_facts``), over the ranks that answered."""
-    progress = progress_facts(views)
+    rank is (``progress_facts``), over the ranks that answered. Where no rank ended (none gone, none exited)
+    no exit rule has anything to read: no ``Progress`` is made (8,192 ranks: one object each, per verdict)."""
+    ended_any = any(v.state in GONE_STATES or v.state == EXITED for v in views)
+    progress = progress_facts(views) if ended_any else []
     return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s, progress),
                    progress=progress)
 

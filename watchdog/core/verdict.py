@@ -218,7 +218,8 @@ def _findings(
     decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
     if prior is not None or not decisive:
         case.facts = live_facts(
-            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed
+            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed,
+            ended=ends.ended,
         )
         for r in LIVE_LADDER:
             if r.live is not None and not r.first and (r.after_decision or not decisive):
