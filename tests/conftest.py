@@ -361,16 +361,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def resolve_and_decide(corr, inc, views, node: str, world: int, decide, **kw):
-    """A correlator used as the incident pipeline uses it: exchange, decide where this node must (``decide``
-    as ``(views, notes, how, remote_fr) -> verdict``), publish as the leader. (verdict, how, decided here)."""
-    from rankwatch.watchdog.serve.incident import confirms_refused
+    """A correlator used as the incident pipeline uses it (``serve.incident.correlate_and_decide``, ``decide``
+    as ``(views, notes, how, remote_fr) -> verdict``). (verdict, how, decided here)."""
+    from rankwatch.watchdog.serve.incident import DECIDED_HERE, correlate_and_decide
 
-    res = corr.resolve(inc, views, node, world, **kw)
-    if res.verdict is not None:
-        return res.verdict, res.how, False
-    verdict = decide(res.views, res.notes, res.how, res.remote_fr)
-    if res.refused is not None and confirms_refused(verdict, res.refused):
-        return res.refused, res.how, False
-    if res.publish:
-        corr.publish_verdict(inc, verdict)
-    return verdict, res.how, True
+    verdict, how, source = correlate_and_decide(corr, inc, views, node, world, decide, **kw)
+    return verdict, how, source == DECIDED_HERE

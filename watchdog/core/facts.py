@@ -62,6 +62,23 @@ class Ended:
 
 
 @dataclass(slots=True)
+class Progress:
+    """Where a rank is in its step: ``how`` its process went or goes (``core.snapshot`` states: running,
+    stopped, dead, crashed, exited), ``phase`` and ``step``, and the Python-level collective it is inside
+    (``in_collective``) or issued last (``seq``, ``op``). Live: every rank that answered
+    (``core.live_facts.progress_facts``); offline: ranks whose lines say where they ended
+    (``diagnose.log_facts``: a normal end, a timeout in a collective)."""
+
+    rank: int
+    how: str
+    phase: str | None
+    step: int | None = None
+    in_collective: bool = False
+    seq: int | None = None
+    op: str | None = None
+
+
+@dataclass(slots=True)
 class Stopped:
     """Stopped by SIGSTOP or a debugger: it waits for nobody."""
 
@@ -154,14 +171,17 @@ class InOp:
 
 
 @dataclass(slots=True)
-class Reached:
-    """The highest collective number a rank is known to have entered in ``group`` (None: the line names no
-    group; SeqNums count per group). ``source``: "enqueued" (PG status) or "timeout" (the watchdog's)."""
+class Count:
+    """One counter's value for a rank in one process group: what "behind" is read from
+    (``core.rules.behind``). Counters: ``step`` and ``collective_seq`` (the hook's, live, group ""),
+    ``entered`` (the flight recorder's highest collective seq entered in ``group``), offline SeqNums
+    ``enqueued`` (PG status), ``timeout`` (the watchdog's) and ``last`` (the higher of both). ``group``
+    None: a log line that names no group (SeqNums count per group)."""
 
     rank: int
-    seq: int
     group: str | None
-    source: str
+    counter: str
+    value: int
 
 
 @dataclass(slots=True)
@@ -211,12 +231,13 @@ class FactSet:
     waits: list[Waits] = field(default_factory=list)
     killed: list[KilledByRankwatch] = field(default_factory=list)
     prior: PriorVerdict | None = None
+    progress: list[Progress] = field(default_factory=list)
     # what logs add (offline); live leaves them empty
     told: list[Told] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
     exited: list[Exited] = field(default_factory=list)
     in_op: list[InOp] = field(default_factory=list)
-    reached: list[Reached] = field(default_factory=list)
+    counts: list[Count] = field(default_factory=list)
     size_mismatch: list[SizeMismatch] = field(default_factory=list)
     logged: LoggedVerdict | None = None
     # ranks known to exist (a stated world size, the highest rank seen) that no line is about: silent

@@ -8,9 +8,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .facts import Count
 from .fr_trace import FrEntry, RankTrace
-from .ranks import behind as ranks_behind
 from .ranks import fmt_ranks, outside_majority
+from .rules.behind import behind_of
 
 MAX_REPORTED = 16
 """Findings of one kind kept per process group; the first ones are the ones that matter."""
@@ -300,7 +301,9 @@ def _analyze_group(
     comparable = not any(e.collective_seq_id > 0 for es in pg_p2p.values() for e in es)
     progress = {r: _progress(traces[r], pg, by_rank.get(r, []), use_status=not pg_p2p) for r in members_t}
     top = max(p.entered for p in progress.values())
-    behind = ranks_behind({r: progress[r].entered for r in members_t}) if comparable else ()
+    # the one "behind" rule (``rules.behind``) over each member's highest entered seq as a ``Count`` fact
+    entered = [Count(r, pg, "entered", progress[r].entered) for r in members_t]
+    behind = behind_of(entered, "entered", pg) if comparable else ()
     top_completed = max(p.completed for p in progress.values())
     completion_lag = tuple(
         r for r in members_t if progress[r].entered == top and progress[r].completed < top_completed

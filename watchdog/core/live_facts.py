@@ -12,7 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from .facts import Busy, Ended, FactSet, InOp, KilledByRankwatch, PriorVerdict, Rung, Silent, Stopped, Waits
+from .facts import (
+    Busy,
+    Count,
+    Ended,
+    FactSet,
+    InOp,
+    KilledByRankwatch,
+    PriorVerdict,
+    Progress,
+    Rung,
+    Silent,
+    Stopped,
+    Waits,
+)
 from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role
 from .fr_hints import FrHints
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
@@ -28,14 +41,22 @@ def is_waiting(v: RankView) -> bool:
     return v.waiting is None and v.phase == "backward"
 
 
-def left_early(v: RankView, views: Sequence[RankView]) -> bool:
-    """A normal exit while a peer that did not exit was still inside a step at least as far along: the peer
-    still needed it (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``)."""
-    return v.state == EXITED and any(
-        o.state != EXITED and o.state in (RUNNING, STOPPED, *GONE_STATES) and o.phase not in (None, "idle")
-        and o.step >= v.step
-        for o in views
-    )
+def inside_step(p: Progress) -> bool:
+    """Still inside a step: alive, stopped, or ended by what the others' leaving did to it (a connection
+    error), in a phase of the step."""
+    return p.how != EXITED and p.how in (RUNNING, STOPPED, *GONE_STATES) and p.phase not in (None, "idle")
+
+
+def early_leavers(progress: Sequence[Progress]) -> list[Progress]:
+    """Normal exits while a peer still inside a step was at least as far along: the peer still needed them
+    (uneven data — its shard ran out —, an early ``return``, a rank-conditional ``break``). A step not known
+    (a log) is as far along as any."""
+    stuck = [o for o in progress if inside_step(o)]
+    if not stuck:
+        return []
+    steps = [o.step for o in stuck]
+    top = None if None in steps else max(s for s in steps if s is not None)
+    return [p for p in progress if p.how == EXITED and (top is None or p.step is None or p.step <= top)]
 
 
 def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
@@ -47,7 +68,7 @@ def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
     """
     roles: dict[int, str] = {}
     for v in gone:
-        if v.state == EXITED:  # only early leavers get here (``left_early``): their peers still needed them
+        if v.state == EXITED:  # only early leavers get here (``early_leavers``): their peers still needed them
             roles[v.rank] = INITIATING
             continue
         if v.state == CRASHED:
@@ -70,11 +91,13 @@ def live_facts(
     exit_tolerance_s: float,
     prior: PriorVerdict | None = None,
     killed: Collection[int] = (),
+    ended: list[Ended] | None = None,
 ) -> FactSet:
-    """Every view (all nodes) and the flight recorder as one fact set."""
+    """Every view (all nodes) and the flight recorder as one fact set; ``ended``: the views' ends where the
+    caller already made them (``exit_facts``: a node that never answered has none)."""
     facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
     facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
-    facts.ended = ended_facts(views, exit_tolerance_s)
+    facts.ended = ended if ended is not None else ended_facts(views, exit_tolerance_s)
     live: list[RankView] = []
     for v in views:
         if v.state == RUNNING:
@@ -100,12 +123,16 @@ def live_facts(
     return facts
 
 
-def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ended]:
+def ended_facts(
+    views: Sequence[RankView], exit_tolerance_s: float, progress: Sequence[Progress] | None = None
+) -> list[Ended]:
     """Every gone rank (and early normal exit), initiating or a consequence (``exit_roles``), with when it
     ended (minus its exit age: one clock for every node) and its place in its node's exact exit order."""
     # the gone before the early leavers: ends of one time and node place keep this order
     gone = [v for v in views if v.state in GONE_STATES]
-    gone += [v for v in views if v.state == EXITED and left_early(v, views)]
+    if any(v.state == EXITED for v in views):
+        early = {p.rank for p in early_leavers(progress if progress is not None else progress_facts(views))}
+        gone += [v for v in views if v.state == EXITED and v.rank in early]
     roles = exit_roles(gone, exit_tolerance_s)
     out = []
     for v in gone:
@@ -116,6 +143,34 @@ def ended_facts(views: Sequence[RankView], exit_tolerance_s: float) -> list[Ende
                          ts=-(v.exit_age_s or 0.0), order=v.exit_order if v.exit_order is not None else 0,
                          verified=v.verified, how=v.state, step=v.step, phase=v.phase, node=node))
     return out
+
+
+def progress_facts(views: Sequence[RankView]) -> list[Progress]:
+    """Where every view's rank is: its state, phase, step and Python-level collective (what the exit rules
+    of ``rules.exits`` read)."""
+    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op) for v in views]
+
+
+STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
+"""The live counters "behind" is read from (``rules.behind``): the hook's step and Python-level collective
+count (one group: the hook counts every collective the script calls), the flight recorder's per group."""
+
+
+def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
+    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every view, as ``Count`` facts (group "")."""
+    if counter == STEP:
+        return [Count(v.rank, "", STEP, v.step) for v in views]
+    return [Count(v.rank, "", COLLECTIVE_SEQ, v.coll_seq) for v in views]
+
+
+def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
+    """The facts the exit rungs read, made once per verdict: who ended how (``ended_facts``) and where every
+    rank is (``progress_facts``), over the ranks that answered. Where no rank ended (none gone, none exited)
+    no exit rule has anything to read: no ``Progress`` is made (8,192 ranks: one object each, per verdict)."""
+    ended_any = any(v.state in GONE_STATES or v.state == EXITED for v in views)
+    progress = progress_facts(views) if ended_any else []
+    return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s, progress),
+                   progress=progress)
 
 
 def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:

@@ -28,10 +28,10 @@ from .engine import Finding
 from .facts import PriorVerdict
 from .facts import Rung as FactRung
 from .fr_hints import FrBehind, FrGroup, FrHints
-from .live_facts import ended_facts, is_waiting, live_facts
+from .live_facts import exit_facts, is_waiting, live_facts
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
-from .rules.exits import abort_on_mismatch, abort_with_odd_counts
+from .rules.exits import abort_on_mismatch, abort_with_odd_counts, split_consequence
 from .rules.ladder import LADDER, LIVE_LADDER, LadderRung, LiveCase
 from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
 from .schema import UNKNOWN, VERDICT_SCHEMA, lower_confidence, raise_confidence
@@ -198,20 +198,16 @@ def _findings(
     """What every rung of the ladder found, by rung name (each finding's ``rule`` set to it); the weaker
     rungs are asked only when no own exit, stop or shared failure already decides. An exit set aside as
     a consequence of a mismatch stays as ``exits_aborted`` (no rung: its words are quoted)."""
-    case = LiveCase(views, present, live, fr_hints, policy)
+    ends = exit_facts(present, policy.exit_order_tolerance_s)
+    case = LiveCase(views, present, live, fr_hints, policy, ends)
     found: dict[str, Finding | None] = {r.name: r.live(case) for r in LIVE_LADDER if r.first and r.live}
     for name, f in found.items():
         if f is not None:
             f.rule = name
-    abort_on_mismatch(found, present)
-    abort_with_odd_counts(found, present)
+    abort_on_mismatch(found, ends)
+    abort_with_odd_counts(found, ends)
     exits = found["exits"]
-    if exits is not None and exits.kind == "dead_rank" and not any(
-        e.own for e in ended_facts(present, policy.exit_order_tolerance_s)
-    ):
-        # every exit a consequence: the sinks of the wait-for graph are the better account, if any
-        found["exits"], found["exits_consequence"] = None, exits
-        exits.rule = "exits_consequence"
+    split_consequence(found, ends)
     fr = found["flight_recorder"]
     if fr is not None and fr.kind != "collective_mismatch":
         found["flight_recorder"], found["fr_behind"] = None, fr
@@ -222,7 +218,8 @@ def _findings(
     decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
     if prior is not None or not decisive:
         case.facts = live_facts(
-            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed
+            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed,
+            ended=ends.ended,
         )
         for r in LIVE_LADDER:
             if r.live is not None and not r.first and (r.after_decision or not decisive):

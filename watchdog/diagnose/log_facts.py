@@ -8,7 +8,7 @@ didn't join collective #183") says every other rank waits for the lagging ones (
 trace in the store: flight-recorder strength); NCCL's per-op INFO lines ("AllReduce: opCount 2f …
 [nranks=8]") say a rank that enqueued op N of a communicator waits for the members whose last op there is
 below N (counter strength); fingerprints, watchdog SeqNums and stacks are ``InOp``; PG status and timeout
-numbers ``Reached``; launcher exit reports ``Exited``; rankwatch's own line ``LoggedVerdict``. Decisions are
+numbers ``Count``; launcher exit reports ``Exited``; rankwatch's own line ``LoggedVerdict``. Decisions are
 the rules' (``core.rules``), words the report's. Pure.
 
 "Waited" is own evidence: a timeout, a lost peer, a DUMP_SIGNAL "from this local rank", or another rank's
@@ -26,13 +26,14 @@ from ..core.facts import (
     OWN_TIMEOUT,
     PEER_GONE,
     STORE_KEYS,
+    Count,
     Ended,
     Exited,
     FactSet,
     Finished,
     InOp,
     LoggedVerdict,
-    Reached,
+    Progress,
     Rung,
     SizeMismatch,
     Told,
@@ -40,6 +41,7 @@ from ..core.facts import (
 )
 from ..core.failures import INITIATING, abort_role
 from ..core.policy import OfflinePolicy
+from ..core.snapshot import EXITED, RUNNING
 from . import events as ev
 from . import patterns as pt
 from .facts import Evidence, RankFacts
@@ -142,6 +144,17 @@ def _ended(f: RankFacts, p: OfflinePolicy) -> Ended:
     )
 
 
+def _progress(f: RankFacts) -> Progress | None:
+    """Where a rank's lines say it ended: a normal end (exited), or inside the collective it timed out in
+    (its phase a collective, at the number its watchdog states); None when they do not say."""
+    if finished(f):
+        return Progress(f.rank, EXITED, None)
+    if not waited(f):
+        return None
+    t = f.nccl_timeout
+    return Progress(f.rank, RUNNING, "collective", None, True, t.seq if t else None, t.op if t else None)
+
+
 def _last_seq(f: RankFacts) -> tuple[int, str | None] | None:
     """The highest collective number the rank is known to have entered, and the group it counts in."""
     vals = [v for v in (f.status.enqueued if f.status else None, f.nccl_timeout.seq if f.nccl_timeout else None)
@@ -175,6 +188,8 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
             facts.told.append(Told(r, pending, s.completed if s is not None else None))
         if finished(f):
             facts.finished.append(Finished(r))
+        if (where := _progress(f)) is not None:
+            facts.progress.append(where)
         if f.exit is not None:
             facts.exited.append(Exited(r, f.exit.signal, f.exit.exitcode, bool(f.exit.root_cause)))
         if f.counts[ev.SIZE_MISMATCH]:
@@ -190,12 +205,12 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
         if tb is not None and (tb.op or tb.detail) and is_waiting(f):
             facts.in_op.append(InOp(r, tb.op or "", "stack", site=tb.detail or None))  # "": a call site, no op
         if f.status is not None and f.status.enqueued is not None:
-            facts.reached.append(Reached(r, f.status.enqueued, f.status.pg, "enqueued"))
+            facts.counts.append(Count(r, f.status.pg, "enqueued", f.status.enqueued))
         if t is not None and t.seq is not None:
-            facts.reached.append(Reached(r, t.seq, t.pg, "timeout"))
+            facts.counts.append(Count(r, t.pg, "timeout", t.seq))
         last = _last_seq(f)
         if last is not None:
-            facts.reached.append(Reached(r, last[0], last[1], "last"))
+            facts.counts.append(Count(r, last[1], "last", last[0]))
         if lagging and r not in lagging:
             facts.waits.append(Waits(r, lagging, "", None, None, Rung.FLIGHT_RECORDER, DESYNC_REPORT))
         d = f.first.get(ev.DESYNC)

@@ -24,7 +24,7 @@ from ..core.ranks import fmt_ranks
 from ..core.schema import CONFIDENCES, SUMMARY_SCHEMA, VERDICT_SCHEMA, headline_of
 from ..core.text import BLOCK, PROSE, clean
 from ..errors import UserError
-from .text import next_step
+from .text import int_ranks, next_step
 
 # Canonical phases keep one colour in every report, so readers learn them; input warm, compute cool,
 # the two kinds of waiting for peers muted but told apart (purple: a collective the script called, pink:
@@ -103,10 +103,6 @@ def _int_key(key: str) -> tuple[int, str]:
         return int(key), key
     except ValueError:
         return 1 << 30, key
-
-
-def _ranks(values: Iterable[object]) -> list[int]:
-    return [int(r) for r in values if isinstance(r, int) and not isinstance(r, bool)]
 
 
 def phase_colours(phases: Iterable[str]) -> dict[str, str]:
@@ -287,7 +283,7 @@ def _family(phase: str | None) -> str:
 
 
 def summary_section(doc: Mapping[str, Any], anchor: str, incident_anchors: Mapping[str, str]) -> str:
-    who = _ranks(doc.get("straggler_ranks") or [])
+    who = int_ranks(doc.get("straggler_ranks") or [])
     stragglers = set(who)
     ranks = _dict(doc, "ranks")
     phases_doc = _dict(doc, "phases")
@@ -330,7 +326,7 @@ def _summary_headlines(doc: Mapping[str, Any], who: list[int], incident_anchors:
     total = doc.get("steps_total")
     out = []
     for v in verdicts[:8]:
-        v_ranks = _ranks(v.get("initiating_ranks") or [])
+        v_ranks = int_ranks(v.get("initiating_ranks") or [])
         v_who = fmt_ranks(v_ranks) if v_ranks else "no single rank"
         v_head = f"{esc(headline_of(str(v.get('kind'))))} — initiating {esc(v_who)}"
         if v.get("phase"):
@@ -450,7 +446,7 @@ def _bundle_text(bundle: str | None, *parts: str) -> str | None:
 
 def verdict_section(doc: Mapping[str, Any], anchor: str, base_dir: str) -> str:
     kind = str(doc.get("kind"))
-    initiators = _ranks(doc.get("initiating_ranks") or [])
+    initiators = int_ranks(doc.get("initiating_ranks") or [])
     who = fmt_ranks(initiators) if initiators else "no single rank"
     phase = doc.get("phase")
     conf = str(doc.get("confidence"))

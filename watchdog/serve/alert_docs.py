@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.text import NAME, PROSE, clean
-from ..report.text import headline
+from ..report.text import headline, int_ranks
 
 FIRING, RESOLVED = "firing", "resolved"
 INCIDENT_ALERT, STRAGGLER_ALERT = "RankwatchIncident", "RankwatchStraggler"
@@ -72,10 +72,6 @@ def _nodes(verdict: Mapping[str, Any]) -> str:
     return ",".join(nodes[:8]) or socket.gethostname()
 
 
-def _ranks(verdict: Mapping[str, Any]) -> list[int]:
-    return [r for r in verdict.get("initiating_ranks") or [] if isinstance(r, int) and not isinstance(r, bool)]
-
-
 def incident_text(verdict: Mapping[str, Any], status: str = FIRING, why: str | None = None) -> str:
     """The one line a chat message or a pager shows."""
     line = f"rankwatch [{clean(verdict.get('job_id'), NAME)}]: {headline(verdict)}"
@@ -97,7 +93,7 @@ def incident_notice(
         "job_id": job_id,
         "incident_id": incident_id,
         "kind": clean(verdict.get("kind"), NAME),
-        "initiating_ranks": ",".join(str(r) for r in _ranks(verdict)[:64]),
+        "initiating_ranks": ",".join(str(r) for r in int_ranks(verdict.get("initiating_ranks"))[:64]),
         "phase": clean(verdict.get("phase") or "", NAME),
         "node": _nodes(verdict),
     }
@@ -141,7 +137,7 @@ def command_env(n: Notice) -> dict[str, str]:
         "RANKWATCH_INCIDENT_ID": clean(v.get("incident_id"), NAME),
         "RANKWATCH_JOB_ID": clean(v.get("job_id"), NAME),
         "RANKWATCH_KIND": clean(v.get("kind"), NAME),
-        "RANKWATCH_INITIATING_RANKS": ",".join(str(r) for r in _ranks(v)),
+        "RANKWATCH_INITIATING_RANKS": ",".join(str(r) for r in int_ranks(v.get("initiating_ranks"))),
         "RANKWATCH_PHASE": clean(v.get("phase") or "", NAME),
         "RANKWATCH_CONFIDENCE": clean(v.get("confidence") or "", NAME),
         "RANKWATCH_REASON": clean(v.get("reason") or "", PROSE),

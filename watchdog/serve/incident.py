@@ -293,24 +293,16 @@ class IncidentPipeline:
 
         if req.correlator is None or req.shared is None:
             return decide_over(ev.views, [], None, {}), True
-        res = req.correlator.resolve(
-            req.shared, ev.views, req.node, req.world_size, stall_timeout_s=req.trigger.timeout_s,
-            local_fr=ev.fr.traces,
+        leader, how, source = correlate_and_decide(
+            req.correlator, req.shared, ev.views, req.node, req.world_size, decide_over,
+            stall_timeout_s=req.trigger.timeout_s, local_fr=ev.fr.traces,
         )
-        how = res.how
-        log.info("correlated", job=req.job_id, incident=req.incident_id, how=how)
-        leader = res.verdict
-        if leader is None:
-            verdict = decide_over(res.views, res.notes, how, res.remote_fr)
-            if res.refused is None or not confirms_refused(verdict, res.refused):
-                if res.publish:
-                    req.correlator.publish_verdict(req.shared, verdict)
-                return verdict, True
-            # a rank that ran on past its peers and then blocked looked healthy a moment ago; this node's own
-            # evidence names the same ranks as the leader: the nodes agree, on the leader's verdict
+        log.info("correlated", job=req.job_id, incident=req.incident_id, how=how, verdict=source)
+        if source == DECIDED_HERE:
+            return leader, True
+        if source == CONFIRMED:
             log.info("remote_verdict_confirmed_locally", job=req.job_id, incident=req.incident_id,
-                     initiating_ranks=verdict["initiating_ranks"][:16])
-            leader = res.refused
+                     initiating_ranks=leader.get("initiating_ranks", [])[:16])
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
             leader, trigger=req.trigger, correlation=str(leader.get("correlation") or how),
@@ -456,6 +448,30 @@ class IncidentPipeline:
         except Exception:
             log.exception("incident_publish_failed", job=req.job_id, incident=req.incident_id)
         return IncidentResult(req.incident_id, verdict, path, list(req.views))
+
+
+DECIDED_HERE, LEADER, CONFIRMED = "here", "leader", "confirmed"
+
+
+def correlate_and_decide(
+    correlator: Correlator, shared: SharedIncident, views: list[RankView], node: str, world: int,
+    decide_over: Callable[[Sequence[RankView], Sequence[str], str | None, Mapping[int, RankTrace]], dict[str, Any]],
+    **resolve_kw: Any,
+) -> tuple[dict[str, Any], str, str]:
+    """The pipeline's decide step over several nodes: exchange evidence, decide where this node must
+    (``decide_over(views, notes, how, remote_fr)``), publish as the leader. (verdict, how, whose: this
+    node's ``DECIDED_HERE``, the ``LEADER``'s, or a refused leader's verdict this node ``CONFIRMED``: a
+    rank that ran on past its peers and then blocked looked healthy a moment ago, and this node's own
+    evidence names the same ranks — the nodes agree, on the leader's verdict)."""
+    res = correlator.resolve(shared, views, node, world, **resolve_kw)
+    if res.verdict is not None:
+        return res.verdict, res.how, LEADER
+    verdict = decide_over(res.views, res.notes, res.how, res.remote_fr)
+    if res.refused is not None and confirms_refused(verdict, res.refused):
+        return res.refused, res.how, CONFIRMED
+    if res.publish:
+        correlator.publish_verdict(shared, verdict)
+    return verdict, res.how, DECIDED_HERE
 
 
 def confirms_refused(local: dict[str, Any], refused: dict[str, Any]) -> bool:

@@ -7,15 +7,16 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from ..engine import Finding
-from ..facts import Rung
-from ..live_facts import is_waiting
-from ..ranks import behind as ranks_behind
+from ..facts import Count, Rung
+from ..live_facts import COLLECTIVE_SEQ, STEP, count_facts, is_waiting
 from ..ranks import majority, outside_majority
 from ..schema import COLLECTIVE_MISMATCH, HANG
 from ..snapshot import STEP_PHASE_ORDER, RankView
+from .behind import behind_of
 
 COUNTERS = "counters"
 WAITING = "waiting"
+STEP_PLACE = "step_place"  # a counter too: the phase's place in the step (``snapshot.STEP_PHASE_ORDER``)
 
 
 def _confidence(behind: Sequence[object], live: Sequence[RankView]) -> str:
@@ -23,16 +24,17 @@ def _confidence(behind: Sequence[object], live: Sequence[RankView]) -> str:
 
 
 def rule_behind(live: Sequence[RankView]) -> Finding | None:
-    """Ranks at the lowest step, else at the lowest Python-level collective count (``ranks.behind``); with
+    """Ranks at the lowest step, else at the lowest Python-level collective count (``rules.behind`` over the
+    hook's ``Count`` facts, ``live_facts.count_facts``); with
     every rank waiting, a majority "behind" means the few ahead entered a collective the others never
     issue, and a few behind that wait on peers skipped the one the others are in."""
-    by_step = set(ranks_behind({v.rank: v.step for v in live}))
+    by_step = set(behind_of(count_facts(live, STEP), STEP))
     if by_step:
         behind = [v for v in live if v.rank in by_step]
         return Finding(COUNTERS, HANG, sorted(by_step), Rung.COUNTERS, _confidence(behind, live), {
             "shape": "behind", "by": "step", "low": min(v.step for v in live), "high": max(v.step for v in live),
             "phase": behind[0].phase})
-    by_seq = set(ranks_behind({v.rank: v.coll_seq for v in live}))
+    by_seq = set(behind_of(count_facts(live, COLLECTIVE_SEQ), COLLECTIVE_SEQ))
     if not by_seq:
         return None
     top_seq = max(v.coll_seq for v in live)
@@ -64,8 +66,9 @@ def rule_not_waiting(live: Sequence[RankView]) -> Finding | None:
     busy = [v for v in live if not is_waiting(v)]
     if not busy or len(busy) != len(live):
         return None
-    # the place in the step is one more counter: the ranks behind are those at its lowest (``ranks.behind``)
-    earliest = set(ranks_behind({v.rank: STEP_PHASE_ORDER.get(v.phase or "", 0) for v in busy}))
+    # the place in the step is one more counter: the ranks behind are those at its lowest (``rules.behind``)
+    places = [Count(v.rank, "", STEP_PLACE, STEP_PHASE_ORDER.get(v.phase or "", 0)) for v in busy]
+    earliest = set(behind_of(places, STEP_PLACE))
     if earliest:
         lead = next(v for v in busy if v.rank in earliest)
         return Finding(WAITING, HANG, sorted(earliest), Rung.WAITING, "medium",

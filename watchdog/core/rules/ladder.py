@@ -40,14 +40,15 @@ NONE = "none"
 
 @dataclass
 class LiveCase:
-    """What the live rules read: every rank's view, the flight recorder, the policy, and the engine's facts
-    (``core.live_facts``, built by ``core.verdict`` only when a rung needs them)."""
+    """What the live rules read: every rank's view, the flight recorder, the policy, the exit facts, and the
+    engine's facts (``core.live_facts``, built by ``core.verdict`` only when a rung needs them)."""
 
     views: Sequence[RankView]
     present: Sequence[RankView]
     live: Sequence[RankView]
     fr_hints: FrHints | None
     policy: VerdictPolicy
+    ends: FactSet  # the exit rungs' facts: ends and where every rank is (``core.live_facts.exit_facts``)
     facts: FactSet | None = None
 
 
@@ -102,7 +103,7 @@ LADDER: tuple[LadderRung, ...] = (
                live=_live_after_kill, after_decision=True),
     LadderRung("exits", "ends by their own cause, by cause then time (early normal exits while peers are "
                "mid-step); every rank failing alike names nobody", True,
-               live=lambda c: rule_gone(c.present, c.policy), offline=rule_exit_cause, offline_name="exit_cause",
+               live=lambda c: rule_gone(c.ends, c.policy), offline=rule_exit_cause, offline_name="exit_cause",
                first=True),
     LadderRung("stopped", "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.present),
                first=True),

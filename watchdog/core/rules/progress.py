@@ -6,26 +6,29 @@ or — told by the store — had completed every NCCL work it enqueued) entered 
 collective's number, the lone ranks arrived late instead (behind, low confidence). The other way round — a
 minority finished while the majority timed out — the minority left early (uneven data, an early return).
 
-Behind: the rank(s) whose last enqueued collective is the lowest (``core.ranks.behind``, the rule the live
-counters use). SeqNums count per process group: never compared across groups; numbers of no stated group
-only when close (``OfflinePolicy.unknown_pg_max_gap``). Pure; words in ``report.findings``.
+Behind: the rank(s) whose last enqueued collective is the lowest (``rules.behind`` over ``Count`` facts, the
+rule the live counters and the flight recorder use). SeqNums count per process group: never compared across
+groups; numbers of no stated group only when close (``OfflinePolicy.unknown_pg_max_gap``). Pure; words in
+``report.findings``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..engine import Finding
-from ..facts import FactSet, Rung
+from ..facts import Count, FactSet, Rung
 from ..policy import OfflinePolicy
-from ..ranks import behind as ranks_behind
 from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, DEAD_RANK, HANG
+from .behind import behind_of, counts_by_group
 
 LONE_COLLECTIVE = "lone_collective"
 BEHIND = "behind"
 
 
 def _last(facts: FactSet, ranks: list[int]) -> int | None:
-    vals = [x.seq for x in facts.reached if x.source == "last" and x.rank in ranks]
+    vals = [x.value for x in facts.counts if x.counter == "last" and x.rank in ranks]
     return max(vals) if vals else None
 
 
@@ -67,37 +70,40 @@ def rule_lone_collective(facts: FactSet) -> Finding | None:
                    {**data, "phase": None, "shape": "left_early"})
 
 
-def one_group(values: dict[int, tuple[str | None, int]], policy: OfflinePolicy) -> dict[int, int]:
-    """Sequence numbers that count in one process group. Of several known groups the one most ranks report
-    is kept; numbers of no stated group (the old "[Rank N]" prefix every group printed alike) only when they
-    lie close (``OfflinePolicy.unknown_pg_max_gap``)."""
-    groups: dict[str | None, dict[int, int]] = {}
-    for r, (pg, v) in values.items():
-        groups.setdefault(pg, {})[r] = v
+def one_group(counts: Sequence[Count], counter: str, policy: OfflinePolicy) -> tuple[str | None, dict[int, int]]:
+    """The process group whose ``counter`` values are compared, and its values (a rank's last line counts).
+    Of several known groups the one most ranks report is kept; numbers of no stated group (the old
+    "[Rank N]" prefix every group printed alike) only when they lie close
+    (``OfflinePolicy.unknown_pg_max_gap``)."""
+    last = {c.rank: c for c in counts if c.counter == counter}
+    groups = counts_by_group(last.values(), counter)
     known = {pg: vs for pg, vs in groups.items() if pg is not None}
     if known:
-        best = max(known.values(), key=len)
-        return best if len(best) > 1 else {}
+        pg, best = max(known.items(), key=lambda kv: len(kv[1]))
+        return (pg, best) if len(best) > 1 else (pg, {})
     vals = groups.get(None, {})
     if vals and max(vals.values()) - min(vals.values()) > policy.unknown_pg_max_gap:
-        return {}
-    return vals
+        return None, {}
+    return None, vals
 
 
 def rule_behind(facts: FactSet, policy: OfflinePolicy) -> Finding | None:
+    """One process group's SeqNums: the ranks behind (``rules.behind``, the rule the live counters and the
+    flight recorder ask), or the few ahead when most share the low number."""
     key: dict[int, int] = {}
     how = ""
+    group: str | None = None
     # the PG status's last enqueued, else the watchdog's number at the timeout, else one rank's timeout
     # number against another's status (torch without the PG status line)
     for source in ("enqueued", "timeout", "last"):
-        vals = one_group({x.rank: (x.group, x.seq) for x in facts.reached if x.source == source}, policy)
+        pg, vals = one_group(facts.counts, source, policy)
         if len(set(vals.values())) > 1:
-            key, how = vals, source
+            key, how, group = vals, source, pg
             break
     if not key:
         return None
     low, high = min(key.values()), max(key.values())
-    behind = list(ranks_behind(key))
+    behind = list(behind_of([Count(r, group, how, v) for r, v in key.items()], how, group))
     ahead = sorted(r for r, v in key.items() if v != low)
     data = {"source": how, "low": low, "high": high, "behind": behind, "ahead": ahead}
     if len(behind) > len(ahead) and len(key) > 2:
