@@ -346,6 +346,15 @@ def _longest_first(item) -> int:
     return len(LONG_POLES) + (0 if item.get_closest_marker("slow") else 1)
 
 
+def pytest_configure(config):
+    """``RANKWATCH_TEST_CPU=FILE``: each test's wall time, CPU and torch imports (tests/cpu_measure.py)."""
+    if os.environ.get("RANKWATCH_TEST_CPU"):
+        from cpu_measure import CpuMeasure
+
+        plugin = CpuMeasure(os.environ["RANKWATCH_TEST_CPU"])
+        config.pluginmanager.register(plugin, "rankwatch_cpu_measure")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
