@@ -102,8 +102,8 @@ class CpuMeasure:
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(child.pid, os.WNOHANG)
-                else:
-                    left.append(" ".join(child.cmdline())[:120])
+                elif cmdline := child.cmdline():  # empty: a process being torn down right now
+                    left.append(" ".join(cmdline)[:120])
             except (psutil.Error, ChildProcessError):
                 pass
         return left
