@@ -319,15 +319,17 @@ def summarise(nodes: int, recs: list[dict[str, Any]], incidents: int, wall: floa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256])
-    ap.add_argument("--polls", type=int, default=20, help="polls per node before the incidents")
-    ap.add_argument("--incidents", type=int, default=10, help="incidents per size")
+    ap.add_argument("--polls", type=int, default=None, help="polls per node before the incidents (20, quick 8)")
+    ap.add_argument("--incidents", type=int, default=None, help="incidents per size (10, quick 6)")
     ap.add_argument("--poll-interval", type=float, default=0.5, help="the daemon's default --poll-interval")
     ap.add_argument("--procs", type=int, default=2, help="worker processes for the non-leader nodes")
-    ap.add_argument("--quick", action="store_true", help="8 polls and 6 incidents per size")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 polls and 6 incidents per size, unless --polls / --incidents say otherwise")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.polls, args.incidents = 8, 6
+    polls_default, incidents_default = (8, 6) if args.quick else (20, 10)
+    args.polls = polls_default if args.polls is None else args.polls
+    args.incidents = incidents_default if args.incidents is None else args.incidents
     quiet()
     results = []
     for n in args.nodes:

@@ -295,24 +295,25 @@ SLOW_MODULES = frozenset({
 # modules whose tests read one cached result per input (a `rankwatch diagnose` run per log): on one worker
 SHARED_CACHE_MODULES = frozenset({"test_public_logs.py"})
 # Longest first under xdist: workers take tests in collection order, so a minute-long test collected last
-# runs alone at the end while the other workers idle. Modules by their longest test (--durations, 2 cores at
-# load 12-30: the quick benchmarks 50-250 s, v3 classes 50-94 s, torchrun's own parser and the two-node
-# jobs ~60 s, then the 35-55 s jobs); the rest of the slow tier after these, the fast tier last.
+# runs alone at the end while the other workers idle. Modules by their longest test (--durations of the slow
+# tier, 4 workers on 2 cores at load 8-15, 2026-12-02: quick benchmarks 50-217 s, two-node inspect 71 s,
+# two-node jobs 54-64 s, stragglers 59 s, v3 classes 53 s, e2e 49 s, then the 30-45 s jobs); the rest of
+# the slow tier after these, the fast tier last.
 LONG_POLES = (
     "test_benchmarks_quick.py",
-    "test_v3_classes.py",
-    "test_torchrun_args.py",
-    "test_multinode.py",
     "test_inspect.py",
+    "test_multinode.py",
     "test_straggler.py",
+    "test_v3_classes.py",
     "test_watchdog_e2e.py",
-    "test_lifecycle.py",
     "test_slurm_example.py",
-    "test_hook_robust.py",
+    "test_torchrun_args.py",
+    "test_lifecycle.py",
     "test_real_bugs.py",
+    "test_works_with.py",
+    "test_hook_robust.py",
     "test_run_output.py",
     "test_store_auth.py",
-    "test_works_with.py",
 )
 
 
@@ -344,6 +345,15 @@ def _longest_first(item) -> int:
     if name in LONG_POLES:
         return LONG_POLES.index(name)
     return len(LONG_POLES) + (0 if item.get_closest_marker("slow") else 1)
+
+
+def pytest_configure(config):
+    """``RANKWATCH_TEST_CPU=FILE``: each test's wall time, CPU and torch imports (tests/cpu_measure.py)."""
+    if os.environ.get("RANKWATCH_TEST_CPU"):
+        from cpu_measure import CpuMeasure
+
+        plugin = CpuMeasure(os.environ["RANKWATCH_TEST_CPU"])
+        config.pluginmanager.register(plugin, "rankwatch_cpu_measure")
 
 
 def pytest_collection_modifyitems(config, items):

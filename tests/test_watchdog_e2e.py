@@ -21,6 +21,7 @@ from conftest import (
     wait_for,
     wait_polls,
 )
+from test_run_output import assert_final_verdict, assert_no_job_files
 
 CASES = [
     # scenario, fault rank, kind, phase
@@ -36,10 +37,15 @@ CASES = [
 def run_job(
     procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4, timeout: float = 240
 ):
-    result, out, _ = run_demo_job(
-        procs, tmp_path, f"e2e-{scenario}", nproc, "--scenario", scenario, *demo_args, options=options, timeout=timeout
-    )
+    result, out, _ = run_job_and_shm(procs, tmp_path, scenario, *demo_args, options=options, nproc=nproc,
+                                     timeout=timeout)
     return result, out
+
+
+def run_job_and_shm(procs, tmp_path, scenario: str, *demo_args: str, options: tuple[str, ...] = (), nproc: int = 4,
+                    timeout: float = 240):
+    return run_demo_job(procs, tmp_path, f"e2e-{scenario}", nproc, "--scenario", scenario, *demo_args,
+                        options=options, timeout=timeout)
 
 
 def bundles(out):
@@ -48,7 +54,7 @@ def bundles(out):
 
 @pytest.mark.parametrize(("scenario", "rank", "kind", "phase"), CASES, ids=[f"{c[0]}-r{c[1]}" for c in CASES])
 def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, rank, kind, phase):
-    result, out = run_job(
+    result, out, shm = run_job_and_shm(
         procs,
         tmp_path,
         scenario,
@@ -96,6 +102,15 @@ def test_fault_is_attributed_to_the_injected_rank(procs, tmp_path, scenario, ran
         assert (found[0] / "fr" / f"rank-{rank}.json").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["incidents"] == [found[0].name]
+    if scenario == "input-hang":
+        # what a person at the terminal reads last (this job was test_run_output's own "last words" job):
+        # torchrun's failure report explained in exactly one note, then the verdict with its why once and
+        # where the initiating rank stands in the user's code; nothing of the job left in the shm dir
+        assert "Root Cause (first observed failure)" in result.stderr
+        note = [ln for ln in result.stdout.splitlines() if ln.startswith("note: torchrun's 'Root Cause")]
+        assert len(note) == 1 and f"rankwatch names rank {rank} as the initiator" in note[0], result.stdout
+        assert_final_verdict(result.stdout, out, rank)
+        assert_no_job_files(shm, f"e2e-{scenario}")
 
 
 def test_slow_first_step_and_declared_long_phase_are_not_hangs(procs, tmp_path):

@@ -133,9 +133,44 @@ def metrics_exposure(args: Any) -> Any:
     return Exposure(args.metrics_detail, token)
 
 
+class SignalHandlers:
+    """The daemon's signal handlers note the signal and return; whatever logs runs later, on the loop.
+
+    A handler runs on the main thread between two bytecodes, possibly while that thread is inside a log
+    call holding structlog's PrintLogger lock (not reentrant): a handler that logs, or configures the
+    logging again, waits for itself forever (seen with SIGTERM: a daemon deaf to it)."""
+
+    def __init__(self, daemon: Daemon, notifier: Notifier, relog: Callable[[], None]) -> None:
+        self.daemon, self.notifier, self.relog = daemon, notifier, relog
+        self.stopped_by: list[str] = []  # logged once the loop has returned
+        self.reloads: list[str] = []  # SIGHUPs the loop has not acted on yet
+
+    def stop(self, signum: int, _frame: Any) -> None:
+        self.stopped_by.append(signal.Signals(signum).name)
+        self.notifier.stopping()
+        self.daemon.stop()
+
+    def reload(self, signum: int, _frame: Any) -> None:
+        # logrotate / journald restarts: the log stream is opened again after this poll; the loop, its
+        # incidents in flight and the readers go on untouched (SIGHUP's default action would end the daemon)
+        self.reloads.append(signal.Signals(signum).name)
+
+    def after_poll(self) -> None:
+        """The loop's heartbeat: systemd's watchdog ping, then a reload a SIGHUP asked for."""
+        self.notifier.ping()
+        if self.reloads:
+            self.reloads.clear()
+            self.relog()
+            log.info("daemon_reloaded", signal="SIGHUP")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(env_defaults() + argv)
-    logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
+
+    def relog() -> None:  # at start, and again after SIGHUP
+        logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
+
+    relog()
     stall, capture = policies_from_args(args)
     secret = load_secret(args.store_secret_file) if args.store_secret_file is not None else None
     exposure = metrics_exposure(args)
@@ -169,24 +204,10 @@ def main(argv: list[str]) -> int:
         extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
                                     exposure=exposure))
 
-    stopped_by: list[str] = []
-
-    def stop(signum: int, _frame: Any) -> None:
-        # no logging here: the handler runs on the main thread, which may be inside the logger's (non-reentrant)
-        # lock when the signal lands — a log call would wait for itself forever (seen: a daemon deaf to SIGTERM)
-        stopped_by.append(signal.Signals(signum).name)
-        notifier.stopping()
-        daemon.stop()
-
-    def reload(_signum: int, _frame: Any) -> None:
-        # logrotate / journald restarts: the log stream is opened again; the loop, its incidents in flight
-        # and the readers go on untouched (SIGHUP's default action would end the daemon and lose them)
-        logs.configure(json_output=True if args.json_logs is None else args.json_logs, level=args.log_level)
-        log.info("daemon_reloaded", signal="SIGHUP")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGHUP, reload)
+    handlers = SignalHandlers(daemon, notifier, relog)
+    signal.signal(signal.SIGTERM, handlers.stop)
+    signal.signal(signal.SIGINT, handlers.stop)
+    signal.signal(signal.SIGHUP, handlers.reload)
     log.info(
         "daemon_start",
         shm_dir=args.shm_dir,
@@ -199,9 +220,9 @@ def main(argv: list[str]) -> int:
     notifier.ready(f"watching {len(daemon.jobs)} job(s) in {args.shm_dir}")
     try:
         if not args.once:
-            daemon.run(heartbeat=notifier.ping)
-        if stopped_by:
-            log.info("daemon_stopping", signal=stopped_by[0])
+            daemon.run(heartbeat=handlers.after_poll)
+        if handlers.stopped_by:
+            log.info("daemon_stopping", signal=handlers.stopped_by[0])
     finally:
         for extra in extras:
             extra.close()
