@@ -80,9 +80,11 @@ class Progress:
 
 @dataclass(slots=True)
 class Stopped:
-    """Stopped by SIGSTOP or a debugger: it waits for nobody."""
+    """Stopped by SIGSTOP or a debugger: it waits for nobody. ``phase``/``step``: where it stopped."""
 
     rank: int
+    phase: str | None = None
+    step: int = 0
 
 
 @dataclass(slots=True)

@@ -103,7 +103,7 @@ def live_facts(
         if v.state == RUNNING:
             live.append(v)
         elif v.state == STOPPED:
-            facts.stopped.append(Stopped(v.rank))
+            facts.stopped.append(_stopped(v))
         elif v.state == MISSING:
             facts.silent.append(Silent(v.rank, v.node))
     by_fr = _fr_waits(fr, views) if fr is not None else {}
@@ -163,14 +163,24 @@ def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
     return [Count(v.rank, "", COLLECTIVE_SEQ, v.coll_seq) for v in views]
 
 
+def _stopped(v: RankView) -> Stopped:
+    return Stopped(v.rank, v.phase, v.step)
+
+
+def stopped_facts(views: Sequence[RankView]) -> list[Stopped]:
+    """The stopped ranks (SIGSTOP, state ``T``) and where each stopped: the ``stopped`` rung's facts."""
+    return [_stopped(v) for v in views if v.state == STOPPED]
+
+
 def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
-    """The facts the exit rungs read, made once per verdict: who ended how (``ended_facts``) and where every
-    rank is (``progress_facts``), over the ranks that answered. Where no rank ended (none gone, none exited)
-    no exit rule has anything to read: no ``Progress`` is made (8,192 ranks: one object each, per verdict)."""
+    """The facts the exit and stop rungs read, made once per verdict: who ended how (``ended_facts``), where
+    every rank is (``progress_facts``) and who is stopped, over the ranks that answered. Where no rank ended
+    (none gone, none exited) no exit rule has anything to read: no ``Progress`` is made (8,192 ranks: one
+    object each, per verdict)."""
     ended_any = any(v.state in GONE_STATES or v.state == EXITED for v in views)
     progress = progress_facts(views) if ended_any else []
     return FactSet(ranks=tuple(v.rank for v in views), ended=ended_facts(views, exit_tolerance_s, progress),
-                   progress=progress)
+                   progress=progress, stopped=stopped_facts(views))
 
 
 def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:

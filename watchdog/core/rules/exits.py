@@ -6,7 +6,6 @@ findings are data, put in words by ``report.findings``."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 
 from ..engine import Finding
 from ..facts import FactSet, Progress, Rung
@@ -14,7 +13,7 @@ from ..live_facts import early_leavers, inside_step
 from ..policy import VerdictPolicy
 from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, DEAD_RANK, HANG, STOPPED_RANK
-from ..snapshot import DEAD, GONE_STATES, STOPPED, RankView
+from ..snapshot import DEAD, GONE_STATES
 from .ended import rule_exit_order, rule_same_failure
 
 EXITS = "exits"
@@ -77,11 +76,12 @@ def rule_gone(facts: FactSet, policy: VerdictPolicy) -> Finding | None:
     return found
 
 
-def rule_stopped(views: Sequence[RankView]) -> Finding | None:
-    stopped = [v for v in views if v.state == STOPPED]
+def rule_stopped(facts: FactSet) -> Finding | None:
+    """Stopped ranks wait for nobody and hold everyone else: they decide (high), whatever the others do."""
+    stopped = sorted(facts.stopped, key=lambda s: s.rank)
     if not stopped:
         return None
-    return Finding(STOPPED_RULE, STOPPED_RANK, sorted(v.rank for v in stopped), Rung.STOPPED, "high",
+    return Finding(STOPPED_RULE, STOPPED_RANK, [s.rank for s in stopped], Rung.STOPPED, "high",
                    {"shape": "stopped", "phase": stopped[0].phase, "step": stopped[0].step})
 
 

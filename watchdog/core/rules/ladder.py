@@ -105,7 +105,7 @@ LADDER: tuple[LadderRung, ...] = (
                "mid-step); every rank failing alike names nobody", True,
                live=lambda c: rule_gone(c.ends, c.policy), offline=rule_exit_cause, offline_name="exit_cause",
                first=True),
-    LadderRung("stopped", "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.present),
+    LadderRung("stopped", "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.ends),
                first=True),
     LadderRung("flight_recorder", "a collective mismatch (op/size/dtype) at one seq: the flight recorder live; "
                "fingerprints, watchdog SeqNums, stacks offline", True,
