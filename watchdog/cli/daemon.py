@@ -15,6 +15,7 @@ from ..core.policy import ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
+from .argparser import Parser
 from .options import (
     add_shm_dir,
     add_watch_options,
@@ -24,7 +25,6 @@ from .options import (
     port,
     seconds_or_never,
 )
-from .parser import Parser
 
 if TYPE_CHECKING:
     from ..cluster.correlate import Correlator

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..diagnose import Job, JobsResult, diagnose_jobs
 from ..diagnose.render import render_jobs, ungrouped_note
-from .parser import Parser
+from .argparser import Parser
 
 DESCRIPTION = """Name the rank that started a failure from logs a job already wrote: torchrun's console
 (--tee 3 prefixes [defaultN]:/[rankN]:), torchrun --log-dir per-rank files, srun --label output, mpirun

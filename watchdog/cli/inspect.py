@@ -26,8 +26,8 @@ from ..errors import UserError
 from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
 from ..report.verdict_words import decide
+from .argparser import Parser
 from .options import host_port, positive_float
-from .parser import Parser
 
 DESCRIPTION = """Name the rank a hung job waits for, without the hook and without a restart: find this node's
 torch distributed ranks in the process table (torchrun's RANK/LOCAL_RANK/WORLD_SIZE in their environment,

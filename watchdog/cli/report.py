@@ -12,7 +12,7 @@ from ..core.schema import SUMMARY_SCHEMA, VERDICT_SCHEMA
 from ..core.text import PROSE, clean
 from ..errors import UserError
 from ..report.text import summary_text, verdict_text
-from .parser import Parser
+from .argparser import Parser
 
 
 def build_parser() -> Parser:

@@ -25,9 +25,9 @@ from ..report.bundle import atomic_json, atomic_text
 from ..report.text import final_block, int_ranks, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.job_files import remove_job_files
+from .argparser import Parser
 from .launch import check_launch
 from .options import add_shm_dir, add_watch_options, alerter_from_args, policies_from_args
-from .parser import Parser
 from .tee import StderrTee
 from .torchrun_args import TorchrunCommand, inject_hooks
 

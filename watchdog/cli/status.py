@@ -31,8 +31,8 @@ from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
 from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, incident_ref
+from .argparser import Parser
 from .options import add_shm_dir, positive_float
-from .parser import Parser
 
 PIPE_WIDTH = 400  # columns when stdout is not a terminal: wide enough that no phase or why is cut
 
