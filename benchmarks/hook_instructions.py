@@ -1,0 +1,161 @@
+"""The hook's cost per step in instructions and simulated cache misses (callgrind): a figure the load of
+other jobs on shared cores cannot move.
+
+On 2 shared cores the wall-clock and CPU-time A/Bs of ``bench_hook.py`` (a2, a3) swing by ±20 µs per step
+with the load, more than the changes worth making to the hook. Under valgrind's callgrind every
+instruction the training thread executes is counted, and with ``--cache-sim`` every simulated L1 and
+last-level miss, so two versions of the hook can be compared in one run each. The loop is (a2)'s
+(``bench_hook.py --step-child``: the demo's small-step DDP loop in one process, blocks of 10 steps with the
+hook switched off and on alternately); ``step_child`` calls ``getppid()`` before and after each block and
+callgrind (``--dump-before=getppid``) writes the counters of each block to its own file. The cost per step
+is the median over pairs of adjacent blocks of (on − off) / 10, for the training thread only
+(``--separate-threads``: the gloo and flight-recorder threads poll by wall time, which valgrind stretches).
+
+Estimated cycles are callgrind's usual model, Ir + 10 × L1 misses + 100 × last-level misses; the µs figure
+divides them by this machine's clock (``/proc/cpuinfo``) at one instruction per cycle, a rough scale, not a
+measurement. Start-up under valgrind takes 1–4 minutes (``import torch``), the steps ~50 ms each.
+
+    python benchmarks/hook_instructions.py                      # 200 steps, cache simulation on
+    python benchmarks/hook_instructions.py --tracker-off        # the points on, no record writes
+    python benchmarks/hook_instructions.py --tree /tmp/base     # another checkout's hooks/ (A/B)
+    python benchmarks/hook_instructions.py --quick              # 40 steps: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _util import REPO, Procs, median, print_results
+
+BENCH_HOOK = REPO / "benchmarks" / "bench_hook.py"
+PER_BLOCK = 10  # steps per block: bench_hook.step_child's
+# callgrind's cycle estimate (callgrind_annotate's CEst): an L1 miss ~10 cycles, a last-level miss ~100
+L1_MISS_CYCLES, LL_MISS_CYCLES = 10, 100
+
+
+def cpu_mhz() -> float:
+    """This machine's clock (the first core's current MHz; 3,000 where /proc/cpuinfo does not say)."""
+    try:
+        m = re.search(r"cpu MHz\s*:\s*([\d.]+)", Path("/proc/cpuinfo").read_text())
+        return float(m.group(1)) if m else 3000.0
+    except OSError:
+        return 3000.0
+
+
+def parse_part(text: str) -> dict[str, int]:
+    """One callgrind output file's totals by event name."""
+    events = re.search(r"(?m)^events:\s*(.+)$", text)
+    totals = re.search(r"(?m)^(?:totals|summary):\s*(.+)$", text)
+    if not events or not totals:
+        raise ValueError("no events/totals line")
+    names, values = events.group(1).split(), [int(v) for v in totals.group(1).split()]
+    return dict(zip(names, values + [0] * (len(names) - len(values)), strict=True))
+
+
+def est_cycles(ev: dict[str, int]) -> int:
+    l1 = ev.get("I1mr", 0) + ev.get("D1mr", 0) + ev.get("D1mw", 0)
+    ll = ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)
+    return ev["Ir"] + L1_MISS_CYCLES * l1 + LL_MISS_CYCLES * ll
+
+
+def blocks_of(out_dir: Path, stem: str) -> list[dict[str, int]]:
+    """The training thread's counters per interval between two marks, in order. Part 1 is everything
+    before the first mark; then each block and each switch between blocks alternate."""
+    parts: dict[int, Path] = {}
+    for f in out_dir.iterdir():
+        m = re.fullmatch(re.escape(stem) + r"\.(\d+)-01", f.name)
+        if m:
+            parts[int(m.group(1))] = f
+    ordered = [parse_part(parts[k].read_text()) for k in sorted(parts)]
+    return ordered[1::2]  # parts 2, 4, 6, …: the blocks
+
+
+def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> dict[str, float]:
+    """One step_child under callgrind; per-step medians of the paired block differences."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("hook_instructions: valgrind is not installed (apt-get install valgrind)")
+    tmp = Path(tempfile.mkdtemp(prefix="rw-bench-cg-"))
+    shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", PYTHONHASHSEED="0",
+               RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-cg", RANKWATCH_BENCH_MARKS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
+        env.pop(key, None)
+    if tracker_off:
+        env["RANKWATCH_BENCH_TRACKER_OFF"] = "1"
+    if tree is not None:  # PYTHONPATH wins over the editable install: that tree's rankwatch package
+        env["PYTHONPATH"] = f"{tree}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = [valgrind, "--tool=callgrind", "--dump-before=getppid", "--separate-threads=yes",
+           f"--cache-sim={'yes' if cache_sim else 'no'}", f"--callgrind-out-file={tmp}/cg.out",
+           sys.executable, str(BENCH_HOOK), "--step-child", str(steps)]
+    try:
+        with Procs() as procs:
+            res = procs.run(cmd, timeout=1800, text=True, env=env)
+        if res.returncode != 0:
+            raise SystemExit(f"hook_instructions: the child failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        blocks = blocks_of(tmp, "cg.out")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), "{}")
+    import json
+
+    order = [bool(v) for v in json.loads(line).get("order", [])]
+    if len(order) != len(blocks) or not order:
+        raise SystemExit(f"hook_instructions: {len(blocks)} marked blocks for {len(order)} in the loop")
+    out: dict[str, float] = {"pairs": len(order) / 2}
+    keys = {"ir": lambda ev: ev["Ir"]}
+    if cache_sim:
+        keys["cycles"] = est_cycles
+        keys["ll_misses"] = lambda ev: ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)
+    for name, f in keys.items():
+        diffs, offs = [], []
+        for i in range(0, len(order) - 1, 2):
+            a, b = blocks[i], blocks[i + 1]
+            on, off = (a, b) if order[i] else (b, a)
+            diffs.append((f(on) - f(off)) / PER_BLOCK)
+            offs.append(f(off) / PER_BLOCK)
+        out[f"{name}_per_step"] = median(diffs)
+        out[f"{name}_step_off"] = median(offs)
+        out[f"{name}_spread"] = max(diffs) - min(diffs)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="steps in blocks of 10 (default 200, quick 40)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-cache-sim", action="store_true", help="instructions only (about twice as fast)")
+    p.add_argument("--tracker-off", action="store_true", help="hooked blocks with the record not written")
+    p.add_argument("--tree", type=Path, default=None,
+                   help="a directory holding another version's rankwatch package (e.g. a git archive as pkg/rankwatch)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    steps = args.steps or (40 if args.quick else 200)
+    if steps < 2 * PER_BLOCK:
+        print(f"hook_instructions: --steps must be at least {2 * PER_BLOCK}", file=sys.stderr)
+        return 2
+    r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree)
+    what = "the points on, tracker disabled" if args.tracker_off else "hook on"
+    where = f" ({args.tree})" if args.tree else ""
+    rows = [f"| hook instructions per step{where}, {what} vs off, training thread, median of {r['pairs']:.0f} "
+            f"paired blocks (callgrind) | **{r['ir_per_step']:+,.0f} Ir** of {r['ir_step_off']:,.0f} per step "
+            f"(spread {r['ir_spread']:,.0f}) | — | — |"]
+    if "cycles_per_step" in r:
+        us = r["cycles_per_step"] / cpu_mhz()
+        rows.append(f"| … estimated cycles (Ir + 10 × L1 + 100 × LL misses) | **{r['cycles_per_step']:+,.0f}** "
+                    f"(LL misses {r['ll_misses_per_step']:+,.0f}; ≈ {us:+.1f} µs at {cpu_mhz():,.0f} MHz) | "
+                    f"≈ 20 µs | {'yes' if us <= 20 else 'NO'} |")
+    return print_results(rows, {"steps": steps, **r}, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
