@@ -103,6 +103,7 @@ class Tracker:
         self._k_coll_out = event_code(EV_COLL_EXIT, 0) - start
         self._ev_n = q[_EV_COUNT]  # events written (the ring index is this modulo EVENTS)
         self._fold_at = self._ev_n + FOLD_EVENTS
+        self._slow_at = self._fold_at  # an enter at this event count takes the slow path: the fold, or 0 while frozen
         # open phases: their enter words (slot and start in one int), outermost first; the reader rebuilds
         # the same stack from the events, this copy is for the checkpoints
         self._stack: list[int] = []
@@ -118,7 +119,8 @@ class Tracker:
         self._step_start = int(self._rec.start_ns) or _now()
         self.explicit_steps = False
         self.thread_id = _ident()
-        self.enabled = True
+        # the hot paths' one test: this thread's ident while tracking is on, -1 (no thread's) once disabled
+        self._tid = self.thread_id
         self._gpu: Any = None  # cuda_timing.EventPool on CUDA ranks
         # input pipeline: the DataLoader worker slots in use (the workers write their own slots) and their
         # totals at the last step end; batches made on this thread are EV_EXIT_BATCH events
@@ -134,6 +136,14 @@ class Tracker:
             return
         self._gpu = pool
         self._rec.flags |= FLAG_GPU_TIMING
+
+    @property
+    def enabled(self) -> bool:
+        return self._tid != -1
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._tid = self.thread_id if on else -1
 
     # -- error containment ------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -179,7 +189,7 @@ class Tracker:
     # The hot paths: the event word, the count, the writer's own stack; all else (budgets, a phase an
     # exception left, the fold checkpoint, unbalanced exits) is the rare path behind one test.
     def enter(self, slot: int, budget_s: float = 0.0) -> None:
-        if not self.enabled or slot < 0 or _ident() != self.thread_id:
+        if _ident() != self._tid or slot < 0:
             return
         try:
             w = self._k_in[slot] + _now()
@@ -189,7 +199,7 @@ class Tracker:
             self._ev_n = n = n + 1
             q[_EV_COUNT] = n
             self._stack.append(w)
-            if budget_s > 0 or n >= self._fold_at or self._frozen is not None:
+            if n >= self._slow_at or budget_s:
                 self._entered_slow(budget_s, n)
         except Exception as exc:
             self._fail(exc)
@@ -199,6 +209,7 @@ class Tracker:
     def _entered_slow(self, budget_s: float, n: int) -> None:
         """After an enter: a new phase ends the naming of the one an exception left; budgets; the fold."""
         self._frozen = None
+        self._slow_at = self._fold_at
         if budget_s > 0:
             w = self._stack[-1]
             started = (w & NS_MASK) + self._origin
@@ -217,6 +228,8 @@ class Tracker:
         """A mid-step checkpoint after event ``n``-1, at its time: the reader never replays more than
         about FOLD_EVENTS events for the live state, however long a step runs (or if none ever ends)."""
         self._fold_at = n + FOLD_EVENTS
+        if self._frozen is None:
+            self._slow_at = self._fold_at
         self._open_section()
         self._write_cp(_FOLD, n, (self._q[_EV + ((n - 1) & EVENT_MASK)] & NS_MASK) + self._origin)
         self._close_section()
@@ -233,6 +246,7 @@ class Tracker:
             w = st.pop()
             if failing:
                 self._frozen = (w, n - 1)
+                self._slow_at = 0  # the next enter ends it
         if self._budgets and any(depth >= len(st) for depth, _, _ in self._budgets):
             self._budgets = [b for b in self._budgets if b[0] < len(st)]
             best = max(self._budgets, key=lambda b: b[1], default=None)
@@ -249,14 +263,15 @@ class Tracker:
         attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
         for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged.
         ``failing``: an exception is leaving the phase (the record keeps naming it until the next enter)."""
-        if not self.enabled or slot < 0 or _ident() != self.thread_id:
+        if _ident() != self._tid or slot < 0:
             return
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.end(slot)
         try:
             q = self._q
             n = self._ev_n
-            if tail_slot >= 0 and split_ns > self._origin:  # the split word first: the reader applies it to the exit
+            # the split word first: the reader applies it to the exit
+            if split_ns and tail_slot >= 0 and split_ns > self._origin:
                 q[_EV + (n & EVENT_MASK)] = self._k_split[tail_slot] + split_ns
                 n += 1
             q[_EV + (n & EVENT_MASK)] = (self._k_fail if failing else self._k_out)[slot] + _now()
@@ -273,7 +288,7 @@ class Tracker:
     def exit_batch(self, slot: int, produced: bool) -> None:
         """Close ``slot`` (the DataLoader's ``__next__``); ``produced``: this thread made the batch itself
         (no workers), so the phase's own time is the batch's production time (``input_timing.py``)."""
-        if not self.enabled or _ident() != self.thread_id:
+        if _ident() != self._tid:
             return
         try:
             q = self._q
@@ -308,7 +323,7 @@ class Tracker:
     def collective_enter(self, op: str) -> None:
         """A Python-level collective starts: its op and the ``collective`` phase, in one event (the reader
         counts them: the collective sequence number)."""
-        if not self.enabled or _ident() != self.thread_id:
+        if _ident() != self._tid:
             return
         try:
             k = self._ops.get(op)
@@ -323,13 +338,13 @@ class Tracker:
             self._stack.append(self._k_coll_in + t)
             self._colls += 1
             self._last_op = k
-            if n >= self._fold_at or self._frozen is not None:
+            if n >= self._slow_at:
                 self._entered_slow(0.0, n)
         except Exception as exc:
             self._fail(exc)
 
     def collective_exit(self) -> None:
-        if not self.enabled or _ident() != self.thread_id:
+        if _ident() != self._tid:
             return
         try:
             q = self._q
@@ -362,7 +377,7 @@ class Tracker:
     # -- steps ------------------------------------------------------------------------------------
     def step(self, explicit: bool = False) -> None:
         """Close the current step. Once the script calls step() itself, automatic boundaries stop."""
-        if not self.enabled or _ident() != self.thread_id:
+        if _ident() != self._tid:
             return
         if explicit and not self.explicit_steps:
             self.explicit_steps = True
@@ -380,7 +395,7 @@ class Tracker:
     def exit_step(self, slot: int) -> None:
         """``exit(slot)`` then the automatic ``step()`` at the exit's clock read: the optimizer's post hook
         (one call per step fewer than the two)."""
-        if not self.enabled or _ident() != self.thread_id:
+        if _ident() != self._tid:
             return
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.end(slot)
