@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -54,6 +55,11 @@ def _diagnose(doc: Any) -> None:
 
 def _traceml(doc: Any) -> None:
     assert "skipped" in doc or (isinstance(doc, list) and doc)
+
+
+def _instructions(doc: Any) -> None:
+    # the hook executes instructions of its own on every step: a median of zero means the blocks were mixed up
+    assert doc["pairs"] >= 1 and doc["ir_per_step"] > 0 and doc["ir_step_off"] > 0
 
 
 def _gpu(doc: Any) -> None:
@@ -113,6 +119,9 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     # (c) at 200 steps of ~3 ms still gives every arm py-spy samples (100 Hz on both ranks inside the loop);
     # (a2)'s 2,000 steps are fixed by --quick (bench_hook.py is hookring's)
     "bench_hook.py": (["--no-e2e", "--shares-steps", "200"], _hook),
+    # under callgrind (valgrind, installed by .ci/run), instructions only; most of
+    # its minutes are `import torch` under valgrind (quick: 40 steps, 2 pairs of 10-step blocks)
+    "bench_hook_instructions.py": (["--no-cache-sim"], _instructions),
     # both footprint runs (2 s windows), each import once
     "bench_daemon.py": (["--seconds", "2", "--import-reps", "1"], _nonempty),
     # one pair (timing on, off) of 2-rank jobs at 40 steps, 10 of them warm-up
@@ -133,6 +142,10 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_traceml.py": ([], _traceml),
     "bench_series.py": ([], _nonempty),
 }
+
+
+# the tools a benchmark runs besides Python (the test skips, naming it, where it is missing)
+NEEDS = {"bench_hook_instructions.py": "valgrind"}
 
 
 def test_every_benchmark_is_listed() -> None:
@@ -166,6 +179,8 @@ RUN_LIMIT_S = 1200
 def test_benchmark_quick_run(case: str, tmp_path: Path) -> None:
     extra, check = CASES[case]
     script = case.split(":")[0]
+    if script in NEEDS and shutil.which(NEEDS[script]) is None:
+        pytest.skip(f"{NEEDS[script]} is not installed (.ci/run installs it)")
     out = tmp_path / "result.json"
     tag = uuid.uuid4().hex
     env = dict(os.environ, TMPDIR=str(tmp_path), RANKWATCH_BENCH_RUN=tag)

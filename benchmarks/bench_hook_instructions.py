@@ -15,15 +15,16 @@ Estimated cycles are callgrind's usual model, Ir + 10 × L1 misses + 100 × last
 divides them by this machine's clock (``/proc/cpuinfo``) at one instruction per cycle, a rough scale, not a
 measurement. Start-up under valgrind takes 1–4 minutes (``import torch``), the steps ~50 ms each.
 
-    python benchmarks/hook_instructions.py                      # 200 steps, cache simulation on
-    python benchmarks/hook_instructions.py --tracker-off        # the points on, no record writes
-    python benchmarks/hook_instructions.py --tree /tmp/base     # another checkout's hooks/ (A/B)
-    python benchmarks/hook_instructions.py --quick              # 40 steps: a smoke run
+    python benchmarks/bench_hook_instructions.py                      # 200 steps, cache simulation on
+    python benchmarks/bench_hook_instructions.py --tracker-off        # the points on, no record writes
+    python benchmarks/bench_hook_instructions.py --tree /tmp/base     # another checkout's hooks/ (A/B)
+    python benchmarks/bench_hook_instructions.py --quick              # 40 steps: a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -82,7 +83,7 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> di
     """One step_child under callgrind; per-step medians of the paired block differences."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
-        raise SystemExit("hook_instructions: valgrind is not installed (apt-get install valgrind)")
+        raise SystemExit("bench_hook_instructions: valgrind is not installed (apt-get install valgrind)")
     tmp = Path(tempfile.mkdtemp(prefix="rw-bench-cg-"))
     shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", PYTHONHASHSEED="0",
@@ -100,17 +101,16 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> di
         with Procs() as procs:
             res = procs.run(cmd, timeout=1800, text=True, env=env)
         if res.returncode != 0:
-            raise SystemExit(f"hook_instructions: the child failed ({res.returncode}):\n{res.stderr[-3000:]}")
+            raise SystemExit(f"bench_hook_instructions: the child failed ({res.returncode}):\n"
+                             f"{res.stderr[-3000:]}")
         blocks = blocks_of(tmp, "cg.out")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("{")), "{}")
-    import json
-
     order = [bool(v) for v in json.loads(line).get("order", [])]
     if len(order) != len(blocks) or not order:
-        raise SystemExit(f"hook_instructions: {len(blocks)} marked blocks for {len(order)} in the loop")
+        raise SystemExit(f"bench_hook_instructions: {len(blocks)} marked blocks for {len(order)} in the loop")
     out: dict[str, float] = {"pairs": len(order) / 2}
     keys = {"ir": lambda ev: ev["Ir"]}
     if cache_sim:
@@ -141,7 +141,7 @@ def main() -> int:
     args = p.parse_args()
     steps = args.steps or (40 if args.quick else 200)
     if steps < 2 * PER_BLOCK:
-        print(f"hook_instructions: --steps must be at least {2 * PER_BLOCK}", file=sys.stderr)
+        print(f"bench_hook_instructions: --steps must be at least {2 * PER_BLOCK}", file=sys.stderr)
         return 2
     r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree)
     what = "the points on, tracker disabled" if args.tracker_off else "hook on"
