@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +49,8 @@ INNER = 20
 # module calls per training step of the demo's model: DDP, Model, body, 4 x (Sequential, Linear, ReLU), head
 DEMO_MODULE_CALLS = 16
 
-MARKS_ENV = "RANKWATCH_BENCH_MARKS"  # step_child: mark each block for bench_hook_instructions.py
+MARKS_ENV = "RANKWATCH_BENCH_MARKS"  # step_child: mark each block for bench_hook_instructions.py ("instr":
+# also switch callgrind's instrumentation on after the warm-up)
 TRACKER_OFF_ENV = "RANKWATCH_BENCH_TRACKER_OFF"  # step_child: hooked blocks with the tracker disabled
 
 # step-size configurations, measured on the 2 shared cores (2 ranks, 1 thread each)
@@ -275,6 +277,8 @@ def step_child(steps: int, breakdown: bool = False) -> None:
     per = 10
     # bench_hook_instructions.py: each block between two getppid() calls, where callgrind dumps its counters
     mark = os.getppid if os.environ.get(MARKS_ENV) else (lambda: 0)
+    if os.environ.get(MARKS_ENV) == "instr":  # started with --instr-atstart=no: count from here on
+        subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], check=True, capture_output=True)
     if os.environ.get(TRACKER_OFF_ENV):  # the points on, the record not written: wrappers and torch's paths
         from rankwatch.hooks import api
 

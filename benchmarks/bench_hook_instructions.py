@@ -87,14 +87,16 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> di
     tmp = Path(tempfile.mkdtemp(prefix="rw-bench-cg-"))
     shm = tempfile.mkdtemp(prefix="rw-bench-shm-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="2000", PYTHONHASHSEED="0",
-               RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-cg", RANKWATCH_BENCH_MARKS="1")
+               RANKWATCH_SHM_DIR=shm, RANKWATCH_JOB_ID="bench-cg", RANKWATCH_BENCH_MARKS="instr")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANKWATCH_DDP_TIMING", "RANKWATCH_DISABLE"):
         env.pop(key, None)
     if tracker_off:
         env["RANKWATCH_BENCH_TRACKER_OFF"] = "1"
     if tree is not None:  # PYTHONPATH wins over the editable install: that tree's rankwatch package
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cmd = [valgrind, "--tool=callgrind", "--dump-before=getppid", "--separate-threads=yes",
+    # --instr-atstart=no: `import torch` and the warm-up run uninstrumented (several times faster); step_child
+    # switches instrumentation on (callgrind_control -i on) before its first block
+    cmd = [valgrind, "--tool=callgrind", "--instr-atstart=no", "--dump-before=getppid", "--separate-threads=yes",
            f"--cache-sim={'yes' if cache_sim else 'no'}", f"--callgrind-out-file={tmp}/cg.out",
            sys.executable, str(BENCH_HOOK), "--step-child", str(steps)]
     try:
