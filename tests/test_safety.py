@@ -140,6 +140,39 @@ def test_a_dead_rank_whose_pid_is_reused_is_a_dead_rank_and_the_new_holder_is_un
     assert not (signals.exists() and signals.read_text()), signals.read_text()
 
 
+def test_a_rank_that_dies_between_its_verification_and_the_first_poll_is_this_runs_dead_rank(procs, tmp_path):
+    """The job's first look drops records whose processes are gone (an earlier run's); a rank this daemon
+    proved alive a moment before is not one of them. Found under load: SIGKILL landed between the
+    verification and the first poll's drop, and the dead rank vanished without an incident."""
+    from rankwatch.watchdog.core.policy import StallPolicy
+    from rankwatch.watchdog.observe.process import ProcessTable
+    from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
+
+    shm, out = tmp_path / "shm", tmp_path / "out"
+    shm.mkdir(mode=0o700)
+    ranks = [start_rank(procs, shm, "early", r, 2) for r in range(2)]
+    table = ProcessTable()
+    daemon = Daemon(DaemonConfig(shm_dir=str(shm), out_dir=str(out), poll_interval_s=0.2,
+                                 stall=StallPolicy(timeout_s=60.0)), procs=table)
+    try:
+        daemon.discover()
+        watch = daemon.jobs["early"].watch
+        watch.refresh()  # the first poll's discovery: both ranks verified alive
+        assert len(watch.identities()) == 2
+        (dying,) = [i for i in watch.identities() if i.pid == ranks[1].pid]
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[1].wait()
+        assert wait_for(lambda: table.exit_ns(dying) is not None, timeout=30)
+        assert wait_for(lambda: daemon.poll_once() or daemon.jobs["early"].incident is not None, timeout=30)
+        assert daemon.drain(60)
+        (bundle,) = bundle_dirs(out / "early" / "incidents")
+        verdict = json.loads((bundle / "verdict.json").read_text())
+        assert verdict["kind"] == "dead_rank" and verdict["initiating_ranks"] == [1], verdict
+        assert ranks[0].poll() is None, "nothing is signalled without --on-stall kill"
+    finally:
+        daemon.close()
+
+
 def test_random_bytes_over_a_live_record_do_not_kill_a_healthy_job(procs, tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)

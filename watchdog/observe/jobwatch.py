@@ -248,12 +248,13 @@ class JobWatch:
         """The verified ranks of this job (what ``--on-stall kill`` may signal)."""
         return [st.ident for st in self.ranks.values() if st.ident is not None]
 
-    def drop_gone_ranks(self) -> int:
+    def drop_gone_ranks(self, *, proven_too: bool = True) -> int:
         """Forget ranks whose process is gone (returns how many): a new run reusing this job id starts a new
-        generation."""
+        generation. ``proven_too=False`` (a job's first look) keeps the ranks this watch proved alive: one
+        that died between its verification and the first poll is this run's dead rank, not an earlier run's."""
         dropped = 0
         for rank, st in list(self.ranks.items()):
-            if st.reader.replaced():
+            if st.reader.replaced() or (st.ident is not None and not proven_too):
                 continue
             # never proven to be anyone's: forgotten, unless unreadable (not judged at all)
             gone = st.unreadable is None if st.ident is None else not self._procs.info(st.ident).alive

@@ -250,8 +250,9 @@ class Daemon:
         watch = entry.watch
         watch.refresh()
         first_look = not entry.last_views
-        if first_look and watch.drop_gone_ranks() and not watch.ranks:
-            # only records of processes that are gone: an earlier run (they are not this run's dead ranks)
+        if first_look and watch.drop_gone_ranks(proven_too=False) and not watch.ranks:
+            # only records of processes that are gone and were never seen alive: an earlier run (they are not
+            # this run's dead ranks)
             watch.retired = True
             entry.retired_at = time.monotonic()
             log.info("job_stale", job=job_id)
