@@ -49,8 +49,9 @@ INNER = 20
 # module calls per training step of the demo's model: DDP, Model, body, 4 x (Sequential, Linear, ReLU), head
 DEMO_MODULE_CALLS = 16
 
-MARKS_ENV = "RANKWATCH_BENCH_MARKS"  # step_child: mark each block for bench_hook_instructions.py ("instr":
-# also switch callgrind's instrumentation on after the warm-up)
+# step_child: mark each block for bench_hook_instructions.py; "instr": also switch callgrind's instrumentation
+# on after the warm-up
+MARKS_ENV = "RANKWATCH_BENCH_MARKS"
 TRACKER_OFF_ENV = "RANKWATCH_BENCH_TRACKER_OFF"  # step_child: hooked blocks with the tracker disabled
 
 # step-size configurations, measured on the 2 shared cores (2 ranks, 1 thread each)

@@ -61,10 +61,13 @@ def parse_part(text: str) -> dict[str, int]:
     return dict(zip(names, values + [0] * (len(names) - len(values)), strict=True))
 
 
+def ll_misses(ev: dict[str, int]) -> int:
+    return ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)
+
+
 def est_cycles(ev: dict[str, int]) -> int:
     l1 = ev.get("I1mr", 0) + ev.get("D1mr", 0) + ev.get("D1mw", 0)
-    ll = ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)
-    return ev["Ir"] + L1_MISS_CYCLES * l1 + LL_MISS_CYCLES * ll
+    return ev["Ir"] + L1_MISS_CYCLES * l1 + LL_MISS_CYCLES * ll_misses(ev)
 
 
 def blocks_of(out_dir: Path, stem: str) -> list[dict[str, int]]:
@@ -117,7 +120,7 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> di
     keys = {"ir": lambda ev: ev["Ir"]}
     if cache_sim:
         keys["cycles"] = est_cycles
-        keys["ll_misses"] = lambda ev: ev.get("ILmr", 0) + ev.get("DLmr", 0) + ev.get("DLmw", 0)
+        keys["ll_misses"] = ll_misses
     for name, f in keys.items():
         diffs, offs = [], []
         for i in range(0, len(order) - 1, 2):

@@ -19,6 +19,9 @@ import psutil
 import pytest
 from conftest import bundle_dirs, free_port, rankwatch_cmd, stalled_record, wait_for, wait_polls
 from rankwatch.hooks.record import read_record
+from rankwatch.watchdog.core.policy import StallPolicy
+from rankwatch.watchdog.observe.process import ProcessTable
+from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 
 HERE = Path(__file__).resolve().parent
 RANK = str(HERE / "procs" / "rank.py")
@@ -144,10 +147,6 @@ def test_a_rank_that_dies_between_its_verification_and_the_first_poll_is_this_ru
     """The job's first look drops records whose processes are gone (an earlier run's); a rank this daemon
     proved alive a moment before is not one of them. Found under load: SIGKILL landed between the
     verification and the first poll's drop, and the dead rank vanished without an incident."""
-    from rankwatch.watchdog.core.policy import StallPolicy
-    from rankwatch.watchdog.observe.process import ProcessTable
-    from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
-
     shm, out = tmp_path / "shm", tmp_path / "out"
     shm.mkdir(mode=0o700)
     ranks = [start_rank(procs, shm, "early", r, 2) for r in range(2)]
