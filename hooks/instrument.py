@@ -316,18 +316,15 @@ def install(tracker: Tracker) -> None:
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    enter, exit_step = tracker.enter, tracker.exit_step
+    # The tracker's own methods are the hooks: on the C core no Python frame runs between torch and the
+    # record. The post hook calls _after_step after each automatic step end until it clears it.
+    def after_first_step() -> None:
+        tracker._after_step = None
+        forward.promote()
 
-    def opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        enter(OPTIMIZER)
-
-    def opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        exit_step(OPTIMIZER)
-        if not forward.promoted:
-            forward.promote()
-
-    register_optimizer_step_pre_hook(opt_pre)
-    register_optimizer_step_post_hook(opt_post)
+    tracker._after_step = after_first_step
+    register_optimizer_step_pre_hook(tracker.opt_pre_hook)
+    register_optimizer_step_post_hook(tracker.opt_post_hook)
 
     # Collectives called from Python.
     import torch.distributed as dist

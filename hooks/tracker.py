@@ -10,11 +10,12 @@ public method swallows its own errors and disables tracking: the hook must never
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .record import (
     CANONICAL_PHASES,
@@ -50,7 +51,7 @@ from .record import (
     event_origin,
 )
 
-__all__ = ["COLLECTIVE_SLOT", "GPU_TIMED_SLOTS", "Tracker"]
+__all__ = ["COLLECTIVE_SLOT", "GPU_TIMED_SLOTS", "IMPLEMENTATIONS", "PyTracker", "Tracker"]
 
 # phases whose GPU work is timed with CUDA events (where the kernels are launched)
 GPU_TIMED_SLOTS = frozenset(CANONICAL_PHASES.index(p) for p in ("forward", "backward", "optimizer"))
@@ -76,11 +77,294 @@ _E_CP = StepEntry.cp.offset // _Q
 _TOP = NS_BITS  # the event word's code byte
 _ENTER_CODE = [(EV_ENTER << 5) | s for s in range(MAX_PHASES)]  # an open phase's word >> _TOP
 _COLL_CODE = _ENTER_CODE[COLLECTIVE_SLOT]
+OPTIMIZER_SLOT = CANONICAL_PHASES.index("optimizer")
 assert sys.byteorder == "little"
 assert all(f.offset % _Q == 0 for f in (RecordLayout.seq, RecordLayout.events, RecordLayout.fold, RecordLayout.ring))
 
 
-class Tracker:
+def _layout(origin: int) -> dict[str, int]:
+    """The record's layout and event codes for a core's ``_bind`` (one copy: record.py's numbers)."""
+    kinds = (EV_EXIT | EV_EXIT_FAIL << 8 | EV_EXIT_BATCH << 16 | EV_SPLIT << 24
+             | EV_COLL_ENTER << 32 | EV_COLL_EXIT << 40)
+    return {
+        "seq": _SEQ, "events": _EV, "ev_count": _EV_COUNT, "steps_done": _STEPS_DONE, "ring": _RING,
+        "input_slots": _INPUT_SLOTS, "event_mask": EVENT_MASK, "ring_slots": RING_SLOTS, "entry_words": _ENTRY_WORDS,
+        "entry_cp": _E_CP, "max_stack": MAX_STACK, "max_phases": MAX_PHASES, "ns_bits": NS_BITS,
+        "gpu_slots": sum(1 << s for s in GPU_TIMED_SLOTS), "collective_slot": COLLECTIVE_SLOT,
+        "optimizer_slot": OPTIMIZER_SLOT, "origin": origin, "ev_enter": EV_ENTER, "ev_kinds": kinds,
+    }
+
+
+class PyCore:
+    """The hot paths in Python: the event word, the count, the writer's own stack, the step's end. All else
+    (budgets, a phase an exception left, the fold checkpoint, unbalanced exits) is the rare path behind one
+    test, in ``Tracker``. ``_fastpath.Core`` is the same in C (one C call per transition instead of a
+    frame of ~40 bytecodes); this class is the fallback where it was not built, and the reference the tests
+    hold it to. Attributes are set by the tracker's ``__init__``."""
+
+    _q: Any  # the record as uint64 words (memoryview)
+    _tid: int
+    _ev_n: int
+    _slow_at: int
+    _seq: int
+    _stack: list[int]
+    _budgets: list[tuple[int, float, int]]
+    _gpu: Any
+    _ops: dict[str, int]
+    _colls: int
+    _last_op: int
+    _frozen: tuple[int, int] | None
+    _steps_done: int
+    _step_start: int
+    _seen_ns: int
+    _seen_batches: int
+    _origin: int
+    _after_step: Any
+    explicit_steps: bool
+    input_slots_used: int
+    input_workers: int
+
+    def _bind(self, raw: memoryview, layout: dict[str, int]) -> None:
+        start = layout["origin"]
+        # event words less the clock: word = constant + now (the ns field counts from the record's origin)
+        self._k_in = [event_code(EV_ENTER, s) - start for s in range(MAX_PHASES)]
+        self._k_out = [event_code(EV_EXIT, s) - start for s in range(MAX_PHASES)]
+        self._k_fail = [event_code(EV_EXIT_FAIL, s) - start for s in range(MAX_PHASES)]
+        self._k_batch = [event_code(EV_EXIT_BATCH, s) - start for s in range(MAX_PHASES)]
+        self._k_split = [event_code(EV_SPLIT, s) - start for s in range(MAX_PHASES)]
+        self._k_coll_in = event_code(EV_ENTER, COLLECTIVE_SLOT) - start  # the open-phase form, on the stack
+        self._k_coll_out = event_code(EV_COLL_EXIT, 0) - start
+
+    def _release(self) -> None:
+        pass
+
+    if TYPE_CHECKING:  # the rare paths, in _TrackerBase (declared here only, as above)
+
+        def _entered_slow(self, budget_s: float, n: int) -> None: ...
+        def _exited_slow(self, slot: int, n: int, failing: bool) -> None: ...
+        def _op_word(self, op: str) -> int: ...
+        def _fail(self, exc: BaseException) -> None: ...
+        def _harvest_gpu(self) -> None: ...
+
+    def enter(self, slot: int, budget_s: float = 0.0) -> None:
+        if _ident() != self._tid or slot < 0:
+            return
+        try:
+            w = self._k_in[slot] + _now()
+            n = self._ev_n
+            q = self._q
+            q[_EV + (n & EVENT_MASK)] = w
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            self._stack.append(w)
+            if n >= self._slow_at or budget_s:
+                self._entered_slow(budget_s, n)
+        except Exception as exc:
+            self._fail(exc)
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.begin(slot)
+
+
+    def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
+        """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
+        attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
+        for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged.
+        ``failing``: an exception is leaving the phase (the record keeps naming it until the next enter)."""
+        if _ident() != self._tid or slot < 0:
+            return
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.end(slot)
+        try:
+            q = self._q
+            n = self._ev_n
+            # the split word first: the reader applies it to the exit
+            if split_ns and tail_slot >= 0 and split_ns > self._origin:
+                q[_EV + (n & EVENT_MASK)] = self._k_split[tail_slot] + split_ns
+                n += 1
+            q[_EV + (n & EVENT_MASK)] = (self._k_fail if failing else self._k_out)[slot] + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not failing and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, failing)
+        except Exception as exc:
+            self._fail(exc)
+
+
+    def exit_batch(self, slot: int, produced: bool) -> None:
+        """Close ``slot`` (the DataLoader's ``__next__``); ``produced``: this thread made the batch itself
+        (no workers), so the phase's own time is the batch's production time (``input_timing.py``)."""
+        if _ident() != self._tid:
+            return
+        try:
+            q = self._q
+            n = self._ev_n
+            q[_EV + (n & EVENT_MASK)] = (self._k_batch if produced else self._k_out)[slot] + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, False)
+            if produced and self.input_workers:
+                self.input_workers = 0
+        except Exception as exc:
+            self._fail(exc)
+
+
+    def collective_enter(self, op: str) -> None:
+        """A Python-level collective starts: its op and the ``collective`` phase, in one event (the reader
+        counts them: the collective sequence number)."""
+        if _ident() != self._tid:
+            return
+        try:
+            k = self._ops.get(op)
+            if k is None:
+                k = self._op_word(op)
+            t = _now()
+            n = self._ev_n
+            q = self._q
+            q[_EV + (n & EVENT_MASK)] = k + t
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            self._stack.append(self._k_coll_in + t)
+            self._colls += 1
+            self._last_op = k
+            if n >= self._slow_at:
+                self._entered_slow(0.0, n)
+        except Exception as exc:
+            self._fail(exc)
+
+
+    def collective_exit(self) -> None:
+        if _ident() != self._tid:
+            return
+        try:
+            q = self._q
+            n = self._ev_n
+            q[_EV + (n & EVENT_MASK)] = self._k_coll_out + _now()
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _COLL_CODE and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(COLLECTIVE_SLOT, n, False)
+        except Exception as exc:
+            self._fail(exc)
+
+
+    def exit_step(self, slot: int) -> None:
+        """``exit(slot)`` then the automatic ``step()`` at the exit's clock read: the optimizer's post hook
+        (one call per step fewer than the two)."""
+        if _ident() != self._tid:
+            return
+        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
+            self._gpu.end(slot)
+        try:
+            q = self._q
+            n = self._ev_n
+            t = _now()
+            q[_EV + (n & EVENT_MASK)] = self._k_out[slot] + t
+            self._ev_n = n = n + 1
+            q[_EV_COUNT] = n
+            st = self._stack
+            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
+                st.pop()
+            else:
+                self._exited_slow(slot, n, False)
+            if not self.explicit_steps:
+                q[_SEQ] = seq = self._seq + 1
+                self._end_step(t)
+                q[_SEQ] = self._seq = seq + 1
+        except Exception as exc:
+            self._fail(exc)
+
+
+    def opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer pre-step hook: the ``optimizer`` phase begins."""
+        self.enter(OPTIMIZER_SLOT)
+
+    def opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer post-step hook: the phase and (automatic steps) the step end."""
+        self.exit_step(OPTIMIZER_SLOT)
+        if self._after_step is not None:
+            try:
+                self._after_step()
+            except Exception as exc:
+                self._fail(exc)
+
+    def _input_totals(self) -> tuple[int, int]:
+        n = 2 * self.input_slots_used
+        slots = self._q[_INPUT_SLOTS : _INPUT_SLOTS + n].tolist()  # a worker may be mid-update of its own pair
+        return sum(slots[0::2]), sum(slots[1::2])
+
+
+    def _write_cp(self, base: int, n: int, at: int) -> None:
+        """A checkpoint (record.Checkpoint) at word ``base``: the state the reader replays events from."""
+        q = self._q
+        q[base] = n
+        q[base + 1] = at
+        q[base + 2] = self._colls
+        q[base + 3] = ((self._last_op + self._origin) >> _TOP) & 31 if self._last_op >= 0 else (1 << 64) - 1
+        q[base + 4] = self._frozen[0] if self._frozen is not None else 0
+        st = self._stack
+        q[base + 5] = len(st)
+        for i, w in enumerate(st[-MAX_STACK:]):
+            q[base + 6 + i] = w
+
+
+    def _end_step(self, now: int) -> None:
+        """The step ending at ``now`` into the step ring, with its checkpoint (inside a section)."""
+        if self.input_slots_used:
+            busy, batches = self._input_totals()
+        else:
+            busy = batches = 0
+        q = self._q
+        done = self._steps_done
+        base = _RING + (done % RING_SLOTS) * _ENTRY_WORDS
+        q[base] = done
+        q[base + 1] = self._step_start
+        q[base + 2] = now
+        q[base + 3] = max(0, busy - self._seen_ns)
+        q[base + 4] = max(0, batches - self._seen_batches)
+        q[base + 5] = self.input_workers
+        self._seen_ns = busy
+        self._seen_batches = batches
+        self._write_cp(base + _E_CP, self._ev_n, now)
+        if self._gpu is not None:
+            self._harvest_gpu()
+        self._steps_done = done = done + 1
+        q[_STEPS_DONE] = done
+        self._step_start = now
+
+
+
+class _TrackerBase:
+    """What a tracker is besides its hot paths: set-up, the rare paths the cores call back, declarations,
+    explicit steps, the end. Mixed into a core (``PyCore`` or ``_fastpath.Core``)."""
+
+    _rec: Any
+    _stack: list[int]
+    _budgets: list[tuple[int, float, int]]
+    _tid: int
+    _seq: int
+    _slow_at: int
+    _frozen: tuple[int, int] | None
+    _origin: int
+    _gpu: Any
+    _ops: dict[str, int]
+    explicit_steps: bool
+
+    if TYPE_CHECKING:  # the core's (declared here only: a definition would shadow the core's in the MRO)
+
+        def _bind(self, raw: memoryview, layout: dict[str, int]) -> None: ...
+        def _end_step(self, now: int) -> None: ...
+        def _write_cp(self, base: int, n: int, at: int) -> None: ...
+
     def __init__(self, writer: RecordWriter) -> None:
         self._writer = writer
         self._rec = writer.rec
@@ -93,14 +377,8 @@ class Tracker:
         self._seq = q[_SEQ] + (q[_SEQ] & 1)  # even: no update in progress
         start = int(self._rec.start_ns) or _now()
         self._origin = start = event_origin(start)
-        # event words less the clock: word = constant + now (the ns field counts from the record's origin)
-        self._k_in = [event_code(EV_ENTER, s) - start for s in range(MAX_PHASES)]
-        self._k_out = [event_code(EV_EXIT, s) - start for s in range(MAX_PHASES)]
-        self._k_fail = [event_code(EV_EXIT_FAIL, s) - start for s in range(MAX_PHASES)]
-        self._k_batch = [event_code(EV_EXIT_BATCH, s) - start for s in range(MAX_PHASES)]
-        self._k_split = [event_code(EV_SPLIT, s) - start for s in range(MAX_PHASES)]
-        self._k_coll_in = event_code(EV_ENTER, COLLECTIVE_SLOT) - start  # the open-phase form, on the stack
-        self._k_coll_out = event_code(EV_COLL_EXIT, 0) - start
+        # a scripted clock (tests) is called by the C core too; None: CLOCK_MONOTONIC, read in C
+        self._clock = None if _now is time.monotonic_ns else _now
         self._ev_n = q[_EV_COUNT]  # events written (the ring index is this modulo EVENTS)
         self._fold_at = self._ev_n + FOLD_EVENTS
         self._slow_at = self._fold_at  # an enter at this event count takes the slow path: the fold, or 0 while frozen
@@ -119,8 +397,6 @@ class Tracker:
         self._step_start = int(self._rec.start_ns) or _now()
         self.explicit_steps = False
         self.thread_id = _ident()
-        # the hot paths' one test: this thread's ident while tracking is on, -1 (no thread's) once disabled
-        self._tid = self.thread_id
         self._gpu: Any = None  # cuda_timing.EventPool on CUDA ranks
         # input pipeline: the DataLoader worker slots in use (the workers write their own slots) and their
         # totals at the last step end; batches made on this thread are EV_EXIT_BATCH events
@@ -129,6 +405,11 @@ class Tracker:
         self.input_workers = 0
         self._seen_ns = 0
         self._seen_batches = 0
+        # called after each automatic step end until it returns (instrument.py: swapping the forward hooks)
+        self._after_step: Any = None
+        self._bind(raw, _layout(start))
+        # the hot paths' one test: this thread's ident while tracking is on, -1 (no thread's) once disabled
+        self._tid = self.thread_id
 
     def attach_gpu_timing(self, pool: Any) -> None:
         """Time forward/backward/optimizer on the GPU too (pooled CUDA events, harvested without blocking)."""
@@ -185,27 +466,7 @@ class Tracker:
         self._slots[name] = n
         return n
 
-    # -- phases -----------------------------------------------------------------------------------
-    # The hot paths: the event word, the count, the writer's own stack; all else (budgets, a phase an
-    # exception left, the fold checkpoint, unbalanced exits) is the rare path behind one test.
-    def enter(self, slot: int, budget_s: float = 0.0) -> None:
-        if _ident() != self._tid or slot < 0:
-            return
-        try:
-            w = self._k_in[slot] + _now()
-            n = self._ev_n
-            q = self._q
-            q[_EV + (n & EVENT_MASK)] = w
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            self._stack.append(w)
-            if n >= self._slow_at or budget_s:
-                self._entered_slow(budget_s, n)
-        except Exception as exc:
-            self._fail(exc)
-        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
-            self._gpu.begin(slot)
-
+    # -- the rare paths (the cores call them) -----------------------------------------------------
     def _entered_slow(self, budget_s: float, n: int) -> None:
         """After an enter: a new phase ends the naming of the one an exception left; budgets; the fold."""
         self._frozen = None
@@ -258,54 +519,6 @@ class Tracker:
         if n >= self._fold_at:  # exits without enters (unbalanced calls) must not outrun the checkpoints
             self._fold(n)
 
-    def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
-        """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
-        attributed moment of the phase's own work) goes to ``tail_slot`` instead: used to move the wait
-        for DDP's gradient all-reduce out of ``backward`` into ``grad_sync``. Totals are unchanged.
-        ``failing``: an exception is leaving the phase (the record keeps naming it until the next enter)."""
-        if _ident() != self._tid or slot < 0:
-            return
-        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
-            self._gpu.end(slot)
-        try:
-            q = self._q
-            n = self._ev_n
-            # the split word first: the reader applies it to the exit
-            if split_ns and tail_slot >= 0 and split_ns > self._origin:
-                q[_EV + (n & EVENT_MASK)] = self._k_split[tail_slot] + split_ns
-                n += 1
-            q[_EV + (n & EVENT_MASK)] = (self._k_fail if failing else self._k_out)[slot] + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not failing and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, failing)
-        except Exception as exc:
-            self._fail(exc)
-
-    def exit_batch(self, slot: int, produced: bool) -> None:
-        """Close ``slot`` (the DataLoader's ``__next__``); ``produced``: this thread made the batch itself
-        (no workers), so the phase's own time is the batch's production time (``input_timing.py``)."""
-        if _ident() != self._tid:
-            return
-        try:
-            q = self._q
-            n = self._ev_n
-            q[_EV + (n & EVENT_MASK)] = (self._k_batch if produced else self._k_out)[slot] + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, False)
-            if produced and self.input_workers:
-                self.input_workers = 0
-        except Exception as exc:
-            self._fail(exc)
-
     # -- collectives ------------------------------------------------------------------------------
     def _op_word(self, op: str) -> int:
         """The collective-enter word less the clock for ``op``, its name declared in the record's op table
@@ -320,46 +533,6 @@ class Tracker:
         k = self._ops[op] = event_code(EV_COLL_ENTER, idx) - self._origin
         return k
 
-    def collective_enter(self, op: str) -> None:
-        """A Python-level collective starts: its op and the ``collective`` phase, in one event (the reader
-        counts them: the collective sequence number)."""
-        if _ident() != self._tid:
-            return
-        try:
-            k = self._ops.get(op)
-            if k is None:
-                k = self._op_word(op)
-            t = _now()
-            n = self._ev_n
-            q = self._q
-            q[_EV + (n & EVENT_MASK)] = k + t
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            self._stack.append(self._k_coll_in + t)
-            self._colls += 1
-            self._last_op = k
-            if n >= self._slow_at:
-                self._entered_slow(0.0, n)
-        except Exception as exc:
-            self._fail(exc)
-
-    def collective_exit(self) -> None:
-        if _ident() != self._tid:
-            return
-        try:
-            q = self._q
-            n = self._ev_n
-            q[_EV + (n & EVENT_MASK)] = self._k_coll_out + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _COLL_CODE and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(COLLECTIVE_SLOT, n, False)
-        except Exception as exc:
-            self._fail(exc)
-
     # -- input pipeline ---------------------------------------------------------------------------
     def input_worker_slots(self, workers: int) -> int:
         """First of ``workers`` consecutive slots (modulo ``INPUT_SLOTS``) for a new set of DataLoader workers."""
@@ -368,11 +541,6 @@ class Tracker:
         self.input_slots_used = min(INPUT_SLOTS, max(self.input_slots_used, base + workers))
         self.input_workers = workers
         return base
-
-    def _input_totals(self) -> tuple[int, int]:
-        n = 2 * self.input_slots_used
-        slots = self._q[_INPUT_SLOTS : _INPUT_SLOTS + n].tolist()  # a worker may be mid-update of its own pair
-        return sum(slots[0::2]), sum(slots[1::2])
 
     # -- steps ------------------------------------------------------------------------------------
     def step(self, explicit: bool = False) -> None:
@@ -392,70 +560,11 @@ class Tracker:
         except Exception as exc:
             self._fail(exc)
 
-    def exit_step(self, slot: int) -> None:
-        """``exit(slot)`` then the automatic ``step()`` at the exit's clock read: the optimizer's post hook
-        (one call per step fewer than the two)."""
-        if _ident() != self._tid:
-            return
-        if self._gpu is not None and slot in GPU_TIMED_SLOTS:
-            self._gpu.end(slot)
-        try:
-            q = self._q
-            n = self._ev_n
-            t = _now()
-            q[_EV + (n & EVENT_MASK)] = self._k_out[slot] + t
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, False)
-            if not self.explicit_steps:
-                q[_SEQ] = seq = self._seq + 1
-                self._end_step(t)
-                q[_SEQ] = self._seq = seq + 1
-        except Exception as exc:
-            self._fail(exc)
-
-    def _write_cp(self, base: int, n: int, at: int) -> None:
-        """A checkpoint (record.Checkpoint) at word ``base``: the state the reader replays events from."""
-        q = self._q
-        q[base] = n
-        q[base + 1] = at
-        q[base + 2] = self._colls
-        q[base + 3] = ((self._last_op + self._origin) >> _TOP) & 31 if self._last_op >= 0 else (1 << 64) - 1
-        q[base + 4] = self._frozen[0] if self._frozen is not None else 0
-        st = self._stack
-        q[base + 5] = len(st)
-        for i, w in enumerate(st[-MAX_STACK:]):
-            q[base + 6 + i] = w
-
-    def _end_step(self, now: int) -> None:
-        """The step ending at ``now`` into the step ring, with its checkpoint (inside a section)."""
-        if self.input_slots_used:
-            busy, batches = self._input_totals()
-        else:
-            busy = batches = 0
-        q = self._q
-        done = self._steps_done
-        base = _RING + (done % RING_SLOTS) * _ENTRY_WORDS
-        q[base] = done
-        q[base + 1] = self._step_start
-        q[base + 2] = now
-        q[base + 3] = max(0, busy - self._seen_ns)
-        q[base + 4] = max(0, batches - self._seen_batches)
-        q[base + 5] = self.input_workers
-        self._seen_ns = busy
-        self._seen_batches = batches
-        self._write_cp(base + _E_CP, self._ev_n, now)
-        if self._gpu is not None:
-            rec = self._rec
-            for gslot, gpu_ms in self._gpu.poll():  # finished event pairs only: never blocks
-                rec.gpu_phase_ms[gslot] += gpu_ms
-        self._steps_done = done = done + 1
-        q[_STEPS_DONE] = done
-        self._step_start = now
+    def _harvest_gpu(self) -> None:
+        """Add the finished CUDA event pairs to the record (never blocks), at a step's end."""
+        rec = self._rec
+        for gslot, gpu_ms in self._gpu.poll():
+            rec.gpu_phase_ms[gslot] += gpu_ms
 
     def mark_crashed(self, info: str = "") -> None:
         """The script is ending with an exception or non-zero exit; ``info`` ("Type: message") lets the
@@ -482,3 +591,29 @@ class Tracker:
         except Exception:
             pass
         self.enabled = False
+
+
+
+class PyTracker(_TrackerBase, PyCore):
+    """The tracker on the Python hot paths."""
+
+
+try:
+    from ._fastpath import Core as _CCore
+except ImportError:  # not built (no compiler where it was installed): the Python hot paths
+    _CCore = None  # type: ignore[assignment, misc]
+
+if _CCore is not None:
+
+    class CTracker(_TrackerBase, _CCore):
+        """The tracker on the C hot paths."""
+
+    IMPLEMENTATIONS: dict[str, type[_TrackerBase]] = {"c": CTracker, "python": PyTracker}
+else:
+    IMPLEMENTATIONS = {"python": PyTracker}
+
+if TYPE_CHECKING:
+    Tracker = PyTracker  # the interface both cores have
+else:
+    # RANKWATCH_HOOK_IMPL=python: the Python hot paths even where the C core is built (debugging, A/B)
+    Tracker = IMPLEMENTATIONS.get(os.environ.get("RANKWATCH_HOOK_IMPL", "c"), PyTracker)

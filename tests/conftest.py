@@ -248,6 +248,19 @@ def run_demo_job(procs: Procs, tmp_path: Path, job_id: str, nproc: int, *demo_ar
     return procs.run(cmd, timeout=timeout, text=True), out, shm
 
 
+@pytest.fixture(params=["c", "python"])
+def hook_impl(request, monkeypatch):
+    """Run a test on each tracker core: the C hot paths (``hooks/_fastpath.c``) and the Python ones (the
+    fallback where the extension was not built). ``new_tracker`` makes trackers of the selected one."""
+    from rankwatch.hooks import tracker as tracker_mod
+
+    if request.param not in tracker_mod.IMPLEMENTATIONS:
+        pytest.fail(f"the {request.param} tracker core is not built (pip install -e . compiles hooks/_fastpath.c)")
+    monkeypatch.setattr(tracker_mod, "Tracker", tracker_mod.IMPLEMENTATIONS[request.param])
+    monkeypatch.setenv("RANKWATCH_HOOK_IMPL", request.param)  # and the writer processes a test starts
+    return request.param
+
+
 def new_tracker(path, *, pid: int | None = None, rank: int = 0, local_rank: int = 0, world_size: int = 1,
                 local_world_size: int = 1, hostname: str = "nodeA", job_id: str = "j",
                 start_ns: int | None = None):

@@ -20,6 +20,11 @@ from rankwatch.hooks.record import (
 from rankwatch.hooks.tracker import Tracker
 
 
+@pytest.fixture(autouse=True)
+def _each_core(hook_impl):
+    """Every case here runs on the C core and on the Python one."""
+
+
 def make_tracker(path: str, rank: int = 3) -> Tracker:
     return new_tracker(path, rank=rank, local_rank=1, world_size=8, local_world_size=4, job_id="jobX")
 

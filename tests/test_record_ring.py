@@ -50,6 +50,11 @@ def clock(monkeypatch):
     return c
 
 
+@pytest.fixture(autouse=True)
+def _each_core(hook_impl):
+    """Every case here runs on the C core and on the Python one."""
+
+
 def tracker(tmp_path, name: str = "rank-0.hb"):
     return new_tracker(str(tmp_path / name), start_ns=START)
 

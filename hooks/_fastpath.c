@@ -1,0 +1,700 @@
+/* The tracker's hot paths in C: one call per phase transition instead of a Python frame of ~40 bytecodes.
+ *
+ * ``Core`` is the base class of ``tracker.CTracker``; ``tracker.PyCore`` is the same code in Python, the
+ * fallback where this module was not built, and the reference the tests compare this one against
+ * (tests/test_record_ring.py runs every case on both; test_fastpath_equivalence.py replays random
+ * call sequences on both and compares the records byte for byte). Only the common path lives here:
+ * the event word, the count, the open-phase stack, the step's end. Everything rare (budgets, folds,
+ * unbalanced exits, a phase an exception left, op names, the GPU harvest) calls back into the Python
+ * methods of the subclass, so each rule has one copy. The record's layout comes from ``_bind`` (numbers
+ * from ``record.py``), never from constants here.
+ *
+ * Like the Python code, no method raises into training: an internal error calls ``self._fail(exc)``,
+ * which disables tracking. Stores are plain word stores; the count (and the seqlock word) are written
+ * with release order after what they publish, as the reader expects.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <pythread.h>
+#include <stdint.h>
+#include <time.h>
+
+#define N_SLOTS 32 /* an event word's arg field: 5 bits */
+
+typedef struct {
+    PyObject_HEAD
+    /* the record */
+    Py_buffer view;
+    int bound;
+    uint64_t *q;
+    Py_ssize_t nwords;
+    /* layout (word indices and sizes, from record.py via _bind) */
+    Py_ssize_t w_seq, w_ev, w_ev_count, w_steps_done, w_ring, w_input;
+    uint64_t ev_mask, ring_slots, entry_words, e_cp, max_stack, max_phases, ns_bits;
+    uint64_t gpu_slots; /* bit mask of slots timed on the GPU */
+    int coll_slot, opt_slot;
+    uint64_t k_in[N_SLOTS], k_out[N_SLOTS], k_fail[N_SLOTS], k_batch[N_SLOTS], k_split[N_SLOTS];
+    uint64_t k_coll_in, k_coll_out;
+    uint64_t enter_code[N_SLOTS]; /* an open phase's word >> ns_bits */
+    /* state shared with the Python methods (members below) */
+    long long tid;
+    unsigned long long ev_n, slow_at, seq, steps_done, step_start, seen_ns, seen_batches, origin;
+    long long colls, input_slots_used, input_workers;
+    char explicit_steps;
+    PyObject *stack, *budgets, *gpu, *ops, *last_op, *frozen, *clock, *after_step;
+} Core;
+
+static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu, *s_begin, *s_end;
+
+/* -- helpers ----------------------------------------------------------------------------------------- */
+
+static inline int on_thread(Core *self) {
+    return self->bound && (long long)PyThread_get_thread_ident() == self->tid;
+}
+
+/* 0 and an exception set when a Python clock fails */
+static inline int now_ns(Core *self, uint64_t *out) {
+    if (self->clock == NULL || self->clock == Py_None) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        *out = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+        return 1;
+    }
+    PyObject *r = PyObject_CallNoArgs(self->clock);
+    if (r == NULL) return 0;
+    *out = PyLong_AsUnsignedLongLongMask(r);
+    Py_DECREF(r);
+    return !PyErr_Occurred();
+}
+
+static inline void put(Core *self, uint64_t n, uint64_t w) {
+    __atomic_store_n(&self->q[self->w_ev + (Py_ssize_t)(n & self->ev_mask)], w, __ATOMIC_RELAXED);
+}
+
+static inline void publish_count(Core *self, uint64_t n) {
+    self->ev_n = n;
+    __atomic_store_n(&self->q[self->w_ev_count], n, __ATOMIC_RELEASE);
+}
+
+static inline void set_seq(Core *self, uint64_t v) {
+    __atomic_store_n(&self->q[self->w_seq], v, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+/* the error path of every public method: self._fail(exc) for an Exception, other BaseExceptions go on */
+static PyObject *fail(Core *self) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_fail, exc ? exc : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(exc);
+    Py_XDECREF(tb);
+    if (r == NULL) PyErr_Clear();
+    Py_XDECREF(r);
+    Py_RETURN_NONE;
+}
+
+static int push(Core *self, uint64_t w) {
+    PyObject *v = PyLong_FromUnsignedLongLong(w);
+    if (v == NULL) return -1;
+    int rc = PyList_Append(self->stack, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* pop the innermost open phase when it is ``code`` and nothing rare is pending; 1 popped, 0 not, -1 error */
+static int pop_if(Core *self, uint64_t code) {
+    if (!PyList_CheckExact(self->stack) || !PyList_CheckExact(self->budgets)) return 0;
+    Py_ssize_t n = PyList_GET_SIZE(self->stack);
+    if (n == 0 || PyList_GET_SIZE(self->budgets) != 0) return 0;
+    uint64_t top = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(self->stack, n - 1));
+    if (top == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    if ((top >> self->ns_bits) != code) return 0;
+    return PyList_SetSlice(self->stack, n - 1, n, NULL) < 0 ? -1 : 1;
+}
+
+static int call_method(Core *self, PyObject *name, const char *fmt, ...) {
+    va_list va;
+    va_start(va, fmt);
+    PyObject *args = Py_VaBuildValue(fmt, va);
+    va_end(va);
+    if (args == NULL) return -1;
+    PyObject *meth = PyObject_GetAttr((PyObject *)self, name);
+    if (meth == NULL) {
+        Py_DECREF(args);
+        return -1;
+    }
+    PyObject *r = PyObject_Call(meth, args, NULL);
+    Py_DECREF(meth);
+    Py_DECREF(args);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int gpu_call(Core *self, PyObject *name, int slot) {
+    if (self->gpu == NULL || self->gpu == Py_None || slot < 0 || slot >= 64 || !((self->gpu_slots >> slot) & 1))
+        return 0;
+    PyObject *r = PyObject_CallMethod(self->gpu, name == s_begin ? "begin" : "end", "i", slot);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int slot_ok(Core *self, long slot) {
+    if (slot < 0 || (uint64_t)slot >= self->max_phases || slot >= N_SLOTS) {
+        PyErr_Format(PyExc_IndexError, "phase slot %ld out of range", slot);
+        return 0;
+    }
+    return 1;
+}
+
+/* positional or keyword arguments into ``out`` (NULL: not given); 0 and a TypeError when they do not fit */
+static int parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      const char *const *names, int n, int required, PyObject **out) {
+    for (int i = 0; i < n; i++) out[i] = NULL;
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments", fn, n);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        const char *k = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, j));
+        if (k == NULL) return 0;
+        int found = 0;
+        for (int i = 0; i < n && !found; i++)
+            if (strcmp(k, names[i]) == 0) {
+                if (out[i] != NULL) {
+                    PyErr_Format(PyExc_TypeError, "%s() got multiple values for '%s'", fn, k);
+                    return 0;
+                }
+                out[i] = args[nargs + j];
+                found = 1;
+            }
+        if (!found) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%s'", fn, k);
+            return 0;
+        }
+    }
+    for (int i = 0; i < required; i++)
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing argument '%s'", fn, names[i]);
+            return 0;
+        }
+    return 1;
+}
+
+static int parse_slot(PyObject *o, long *slot) {
+    *slot = PyLong_AsLong(o);
+    return !(*slot == -1 && PyErr_Occurred());
+}
+
+/* -- the checkpoint and the step's end (also called by the Python slow paths) --------------------------- */
+
+static int write_cp(Core *self, Py_ssize_t base, uint64_t n, uint64_t at) {
+    uint64_t *q = self->q;
+    q[base] = n;
+    q[base + 1] = at;
+    q[base + 2] = (uint64_t)self->colls;
+    uint64_t last = UINT64_MAX;
+    if (self->last_op != NULL && PyLong_Check(self->last_op)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(self->last_op, &overflow);
+        if (v == -1 && !overflow && PyErr_Occurred()) return -1;
+        if (overflow > 0 || (overflow == 0 && v >= 0)) {
+            uint64_t k = PyLong_AsUnsignedLongLongMask(self->last_op);
+            if (k == (uint64_t)-1 && PyErr_Occurred()) return -1;
+            last = ((k + self->origin) >> self->ns_bits) & 31;
+        }
+    }
+    q[base + 3] = last;
+    uint64_t frozen = 0;
+    if (self->frozen != NULL && self->frozen != Py_None) {
+        PyObject *w = PySequence_GetItem(self->frozen, 0);
+        if (w == NULL) return -1;
+        frozen = PyLong_AsUnsignedLongLongMask(w);
+        Py_DECREF(w);
+        if (frozen == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    q[base + 4] = frozen;
+    if (!PyList_Check(self->stack)) {
+        PyErr_SetString(PyExc_TypeError, "_stack is not a list");
+        return -1;
+    }
+    Py_ssize_t depth = PyList_GET_SIZE(self->stack);
+    q[base + 5] = (uint64_t)depth;
+    Py_ssize_t first = depth > (Py_ssize_t)self->max_stack ? depth - (Py_ssize_t)self->max_stack : 0;
+    for (Py_ssize_t i = first; i < depth; i++) {
+        uint64_t w = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(self->stack, i));
+        if (w == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        q[base + 6 + (i - first)] = w;
+    }
+    return 0;
+}
+
+static int end_step(Core *self, uint64_t now) {
+    uint64_t busy = 0, batches = 0, *q = self->q;
+    if (self->input_slots_used > 0) {
+        for (long long i = 0; i < self->input_slots_used; i++) {
+            busy += __atomic_load_n(&q[self->w_input + 2 * i], __ATOMIC_RELAXED);
+            batches += __atomic_load_n(&q[self->w_input + 2 * i + 1], __ATOMIC_RELAXED);
+        }
+    }
+    uint64_t done = self->steps_done;
+    Py_ssize_t base = self->w_ring + (Py_ssize_t)((done % self->ring_slots) * self->entry_words);
+    q[base] = done;
+    q[base + 1] = self->step_start;
+    q[base + 2] = now;
+    q[base + 3] = busy > self->seen_ns ? busy - self->seen_ns : 0;
+    q[base + 4] = batches > self->seen_batches ? batches - self->seen_batches : 0;
+    q[base + 5] = (uint64_t)self->input_workers;
+    self->seen_ns = busy;
+    self->seen_batches = batches;
+    if (write_cp(self, base + (Py_ssize_t)self->e_cp, self->ev_n, now) < 0) return -1;
+    if (self->gpu != NULL && self->gpu != Py_None && call_method(self, s_harvest_gpu, "()") < 0) return -1;
+    self->steps_done = done + 1;
+    __atomic_store_n(&q[self->w_steps_done], done + 1, __ATOMIC_RELEASE);
+    self->step_start = now;
+    return 0;
+}
+
+/* -- public hot paths ------------------------------------------------------------------------------------ */
+
+static PyObject *do_enter(Core *self, long slot, double budget_s) {
+    if (!on_thread(self) || slot < 0) Py_RETURN_NONE;
+    if (!slot_ok(self, slot)) return fail(self);
+    uint64_t t;
+    if (!now_ns(self, &t)) return fail(self);
+    uint64_t w = self->k_in[slot] + t, n = self->ev_n;
+    put(self, n, w);
+    publish_count(self, ++n);
+    if (push(self, w) < 0) return fail(self);
+    if (n >= self->slow_at || budget_s != 0.0) {
+        if (call_method(self, s_entered_slow, "(dK)", budget_s, (unsigned long long)n) < 0) return fail(self);
+    }
+    if (gpu_call(self, s_begin, (int)slot) < 0) return fail(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_enter(Core *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[2] = {"slot", "budget_s"};
+    PyObject *a[2];
+    if (!parse_args("enter", args, nargs, kwnames, names, 2, 1, a)) return NULL;
+    long slot;
+    if (!parse_slot(a[0], &slot)) return NULL;
+    double budget = 0.0;
+    if (a[1] != NULL) {
+        budget = PyFloat_AsDouble(a[1]);
+        if (budget == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    return do_enter(self, slot, budget);
+}
+
+/* exit/exit_batch/exit_step's common tail: store ``word``, pop or take the slow path */
+static int closed(Core *self, uint64_t n, uint64_t word, long slot, uint64_t code, int failing) {
+    put(self, n, word);
+    publish_count(self, ++n);
+    int popped = failing ? 0 : pop_if(self, code);
+    if (popped < 0) return -1;
+    if (!popped) {
+        PyObject *f = failing ? Py_True : Py_False;
+        if (call_method(self, s_exited_slow, "(lKO)", slot, (unsigned long long)n, f) < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *Core_exit(Core *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[4] = {"slot", "split_ns", "tail_slot", "failing"};
+    PyObject *a[4];
+    if (!parse_args("exit", args, nargs, kwnames, names, 4, 1, a)) return NULL;
+    long slot, tail = -1;
+    if (!parse_slot(a[0], &slot)) return NULL;
+    uint64_t split = 0;
+    if (a[1] != NULL) {
+        split = PyLong_AsUnsignedLongLongMask(a[1]);
+        if (split == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    if (a[2] != NULL && !parse_slot(a[2], &tail)) return NULL;
+    int failing = a[3] != NULL ? PyObject_IsTrue(a[3]) : 0;
+    if (failing < 0) return NULL;
+    if (!on_thread(self) || slot < 0) Py_RETURN_NONE;
+    if (gpu_call(self, s_end, (int)slot) < 0) return fail(self);
+    if (!slot_ok(self, slot)) return fail(self);
+    uint64_t n = self->ev_n;
+    if (split && tail >= 0 && split > self->origin) {
+        if (!slot_ok(self, tail)) return fail(self);
+        put(self, n++, self->k_split[tail] + split);
+    }
+    uint64_t t;
+    if (!now_ns(self, &t)) return fail(self);
+    uint64_t w = (failing ? self->k_fail : self->k_out)[slot] + t;
+    if (closed(self, n, w, slot, self->enter_code[slot], failing) < 0) return fail(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_exit_batch(Core *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[2] = {"slot", "produced"};
+    PyObject *a[2];
+    if (!parse_args("exit_batch", args, nargs, kwnames, names, 2, 2, a)) return NULL;
+    long slot;
+    if (!parse_slot(a[0], &slot)) return NULL;
+    int produced = PyObject_IsTrue(a[1]);
+    if (produced < 0) return NULL;
+    if (!on_thread(self)) Py_RETURN_NONE;
+    if (!slot_ok(self, slot)) return fail(self);
+    uint64_t t;
+    if (!now_ns(self, &t)) return fail(self);
+    uint64_t w = (produced ? self->k_batch : self->k_out)[slot] + t;
+    if (closed(self, self->ev_n, w, slot, self->enter_code[slot], 0) < 0) return fail(self);
+    if (produced && self->input_workers) self->input_workers = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_collective_enter(Core *self, PyObject *op) {
+    if (!on_thread(self)) Py_RETURN_NONE;
+    PyObject *k = PyDict_Check(self->ops) ? PyDict_GetItemWithError(self->ops, op) : NULL;
+    if (k != NULL) {
+        Py_INCREF(k);
+    } else {
+        if (PyErr_Occurred()) return fail(self);
+        k = PyObject_CallMethodOneArg((PyObject *)self, s_op_word, op);
+        if (k == NULL) return fail(self);
+    }
+    uint64_t kv = PyLong_AsUnsignedLongLongMask(k);
+    if (kv == (uint64_t)-1 && PyErr_Occurred()) {
+        Py_DECREF(k);
+        return fail(self);
+    }
+    uint64_t t;
+    if (!now_ns(self, &t)) {
+        Py_DECREF(k);
+        return fail(self);
+    }
+    uint64_t n = self->ev_n;
+    put(self, n, kv + t);
+    publish_count(self, ++n);
+    Py_XSETREF(self->last_op, k); /* takes the reference */
+    if (push(self, self->k_coll_in + t) < 0) return fail(self);
+    self->colls++;
+    if (n >= self->slow_at && call_method(self, s_entered_slow, "(dK)", 0.0, (unsigned long long)n) < 0)
+        return fail(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_collective_exit(Core *self, PyObject *Py_UNUSED(ignored)) {
+    if (!on_thread(self)) Py_RETURN_NONE;
+    uint64_t t;
+    if (!now_ns(self, &t)) return fail(self);
+    if (closed(self, self->ev_n, self->k_coll_out + t, self->coll_slot, self->enter_code[self->coll_slot], 0) < 0)
+        return fail(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *do_exit_step(Core *self, long slot) {
+    if (!on_thread(self)) Py_RETURN_NONE;
+    if (gpu_call(self, s_end, (int)slot) < 0) return fail(self);
+    if (!slot_ok(self, slot)) return fail(self);
+    uint64_t t;
+    if (!now_ns(self, &t)) return fail(self);
+    if (closed(self, self->ev_n, self->k_out[slot] + t, slot, self->enter_code[slot], 0) < 0) return fail(self);
+    if (!self->explicit_steps) {
+        uint64_t seq = self->seq + 1;
+        set_seq(self, seq);
+        int rc = end_step(self, t);
+        self->seq = seq + 1;
+        set_seq(self, seq + 1);
+        if (rc < 0) return fail(self);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_exit_step(Core *self, PyObject *arg) {
+    long slot;
+    if (!parse_slot(arg, &slot)) return NULL;
+    return do_exit_step(self, slot);
+}
+
+/* torch's optimizer step hooks, (optimizer, args, kwargs): no Python frame between torch and the record */
+static PyObject *Core_opt_pre_hook(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    return do_enter(self, self->opt_slot, 0.0);
+}
+
+static PyObject *Core_opt_post_hook(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *r = do_exit_step(self, self->opt_slot);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    if (self->after_step != NULL && self->after_step != Py_None) {
+        PyObject *cb = self->after_step;
+        Py_INCREF(cb);
+        PyObject *x = PyObject_CallNoArgs(cb);
+        Py_DECREF(cb);
+        if (x == NULL) return fail(self);
+        Py_DECREF(x);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_end_step(Core *self, PyObject *arg) {
+    uint64_t now = PyLong_AsUnsignedLongLongMask(arg);
+    if (now == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (!self->bound) Py_RETURN_NONE;
+    if (end_step(self, now) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_write_cp(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_write_cp(base, n, at)");
+        return NULL;
+    }
+    Py_ssize_t base = PyLong_AsSsize_t(args[0]);
+    uint64_t n = PyLong_AsUnsignedLongLongMask(args[1]);
+    uint64_t at = PyLong_AsUnsignedLongLongMask(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (!self->bound || base < 0 || base + 6 + (Py_ssize_t)self->max_stack > self->nwords) {
+        PyErr_SetString(PyExc_IndexError, "checkpoint outside the record");
+        return NULL;
+    }
+    if (write_cp(self, base, n, at) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _bind(buffer, layout: dict) — the record's mapping and its layout, from record.py */
+static int get_u64(PyObject *d, const char *key, uint64_t *out) {
+    PyObject *v = PyDict_GetItemString(d, key);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "layout: %s", key);
+        return 0;
+    }
+    *out = PyLong_AsUnsignedLongLongMask(v);
+    return !PyErr_Occurred();
+}
+
+static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_bind(buffer, layout)");
+        return NULL;
+    }
+    PyObject *d = args[1];
+    uint64_t v[19];
+    static const char *keys[19] = {"seq", "events", "ev_count", "steps_done", "ring", "input_slots", "event_mask",
+                                   "ring_slots", "entry_words", "entry_cp", "max_stack", "max_phases", "ns_bits",
+                                   "gpu_slots", "collective_slot", "optimizer_slot", "origin", "ev_enter", "ev_kinds"};
+    for (int i = 0; i < 19; i++)
+        if (!get_u64(d, keys[i], &v[i])) return NULL;
+    if (v[11] > N_SLOTS || v[12] >= 64) {
+        PyErr_SetString(PyExc_ValueError, "layout out of range");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
+    Py_ssize_t nwords = view.len / 8;
+    uint64_t need = v[4] + v[7] * v[8];
+    if (v[1] + v[6] + 1 > (uint64_t)nwords || need > (uint64_t)nwords || v[5] + 64 > (uint64_t)nwords ||
+        ((uintptr_t)view.buf & 7)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "record smaller than its layout");
+        return NULL;
+    }
+    if (self->bound) PyBuffer_Release(&self->view);
+    self->view = view;
+    self->q = (uint64_t *)view.buf;
+    self->nwords = nwords;
+    self->w_seq = (Py_ssize_t)v[0];
+    self->w_ev = (Py_ssize_t)v[1];
+    self->w_ev_count = (Py_ssize_t)v[2];
+    self->w_steps_done = (Py_ssize_t)v[3];
+    self->w_ring = (Py_ssize_t)v[4];
+    self->w_input = (Py_ssize_t)v[5];
+    self->ev_mask = v[6];
+    self->ring_slots = v[7];
+    self->entry_words = v[8];
+    self->e_cp = v[9];
+    self->max_stack = v[10];
+    self->max_phases = v[11];
+    self->ns_bits = v[12];
+    self->gpu_slots = v[13];
+    self->coll_slot = (int)v[14];
+    self->opt_slot = (int)v[15];
+    self->origin = v[16];
+    /* ev_kinds: EXIT | EXIT_FAIL << 8 | EXIT_BATCH << 16 | SPLIT << 24 | COLL_ENTER << 32 | COLL_EXIT << 40 */
+    uint64_t en = v[17], kinds = v[18], o = v[16], nb = v[12];
+    uint64_t ex = kinds & 255, fl = (kinds >> 8) & 255, ba = (kinds >> 16) & 255, sp = (kinds >> 24) & 255;
+    uint64_t ce = (kinds >> 40) & 255;
+#define CODE(kind, arg) ((((uint64_t)(kind) << 5) | ((uint64_t)(arg) & 31)) << nb)
+    for (int s = 0; s < N_SLOTS; s++) {
+        self->k_in[s] = CODE(en, s) - o;
+        self->k_out[s] = CODE(ex, s) - o;
+        self->k_fail[s] = CODE(fl, s) - o;
+        self->k_batch[s] = CODE(ba, s) - o;
+        self->k_split[s] = CODE(sp, s) - o;
+        self->enter_code[s] = (en << 5) | (uint64_t)s;
+    }
+    self->k_coll_in = CODE(en, self->coll_slot) - o;
+    self->k_coll_out = CODE(ce, 0) - o;
+#undef CODE
+    self->bound = 1;
+    Py_RETURN_NONE;
+}
+
+/* -- type plumbing ---------------------------------------------------------------------------------------- */
+
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Core *self = (Core *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->tid = -1;
+    self->stack = PyList_New(0);
+    self->budgets = PyList_New(0);
+    self->ops = PyDict_New();
+    self->last_op = PyLong_FromLong(-1);
+    self->gpu = Py_NewRef(Py_None);
+    self->frozen = Py_NewRef(Py_None);
+    self->clock = Py_NewRef(Py_None);
+    self->after_step = Py_NewRef(Py_None);
+    if (!self->stack || !self->budgets || !self->ops || !self->last_op) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int Core_traverse(Core *self, visitproc visit, void *arg) {
+    Py_VISIT(self->stack);
+    Py_VISIT(self->budgets);
+    Py_VISIT(self->gpu);
+    Py_VISIT(self->ops);
+    Py_VISIT(self->last_op);
+    Py_VISIT(self->frozen);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->after_step);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int Core_clear(Core *self) {
+    Py_CLEAR(self->stack);
+    Py_CLEAR(self->budgets);
+    Py_CLEAR(self->gpu);
+    Py_CLEAR(self->ops);
+    Py_CLEAR(self->last_op);
+    Py_CLEAR(self->frozen);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->after_step);
+    return 0;
+}
+
+static void Core_dealloc(Core *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Core_clear(self);
+    if (self->bound) {
+        self->bound = 0;
+        PyBuffer_Release(&self->view);
+    }
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *Core_release(Core *self, PyObject *Py_UNUSED(ignored)) {
+    /* let the record's mapping be closed: nothing is written after this */
+    if (self->bound) {
+        self->bound = 0;
+        self->tid = -1;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+#define M(name, type, field) {name, type, offsetof(Core, field), 0, NULL}
+static PyMemberDef Core_members[] = {
+    M("_tid", T_LONGLONG, tid),
+    M("_ev_n", T_ULONGLONG, ev_n),
+    M("_slow_at", T_ULONGLONG, slow_at),
+    M("_seq", T_ULONGLONG, seq),
+    M("_steps_done", T_ULONGLONG, steps_done),
+    M("_step_start", T_ULONGLONG, step_start),
+    M("_seen_ns", T_ULONGLONG, seen_ns),
+    M("_seen_batches", T_ULONGLONG, seen_batches),
+    M("_origin", T_ULONGLONG, origin),
+    M("_colls", T_LONGLONG, colls),
+    M("input_slots_used", T_LONGLONG, input_slots_used),
+    M("input_workers", T_LONGLONG, input_workers),
+    M("explicit_steps", T_BOOL, explicit_steps),
+    M("_stack", T_OBJECT_EX, stack),
+    M("_budgets", T_OBJECT_EX, budgets),
+    M("_gpu", T_OBJECT, gpu),
+    M("_ops", T_OBJECT_EX, ops),
+    M("_last_op", T_OBJECT_EX, last_op),
+    M("_frozen", T_OBJECT, frozen),
+    M("_clock", T_OBJECT, clock),
+    M("_after_step", T_OBJECT, after_step),
+    {NULL},
+};
+#undef M
+
+static PyMethodDef Core_methods[] = {
+    {"enter", (PyCFunction)(void (*)(void))Core_enter, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"exit", (PyCFunction)(void (*)(void))Core_exit, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"exit_batch", (PyCFunction)(void (*)(void))Core_exit_batch, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"exit_step", (PyCFunction)Core_exit_step, METH_O, NULL},
+    {"collective_enter", (PyCFunction)Core_collective_enter, METH_O, NULL},
+    {"collective_exit", (PyCFunction)Core_collective_exit, METH_NOARGS, NULL},
+    {"opt_pre_hook", (PyCFunction)(void (*)(void))Core_opt_pre_hook, METH_FASTCALL, NULL},
+    {"opt_post_hook", (PyCFunction)(void (*)(void))Core_opt_post_hook, METH_FASTCALL, NULL},
+    {"_end_step", (PyCFunction)Core_end_step, METH_O, NULL},
+    {"_write_cp", (PyCFunction)(void (*)(void))Core_write_cp, METH_FASTCALL, NULL},
+    {"_bind", (PyCFunction)(void (*)(void))Core_bind, METH_FASTCALL, NULL},
+    {"_release", (PyCFunction)Core_release, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyType_Slot Core_slots[] = {
+    {Py_tp_new, Core_new},
+    {Py_tp_dealloc, Core_dealloc},
+    {Py_tp_traverse, Core_traverse},
+    {Py_tp_clear, Core_clear},
+    {Py_tp_members, Core_members},
+    {Py_tp_methods, Core_methods},
+    {Py_tp_doc, "The tracker's hot paths (see tracker.PyCore for the same in Python)."},
+    {0, NULL},
+};
+
+static PyType_Spec Core_spec = {
+    "rankwatch.hooks._fastpath.Core",
+    sizeof(Core),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    Core_slots,
+};
+
+static int exec_module(PyObject *m) {
+#define INTERN(var, s) \
+    if ((var = PyUnicode_InternFromString(s)) == NULL) return -1;
+    INTERN(s_entered_slow, "_entered_slow");
+    INTERN(s_exited_slow, "_exited_slow");
+    INTERN(s_fail, "_fail");
+    INTERN(s_op_word, "_op_word");
+    INTERN(s_harvest_gpu, "_harvest_gpu");
+    INTERN(s_begin, "begin");
+    INTERN(s_end, "end");
+#undef INTERN
+    PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
+    if (t == NULL) return -1;
+    if (PyModule_AddObject(m, "Core", t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastpath", "The tracker's hot paths in C.", 0, NULL, module_slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastpath(void) { return PyModuleDef_Init(&module); }

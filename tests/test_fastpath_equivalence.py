@@ -1,0 +1,148 @@
+"""The C hot paths (hooks/_fastpath.c) write the same record as the Python ones, byte for byte.
+
+Both cores replay the same call sequence — phases, collectives, steps, budgets, failing and unbalanced
+exits, splits, bad slots, calls from another thread, enough events to fold and wrap the ring — on their
+own record with the same scripted clock; after every call the two records must be identical, and so must
+what the tracker's Python side sees (enabled, the open-phase stack, the event count).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+
+import pytest
+from conftest import new_tracker
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rankwatch.hooks import tracker as tracker_mod
+from rankwatch.hooks.record import EVENTS, FOLD_EVENTS, decode
+
+START = 10**12
+OPS = ("all_reduce", "broadcast", "barrier")
+
+pytestmark = pytest.mark.skipif("c" not in tracker_mod.IMPLEMENTATIONS, reason="hooks/_fastpath.c not built")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> int:
+        self.now += 7_919
+        return self.now
+
+
+def pair(tmp_path, monkeypatch, name: str):
+    """A C tracker and a Python tracker on their own records, each with its own copy of the clock."""
+    made = []
+    for impl in ("c", "python"):
+        clock = Clock()
+        monkeypatch.setattr(tracker_mod, "_now", clock)
+        monkeypatch.setattr(tracker_mod, "Tracker", tracker_mod.IMPLEMENTATIONS[impl])
+        t = new_tracker(str(tmp_path / f"{name}-{impl}.hb"), start_ns=START)
+        made.append((t, clock))
+    return made
+
+
+def call(t, clock, op: tuple) -> None:
+    """One call of the sequence; the module's clock is this tracker's (the Python core reads it)."""
+    tracker_mod._now = clock
+    kind, *args = op
+    if kind == "thread":  # another thread's call: ignored by both
+        th = threading.Thread(target=t.enter, args=(1,))
+        th.start()
+        th.join()
+        return
+    if kind == "slot":
+        t.slot(args[0])
+        return
+    getattr(t, kind)(*args)
+
+
+def same(a, b, where: str) -> None:
+    (ta, _), (tb, _) = a, b
+    ra, rb = bytes(ta._writer.map), bytes(tb._writer.map)
+    if ra != rb:
+        first = next(i for i in range(len(ra)) if ra[i] != rb[i])
+        pytest.fail(f"records differ at byte {first} after {where}")
+    seen = [(t.enabled, list(t._stack), t._ev_n, t._colls) for t in (ta, tb)]
+    assert seen[0] == seen[1], where
+
+
+def replay(tmp_path, monkeypatch, ops: list[tuple], name: str = "r") -> None:
+    a, b = pair(tmp_path, monkeypatch, name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "hook disabled after an internal error"
+            for i, op in enumerate(ops):
+                call(*a, op)
+                call(*b, op)
+                same(a, b, f"call {i} {op}")
+        da, db = decode(bytes(a[0]._writer.map)), decode(bytes(b[0]._writer.map))
+        assert (da.steps_done, da.phase, da.step) == (db.steps_done, db.phase, db.step)
+    finally:
+        for t, _ in (a, b):
+            t._release()
+
+
+SLOTS = st.integers(min_value=0, max_value=7)
+OP = st.one_of(
+    st.tuples(st.just("enter"), SLOTS),
+    st.tuples(st.just("enter"), SLOTS, st.sampled_from([0.0, 2.5, 10.0])),
+    st.tuples(st.just("exit"), SLOTS),
+    st.tuples(st.just("exit"), SLOTS, st.integers(0, 2 * START), st.integers(-1, 7), st.booleans()),
+    st.tuples(st.just("exit_batch"), SLOTS, st.booleans()),
+    st.tuples(st.just("exit_step"), SLOTS),
+    st.tuples(st.just("collective_enter"), st.sampled_from(OPS)),
+    st.tuples(st.just("collective_exit")),
+    st.tuples(st.just("step"), st.booleans()),
+    st.tuples(st.just("opt_pre_hook"), st.none(), st.just(()), st.just({})),
+    st.tuples(st.just("opt_post_hook"), st.none(), st.just(()), st.just({})),
+    st.tuples(st.just("slot"), st.sampled_from(["grad_sync", "checkpoint", "eval"])),
+    st.tuples(st.just("thread")),
+    st.tuples(st.just("enter"), st.sampled_from([16, 40, -1])),  # out of the table / no phase
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(OP, max_size=60))
+def test_random_call_sequences_write_identical_records(tmp_path_factory, ops):
+    mp = pytest.MonkeyPatch()
+    try:
+        replay(tmp_path_factory.mktemp("eq"), mp, ops)
+    finally:
+        mp.undo()
+
+
+def test_a_long_run_folds_and_wraps_the_event_ring_identically(tmp_path, monkeypatch):
+    # a training-like loop with noise, past FOLD_EVENTS and twice around the event ring
+    rng = random.Random(7)
+    ops: list[tuple] = []
+    while len(ops) < 2 * EVENTS + FOLD_EVENTS:
+        ops += [("enter", 0), ("exit_batch", 0, True), ("enter", 1), ("exit", 1)]
+        ops += [("collective_enter", rng.choice(OPS)), ("collective_exit",)] * rng.randint(0, 3)
+        ops += [("enter", 2), ("exit", 2, START + rng.randint(0, 10**9), 6)]
+        if rng.random() < 0.05:
+            ops += [("enter", 3), ("exit", 3, 0, -1, True)]  # a failing optimizer
+        ops += [("opt_pre_hook", None, (), {}), ("opt_post_hook", None, (), {})]
+    replay(tmp_path, monkeypatch, [("slot", "grad_sync"), *ops], "long")
+
+
+def test_the_c_core_calls_the_step_callback_until_it_is_cleared(tmp_path):
+    t = new_tracker(str(tmp_path / "cb.hb"))
+    assert isinstance(t, tracker_mod.IMPLEMENTATIONS["c"])
+    calls = []
+
+    def once() -> None:
+        calls.append(1)
+        t._after_step = None
+
+    t._after_step = once
+    for _ in range(3):
+        t.opt_pre_hook(None, (), {})
+        t.opt_post_hook(None, (), {})
+    assert calls == [1]
+    assert decode(bytes(t._writer.map)).steps_done == 3
+    t._release()
