@@ -53,6 +53,7 @@ DEMO_MODULE_CALLS = 16
 # on after the warm-up
 MARKS_ENV = "RANKWATCH_BENCH_MARKS"
 TRACKER_OFF_ENV = "RANKWATCH_BENCH_TRACKER_OFF"  # step_child: hooked blocks with the tracker disabled
+ONLY_ENV = "RANKWATCH_BENCH_ONLY"  # step_child: the "on" blocks switch on only this group (HookSwitch.groups)
 
 # step-size configurations, measured on the 2 shared cores (2 ranks, 1 thread each)
 CONFIGS = {
@@ -286,10 +287,11 @@ def step_child(steps: int, breakdown: bool = False) -> None:
         tracker = api.current()
         assert tracker is not None
         tracker.enabled = False
+    only = os.environ.get(ONLY_ENV) or None
     out: dict[str, list[float]] = {"off": [], "on": [], "order": []}
     for i in range(steps // (2 * per)):
         for on in ((False, True) if i % 2 == 0 else (True, False)):
-            switch.set(on)
+            switch.set(on, only if on else None)
             mark()
             out["on" if on else "off"].append(block(per))
             mark()
@@ -510,7 +512,7 @@ def main() -> int:
     p.add_argument("--no-e2e", action="store_true", help="skip (b), the wall-clock A/B")
     p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
-    p.add_argument("--native", action="store_true", help="(c) every arm with py-spy --native (default: FR only)")
+    p.add_argument("--native", action="store_true", help="(c) every arm with --native (default: FR, hook)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     p.add_argument("--breakdown", action="store_true",
                    help="(a3) also the hook's CPU per step by group of points, with and without the record writes")
@@ -620,7 +622,7 @@ def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
     if args.traceml_python:
         arms.append("traceml")
     print(f"(c) shares: {rounds} interleaved rounds of {arms}, 2 ranks, py-spy 100 Hz"
-          f"{' --native' if args.native else ' (--native for fr)'}", flush=True)
+          f"{' --native' if args.native else ' (--native for fr and hook)'}", flush=True)
     res = hook_shares.shares(rounds, steps, arms, native=args.native, traceml_python=args.traceml_python)
     summ = hook_shares.summary(res)
     raw["shares"] = {"runs": res, "summary": summ}

@@ -18,6 +18,7 @@ measurement. Start-up under valgrind takes 1–4 minutes (``import torch``), the
     python benchmarks/bench_hook_instructions.py                      # 200 steps, cache simulation on
     python benchmarks/bench_hook_instructions.py --tracker-off        # the points on, no record writes
     python benchmarks/bench_hook_instructions.py --tree /tmp/base     # another checkout's hooks/ (A/B)
+    python benchmarks/bench_hook_instructions.py --only backward      # one group of points (where the cost is)
     python benchmarks/bench_hook_instructions.py --quick              # 40 steps: a smoke run
 """
 
@@ -82,7 +83,7 @@ def blocks_of(out_dir: Path, stem: str) -> list[dict[str, int]]:
     return ordered[1::2]  # parts 2, 4, 6, …: the blocks
 
 
-def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> dict[str, float]:
+def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None, only: str | None = None) -> dict[str, float]:
     """One step_child under callgrind; per-step medians of the paired block differences."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
@@ -95,6 +96,8 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None) -> di
         env.pop(key, None)
     if tracker_off:
         env["RANKWATCH_BENCH_TRACKER_OFF"] = "1"
+    if only:
+        env["RANKWATCH_BENCH_ONLY"] = only
     if tree is not None:  # PYTHONPATH wins over the editable install: that tree's rankwatch package
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{env.get('PYTHONPATH', '')}"
     # --instr-atstart=no: `import torch` and the warm-up run uninstrumented (several times faster); step_child
@@ -140,6 +143,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-cache-sim", action="store_true", help="instructions only (about twice as fast)")
     p.add_argument("--tracker-off", action="store_true", help="hooked blocks with the record not written")
+    p.add_argument("--only", choices=("dataloader", "forward", "backward", "optimizer", "collective"),
+                   help="hooked blocks with only this group of points on (bench_hook.HookSwitch.groups)")
     p.add_argument("--tree", type=Path, default=None,
                    help="a directory holding another version's rankwatch package (e.g. a git archive as pkg/rankwatch)")
     p.add_argument("--json", type=Path, default=None)
@@ -148,8 +153,10 @@ def main() -> int:
     if steps < 2 * PER_BLOCK:
         print(f"bench_hook_instructions: --steps must be at least {2 * PER_BLOCK}", file=sys.stderr)
         return 2
-    r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree)
+    r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree, args.only)
     what = "the points on, tracker disabled" if args.tracker_off else "hook on"
+    if args.only:
+        what += f", only {args.only}"
     where = f" ({args.tree})" if args.tree else ""
     rows = [f"| hook instructions per step{where}, {what} vs off, training thread, median of {r['pairs']:.0f} "
             f"paired blocks (callgrind) | **{r['ir_per_step']:+,.0f} Ir** of {r['ir_step_off']:,.0f} per step "

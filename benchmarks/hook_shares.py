@@ -2,9 +2,10 @@
 
 Used by bench_hook.py (part c). One job per arm, the same DDP loop (``ddp_timed.py``, 2 ranks, ~3 ms
 steps on the shared cores), py-spy attached to both ranks, arms interleaved round by round. The flight
-recorder arm is sampled with ``--native`` (its frames are C++); the Python tools without it by default
-(native unwinding pauses the ranks far longer per sample and, on loaded cores, slows the steps several
-fold; ``native=True`` samples every arm natively):
+recorder arm and the hook's are sampled with ``--native`` (their frames are C++ and C: without it, time in
+the hook's C core called straight from torch — the optimizer step hooks — would count as torch's); TraceML
+without it by default (native unwinding pauses the ranks far longer per sample and, on loaded cores, slows
+the steps several fold; ``native=True`` samples every arm natively):
 
 * ``none``: no tool (the share is 0 by definition; its samples calibrate the step's cost);
 * ``fr``: torch's flight recorder alone (``TORCH_FR_BUFFER_SIZE=2000``): frames ``c10d::FlightRecorder``;
@@ -36,8 +37,10 @@ from _util import REPO, Procs, free_port, median, torchrun_args, torchrun_cmd
 
 TIMED = REPO / "benchmarks" / "ddp_timed.py"
 SMALL_STEPS = ["--hidden", "128", "--layers", "3", "--batch-size", "32"]  # ~3 ms per step, 2 ranks, 2 cores
+NATIVE_ARMS = ("fr", "hook")  # tools with native frames of their own
 TOOL_FRAMES = {
-    "hook": ("rankwatch/hooks/", "(hooks/"),  # an editable install reports paths relative to the repo
+    # an editable install reports paths relative to the repo; the C core's native frames name its library
+    "hook": ("rankwatch/hooks/", "(hooks/", "_fastpath"),
     "fr": ("FlightRecorder",),
     "traceml": ("traceml_ai/", "traceml/"),
 }
@@ -197,7 +200,7 @@ def shares(rounds: int, steps: int, arms: list[str], native: bool = False, rate:
             for arm in order:
                 with tempfile.TemporaryDirectory(prefix="rw-share-") as tmp:
                     try:
-                        r = run_arm(procs, arm, steps, Path(tmp), pyspy, native or arm == "fr", rate,
+                        r = run_arm(procs, arm, steps, Path(tmp), pyspy, native or arm in NATIVE_ARMS, rate,
                                     traceml_python)
                     except RuntimeError as exc:  # one arm's failed run (e.g. TraceML's aggregator) is reported
                         print(f"  round {i + 1}/{rounds} {arm:<8} FAILED: {str(exc)[:300]}", flush=True)
