@@ -307,6 +307,8 @@ static int closed(Core *self, uint64_t n, uint64_t word, long slot, uint64_t cod
     return 0;
 }
 
+static PyObject *do_exit(Core *self, long slot, uint64_t split, long tail, int failing);
+
 static PyObject *Core_exit(Core *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[4] = {"slot", "split_ns", "tail_slot", "failing"};
     PyObject *a[4];
@@ -321,6 +323,10 @@ static PyObject *Core_exit(Core *self, PyObject *const *args, Py_ssize_t nargs, 
     if (a[2] != NULL && !parse_slot(a[2], &tail)) return NULL;
     int failing = a[3] != NULL ? PyObject_IsTrue(a[3]) : 0;
     if (failing < 0) return NULL;
+    return do_exit(self, slot, split, tail, failing);
+}
+
+static PyObject *do_exit(Core *self, long slot, uint64_t split, long tail, int failing) {
     if (!on_thread(self) || slot < 0) Py_RETURN_NONE;
     if (gpu_call(self, s_end, (int)slot) < 0) return fail(self);
     if (!slot_ok(self, slot)) return fail(self);
@@ -336,6 +342,8 @@ static PyObject *Core_exit(Core *self, PyObject *const *args, Py_ssize_t nargs, 
     Py_RETURN_NONE;
 }
 
+static PyObject *do_exit_batch(Core *self, long slot, int produced);
+
 static PyObject *Core_exit_batch(Core *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[2] = {"slot", "produced"};
     PyObject *a[2];
@@ -344,6 +352,10 @@ static PyObject *Core_exit_batch(Core *self, PyObject *const *args, Py_ssize_t n
     if (!parse_slot(a[0], &slot)) return NULL;
     int produced = PyObject_IsTrue(a[1]);
     if (produced < 0) return NULL;
+    return do_exit_batch(self, slot, produced);
+}
+
+static PyObject *do_exit_batch(Core *self, long slot, int produced) {
     if (!on_thread(self)) Py_RETURN_NONE;
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t t;
@@ -541,6 +553,159 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+
+/* -- Phase: a wrapper around a training function, in C ------------------------------------------------
+ * instrument.py's wrappers (DataLoader __next__, a plain phase, a Python-level collective) as one C call
+ * around the original: no Python frame of the hook's between the caller and the training work. Same
+ * rules as the Python wrappers there (the fallback): enter, call, exit (failing when an exception left,
+ * a normal end for StopIteration out of __next__; the collective's exit in any case). Binds like a
+ * function when set on a class (a method descriptor), so ``next(it)`` passes the iterator. */
+
+enum { PHASE_PLAIN = 0, PHASE_NEXT = 1, PHASE_COLL = 2 };
+
+static PyTypeObject *CoreType;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *core, *fn, *arg, *dict;
+    int kind;
+    long slot;
+} Phase;
+
+static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Core *c = (Core *)self->core;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *x;
+    if (self->kind == PHASE_COLL) {
+        x = Core_collective_enter(c, self->arg);
+    } else {
+        x = do_enter(c, self->slot, 0.0);
+    }
+    if (x == NULL) return NULL;
+    Py_DECREF(x);
+    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    if (r != NULL) {
+        if (self->kind == PHASE_COLL) {
+            x = Core_collective_exit(c, NULL);
+        } else if (self->kind == PHASE_NEXT) {
+            int mine = nargs >= 1 && self->arg != Py_None && (PyObject *)Py_TYPE(args[0]) == self->arg;
+            x = do_exit_batch(c, self->slot, mine);
+        } else {
+            x = do_exit(c, self->slot, 0, -1, 0);
+        }
+        if (x == NULL) {
+            Py_DECREF(r);
+            return NULL;
+        }
+        Py_DECREF(x);
+        return r;
+    }
+    /* an exception leaves the phase: a failing exit, except the end of an epoch (StopIteration out of
+     * __next__) and a collective (whose exit is the same either way) */
+    int failing = !(self->kind == PHASE_NEXT && PyErr_ExceptionMatches(PyExc_StopIteration));
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (self->kind == PHASE_COLL) {
+        x = Core_collective_exit(c, NULL);
+    } else {
+        x = do_exit(c, self->slot, 0, -1, failing);
+    }
+    if (x == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(x);
+    PyErr_Restore(et, ev, tb); /* the training function's exception goes on (one of the exit's would win) */
+    return NULL;
+}
+
+static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *core, *fn, *arg;
+    int kind;
+    long slot;
+    if (!PyArg_ParseTuple(args, "OOilO:Phase", &core, &fn, &kind, &slot, &arg)) return NULL;
+    if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_COLL ||
+        (kind == PHASE_COLL && !PyUnicode_Check(arg))) {
+        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-2, slot: int, arg)");
+        return NULL;
+    }
+    Phase *self = (Phase *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->vectorcall = (vectorcallfunc)Phase_vectorcall;
+    self->core = Py_NewRef(core);
+    self->fn = Py_NewRef(fn);
+    self->arg = Py_NewRef(arg);
+    self->kind = kind;
+    self->slot = slot;
+    return (PyObject *)self;
+}
+
+static PyObject *Phase_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static int Phase_traverse(Phase *self, visitproc visit, void *arg) {
+    Py_VISIT(self->core);
+    Py_VISIT(self->fn);
+    Py_VISIT(self->arg);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int Phase_clear(Phase *self) {
+    Py_CLEAR(self->core);
+    Py_CLEAR(self->fn);
+    Py_CLEAR(self->arg);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void Phase_dealloc(Phase *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Phase_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef Phase_members[] = {
+    {"__dictoffset__", T_PYSSIZET, offsetof(Phase, dict), READONLY, NULL},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Phase, vectorcall), READONLY, NULL},
+    {"_fn", T_OBJECT, offsetof(Phase, fn), READONLY, NULL},
+    {NULL},
+};
+
+static PyGetSetDef Phase_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot Phase_slots[] = {
+    {Py_tp_getset, Phase_getset},
+    {Py_tp_new, Phase_new},
+    {Py_tp_dealloc, Phase_dealloc},
+    {Py_tp_traverse, Phase_traverse},
+    {Py_tp_clear, Phase_clear},
+    {Py_tp_members, Phase_members},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_descr_get, Phase_get},
+    {Py_tp_doc, "A training function wrapped as a phase (instrument.py's wrappers, in C)."},
+    {0, NULL},
+};
+
+static PyType_Spec Phase_spec = {
+    "rankwatch.hooks._fastpath.Phase",
+    sizeof(Phase),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    Phase_slots,
+};
+
 /* -- type plumbing ---------------------------------------------------------------------------------------- */
 
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -684,8 +849,16 @@ static int exec_module(PyObject *m) {
 #undef INTERN
     PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
     if (t == NULL) return -1;
+    CoreType = (PyTypeObject *)t;
+    Py_INCREF(t); /* CoreType: for the life of the process */
     if (PyModule_AddObject(m, "Core", t) < 0) {
         Py_DECREF(t);
+        return -1;
+    }
+    PyObject *p = PyType_FromModuleAndSpec(m, &Phase_spec, NULL);
+    if (p == NULL) return -1;
+    if (PyModule_AddObject(m, "Phase", p) < 0) {
+        Py_DECREF(p);
         return -1;
     }
     return 0;

@@ -22,6 +22,11 @@ from .ddp_timing import DDPTiming
 from .record import CANONICAL_PHASES, NO_PHASE
 from .tracker import Tracker
 
+try:
+    from . import _fastpath
+except ImportError:  # not built: the Python wrappers
+    _fastpath = None  # type: ignore[assignment]
+
 DATALOADER, FORWARD, BACKWARD, OPTIMIZER = (CANONICAL_PHASES.index(p) for p in CANONICAL_PHASES[:4])
 
 # Python-level collectives wrapped in ``torch.distributed``. Internal calls between them go through
@@ -169,9 +174,26 @@ def _compiled_something() -> bool:
         return False
 
 
-# The wrappers below run on every step: what they need is bound once, when they are made (the tracker's
-# bound methods, its thread), so a call does no attribute lookups beyond the tracker's own stores.
+# The wrappers below run on every step. On the C core they are ``_fastpath.Phase`` objects (the same rules
+# in C, no Python frame of the hook's around the training call); the Python closures are the fallback and
+# bind what they need once, when they are made, so a call does no attribute lookups beyond the tracker's.
+PHASE_PLAIN, PHASE_NEXT, PHASE_COLL = 0, 1, 2  # _fastpath.Phase kinds
+
+
+def _c_wrapper(fn: Callable[..., Any], tracker: Tracker, kind: int, slot: int, arg: Any) -> Callable[..., Any] | None:
+    """``fn`` wrapped in C when the tracker runs on the C core (None: use the Python wrapper)."""
+    if _fastpath is None or not isinstance(tracker, _fastpath.Core):
+        return None
+    wrapper = _fastpath.Phase(tracker, fn, kind, slot, arg)
+    functools.update_wrapper(wrapper, fn)
+    wrapper.__rankwatch_wrapped__ = fn
+    return wrapper
+
+
 def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable[..., Any]:
+    fast = _c_wrapper(fn, tracker, PHASE_PLAIN, slot, None)
+    if fast is not None:
+        return fast
     enter, exit_ = tracker.enter, tracker.exit
 
     @functools.wraps(fn)
@@ -193,6 +215,9 @@ def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) ->
     """``DataLoader`` iterators' ``__next__`` as the ``dataloader`` phase. An iterator of class ``single``
     (no workers: this thread fetches and collates) books the phase's time as the batch's production time
     too, from the same two clock reads (``input_timing.py``); ``None``: input timing is off."""
+    fast = _c_wrapper(fn, tracker, PHASE_NEXT, DATALOADER, single)
+    if fast is not None:
+        return fast
     enter, exit_batch = tracker.enter, tracker.exit_batch
 
     @functools.wraps(fn)
@@ -214,6 +239,9 @@ def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) ->
 
 
 def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Callable[..., Any]:
+    fast = _c_wrapper(fn, tracker, PHASE_COLL, NO_PHASE, op)
+    if fast is not None:
+        return fast
     enter, exit_ = tracker.collective_enter, tracker.collective_exit
 
     @functools.wraps(fn)

@@ -146,3 +146,59 @@ def test_the_c_core_calls_the_step_callback_until_it_is_cleared(tmp_path):
     assert calls == [1]
     assert decode(bytes(t._writer.map)).steps_done == 3
     t._release()
+
+
+class _Iter:
+    """A DataLoader-like iterator: ``__next__`` is wrapped on the class, as instrument.py does."""
+
+    def __init__(self, script: list[str]) -> None:
+        self.script = list(script)
+
+    def __iter__(self) -> _Iter:
+        return self
+
+    def __next__(self) -> int:
+        what = self.script.pop(0)
+        if what == "end":
+            raise StopIteration
+        if what == "raise":
+            raise ValueError("bad batch")
+        return 1
+
+
+def _wrapped(t, kind: str):
+    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
+    if kind == "next":
+        cls = type("It", (_Iter,), {})
+        cls.__next__ = instrument._wrap_next(_Iter.__next__, t, cls)
+        return cls
+    if kind == "coll":
+        return instrument._wrap_collective(lambda fail=False: 1 / 0 if fail else 2, t, "all_reduce")
+    return instrument._wrap_phase(lambda fail=False: 1 / 0 if fail else 2, t, 2)
+
+
+def test_the_c_wrappers_write_what_the_python_wrappers_write(tmp_path, monkeypatch):
+    (tc, cc), (tp, cp) = pair(tmp_path, monkeypatch, "w")
+    fast = __import__("rankwatch.hooks._fastpath", fromlist=["Phase"])
+    script = ["ok", "raise", "ok", "ok", "end"]
+    for t, clock in ((tc, cc), (tp, cp)):
+        tracker_mod._now = clock
+        it = _wrapped(t, "next")(script)
+        plain, coll = _wrapped(t, "plain"), _wrapped(t, "coll")
+        assert next(it) == 1
+        with pytest.raises(ValueError):
+            next(it)
+        assert [x for x in it] == [1, 1]  # a for loop ends at StopIteration, through the wrapper
+        assert plain() == 2 and coll() == 2
+        with pytest.raises(ZeroDivisionError):
+            plain(fail=True)
+        with pytest.raises(ZeroDivisionError):
+            coll(True)
+        t.exit_step(3)
+    assert isinstance(_wrapped(tc, "plain"), fast.Phase) and not isinstance(_wrapped(tp, "plain"), fast.Phase)
+    assert _wrapped(tc, "coll").__rankwatch_wrapped__ is not None and _wrapped(tc, "plain").__name__ == "<lambda>"
+    same((tc, cc), (tp, cp), "the wrapped calls")
+    assert decode(bytes(tc._writer.map)).steps_done == 1
+    assert tc._ev_n == 2 * 5 + 2 * 4 + 1  # 5 next() (one failing, one the end), 4 calls, the optimizer exit
+    tc._release()
+    tp._release()
