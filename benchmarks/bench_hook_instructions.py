@@ -8,7 +8,9 @@ last-level miss, so two versions of the hook can be compared in one run each. Th
 (``bench_hook.py --step-child``: the demo's small-step DDP loop in one process, blocks of 10 steps with the
 hook switched off and on alternately); ``step_child`` calls ``getppid()`` before and after each block and
 callgrind (``--dump-before=getppid``) writes the counters of each block to its own file. The cost per step
-is the median over pairs of adjacent blocks of (on − off) / 10, for the training thread only
+is the median over pairs of adjacent blocks of (on − off) / 10 (with Python's cyclic collector off while
+counting: its passes fall at allocation counts, in one block of a pair, ±15k instructions a step), for the
+training thread only
 (``--separate-threads``: the gloo and flight-recorder threads poll by wall time, which valgrind stretches).
 
 Estimated cycles are callgrind's usual model, Ir + 10 × L1 misses + 100 × last-level misses; the µs figure

@@ -38,13 +38,14 @@ typedef struct {
     uint64_t k_coll_in, k_coll_out;
     uint64_t enter_code[N_SLOTS]; /* an open phase's word >> ns_bits */
     /* state shared with the Python methods (members below) */
-    long long tid;
+    long long tid, thread_id;
     unsigned long long ev_n, slow_at, seq, steps_done, step_start, seen_ns, seen_batches, origin;
     long long colls, input_slots_used, input_workers;
     char explicit_steps;
     PyObject *stack, *budgets, *gpu, *ops, *last_op, *frozen, *clock, *after_step;
 } Core;
 
+static PyObject *s_depth, *s_ready_ns, *s_waiting, *s_enabled, *s_error, *s_grad_sync_slot, *s_split_count;
 static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu, *s_begin, *s_end;
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
@@ -561,7 +562,7 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
  * a normal end for StopIteration out of __next__; the collective's exit in any case). Binds like a
  * function when set on a class (a method descriptor), so ``next(it)`` passes the iterator. */
 
-enum { PHASE_PLAIN = 0, PHASE_NEXT = 1, PHASE_COLL = 2 };
+enum { PHASE_PLAIN = 0, PHASE_NEXT = 1, PHASE_COLL = 2, PHASE_BACKWARD = 3, PHASE_OUTERMOST = 4 };
 
 static PyTypeObject *CoreType;
 
@@ -573,7 +574,150 @@ typedef struct {
     long slot;
 } Phase;
 
+
+/* -- backward with DDP's split (instrument._wrap_backward's rules; DDPTiming holds the state) ---------- */
+
+static long long get_ll(PyObject *o, PyObject *name, int *ok) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) {
+        *ok = 0;
+        return 0;
+    }
+    long long r = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (r == -1 && PyErr_Occurred()) *ok = 0;
+    return r;
+}
+
+static void set_ll(PyObject *o, PyObject *name, long long value, int *ok) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL || PyObject_SetAttr(o, name, v) < 0) *ok = 0;
+    Py_XDECREF(v);
+}
+
+static int truthy(PyObject *o, PyObject *name, int *ok) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    int r = v != NULL ? PyObject_IsTrue(v) : -1;
+    Py_XDECREF(v);
+    if (r < 0) {
+        *ok = 0;
+        return 0;
+    }
+    return r;
+}
+
+/* DDPTiming.end() (the split time, 0: none) */
+static uint64_t timing_end(PyObject *timing, int *ok) {
+    PyObject *v = PyObject_CallMethod(timing, "end", NULL);
+    if (v == NULL) {
+        *ok = 0;
+        return 0;
+    }
+    uint64_t r = PyLong_AsUnsignedLongLongMask(v);
+    Py_DECREF(v);
+    if (PyErr_Occurred()) *ok = 0;
+    return r;
+}
+
+static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Core *c = (Core *)self->core;
+    PyObject *timing = self->arg, *x;
+    if (!c->bound || (long long)PyThread_get_thread_ident() != c->thread_id)  /* another thread's backward */
+        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    int ok = 1;
+    long long depth = get_ll(timing, s_depth, &ok) + 1; /* DDPTiming.begin() */
+    set_ll(timing, s_depth, depth, &ok);
+    if (depth == 1) {
+        set_ll(timing, s_ready_ns, 0, &ok);
+        int en = truthy(timing, s_enabled, &ok);
+        if (ok && PyObject_SetAttr(timing, s_waiting, en ? Py_True : Py_False) < 0) ok = 0;
+    }
+    if (!ok) { /* the timing object is not what it should be: no more tracking, training goes on */
+        Py_XDECREF(fail(c));
+        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    }
+    if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
+    Py_DECREF(x);
+    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
+    long gss = (long)get_ll(timing, s_grad_sync_slot, &ok);
+    uint64_t split = 0;
+    int whole = r == NULL || depth != 1;
+    if (!whole) {
+        PyObject *err = PyObject_GetAttr(timing, s_error);
+        whole = err == NULL || err != Py_None; /* an error on an autograd thread: end() reports it */
+        if (err == NULL) ok = 0;
+        Py_XDECREF(err);
+    }
+    if (whole) {
+        split = timing_end(timing, &ok);
+    } else { /* DDPTiming.end()'s common path: the outermost backward */
+        set_ll(timing, s_depth, 0, &ok);
+        if (ok && PyObject_SetAttr(timing, s_waiting, Py_False) < 0) ok = 0;
+        long long ready = get_ll(timing, s_ready_ns, &ok);
+        if (ok && ready && truthy(timing, s_enabled, &ok)) {
+            set_ll(timing, s_ready_ns, 0, &ok);
+            set_ll(timing, s_split_count, get_ll(timing, s_split_count, &ok) + 1, &ok);
+            split = (uint64_t)ready;
+        }
+    }
+    if (!ok) {
+        split = 0;
+        Py_XDECREF(fail(c)); /* clears the attribute error, disables the tracker */
+    }
+    x = do_exit(c, self->slot, split, split ? gss : -1, r == NULL);
+    if (x == NULL) {
+        Py_XDECREF(r);
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(x);
+    if (r == NULL) PyErr_Restore(et, ev, tb);
+    return r;
+}
+
+/* the outermost call only (instrument.OutermostForward: ``arg.depth`` counts the nesting, shared with its
+ * module hooks): DistributedDataParallel.forward as ``forward`` */
+static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Core *c = (Core *)self->core;
+    PyObject *x;
+    int ok = 1;
+    long long depth = get_ll(self->arg, s_depth, &ok) + 1;
+    set_ll(self->arg, s_depth, depth, &ok);
+    if (!ok) {
+        Py_XDECREF(fail(c));
+        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    }
+    if (depth == 1) {
+        if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
+        Py_DECREF(x);
+    }
+    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
+    set_ll(self->arg, s_depth, depth - 1, &ok);
+    if (!ok) Py_XDECREF(fail(c));
+    if (depth == 1) {
+        x = do_exit(c, self->slot, 0, -1, r == NULL);
+        if (x == NULL) {
+            Py_XDECREF(r);
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        Py_DECREF(x);
+    }
+    if (r == NULL) PyErr_Restore(et, ev, tb);
+    return r;
+}
+
 static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (self->kind == PHASE_BACKWARD) return backward_call(self, args, nargsf, kwnames);
+    if (self->kind == PHASE_OUTERMOST) return outermost_call(self, args, nargsf, kwnames);
     Core *c = (Core *)self->core;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *x;
@@ -627,9 +771,9 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     int kind;
     long slot;
     if (!PyArg_ParseTuple(args, "OOilO:Phase", &core, &fn, &kind, &slot, &arg)) return NULL;
-    if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_COLL ||
+    if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_OUTERMOST ||
         (kind == PHASE_COLL && !PyUnicode_Check(arg))) {
-        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-2, slot: int, arg)");
+        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-4, slot: int, arg)");
         return NULL;
     }
     Phase *self = (Phase *)type->tp_alloc(type, 0);
@@ -777,6 +921,7 @@ static PyObject *Core_release(Core *self, PyObject *Py_UNUSED(ignored)) {
 #define M(name, type, field) {name, type, offsetof(Core, field), 0, NULL}
 static PyMemberDef Core_members[] = {
     M("_tid", T_LONGLONG, tid),
+    M("thread_id", T_LONGLONG, thread_id),
     M("_ev_n", T_ULONGLONG, ev_n),
     M("_slow_at", T_ULONGLONG, slow_at),
     M("_seq", T_ULONGLONG, seq),
@@ -845,6 +990,13 @@ static int exec_module(PyObject *m) {
     INTERN(s_op_word, "_op_word");
     INTERN(s_harvest_gpu, "_harvest_gpu");
     INTERN(s_begin, "begin");
+    INTERN(s_depth, "depth");
+    INTERN(s_ready_ns, "ready_ns");
+    INTERN(s_waiting, "waiting");
+    INTERN(s_enabled, "enabled");
+    INTERN(s_error, "_error");
+    INTERN(s_grad_sync_slot, "grad_sync_slot");
+    INTERN(s_split_count, "split_count");
     INTERN(s_end, "end");
 #undef INTERN
     PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);

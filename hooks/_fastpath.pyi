@@ -3,6 +3,7 @@ from typing import Any
 
 class Core:
     _tid: int
+    thread_id: int
     _ev_n: int
     _slow_at: int
     _seq: int

@@ -132,6 +132,10 @@ class OutermostForward:
         fn = ddp.forward
         if getattr(fn, "__rankwatch_wrapped__", None) is not None:
             return
+        fast = _c_wrapper(fn, self.tracker, PHASE_OUTERMOST, FORWARD, self)
+        if fast is not None:
+            ddp.forward = fast
+            return
         enter, exit_ = self._enter, self._exit
         fwd = self
 
@@ -177,7 +181,7 @@ def _compiled_something() -> bool:
 # The wrappers below run on every step. On the C core they are ``_fastpath.Phase`` objects (the same rules
 # in C, no Python frame of the hook's around the training call); the Python closures are the fallback and
 # bind what they need once, when they are made, so a call does no attribute lookups beyond the tracker's.
-PHASE_PLAIN, PHASE_NEXT, PHASE_COLL = 0, 1, 2  # _fastpath.Phase kinds
+PHASE_PLAIN, PHASE_NEXT, PHASE_COLL, PHASE_BACKWARD, PHASE_OUTERMOST = 0, 1, 2, 3, 4  # _fastpath.Phase kinds
 
 
 def _c_wrapper(fn: Callable[..., Any], tracker: Tracker, kind: int, slot: int, arg: Any) -> Callable[..., Any] | None:
@@ -262,6 +266,9 @@ def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming |
     ``end``'s common path run inline here (two Python calls per step fewer); the methods stay the reference."""
     if timing is None:
         return _wrap_phase(fn, tracker, BACKWARD)
+    fast = _c_wrapper(fn, tracker, PHASE_BACKWARD, BACKWARD, timing)
+    if fast is not None:
+        return fast
     enter, exit_ = tracker.enter, tracker.exit
     ident, thread = threading.get_ident, tracker.thread_id
 

@@ -202,3 +202,87 @@ def test_the_c_wrappers_write_what_the_python_wrappers_write(tmp_path, monkeypat
     assert tc._ev_n == 2 * 5 + 2 * 4 + 1  # 5 next() (one failing, one the end), 4 calls, the optimizer exit
     tc._release()
     tp._release()
+
+
+def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
+    """instrument._wrap_backward with DDP timing: the split at the graph's end, a backward without one,
+    a nested (reentrant) backward, a failing one, an error on an autograd thread, another thread's."""
+    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
+    from rankwatch.hooks.ddp_timing import DDPTiming
+
+    fast = __import__("rankwatch.hooks._fastpath", fromlist=["Phase"])
+    made = pair(tmp_path, monkeypatch, "bw")
+    seen = []
+    for t, clock in made:
+        tracker_mod._now = clock
+        timing = DDPTiming(t, lambda cb: None)
+        timing.grad_sync_slot = t.slot("grad_sync")
+        box: dict = {}
+
+        def graph(stamp: int = 0, fail: bool = False, nested: bool = False, error: bool = False,
+                  timing=timing, box=box, clock=clock):
+            if stamp:
+                timing.ready_ns = clock.now + stamp  # the engine callback's stamp, mid-backward
+            if error:
+                timing._error = RuntimeError("hook failed on an autograd thread")
+            if nested:
+                box["bw"]()
+            if fail:
+                raise RuntimeError("backward failed")
+            return "grads"
+
+        bw = box["bw"] = instrument._wrap_backward(graph, t, timing)
+        assert isinstance(bw, fast.Phase) == (t is made[0][0])
+        assert bw(stamp=1000) == "grads"  # split
+        assert bw() == "grads"  # no stamp: backward whole
+        assert bw(stamp=500, nested=True) == "grads"  # the nested one ends first, the outer is split
+        with pytest.raises(RuntimeError, match="backward failed"):
+            bw(stamp=200, fail=True)
+        th = threading.Thread(target=bw, kwargs={"stamp": 5})  # not the training thread: just the call
+        th.start()
+        th.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert bw(stamp=300, error=True) == "grads"  # end() reports it: timing off, no split
+        t.exit_step(3)
+        seen.append((timing.split_count, timing.depth, timing.waiting, timing.enabled, timing.ready_ns))
+    same(*made, "the backward calls")
+    assert seen[0] == seen[1]
+    # split: the stamped one, the outer of the nested pair, the failing one; then the timing switched off
+    assert seen[0][0] == 3 and seen[0][3] is False
+    for t, _ in made:
+        t._release()
+
+
+def test_the_c_outermost_forward_times_as_the_python_one(tmp_path, monkeypatch):
+    """DistributedDataParallel.forward wrapped on the class: only the outermost call is ``forward``; a
+    failing one leaves it failing; the nesting count is shared with OutermostForward's module hooks."""
+    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
+    made = pair(tmp_path, monkeypatch, "fw")
+    depths = []
+    for t, clock in made:
+        tracker_mod._now = clock
+
+        class Net:  # stands for DistributedDataParallel: its forward is wrapped on the class
+            def forward(self, x, fail=False, inner=None):
+                if inner is not None:
+                    return inner.forward(x)
+                if fail:
+                    raise ValueError("bad input")
+                return x + 1
+
+        fwd = instrument.OutermostForward(t, None)
+        fwd._wrap_ddp_forward(Net)
+        assert Net.forward.__rankwatch_wrapped__ is not None
+        a, b = Net(), Net()
+        assert a.forward(1) == 2
+        assert a.forward(1, inner=b) == 2  # b's call is nested: one forward phase
+        with pytest.raises(ValueError):
+            a.forward(1, fail=True)
+        depths.append(fwd.depth)
+        t.exit_step(3)
+    same(*made, "the forward calls")
+    assert depths == [0, 0]
+    assert made[0][0]._ev_n == 2 * 3 + 1
+    for t, _ in made:
+        t._release()
