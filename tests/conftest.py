@@ -254,8 +254,8 @@ def hook_impl(request, monkeypatch):
     fallback where the extension was not built). ``new_tracker`` makes trackers of the selected one."""
     from rankwatch.hooks import tracker as tracker_mod
 
-    if request.param not in tracker_mod.IMPLEMENTATIONS:
-        pytest.fail(f"the {request.param} tracker core is not built (pip install -e . compiles hooks/_fastpath.c)")
+    if request.param not in tracker_mod.IMPLEMENTATIONS:  # .ci/run checks that CI's install built it
+        pytest.skip(f"the {request.param} tracker core is not built (pip install -e . compiles hooks/_fastpath.c)")
     monkeypatch.setattr(tracker_mod, "Tracker", tracker_mod.IMPLEMENTATIONS[request.param])
     monkeypatch.setenv("RANKWATCH_HOOK_IMPL", request.param)  # and the writer processes a test starts
     return request.param
