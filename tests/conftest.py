@@ -239,12 +239,19 @@ def skip_if_gloo_teardown_abort(result: subprocess.CompletedProcess, job_dir: Pa
         pytest.skip(f"gloo aborted a rank during process-group teardown after all {steps} steps")
 
 
-def run_demo_job(procs: Procs, tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
-                 options: tuple[str, ...] = (), timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """`rankwatch run --quiet` around the demo under torchrun; returns (result, out dir, shm dir)."""
+def demo_job_cmd(tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
+                 options: tuple[str, ...] = ()) -> tuple[list[str], Path, Path]:
+    """`rankwatch run --quiet` around the demo under torchrun: (command, out dir, shm dir)."""
     out, shm = tmp_path / "out", tmp_path / "shm"
     cmd = rankwatch_cmd("run", "--out", str(out), "--shm-dir", str(shm), "--quiet", *options, "--",
                         *torchrun_args(nproc, job_id, DEMO, *demo_args))
+    return cmd, out, shm
+
+
+def run_demo_job(procs: Procs, tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
+                 options: tuple[str, ...] = (), timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`rankwatch run --quiet` around the demo under torchrun; returns (result, out dir, shm dir)."""
+    cmd, out, shm = demo_job_cmd(tmp_path, job_id, nproc, *demo_args, options=options)
     return procs.run(cmd, timeout=timeout, text=True), out, shm
 
 
