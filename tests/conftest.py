@@ -304,14 +304,15 @@ SHARED_CACHE_MODULES = frozenset({"test_public_logs.py"})
 # Longest first under xdist: workers take tests in collection order, so a minute-long test collected last
 # runs alone at the end while the other workers idle. Modules by their longest test (--durations of the slow
 # tier, 4 workers on 2 cores at load 8-15, 2026-12-02: quick benchmarks 50-217 s, two-node inspect 71 s,
-# two-node jobs 54-64 s, stragglers 59 s, v3 classes 53 s, e2e 49 s, then the 30-45 s jobs); the rest of
-# the slow tier after these, the fast tier last.
+# two-node jobs 54-64 s, then the 30-45 s jobs; 2026-12-03 beside two CPU hogs, after the jobs got fewer ranks:
+# v3's two-node classes 64-82 s, two-node jobs 59-72 s, stragglers 47 s, e2e 49 s); the rest of the slow tier
+# after these, the fast tier last.
 LONG_POLES = (
     "test_benchmarks_quick.py",
     "test_inspect.py",
+    "test_v3_classes.py",
     "test_multinode.py",
     "test_straggler.py",
-    "test_v3_classes.py",
     "test_watchdog_e2e.py",
     "test_slurm_example.py",
     "test_torchrun_args.py",
