@@ -29,9 +29,11 @@ _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
 def free_port() -> int:
     """A port free now, below the ephemeral range: a port the kernel handed out (bind to 0) can be taken by any
     outgoing connection (gloo opens hundreds) before the job binds it — a store or rendezvous then fails with
-    EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port."""
+    EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port.
+    ``RANKWATCH_TEST_PORT_OFFSET=4`` moves a run's workers to other blocks (two checkouts' runs side by side)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    base = 20000 + (int(worker) if worker.isdigit() else 0) % 8 * _PORT_BLOCK
+    offset = int(os.environ.get("RANKWATCH_TEST_PORT_OFFSET", "0"))
+    base = 20000 + ((int(worker) if worker.isdigit() else 0) + offset) % 8 * _PORT_BLOCK
     for _ in range(_PORT_BLOCK // _PORT_STRIDE):
         # a stride: callers use the ports just above the one drawn too (the Slurm example's store is MASTER_PORT+1)
         port = base + _port_next[0] * _PORT_STRIDE % _PORT_BLOCK
