@@ -29,9 +29,11 @@ _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
 def free_port() -> int:
     """A port free now, below the ephemeral range: a port the kernel handed out (bind to 0) can be taken by any
     outgoing connection (gloo opens hundreds) before the job binds it — a store or rendezvous then fails with
-    EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port."""
+    EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port.
+    ``RANKWATCH_TEST_PORT_OFFSET=4`` moves a run's workers to other blocks (two checkouts' runs side by side)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    base = 20000 + (int(worker) if worker.isdigit() else 0) % 8 * _PORT_BLOCK
+    offset = int(os.environ.get("RANKWATCH_TEST_PORT_OFFSET", "0"))
+    base = 20000 + ((int(worker) if worker.isdigit() else 0) + offset) % 8 * _PORT_BLOCK
     for _ in range(_PORT_BLOCK // _PORT_STRIDE):
         # a stride: callers use the ports just above the one drawn too (the Slurm example's store is MASTER_PORT+1)
         port = base + _port_next[0] * _PORT_STRIDE % _PORT_BLOCK
@@ -239,12 +241,19 @@ def skip_if_gloo_teardown_abort(result: subprocess.CompletedProcess, job_dir: Pa
         pytest.skip(f"gloo aborted a rank during process-group teardown after all {steps} steps")
 
 
-def run_demo_job(procs: Procs, tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
-                 options: tuple[str, ...] = (), timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """`rankwatch run --quiet` around the demo under torchrun; returns (result, out dir, shm dir)."""
+def demo_job_cmd(tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
+                 options: tuple[str, ...] = ()) -> tuple[list[str], Path, Path]:
+    """`rankwatch run --quiet` around the demo under torchrun: (command, out dir, shm dir)."""
     out, shm = tmp_path / "out", tmp_path / "shm"
     cmd = rankwatch_cmd("run", "--out", str(out), "--shm-dir", str(shm), "--quiet", *options, "--",
                         *torchrun_args(nproc, job_id, DEMO, *demo_args))
+    return cmd, out, shm
+
+
+def run_demo_job(procs: Procs, tmp_path: Path, job_id: str, nproc: int, *demo_args: str,
+                 options: tuple[str, ...] = (), timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`rankwatch run --quiet` around the demo under torchrun; returns (result, out dir, shm dir)."""
+    cmd, out, shm = demo_job_cmd(tmp_path, job_id, nproc, *demo_args, options=options)
     return procs.run(cmd, timeout=timeout, text=True), out, shm
 
 
@@ -310,14 +319,15 @@ SHARED_CACHE_MODULES = frozenset({"test_public_logs.py"})
 # Longest first under xdist: workers take tests in collection order, so a minute-long test collected last
 # runs alone at the end while the other workers idle. Modules by their longest test (--durations of the slow
 # tier, 4 workers on 2 cores at load 8-15, 2026-12-02: quick benchmarks 50-217 s, two-node inspect 71 s,
-# two-node jobs 54-64 s, stragglers 59 s, v3 classes 53 s, e2e 49 s, then the 30-45 s jobs); the rest of
-# the slow tier after these, the fast tier last.
+# two-node jobs 54-64 s, then the 30-45 s jobs; 2026-12-03 beside two CPU hogs, after the jobs got fewer ranks:
+# v3's two-node classes 64-82 s, two-node jobs 59-72 s, stragglers 47 s, e2e 49 s); the rest of the slow tier
+# after these, the fast tier last.
 LONG_POLES = (
     "test_benchmarks_quick.py",
     "test_inspect.py",
+    "test_v3_classes.py",
     "test_multinode.py",
     "test_straggler.py",
-    "test_v3_classes.py",
     "test_watchdog_e2e.py",
     "test_slurm_example.py",
     "test_torchrun_args.py",

@@ -525,13 +525,14 @@ def test_forged_incident_in_a_healthy_job_makes_no_bundle(procs, tmp_path, with_
 
 def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
     """The whole exchange signed (snapshots, claim, evidence, verdict): both nodes' bundles carry the
-    leader's verdict, the secret given through the environment as systemd's EnvironmentFile would."""
+    leader's verdict, the secret given through the environment as systemd's EnvironmentFile would. One rank per
+    node: the signed exchange between the nodes is the point (the hung rank is node 1's)."""
     secret = secret_file(tmp_path, 0o600)
     os.environ["RANKWATCH_STORE_SECRET_FILE"] = str(secret)
     try:
         daemons, jobs, _ = start_two_nodes(
             procs, tmp_path,
-            ["--scenario", "compute-hang", "--fault-rank", "3", "--fault-step", "4", "--steps", "400"], [],
+            ["--scenario", "compute-hang", "--fault-rank", "1", "--fault-step", "4", "--steps", "400"], [], nproc=1,
         )
     finally:
         del os.environ["RANKWATCH_STORE_SECRET_FILE"]
@@ -542,7 +543,7 @@ def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
 
     found = wait_for(all_verdicts, timeout=150)
     assert found, [d.stderr for d, _, _ in daemons]
-    assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == [3]
+    assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == [1]
     assert found[0]["incident_id"] == found[1]["incident_id"]
     assert all(v["correlation"].startswith("leader node 0 over 2 node(s)") for v in found), found
     assert all(j.poll() is None for j in jobs), "daemons must not kill without --on-stall kill"
