@@ -164,6 +164,18 @@ class PyCore:
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.begin(slot)
 
+    def _closed(self, n: int, word: int, slot: int, code: int, failing: bool = False) -> None:
+        """An exit's tail (``closed`` in the C core): ``word`` as event ``n``, the count, then the innermost
+        open phase popped when it is ``code`` and nothing rare is pending, else the rare path."""
+        q = self._q
+        q[_EV + (n & EVENT_MASK)] = word
+        self._ev_n = n = n + 1
+        q[_EV_COUNT] = n
+        st = self._stack
+        if st and st[-1] >> _TOP == code and not failing and not self._budgets:
+            st.pop()
+        else:
+            self._exited_slow(slot, n, failing)
 
     def exit(self, slot: int, split_ns: int = 0, tail_slot: int = NO_PHASE, failing: bool = False) -> None:
         """Close ``slot``. With ``split_ns`` and ``tail_slot``, the time after ``split_ns`` (the last
@@ -181,17 +193,10 @@ class PyCore:
             if split_ns and tail_slot >= 0 and split_ns > self._origin:
                 q[_EV + (n & EVENT_MASK)] = self._k_split[tail_slot] + split_ns
                 n += 1
-            q[_EV + (n & EVENT_MASK)] = (self._k_fail if failing else self._k_out)[slot] + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not failing and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, failing)
+            word = (self._k_fail if failing else self._k_out)[slot] + _now()
+            self._closed(n, word, slot, _ENTER_CODE[slot], failing)
         except Exception as exc:
             self._fail(exc)
-
 
     def exit_batch(self, slot: int, produced: bool) -> None:
         """Close ``slot`` (the DataLoader's ``__next__``); ``produced``: this thread made the batch itself
@@ -199,21 +204,12 @@ class PyCore:
         if _ident() != self._tid:
             return
         try:
-            q = self._q
-            n = self._ev_n
-            q[_EV + (n & EVENT_MASK)] = (self._k_batch if produced else self._k_out)[slot] + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, False)
+            word = (self._k_batch if produced else self._k_out)[slot] + _now()
+            self._closed(self._ev_n, word, slot, _ENTER_CODE[slot])
             if produced and self.input_workers:
                 self.input_workers = 0
         except Exception as exc:
             self._fail(exc)
-
 
     def collective_enter(self, op: str) -> None:
         """A Python-level collective starts: its op and the ``collective`` phase, in one event (the reader
@@ -238,24 +234,13 @@ class PyCore:
         except Exception as exc:
             self._fail(exc)
 
-
     def collective_exit(self) -> None:
         if _ident() != self._tid:
             return
         try:
-            q = self._q
-            n = self._ev_n
-            q[_EV + (n & EVENT_MASK)] = self._k_coll_out + _now()
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _COLL_CODE and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(COLLECTIVE_SLOT, n, False)
+            self._closed(self._ev_n, self._k_coll_out + _now(), COLLECTIVE_SLOT, _COLL_CODE)
         except Exception as exc:
             self._fail(exc)
-
 
     def exit_step(self, slot: int) -> None:
         """``exit(slot)`` then the automatic ``step()`` at the exit's clock read: the optimizer's post hook
@@ -265,24 +250,15 @@ class PyCore:
         if self._gpu is not None and slot in GPU_TIMED_SLOTS:
             self._gpu.end(slot)
         try:
-            q = self._q
-            n = self._ev_n
             t = _now()
-            q[_EV + (n & EVENT_MASK)] = self._k_out[slot] + t
-            self._ev_n = n = n + 1
-            q[_EV_COUNT] = n
-            st = self._stack
-            if st and st[-1] >> _TOP == _ENTER_CODE[slot] and not self._budgets:
-                st.pop()
-            else:
-                self._exited_slow(slot, n, False)
+            self._closed(self._ev_n, self._k_out[slot] + t, slot, _ENTER_CODE[slot])
             if not self.explicit_steps:
+                q = self._q
                 q[_SEQ] = seq = self._seq + 1
                 self._end_step(t)
                 q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
-
 
     def opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """torch's global optimizer pre-step hook: the ``optimizer`` phase begins."""
@@ -302,7 +278,6 @@ class PyCore:
         slots = self._q[_INPUT_SLOTS : _INPUT_SLOTS + n].tolist()  # a worker may be mid-update of its own pair
         return sum(slots[0::2]), sum(slots[1::2])
 
-
     def _write_cp(self, base: int, n: int, at: int) -> None:
         """A checkpoint (record.Checkpoint) at word ``base``: the state the reader replays events from."""
         q = self._q
@@ -315,7 +290,6 @@ class PyCore:
         q[base + 5] = len(st)
         for i, w in enumerate(st[-MAX_STACK:]):
             q[base + 6 + i] = w
-
 
     def _end_step(self, now: int) -> None:
         """The step ending at ``now`` into the step ring, with its checkpoint (inside a section)."""
