@@ -46,7 +46,7 @@ typedef struct {
 } Core;
 
 static PyObject *s_depth, *s_ready_ns, *s_waiting, *s_enabled, *s_error, *s_grad_sync_slot, *s_split_count;
-static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu, *s_begin, *s_end;
+static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu;
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
 
@@ -136,10 +136,10 @@ static int call_method(Core *self, PyObject *name, const char *fmt, ...) {
     return 0;
 }
 
-static int gpu_call(Core *self, PyObject *name, int slot) {
+static int gpu_call(Core *self, const char *method, int slot) {
     if (self->gpu == NULL || self->gpu == Py_None || slot < 0 || slot >= 64 || !((self->gpu_slots >> slot) & 1))
         return 0;
-    PyObject *r = PyObject_CallMethod(self->gpu, name == s_begin ? "begin" : "end", "i", slot);
+    PyObject *r = PyObject_CallMethod(self->gpu, method, "i", slot);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -277,7 +277,7 @@ static PyObject *do_enter(Core *self, long slot, double budget_s) {
     if (n >= self->slow_at || budget_s != 0.0) {
         if (call_method(self, s_entered_slow, "(dK)", budget_s, (unsigned long long)n) < 0) return fail(self);
     }
-    if (gpu_call(self, s_begin, (int)slot) < 0) return fail(self);
+    if (gpu_call(self, "begin", (int)slot) < 0) return fail(self);
     Py_RETURN_NONE;
 }
 
@@ -329,7 +329,7 @@ static PyObject *Core_exit(Core *self, PyObject *const *args, Py_ssize_t nargs, 
 
 static PyObject *do_exit(Core *self, long slot, uint64_t split, long tail, int failing) {
     if (!on_thread(self) || slot < 0) Py_RETURN_NONE;
-    if (gpu_call(self, s_end, (int)slot) < 0) return fail(self);
+    if (gpu_call(self, "end", (int)slot) < 0) return fail(self);
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t n = self->ev_n;
     if (split && tail >= 0 && split > self->origin) {
@@ -409,7 +409,7 @@ static PyObject *Core_collective_exit(Core *self, PyObject *Py_UNUSED(ignored)) 
 
 static PyObject *do_exit_step(Core *self, long slot) {
     if (!on_thread(self)) Py_RETURN_NONE;
-    if (gpu_call(self, s_end, (int)slot) < 0) return fail(self);
+    if (gpu_call(self, "end", (int)slot) < 0) return fail(self);
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
@@ -493,11 +493,12 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     PyObject *d = args[1];
-    uint64_t v[19];
-    static const char *keys[19] = {"seq", "events", "ev_count", "steps_done", "ring", "input_slots", "event_mask",
+    uint64_t v[23];
+    static const char *keys[23] = {"seq", "events", "ev_count", "steps_done", "ring", "input_slots", "event_mask",
                                    "ring_slots", "entry_words", "entry_cp", "max_stack", "max_phases", "ns_bits",
-                                   "gpu_slots", "collective_slot", "optimizer_slot", "origin", "ev_enter", "ev_kinds"};
-    for (int i = 0; i < 19; i++)
+                                   "gpu_slots", "collective_slot", "optimizer_slot", "origin", "ev_enter",
+                                   "ev_exit", "ev_exit_fail", "ev_exit_batch", "ev_split", "ev_coll_exit"};
+    for (int i = 0; i < 23; i++)
         if (!get_u64(d, keys[i], &v[i])) return NULL;
     if (v[11] > N_SLOTS || v[12] >= 64) {
         PyErr_SetString(PyExc_ValueError, "layout out of range");
@@ -534,10 +535,7 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     self->coll_slot = (int)v[14];
     self->opt_slot = (int)v[15];
     self->origin = v[16];
-    /* ev_kinds: EXIT | EXIT_FAIL << 8 | EXIT_BATCH << 16 | SPLIT << 24 | COLL_ENTER << 32 | COLL_EXIT << 40 */
-    uint64_t en = v[17], kinds = v[18], o = v[16], nb = v[12];
-    uint64_t ex = kinds & 255, fl = (kinds >> 8) & 255, ba = (kinds >> 16) & 255, sp = (kinds >> 24) & 255;
-    uint64_t ce = (kinds >> 40) & 255;
+    uint64_t o = v[16], nb = v[12], en = v[17], ex = v[18], fl = v[19], ba = v[20], sp = v[21], ce = v[22]; /* a collective's enter word comes from its op (_op_word) */
 #define CODE(kind, arg) ((((uint64_t)(kind) << 5) | ((uint64_t)(arg) & 31)) << nb)
     for (int s = 0; s < N_SLOTS; s++) {
         self->k_in[s] = CODE(en, s) - o;
@@ -989,7 +987,6 @@ static int exec_module(PyObject *m) {
     INTERN(s_fail, "_fail");
     INTERN(s_op_word, "_op_word");
     INTERN(s_harvest_gpu, "_harvest_gpu");
-    INTERN(s_begin, "begin");
     INTERN(s_depth, "depth");
     INTERN(s_ready_ns, "ready_ns");
     INTERN(s_waiting, "waiting");
@@ -997,7 +994,6 @@ static int exec_module(PyObject *m) {
     INTERN(s_error, "_error");
     INTERN(s_grad_sync_slot, "grad_sync_slot");
     INTERN(s_split_count, "split_count");
-    INTERN(s_end, "end");
 #undef INTERN
     PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
     if (t == NULL) return -1;
@@ -1007,6 +1003,12 @@ static int exec_module(PyObject *m) {
         Py_DECREF(t);
         return -1;
     }
+    if (PyModule_AddIntConstant(m, "PHASE_PLAIN", PHASE_PLAIN) < 0 ||
+        PyModule_AddIntConstant(m, "PHASE_NEXT", PHASE_NEXT) < 0 ||
+        PyModule_AddIntConstant(m, "PHASE_COLL", PHASE_COLL) < 0 ||
+        PyModule_AddIntConstant(m, "PHASE_BACKWARD", PHASE_BACKWARD) < 0 ||
+        PyModule_AddIntConstant(m, "PHASE_OUTERMOST", PHASE_OUTERMOST) < 0)
+        return -1;
     PyObject *p = PyType_FromModuleAndSpec(m, &Phase_spec, NULL);
     if (p == NULL) return -1;
     if (PyModule_AddObject(m, "Phase", p) < 0) {

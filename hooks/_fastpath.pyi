@@ -45,3 +45,9 @@ class Phase:
     def __init__(self, core: Core, fn: Any, kind: int, slot: int, arg: Any) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __get__(self, obj: Any, objtype: Any = None) -> Any: ...
+
+PHASE_PLAIN: int
+PHASE_NEXT: int
+PHASE_COLL: int
+PHASE_BACKWARD: int
+PHASE_OUTERMOST: int

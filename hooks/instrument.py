@@ -132,7 +132,7 @@ class OutermostForward:
         fn = ddp.forward
         if getattr(fn, "__rankwatch_wrapped__", None) is not None:
             return
-        fast = _c_wrapper(fn, self.tracker, PHASE_OUTERMOST, FORWARD, self)
+        fast = _c_wrapper(fn, self.tracker, "OUTERMOST", FORWARD, self)
         if fast is not None:
             ddp.forward = fast
             return
@@ -181,21 +181,19 @@ def _compiled_something() -> bool:
 # The wrappers below run on every step. On the C core they are ``_fastpath.Phase`` objects (the same rules
 # in C, no Python frame of the hook's around the training call); the Python closures are the fallback and
 # bind what they need once, when they are made, so a call does no attribute lookups beyond the tracker's.
-PHASE_PLAIN, PHASE_NEXT, PHASE_COLL, PHASE_BACKWARD, PHASE_OUTERMOST = 0, 1, 2, 3, 4  # _fastpath.Phase kinds
-
-
-def _c_wrapper(fn: Callable[..., Any], tracker: Tracker, kind: int, slot: int, arg: Any) -> Callable[..., Any] | None:
-    """``fn`` wrapped in C when the tracker runs on the C core (None: use the Python wrapper)."""
+def _c_wrapper(fn: Callable[..., Any], tracker: Tracker, kind: str, slot: int, arg: Any) -> Callable[..., Any] | None:
+    """``fn`` wrapped in C when the tracker runs on the C core (None: use the Python wrapper); ``kind`` names
+    one of ``_fastpath``'s ``PHASE_*`` kinds."""
     if _fastpath is None or not isinstance(tracker, _fastpath.Core):
         return None
-    wrapper = _fastpath.Phase(tracker, fn, kind, slot, arg)
+    wrapper = _fastpath.Phase(tracker, fn, getattr(_fastpath, f"PHASE_{kind}"), slot, arg)
     functools.update_wrapper(wrapper, fn)
     wrapper.__rankwatch_wrapped__ = fn
     return wrapper
 
 
 def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable[..., Any]:
-    fast = _c_wrapper(fn, tracker, PHASE_PLAIN, slot, None)
+    fast = _c_wrapper(fn, tracker, "PLAIN", slot, None)
     if fast is not None:
         return fast
     enter, exit_ = tracker.enter, tracker.exit
@@ -219,7 +217,7 @@ def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) ->
     """``DataLoader`` iterators' ``__next__`` as the ``dataloader`` phase. An iterator of class ``single``
     (no workers: this thread fetches and collates) books the phase's time as the batch's production time
     too, from the same two clock reads (``input_timing.py``); ``None``: input timing is off."""
-    fast = _c_wrapper(fn, tracker, PHASE_NEXT, DATALOADER, single)
+    fast = _c_wrapper(fn, tracker, "NEXT", DATALOADER, single)
     if fast is not None:
         return fast
     enter, exit_batch = tracker.enter, tracker.exit_batch
@@ -243,7 +241,7 @@ def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) ->
 
 
 def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Callable[..., Any]:
-    fast = _c_wrapper(fn, tracker, PHASE_COLL, NO_PHASE, op)
+    fast = _c_wrapper(fn, tracker, "COLL", NO_PHASE, op)
     if fast is not None:
         return fast
     enter, exit_ = tracker.collective_enter, tracker.collective_exit
@@ -266,7 +264,7 @@ def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming |
     ``end``'s common path run inline here (two Python calls per step fewer); the methods stay the reference."""
     if timing is None:
         return _wrap_phase(fn, tracker, BACKWARD)
-    fast = _c_wrapper(fn, tracker, PHASE_BACKWARD, BACKWARD, timing)
+    fast = _c_wrapper(fn, tracker, "BACKWARD", BACKWARD, timing)
     if fast is not None:
         return fast
     enter, exit_ = tracker.enter, tracker.exit

@@ -84,14 +84,14 @@ assert all(f.offset % _Q == 0 for f in (RecordLayout.seq, RecordLayout.events, R
 
 def _layout(origin: int) -> dict[str, int]:
     """The record's layout and event codes for a core's ``_bind`` (one copy: record.py's numbers)."""
-    kinds = (EV_EXIT | EV_EXIT_FAIL << 8 | EV_EXIT_BATCH << 16 | EV_SPLIT << 24
-             | EV_COLL_ENTER << 32 | EV_COLL_EXIT << 40)
     return {
         "seq": _SEQ, "events": _EV, "ev_count": _EV_COUNT, "steps_done": _STEPS_DONE, "ring": _RING,
         "input_slots": _INPUT_SLOTS, "event_mask": EVENT_MASK, "ring_slots": RING_SLOTS, "entry_words": _ENTRY_WORDS,
         "entry_cp": _E_CP, "max_stack": MAX_STACK, "max_phases": MAX_PHASES, "ns_bits": NS_BITS,
         "gpu_slots": sum(1 << s for s in GPU_TIMED_SLOTS), "collective_slot": COLLECTIVE_SLOT,
-        "optimizer_slot": OPTIMIZER_SLOT, "origin": origin, "ev_enter": EV_ENTER, "ev_kinds": kinds,
+        "optimizer_slot": OPTIMIZER_SLOT, "origin": origin, "ev_enter": EV_ENTER, "ev_exit": EV_EXIT,
+        "ev_exit_fail": EV_EXIT_FAIL, "ev_exit_batch": EV_EXIT_BATCH, "ev_split": EV_SPLIT,
+        "ev_coll_exit": EV_COLL_EXIT,
     }
 
 
@@ -314,7 +314,6 @@ class PyCore:
         self._steps_done = done = done + 1
         q[_STEPS_DONE] = done
         self._step_start = now
-
 
 
 class _TrackerBase:

@@ -8,6 +8,7 @@ what the tracker's Python side sees (enabled, the open-phase stack, the event co
 
 from __future__ import annotations
 
+import importlib
 import random
 import threading
 import warnings
@@ -17,7 +18,12 @@ from conftest import new_tracker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rankwatch.hooks import tracker as tracker_mod
+from rankwatch.hooks.ddp_timing import DDPTiming
 from rankwatch.hooks.record import EVENTS, FOLD_EVENTS, decode
+
+# the module (rankwatch.hooks.instrument is also the name of the function the package exports)
+instrument = importlib.import_module("rankwatch.hooks.instrument")
+fast = importlib.import_module("rankwatch.hooks._fastpath") if "c" in tracker_mod.IMPLEMENTATIONS else None
 
 START = 10**12
 OPS = ("all_reduce", "broadcast", "barrier")
@@ -167,7 +173,6 @@ class _Iter:
 
 
 def _wrapped(t, kind: str):
-    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
     if kind == "next":
         cls = type("It", (_Iter,), {})
         cls.__next__ = instrument._wrap_next(_Iter.__next__, t, cls)
@@ -179,7 +184,6 @@ def _wrapped(t, kind: str):
 
 def test_the_c_wrappers_write_what_the_python_wrappers_write(tmp_path, monkeypatch):
     (tc, cc), (tp, cp) = pair(tmp_path, monkeypatch, "w")
-    fast = __import__("rankwatch.hooks._fastpath", fromlist=["Phase"])
     script = ["ok", "raise", "ok", "ok", "end"]
     for t, clock in ((tc, cc), (tp, cp)):
         tracker_mod._now = clock
@@ -207,10 +211,6 @@ def test_the_c_wrappers_write_what_the_python_wrappers_write(tmp_path, monkeypat
 def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
     """instrument._wrap_backward with DDP timing: the split at the graph's end, a backward without one,
     a nested (reentrant) backward, a failing one, an error on an autograd thread, another thread's."""
-    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
-    from rankwatch.hooks.ddp_timing import DDPTiming
-
-    fast = __import__("rankwatch.hooks._fastpath", fromlist=["Phase"])
     made = pair(tmp_path, monkeypatch, "bw")
     seen = []
     for t, clock in made:
@@ -257,7 +257,6 @@ def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
 def test_the_c_outermost_forward_times_as_the_python_one(tmp_path, monkeypatch):
     """DistributedDataParallel.forward wrapped on the class: only the outermost call is ``forward``; a
     failing one leaves it failing; the nesting count is shared with OutermostForward's module hooks."""
-    instrument = __import__("importlib").import_module("rankwatch.hooks.instrument")
     made = pair(tmp_path, monkeypatch, "fw")
     depths = []
     for t, clock in made:
