@@ -45,7 +45,7 @@ typedef struct {
     PyObject *stack, *budgets, *gpu, *ops, *last_op, *frozen, *clock, *after_step;
 } Core;
 
-static PyObject *s_depth, *s_ready_ns, *s_waiting, *s_enabled, *s_error, *s_grad_sync_slot, *s_split_count;
+static PyObject *s_require_sync, *s_stamp;
 static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu;
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
@@ -114,7 +114,11 @@ static int pop_if(Core *self, uint64_t code) {
     uint64_t top = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(self->stack, n - 1));
     if (top == (uint64_t)-1 && PyErr_Occurred()) return -1;
     if ((top >> self->ns_bits) != code) return 0;
-    return PyList_SetSlice(self->stack, n - 1, n, NULL) < 0 ? -1 : 1;
+    /* list.pop()'s own way for the last item: the size drops, the allocation stays for the next push */
+    PyObject *item = PyList_GET_ITEM(self->stack, n - 1);
+    Py_SET_SIZE(self->stack, n - 1);
+    Py_DECREF(item);
+    return 1;
 }
 
 static int call_method(Core *self, PyObject *name, const char *fmt, ...) {
@@ -573,36 +577,149 @@ typedef struct {
 } Phase;
 
 
+/* -- PhaseState: what a wrapper keeps between calls ---------------------------------------------------
+ * The base class of instrument.OutermostForward (``depth``, the nesting shared with its module hooks) and
+ * of ddp_timing.DDPTiming (the backward split: ``depth``, ``ready_ns``, ``waiting`` ...): C fields, so the
+ * C wrappers and the engine callback read and write them without attribute lookups. The Python classes
+ * set every field in their __init__ (the defaults have one copy, there). */
+
+typedef struct {
+    PyObject_HEAD
+    long long depth, split_count;
+    unsigned long long ready_ns;
+    long grad_sync_slot;
+    char waiting, enabled;
+    PyObject *error;
+} PhaseState;
+
+static PyTypeObject *PhaseStateType;
+
+/* DDPTiming._stamp: the engine callback at the end of the backward graph (any thread, the GIL held):
+ * one store, the clock of time.monotonic_ns */
+static PyObject *PhaseState_stamp(PhaseState *self, PyObject *Py_UNUSED(ignored)) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    self->ready_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    Py_RETURN_NONE;
+}
+
+/* -- GradReady: DDP timing's post-accumulate-grad hook (ddp_timing._py_grad_ready's rules) ------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *state, *ref, *queue, *stamp;
+} GradReady;
+
+static PyObject *GradReady_vectorcall(GradReady *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PhaseState *t = (PhaseState *)self->state;
+    /* only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce */
+    if (!t->waiting || t->depth != 1) Py_RETURN_NONE;
+    PyObject *ddp = PyWeakref_GetObject(self->ref); /* borrowed; None once the model is gone */
+    int go = 0;
+    if (ddp == NULL) goto error;
+    if (ddp != Py_None) {
+        Py_INCREF(ddp);
+        PyObject *v = PyObject_GetAttr(ddp, s_require_sync);
+        Py_DECREF(ddp);
+        if (v == NULL) goto error;
+        go = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (go < 0) goto error;
+    }
+    if (go) {
+        t->waiting = 0;
+        PyObject *r = PyObject_CallOneArg(self->queue, self->stamp);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+error: /* kept for end() on the training thread to report; a BaseException goes on */
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    {
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (exc != NULL && tb != NULL) PyException_SetTraceback(exc, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        Py_XSETREF(t->error, exc ? exc : Py_NewRef(Py_None));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *GradReady_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *state, *ref, *queue;
+    if (!PyArg_ParseTuple(args, "OOO:GradReady", &state, &ref, &queue)) return NULL;
+    if (!PyObject_TypeCheck(state, PhaseStateType) || !PyWeakref_CheckRef(ref) || !PyCallable_Check(queue)) {
+        PyErr_SetString(PyExc_TypeError, "GradReady(state: PhaseState, ref: weakref, queue: callable)");
+        return NULL;
+    }
+    PyObject *stamp = PyObject_GetAttr(state, s_stamp);
+    if (stamp == NULL) return NULL;
+    GradReady *self = (GradReady *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(stamp);
+        return NULL;
+    }
+    self->vectorcall = (vectorcallfunc)GradReady_vectorcall;
+    self->state = Py_NewRef(state);
+    self->ref = Py_NewRef(ref);
+    self->queue = Py_NewRef(queue);
+    self->stamp = stamp;
+    return (PyObject *)self;
+}
+
+static int GradReady_traverse(GradReady *self, visitproc visit, void *arg) {
+    Py_VISIT(self->state);
+    Py_VISIT(self->ref);
+    Py_VISIT(self->queue);
+    Py_VISIT(self->stamp);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int GradReady_clear(GradReady *self) {
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->ref);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->stamp);
+    return 0;
+}
+
+static void GradReady_dealloc(GradReady *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GradReady_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef GradReady_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(GradReady, vectorcall), READONLY, NULL},
+    {NULL},
+};
+
+static PyType_Slot GradReady_slots[] = {
+    {Py_tp_new, GradReady_new},
+    {Py_tp_dealloc, GradReady_dealloc},
+    {Py_tp_traverse, GradReady_traverse},
+    {Py_tp_clear, GradReady_clear},
+    {Py_tp_members, GradReady_members},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_doc, "DDP timing's post-accumulate-grad hook (ddp_timing._py_grad_ready, in C)."},
+    {0, NULL},
+};
+
+static PyType_Spec GradReady_spec = {
+    "rankwatch.hooks._fastpath.GradReady",
+    sizeof(GradReady),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    GradReady_slots,
+};
+
 /* -- backward with DDP's split (instrument._wrap_backward's rules; DDPTiming holds the state) ---------- */
-
-static long long get_ll(PyObject *o, PyObject *name, int *ok) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) {
-        *ok = 0;
-        return 0;
-    }
-    long long r = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (r == -1 && PyErr_Occurred()) *ok = 0;
-    return r;
-}
-
-static void set_ll(PyObject *o, PyObject *name, long long value, int *ok) {
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL || PyObject_SetAttr(o, name, v) < 0) *ok = 0;
-    Py_XDECREF(v);
-}
-
-static int truthy(PyObject *o, PyObject *name, int *ok) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    int r = v != NULL ? PyObject_IsTrue(v) : -1;
-    Py_XDECREF(v);
-    if (r < 0) {
-        *ok = 0;
-        return 0;
-    }
-    return r;
-}
 
 /* DDPTiming.end() (the split time, 0: none) */
 static uint64_t timing_end(PyObject *timing, int *ok) {
@@ -619,50 +736,39 @@ static uint64_t timing_end(PyObject *timing, int *ok) {
 
 static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Core *c = (Core *)self->core;
-    PyObject *timing = self->arg, *x;
+    PhaseState *t = (PhaseState *)self->arg;
+    PyObject *x;
     if (!c->bound || (long long)PyThread_get_thread_ident() != c->thread_id)  /* another thread's backward */
         return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-    int ok = 1;
-    long long depth = get_ll(timing, s_depth, &ok) + 1; /* DDPTiming.begin() */
-    set_ll(timing, s_depth, depth, &ok);
+    long long depth = ++t->depth; /* DDPTiming.begin() */
     if (depth == 1) {
-        set_ll(timing, s_ready_ns, 0, &ok);
-        int en = truthy(timing, s_enabled, &ok);
-        if (ok && PyObject_SetAttr(timing, s_waiting, en ? Py_True : Py_False) < 0) ok = 0;
-    }
-    if (!ok) { /* the timing object is not what it should be: no more tracking, training goes on */
-        Py_XDECREF(fail(c));
-        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+        t->ready_ns = 0;
+        t->waiting = t->enabled;
     }
     if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
     Py_DECREF(x);
     PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
-    long gss = (long)get_ll(timing, s_grad_sync_slot, &ok);
+    long gss = t->grad_sync_slot;
     uint64_t split = 0;
-    int whole = r == NULL || depth != 1;
-    if (!whole) {
-        PyObject *err = PyObject_GetAttr(timing, s_error);
-        whole = err == NULL || err != Py_None; /* an error on an autograd thread: end() reports it */
-        if (err == NULL) ok = 0;
-        Py_XDECREF(err);
-    }
-    if (whole) {
-        split = timing_end(timing, &ok);
+    int ok = 1;
+    /* failing, nested, or an error on an autograd thread: end() (it reports the error) */
+    if (r == NULL || depth != 1 || (t->error != NULL && t->error != Py_None)) {
+        split = timing_end((PyObject *)t, &ok);
     } else { /* DDPTiming.end()'s common path: the outermost backward */
-        set_ll(timing, s_depth, 0, &ok);
-        if (ok && PyObject_SetAttr(timing, s_waiting, Py_False) < 0) ok = 0;
-        long long ready = get_ll(timing, s_ready_ns, &ok);
-        if (ok && ready && truthy(timing, s_enabled, &ok)) {
-            set_ll(timing, s_ready_ns, 0, &ok);
-            set_ll(timing, s_split_count, get_ll(timing, s_split_count, &ok) + 1, &ok);
-            split = (uint64_t)ready;
+        t->depth = 0;
+        t->waiting = 0;
+        uint64_t ready = t->ready_ns;
+        if (ready && t->enabled) {
+            t->ready_ns = 0;
+            t->split_count++;
+            split = ready;
         }
     }
     if (!ok) {
         split = 0;
-        Py_XDECREF(fail(c)); /* clears the attribute error, disables the tracker */
+        Py_XDECREF(fail(c)); /* clears end()'s error, disables the tracker */
     }
     x = do_exit(c, self->slot, split, split ? gss : -1, r == NULL);
     if (x == NULL) {
@@ -677,18 +783,13 @@ static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf
     return r;
 }
 
-/* the outermost call only (instrument.OutermostForward: ``arg.depth`` counts the nesting, shared with its
+/* the outermost call only (instrument.OutermostForward: ``depth`` counts the nesting, shared with its
  * module hooks): DistributedDataParallel.forward as ``forward`` */
 static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Core *c = (Core *)self->core;
+    PhaseState *t = (PhaseState *)self->arg;
     PyObject *x;
-    int ok = 1;
-    long long depth = get_ll(self->arg, s_depth, &ok) + 1;
-    set_ll(self->arg, s_depth, depth, &ok);
-    if (!ok) {
-        Py_XDECREF(fail(c));
-        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-    }
+    long long depth = ++t->depth;
     if (depth == 1) {
         if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
         Py_DECREF(x);
@@ -696,8 +797,7 @@ static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargs
     PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
-    set_ll(self->arg, s_depth, depth - 1, &ok);
-    if (!ok) Py_XDECREF(fail(c));
+    t->depth = depth - 1;
     if (depth == 1) {
         x = do_exit(c, self->slot, 0, -1, r == NULL);
         if (x == NULL) {
@@ -770,7 +870,8 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     long slot;
     if (!PyArg_ParseTuple(args, "OOilO:Phase", &core, &fn, &kind, &slot, &arg)) return NULL;
     if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_OUTERMOST ||
-        (kind == PHASE_COLL && !PyUnicode_Check(arg))) {
+        (kind == PHASE_COLL && !PyUnicode_Check(arg)) ||
+        ((kind == PHASE_BACKWARD || kind == PHASE_OUTERMOST) && !PyObject_TypeCheck(arg, PhaseStateType))) {
         PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-4, slot: int, arg)");
         return NULL;
     }
@@ -846,6 +947,70 @@ static PyType_Spec Phase_spec = {
     0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
     Phase_slots,
+};
+
+static PyObject *PhaseState_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PhaseState *self = (PhaseState *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->grad_sync_slot = -1;
+    self->error = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static int PhaseState_traverse(PhaseState *self, visitproc visit, void *arg) {
+    Py_VISIT(self->error);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int PhaseState_clear(PhaseState *self) {
+    Py_CLEAR(self->error);
+    return 0;
+}
+
+static void PhaseState_dealloc(PhaseState *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    PhaseState_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+#define M(name, type, field) {name, type, offsetof(PhaseState, field), 0, NULL}
+static PyMemberDef PhaseState_members[] = {
+    M("depth", T_LONGLONG, depth),
+    M("split_count", T_LONGLONG, split_count),
+    M("ready_ns", T_ULONGLONG, ready_ns),
+    M("grad_sync_slot", T_LONG, grad_sync_slot),
+    M("waiting", T_BOOL, waiting),
+    M("enabled", T_BOOL, enabled),
+    M("_error", T_OBJECT, error),
+    {NULL},
+};
+#undef M
+
+static PyMethodDef PhaseState_methods[] = {
+    {"_stamp", (PyCFunction)PhaseState_stamp, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyType_Slot PhaseState_slots[] = {
+    {Py_tp_new, PhaseState_new},
+    {Py_tp_dealloc, PhaseState_dealloc},
+    {Py_tp_traverse, PhaseState_traverse},
+    {Py_tp_clear, PhaseState_clear},
+    {Py_tp_members, PhaseState_members},
+    {Py_tp_methods, PhaseState_methods},
+    {Py_tp_doc, "What a wrapper keeps between calls, as C fields (OutermostForward's and DDPTiming's base)."},
+    {0, NULL},
+};
+
+static PyType_Spec PhaseState_spec = {
+    "rankwatch.hooks._fastpath.PhaseState",
+    sizeof(PhaseState),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    PhaseState_slots,
 };
 
 /* -- type plumbing ---------------------------------------------------------------------------------------- */
@@ -987,13 +1152,8 @@ static int exec_module(PyObject *m) {
     INTERN(s_fail, "_fail");
     INTERN(s_op_word, "_op_word");
     INTERN(s_harvest_gpu, "_harvest_gpu");
-    INTERN(s_depth, "depth");
-    INTERN(s_ready_ns, "ready_ns");
-    INTERN(s_waiting, "waiting");
-    INTERN(s_enabled, "enabled");
-    INTERN(s_error, "_error");
-    INTERN(s_grad_sync_slot, "grad_sync_slot");
-    INTERN(s_split_count, "split_count");
+    INTERN(s_require_sync, "require_forward_param_sync");
+    INTERN(s_stamp, "_stamp");
 #undef INTERN
     PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
     if (t == NULL) return -1;
@@ -1009,6 +1169,20 @@ static int exec_module(PyObject *m) {
         PyModule_AddIntConstant(m, "PHASE_BACKWARD", PHASE_BACKWARD) < 0 ||
         PyModule_AddIntConstant(m, "PHASE_OUTERMOST", PHASE_OUTERMOST) < 0)
         return -1;
+    PyObject *st = PyType_FromModuleAndSpec(m, &PhaseState_spec, NULL);
+    if (st == NULL) return -1;
+    PhaseStateType = (PyTypeObject *)st;
+    Py_INCREF(st); /* PhaseStateType: for the life of the process */
+    if (PyModule_AddObject(m, "PhaseState", st) < 0) {
+        Py_DECREF(st);
+        return -1;
+    }
+    PyObject *g = PyType_FromModuleAndSpec(m, &GradReady_spec, NULL);
+    if (g == NULL) return -1;
+    if (PyModule_AddObject(m, "GradReady", g) < 0) {
+        Py_DECREF(g);
+        return -1;
+    }
     PyObject *p = PyType_FromModuleAndSpec(m, &Phase_spec, NULL);
     if (p == NULL) return -1;
     if (PyModule_AddObject(m, "Phase", p) < 0) {

@@ -51,3 +51,21 @@ PHASE_NEXT: int
 PHASE_COLL: int
 PHASE_BACKWARD: int
 PHASE_OUTERMOST: int
+
+class PhaseState:
+    """What a wrapper keeps between calls, as C fields (OutermostForward's and DDPTiming's base)."""
+
+    depth: int
+    split_count: int
+    ready_ns: int
+    grad_sync_slot: int
+    waiting: bool
+    enabled: bool
+    _error: BaseException | None
+    def _stamp(self) -> None: ...
+
+class GradReady:
+    """DDP timing's post-accumulate-grad hook (ddp_timing._py_grad_ready, in C)."""
+
+    def __init__(self, state: PhaseState, ref: Any, queue: Any) -> None: ...
+    def __call__(self, param: Any) -> None: ...

@@ -45,27 +45,51 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import warnings
 import weakref
 from typing import Any
 
 from .record import NO_PHASE
-from .tracker import Tracker
+from .tracker import PhaseState, Tracker
+
+try:
+    from ._fastpath import GradReady
+except ImportError:  # not built: the Python hook below
+    GradReady = None  # type: ignore[assignment, misc]
 
 _active: DDPTiming | None = None
 
 ENV = "RANKWATCH_DDP_TIMING"
 GRAD_SYNC = "grad_sync"
-_now = time.monotonic_ns
 
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class DDPTiming:
-    """Per-process backward timing. ``begin()``/``end()`` are called around backward by instrument.py."""
+def _py_grad_ready(timing: DDPTiming, ref: Any, queue: Any) -> Any:
+    """The parameter's hook (a weak reference: the hook never keeps its model alive); ``_fastpath.GradReady``
+    is the same in C, used where it was built."""
+    stamp = timing._stamp
+
+    def accumulated(param: Any) -> None:
+        # only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce
+        if timing.waiting and timing.depth == 1:
+            try:
+                ddp = ref()
+                if ddp is not None and ddp.require_forward_param_sync:
+                    timing.waiting = False
+                    queue(stamp)
+            except Exception as exc:
+                timing._error = exc
+
+    return accumulated
+
+
+class DDPTiming(PhaseState):
+    """Per-process backward timing. ``begin()``/``end()`` are called around backward by instrument.py. Its
+    state is ``PhaseState``'s fields where the C core was built (the C backward wrapper and hook read them
+    directly)."""
 
     def __init__(self, tracker: Tracker, queue_callback: Any) -> None:
         self.tracker = tracker
@@ -109,25 +133,10 @@ class DDPTiming:
             self._fail(exc)
 
     # -- engine side (autograd thread: attributes only) -------------------------------------------
-    def _stamp(self) -> None:
-        self.ready_ns = _now()
-
     def _accumulated_hook(self, ref: Any) -> Any:
-        """The parameter's hook (a weak reference: the hook never keeps its model alive)."""
-        queue, stamp = self._queue_callback, self._stamp
-
-        def accumulated(param: Any) -> None:
-            # only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce
-            if self.waiting and self.depth == 1:
-                try:
-                    ddp = ref()
-                    if ddp is not None and ddp.require_forward_param_sync:
-                        self.waiting = False
-                        queue(stamp)
-                except Exception as exc:
-                    self._error = exc
-
-        return accumulated
+        if GradReady is not None:  # built: this is a _fastpath.PhaseState
+            return GradReady(self, ref, self._queue_callback)
+        return _py_grad_ready(self, ref, self._queue_callback)
 
     # -- called around torch.autograd.backward on the training thread ------------------------------
     def begin(self) -> None:

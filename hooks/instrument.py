@@ -20,7 +20,7 @@ from typing import Any
 from . import ddp_timing
 from .ddp_timing import DDPTiming
 from .record import CANONICAL_PHASES, NO_PHASE
-from .tracker import Tracker
+from .tracker import PhaseState, Tracker
 
 try:
     from . import _fastpath
@@ -57,7 +57,7 @@ _installed = False
 _exc_info = sys.exc_info
 
 
-class OutermostForward:
+class OutermostForward(PhaseState):
     """Times the outermost module call as ``forward``.
 
     Global module hooks find the outermost modules, but they run on *every* module call (~1.8 µs each,

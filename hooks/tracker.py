@@ -573,8 +573,10 @@ class PyTracker(_TrackerBase, PyCore):
 
 try:
     from ._fastpath import Core as _CCore
+    from ._fastpath import PhaseState as _CPhaseState
 except ImportError:  # not built (no compiler where it was installed): the Python hot paths
     _CCore = None  # type: ignore[assignment, misc]
+    _CPhaseState = None  # type: ignore[assignment, misc]
 
 if _CCore is not None:
 
@@ -584,6 +586,28 @@ if _CCore is not None:
     IMPLEMENTATIONS: dict[str, type[_TrackerBase]] = {"c": CTracker, "python": PyTracker}
 else:
     IMPLEMENTATIONS = {"python": PyTracker}
+
+
+
+class PyPhaseState:
+    """What a wrapper keeps between calls (the base of OutermostForward and DDPTiming, which set every field
+    in their ``__init__``): ``_fastpath.PhaseState`` is the same as C fields, used where built, so the C
+    wrappers and DDP timing's engine callback reach them without attribute lookups (the Python wrappers
+    read the same fields as attributes)."""
+
+    ready_ns = 0
+
+    def _stamp(self) -> None:
+        """DDP timing's engine callback at the end of the backward graph (any thread): one store."""
+        self.ready_ns = time.monotonic_ns()
+
+
+if TYPE_CHECKING:
+    from ._fastpath import PhaseState  # the fields both have
+elif _CPhaseState is None:
+    PhaseState = PyPhaseState
+else:
+    PhaseState = _CPhaseState
 
 if TYPE_CHECKING:
     Tracker = PyTracker  # the interface both cores have

@@ -285,3 +285,55 @@ def test_the_c_outermost_forward_times_as_the_python_one(tmp_path, monkeypatch):
     assert made[0][0]._ev_n == 2 * 3 + 1
     for t, _ in made:
         t._release()
+
+
+class _Model:
+    """Stands for a DistributedDataParallel model: the hook reads its ``require_forward_param_sync``."""
+
+    def __init__(self, sync) -> None:
+        self.sync = sync
+
+    @property
+    def require_forward_param_sync(self):
+        if isinstance(self.sync, BaseException):
+            raise self.sync
+        return self.sync
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("model", ["sync", "no-sync", "gone", "raises", "queue-raises"])
+def test_the_c_grad_hook_queues_as_the_python_one(waiting, depth, model):
+    """DDP timing's post-accumulate-grad hook (``_fastpath.GradReady`` / ``ddp_timing._py_grad_ready``):
+    the stamp is queued once, only in the outermost backward that will all-reduce; a failure is kept for
+    ``end()`` to report, never raised into the autograd engine."""
+    import gc
+    import weakref
+
+    from rankwatch.hooks import ddp_timing
+
+    seen = []
+    for state, make in ((fast.PhaseState(), fast.GradReady), (tracker_mod.PyPhaseState(), ddp_timing._py_grad_ready)):
+        state.waiting, state.depth, state.ready_ns, state._error = waiting, depth, 0, None
+        ddp = _Model(RuntimeError("attribute failed") if model == "raises" else model != "no-sync")
+        ref = weakref.ref(ddp)
+        if model == "gone":
+            del ddp
+            gc.collect()
+        queued = []
+
+        def queue(cb, queued=queued):
+            if model == "queue-raises":
+                raise RuntimeError("engine refused the callback")
+            queued.append(cb)
+
+        hook = make(state, ref, queue)
+        assert hook(object()) is None
+        assert hook(object()) is None  # a second parameter's call in the same backward: nothing more
+        for cb in queued:
+            cb()
+        seen.append((len(queued), state.waiting, state.ready_ns > 0, type(state._error).__name__))
+    assert seen[0] == seen[1]
+    armed = waiting and depth == 1
+    assert seen[0][0] == (1 if armed and model == "sync" else 0)
+    assert (seen[0][3] == "RuntimeError") == (armed and model in ("raises", "queue-raises"))
