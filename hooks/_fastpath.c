@@ -7,7 +7,9 @@
  * the event word, the count, the open-phase stack, the step's end. Everything rare (budgets, folds,
  * unbalanced exits, a phase an exception left, op names, the GPU harvest) calls back into the Python
  * methods of the subclass, so each rule has one copy. The record's layout comes from ``_bind`` (numbers
- * from ``record.py``), never from constants here.
+ * from ``record.py``), never from constants here. ``Phase`` wraps a training function (instrument.py's
+ * wrappers), ``PhaseState`` holds what a wrapper keeps between calls (DDP timing's split, the forward's
+ * nesting) and ``GradReady`` is DDP timing's gradient hook: no Python frame of the hook's runs in a step.
  *
  * Like the Python code, no method raises into training: an internal error calls ``self._fail(exc)``,
  * which disables tracking. Stores are plain word stores; the count (and the seqlock word) are written

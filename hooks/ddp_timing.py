@@ -28,8 +28,9 @@ and ``no_sync()`` steps keep ``backward`` whole. Only the outermost backward is 
 e.g. activation checkpointing, is left alone); a step whose hooked parameter got no gradient (unused
 with ``find_unused_parameters``) keeps its backward whole.
 
-The hook and the callback may run on an autograd device thread (CUDA): they only store Python
-attributes (``queued``, ``ready_ns``), no shm write, no lock. Everything that touches the record
+The hook and the callback may run on an autograd device thread (CUDA): they only store fields of this
+object (``waiting``, ``ready_ns``: C fields of ``_fastpath.PhaseState`` where built, and the hook and the
+callback are C too), no shm write, no lock. Everything that touches the record
 happens at backward exit on the training thread.
 
 CUDA caveat: the graph is "done" when autograd finished it *on the CPU side* (its kernels are queued,
