@@ -379,7 +379,11 @@ def pytest_configure(config):
         config.pluginmanager.register(plugin, "rankwatch_cpu_measure")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # tryfirst: xdist's own hook (on each worker) turns the xdist_group marks into the node ids' "@group" suffix
+    # that --dist loadgroup schedules by; run after it, the marks below were added too late and every group's
+    # tests were spread over the workers (each setting up the module fixture again)
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
