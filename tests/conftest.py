@@ -370,8 +370,26 @@ def _longest_first(item) -> int:
     return len(LONG_POLES) + (0 if item.get_closest_marker("slow") else 1)
 
 
+# the checkout's own Python code that the processes a test starts import: ranks (the hook, the demos and their
+# fault table), rankwatch's CLI processes, the test jobs and benchmark helpers
+BYTECODE_DIRS = ("hooks", "watchdog", "examples", "tests/procs", "tests/jobs", "benchmarks")
+
+
+def _compile_checkout() -> None:
+    """Write the checkout's bytecode once, before any worker starts. Under ``PYTHONDONTWRITEBYTECODE=1`` (set on
+    the CI machine) no process writes it, so every rank and every ``rankwatch`` process compiled the modules it
+    imports from source again (~0.1 s of CPU each, hundreds of processes per run); compiling them here costs
+    ~0.3 s once. A source edited later is recompiled as before (the bytecode records the source's mtime)."""
+    import compileall
+
+    for d in BYTECODE_DIRS:
+        compileall.compile_dir(str(REPO / d), quiet=2)
+
+
 def pytest_configure(config):
     """``RANKWATCH_TEST_CPU=FILE``: each test's wall time, CPU and torch imports (tests/cpu_measure.py)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or -n 0), once per run
+        _compile_checkout()
     if os.environ.get("RANKWATCH_TEST_CPU"):
         from cpu_measure import CpuMeasure
 
@@ -379,7 +397,11 @@ def pytest_configure(config):
         config.pluginmanager.register(plugin, "rankwatch_cpu_measure")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # tryfirst: xdist's own hook (on each worker) turns the xdist_group marks into the node ids' "@group" suffix
+    # that --dist loadgroup schedules by; run after it, the marks below were added too late and every group's
+    # tests were spread over the workers (each setting up the module fixture again)
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)

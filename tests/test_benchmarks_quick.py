@@ -112,8 +112,9 @@ def _nonempty(doc: Any) -> None:
 # once and checks its own result — fewer ranks, steps, sizes and repetitions, never a path. Its figures
 # are not quoted anywhere (benchmarks/README.md quotes full runs).
 CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
-    # the timing job at 4 ranks (quick), no hang class: one inspect over several ranks' py-spy at once
-    "bench_inspect.py:timing": (["--classes"], _inspect_timing),
+    # the timing job at 3 ranks (quick's 4 less one torch start-up), no hang class: one inspect over several
+    # ranks' py-spy at once
+    "bench_inspect.py:timing": (["--timing-ranks", "3", "--classes"], _inspect_timing),
     **{f"bench_inspect.py:classes-{i}": (["--reps", "0", "--classes", *half], _inspect_classes(half))
        for i, half in enumerate(INSPECT_HALVES, 1)},
     # (c) at 200 steps of ~3 ms still gives every arm py-spy samples (100 Hz on both ranks inside the loop);

@@ -4,6 +4,10 @@ Real 2-rank gloo DDP job (examples/ddp_demo.py --scenario input-hang) under torc
 stand-in NVML reports the rank pids the hook recorded: the culprit at 0 % (stuck on the CPU in its
 dataloader), its peer at 100 % (spinning in the collective). Skipped until daemon.py is wired to
 evidence.GpuWatch (``Daemon.gpu``).
+
+Both tests watch one job (module fixture): nothing kills it, so the hang is still there for the second
+daemon, which makes its own incident into its own out dir. One job instead of two saves three torch
+start-ups; each test still runs its own daemon through a whole stall (detection, capture, verdict, bundle).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from conftest import DEMO, torchrun_args, wait_for
+import pytest
+from conftest import DEMO, Procs, torchrun_args, wait_for
 from rankwatch.hooks.record import RecordFormatError, RecordReader
 from rankwatch.watchdog.core.policy import StallPolicy
 from rankwatch.watchdog.evidence.gpu import GpuWatch
@@ -119,10 +124,25 @@ def run_daemon_until_bundle(shm: Path, out: Path, job: str, gpu: GpuWatch) -> di
         daemon.close()
 
 
-def test_cpu_stuck_culprit_at_zero_percent_is_named_with_gpu_evidence(procs, tmp_path):
-    shm, out, job = tmp_path / "shm", tmp_path / "out", "gpu"
-    start_job(procs, shm, job)
-    pids = rank_pids(shm / job)
+pytestmark = pytest.mark.slow  # a real torchrun job (the module fixture starts it, not `procs`)
+
+
+@pytest.fixture(scope="module")
+def hung_job(tmp_path_factory):
+    """One job for both tests, hung in rank 1's DataLoader (no daemon here kills it); killed at teardown."""
+    shm, job = tmp_path_factory.mktemp("gpujob") / "shm", "gpu"
+    procs = Procs()
+    try:
+        start_job(procs, shm, job)
+        pids = rank_pids(shm / job)
+        yield shm, job, pids
+    finally:
+        procs.cleanup()
+
+
+def test_cpu_stuck_culprit_at_zero_percent_is_named_with_gpu_evidence(hung_job, tmp_path):
+    shm, job, pids = hung_job
+    out = tmp_path / "out"
     nvml = LiveNvml({pid: (0.0 if r == CULPRIT else 100.0) for r, pid in pids.items()})
     gpu = GpuWatch(nvml=nvml)
     assert gpu.available
@@ -135,10 +155,9 @@ def test_cpu_stuck_culprit_at_zero_percent_is_named_with_gpu_evidence(procs, tmp
     assert any(e.startswith(f"GPU agrees: rank {CULPRIT} 0 %") for e in verdict["evidence"]), verdict["evidence"]
 
 
-def test_without_nvml_the_verdict_stands_on_the_other_signals(procs, tmp_path):
-    shm, out, job = tmp_path / "shm", tmp_path / "out", "nogpu"
-    start_job(procs, shm, job)
-    rank_pids(shm / job)
+def test_without_nvml_the_verdict_stands_on_the_other_signals(hung_job, tmp_path):
+    shm, job, _ = hung_job
+    out = tmp_path / "out"
     gpu = GpuWatch()  # real pynvml, no driver here
     assert not gpu.available
     verdict = run_daemon_until_bundle(shm, out, job, gpu)

@@ -526,7 +526,9 @@ def test_forged_incident_in_a_healthy_job_makes_no_bundle(procs, tmp_path, with_
 def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
     """The whole exchange signed (snapshots, claim, evidence, verdict): both nodes' bundles carry the
     leader's verdict, the secret given through the environment as systemd's EnvironmentFile would. One rank per
-    node: the signed exchange between the nodes is the point (the hung rank is node 1's)."""
+    node: the signed exchange between the nodes is the point (the hung rank is node 1's). This is also the suite's
+    systemd-style pair (two `rankwatch daemon` sidecars over plain `torchrun -m rankwatch.hooks`, no `rankwatch
+    run`) on a real hang; the unsigned exchange of a real hang is test_multinode.py's, under `rankwatch run`."""
     secret = secret_file(tmp_path, 0o600)
     os.environ["RANKWATCH_STORE_SECRET_FILE"] = str(secret)
     try:
@@ -545,5 +547,6 @@ def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
     assert found, [d.stderr for d, _, _ in daemons]
     assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == [1]
     assert found[0]["incident_id"] == found[1]["incident_id"]
+    assert found[0]["phase"] == found[1]["phase"] == "forward"
     assert all(v["correlation"].startswith("leader node 0 over 2 node(s)") for v in found), found
     assert all(j.poll() is None for j in jobs), "daemons must not kill without --on-stall kill"

@@ -473,8 +473,8 @@ def test_batch_production_is_timed_in_workers_and_on_the_training_thread(procs, 
 # -- real jobs ---------------------------------------------------------------------------------------------
 JOBS = [
     # scenario, ranks, straggler rank, label, phase: one job on 4 ranks (the straggler among three that wait for
-    # it), the others on 2 (the phase is their point; every rank is a torch start-up, ~1.6 s of CPU)
-    ("backward-straggler", 2, 1, "COMPUTE STRAGGLER", "backward"),
+    # it), the others on 2 (the phase is their point; every rank is a torch start-up, ~1.6 s of CPU). The
+    # backward straggler once, on the 4 ranks: the same label and phase on 2 ranks was the same code path again
     ("backward-straggler", 4, 2, "COMPUTE STRAGGLER", "backward"),
     ("compute-straggler", 2, 0, "COMPUTE STRAGGLER", "optimizer"),
     ("input-straggler", 2, 0, "INPUT STRAGGLER", "dataloader"),

@@ -333,11 +333,15 @@ def test_torch_child_reads_like_the_hand_parser():
         ["-m", "pkg", "--", "x"],  # the `--` is swallowed: pkg gets ['x']
     ],
 )
-def test_lines_the_hand_parser_declines_are_read_by_torch(args):
+def test_lines_the_hand_parser_declines_are_read_by_torch(args, monkeypatch):
     env = clean_env()
-    parsed = ta.parse(args, env)
-    assert parsed.via == "torch"
-    check_rewrite(args, ta.inject_hooks(args, env), env)
+    # the parse inject_hooks does itself, recorded: one torch child per line (each is a torch start-up)
+    parsed: list[ta.Parsed] = []
+    real = ta.parse
+    monkeypatch.setattr(ta, "parse", lambda a, e=None: parsed.append(real(a, e)) or parsed[-1])
+    cmd = ta.inject_hooks(args, env)
+    assert [p.via for p in parsed] == ["torch"]
+    check_rewrite(args, cmd, env)
 
 
 @pytest.mark.parametrize(
