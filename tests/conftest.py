@@ -372,7 +372,7 @@ def _longest_first(item) -> int:
 
 # the checkout's own Python code that the processes a test starts import: ranks (the hook, the demos and their
 # fault table), rankwatch's CLI processes, the test jobs and benchmark helpers
-BYTECODE_DIRS = ("hooks", "watchdog", "examples", "tests/procs", "tests/jobs", "benchmarks")
+BYTECODE_DIRS = ("hooks", "watchdog", "examples", "tests/procs", "tests/jobs", "tests/child_site", "benchmarks")
 
 
 def _compile_checkout() -> None:
@@ -386,8 +386,20 @@ def _compile_checkout() -> None:
         compileall.compile_dir(str(REPO / d), quiet=2)
 
 
+# the sitecustomize of every process a test starts (a quick interpreter exit; the torch-import probe of
+# RANKWATCH_TEST_CPU): tests/child_site/sitecustomize.py says why
+CHILD_SITE = str(REPO / "tests" / "child_site")
+
+
+def _children_load_child_site() -> None:
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if CHILD_SITE not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (CHILD_SITE, *paths) if p)
+
+
 def pytest_configure(config):
     """``RANKWATCH_TEST_CPU=FILE``: each test's wall time, CPU and torch imports (tests/cpu_measure.py)."""
+    _children_load_child_site()
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or -n 0), once per run
         _compile_checkout()
     if os.environ.get("RANKWATCH_TEST_CPU"):

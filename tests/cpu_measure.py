@@ -8,7 +8,7 @@ counts every descendant the worker (or a process under it) reaped. A rank whose 
 would be re-parented to init and lost, so the worker makes itself a child subreaper: orphans become its own
 children, and after each test it reaps the zombies that no ``subprocess.Popen`` of its own waits for. Still
 running orphans are reported as ``left`` (a test that leaks a process). torch imports are counted by
-``tests/cpu_probe/sitecustomize.py``, on PYTHONPATH of every child that inherits the environment."""
+``tests/child_site/sitecustomize.py``, on PYTHONPATH of every child that inherits the environment."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-PROBE = Path(__file__).resolve().parent / "cpu_probe"
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
@@ -55,7 +54,6 @@ class CpuMeasure:
             pass
         self.torch_log.write_text("")
         os.environ["RANKWATCH_TEST_TORCH_LOG"] = str(self.torch_log)
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p)
         pids = self.popen_pids
         original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
