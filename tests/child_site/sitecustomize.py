@@ -9,7 +9,9 @@ that children inherit): the ranks, their torchrun agents, rankwatch's own proces
    this: what a process does while it runs is unchanged.
 2. ``RANKWATCH_TEST_TORCH_LOG`` (tests/cpu_measure.py): when torch is really imported (its package executed,
    not merely looked up with find_spec), one line, ``pid argv``, is appended to that file, so a test's
-   measurement says how many processes paid torch's import."""
+   measurement says how many processes paid torch's import; and every Python process that exits through
+   its exit handlers appends ``cpu: pid seconds torch argv`` to ``$RANKWATCH_TEST_TORCH_LOG.cpu`` (its own
+   CPU up to its last exit handler), which says where the suite's CPU goes by script."""
 
 import atexit
 import gc
@@ -17,6 +19,21 @@ import os
 import sys
 from importlib.machinery import PathFinder
 
+
+def _note_cpu() -> None:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        with open(os.environ["RANKWATCH_TEST_TORCH_LOG"] + ".cpu", "a") as f:
+            argv = " ".join(sys.argv)[:300].replace("\n", " ")
+            f.write(f"cpu: {os.getpid()} {r.ru_utime + r.ru_stime:.3f} {int('torch' in sys.modules)} {argv}\n")
+    except (OSError, KeyError):
+        pass
+
+
+if os.environ.get("RANKWATCH_TEST_TORCH_LOG"):
+    atexit.register(_note_cpu)  # registered before the freeze: it runs after it, last of all
 atexit.register(gc.freeze)
 
 
