@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = str(REPO / "examples" / "ddp_demo.py")
 
 
-_PORT_BLOCK = 1500  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
+_PORT_BLOCK = 1000  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
+_PORT_BLOCKS = 12  # 20000-31999: two runs of six workers side by side
 _PORT_STRIDE = 4  # the ports a test derives from one it drew (port + 1 ...) are never drawn
 _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
 
@@ -30,10 +31,10 @@ def free_port() -> int:
     """A port free now, below the ephemeral range: a port the kernel handed out (bind to 0) can be taken by any
     outgoing connection (gloo opens hundreds) before the job binds it — a store or rendezvous then fails with
     EADDRINUSE. Each xdist worker draws from its own block, in turn, so two tests never draw the same port.
-    ``RANKWATCH_TEST_PORT_OFFSET=4`` moves a run's workers to other blocks (two checkouts' runs side by side)."""
+    ``RANKWATCH_TEST_PORT_OFFSET=6`` moves a run's workers to other blocks (two checkouts' runs side by side)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     offset = int(os.environ.get("RANKWATCH_TEST_PORT_OFFSET", "0"))
-    base = 20000 + ((int(worker) if worker.isdigit() else 0) + offset) % 8 * _PORT_BLOCK
+    base = 20000 + ((int(worker) if worker.isdigit() else 0) + offset) % _PORT_BLOCKS * _PORT_BLOCK
     for _ in range(_PORT_BLOCK // _PORT_STRIDE):
         # a stride: callers use the ports just above the one drawn too (the Slurm example's store is MASTER_PORT+1)
         port = base + _port_next[0] * _PORT_STRIDE % _PORT_BLOCK
@@ -348,17 +349,19 @@ def _shares_module_fixture(item) -> bool:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto`` (addopts): two workers per core. Most slow tests wait rather than compute (torchrun
-    start-up, stall timeouts, py-spy, daemons' polls), so a third and fourth job overlap the waits of the
-    first two: measured on 2 cores at load 17-25, tests/test_watchdog_e2e.py took 283-384 s with 4 workers
-    against 433 s with 2. Not more: the start-ups are CPU (torch's import in every rank), and two workers
-    already keep 1.3 cores busy (the same module at load 5-7: 182 s of CPU in 136 s). ``-n 2`` (or ``-n 0``)
-    on the command line still wins."""
+    """``-n auto`` (addopts): three workers per core. Most slow tests wait rather than compute (torchrun
+    start-up, stall timeouts, py-spy, daemons' polls), so more jobs than cores overlap each other's waits:
+    measured on 2 cores at load 17-25, tests/test_watchdog_e2e.py took 283-384 s with 4 workers against 433 s
+    with 2. Beside other busy processes a third per core matters more: each job runs in its own session, so
+    each is one more scheduling group against the other load (the full suite beside two CPU hogs on 2 cores,
+    2026-12-04, the same commit: 16 min 46 s with 4 workers, 15 min 04 s with 6). Not more: memory (a
+    two-node job is ten torch processes) and every test's margin under load. ``-n 2`` (or ``-n 0``) on the
+    command line still wins."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return 2 * cores
+    return 3 * cores
 
 
 def _longest_first(item) -> int:
