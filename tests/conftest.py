@@ -389,6 +389,29 @@ def _compile_checkout() -> None:
         compileall.compile_dir(str(REPO / d), quiet=2)
 
 
+def _rewrite_tests_once(config) -> None:  # type: ignore[no-untyped-def]
+    """Pytest caches the assertion-rewritten code of each test module (and of the plugins it rewrites: hypothesis,
+    xdist, ...) in ``__pycache__``, but not under ``PYTHONDONTWRITEBYTECODE``: every xdist worker rewrote ~200
+    modules again, ~3 s of CPU each, all of them at once while the run starts. The controller writes them once,
+    before the workers start, with pytest's own rewriter and writer. These are pytest internals: where they
+    moved, nothing is written and the workers rewrite as before (slower, never wrong: a cached file is checked
+    against its source's mtime and size, as pytest always does)."""
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        files = {*state.hook._rewritten_names.values(), *(REPO / "tests").glob("test_*.py")}
+        for fn in sorted(files):
+            cache = rewrite.get_cache_dir(fn)
+            pyc = cache / (fn.name[:-3] + rewrite.PYC_TAIL)
+            if not rewrite.try_makedirs(cache) or rewrite._read_pyc(fn, pyc) is not None:
+                continue
+            source_stat, code = rewrite._rewrite_test(fn, config)
+            rewrite._write_pyc(state, code, source_stat, pyc)
+    except Exception:  # a cache only: the workers rewrite what is missing
+        pass
+
+
 # the sitecustomize of every process a test starts (a quick interpreter exit; the torch-import probe of
 # RANKWATCH_TEST_CPU): tests/child_site/sitecustomize.py says why
 CHILD_SITE = str(REPO / "tests" / "child_site")
@@ -405,6 +428,7 @@ def pytest_configure(config):
     _children_load_child_site()
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or -n 0), once per run
         _compile_checkout()
+        _rewrite_tests_once(config)
     if os.environ.get("RANKWATCH_TEST_CPU"):
         from cpu_measure import CpuMeasure
 

@@ -6,11 +6,8 @@ something compiled the global hooks stay, and the compiled forward runs again wi
 
 from __future__ import annotations
 
-import torch
-import torch._dynamo
-import torch._dynamo.utils
-from rankwatch.hooks.instrument import OutermostForward
-from torch import nn
+# torch and dynamo are imported in the test, not here: every xdist worker imports each test module to collect
+# it, and these two are ~3 s of CPU that only the worker running the test needs
 
 
 class _Tracker:
@@ -25,6 +22,12 @@ class _Tracker:
 
 
 def test_promotion_keeps_the_global_hooks_when_something_is_compiled() -> None:
+    import torch
+    import torch._dynamo
+    import torch._dynamo.utils
+    from rankwatch.hooks.instrument import OutermostForward
+    from torch import nn
+
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     compiled = torch.compile(model, backend="eager")
