@@ -39,3 +39,15 @@ def test_design_layout_table_lists_every_module():
     stale = sorted(m for m in listed if m.startswith(("watchdog/", "hooks/")) and m not in modules)
     assert not missing, f"docs/design.md layout table lacks {missing}"
     assert not stale, f"docs/design.md layout table names modules that do not exist: {stale}"
+
+
+def test_collecting_the_suite_imports_no_torch():
+    # every xdist worker imports every test module to collect it: torch at a module's top is ~1.5 s of CPU per
+    # worker (with dynamo ~3 s) that only the worker running the test needs (docs/CONTRIBUTING.md)
+    code = (
+        "import sys, pytest\n"
+        "rc = pytest.main(['--collect-only', '-q', '-n', '0', '-p', 'no:cacheprovider', 'tests'])\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300).stdout
+    assert out.splitlines()[-1] == "NO-TORCH 0", out[-3000:]
