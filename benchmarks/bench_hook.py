@@ -309,49 +309,6 @@ def step_child(steps: int, breakdown: bool = False) -> None:
     print(json.dumps(out), flush=True)
 
 
-# (a3)'s "all/log" arm: the Tracker's entry points with their bodies swapped for one append of a
-# (code, ns) word to a ring (what an append-only transition log in the record would cost the training
-# thread; nothing reads it). Names resolve in hooks/tracker.py's globals (_now, _ident), as the real ones.
-def _log_enter(self, slot, budget_s=0.0):  # type: ignore[no-untyped-def]
-    if not self.enabled or slot < 0 or _ident() != self.thread_id:  # noqa: F821
-        return
-    n = self._n
-    self._log[n & 8191] = ((16 | slot) << 56) + _now() - self._t0  # noqa: F821
-    self._n = n = n + 1
-    self._log[8192] = n
-
-
-def _log_exit(self, slot, split_ns=0, tail_slot=-1, failing=False):  # type: ignore[no-untyped-def]
-    if not self.enabled or slot < 0 or _ident() != self.thread_id:  # noqa: F821
-        return
-    n = self._n
-    self._log[n & 8191] = ((32 | slot) << 56) + _now() - self._t0  # noqa: F821
-    self._n = n = n + 1
-    self._log[8192] = n
-
-
-def _log_event(self, *args):  # type: ignore[no-untyped-def]  # collective_enter/exit, step
-    if not self.enabled or _ident() != self.thread_id:  # noqa: F821
-        return
-    n = self._n
-    self._log[n & 8191] = (64 << 56) + _now() - self._t0  # noqa: F821
-    self._n = n = n + 1
-    self._log[8192] = n
-
-
-def _log_bodies(tracker, on: bool, saved: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
-    from rankwatch.hooks.tracker import Tracker
-
-    bodies = {"enter": _log_enter, "exit": _log_exit, "collective_enter": _log_event,
-              "collective_exit": _log_event, "step": _log_event}
-    if not saved:
-        saved.update({k: getattr(Tracker, k).__code__ for k in bodies})
-        tracker._n, tracker._t0 = 0, time.monotonic_ns()
-        tracker._log = memoryview(bytearray(8 * 8193)).cast("Q")
-    for k, fn in bodies.items():
-        getattr(Tracker, k).__code__ = fn.__code__.replace(co_name=k) if on else saved[k]
-
-
 def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median paired difference (µs per step) of blocks with one group on (tracker recording, then
     disabled: ``/off``) against blocks with every point off; ``none`` (nothing on) is the noise floor."""
@@ -361,12 +318,10 @@ def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:
     assert tracker is not None
     per = 10
     out: dict[str, float] = {}
-    saved: dict = {}  # type: ignore[type-arg]
-    for group in ["none", *switch.groups, "all", "all/log"]:
+    for group in ["none", *switch.groups, "all"]:
         for recording in (True, False):
-            if group in ("none", "all/log") and not recording:
+            if group == "none" and not recording:
                 continue
-            _log_bodies(tracker, group == "all/log", saved)
             tracker.enabled = recording
             diffs = []
             for i in range(max(2, steps // (2 * per * (2 * len(switch.groups) + 3)))):
@@ -383,7 +338,6 @@ def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:
                     t[on] = block(per)
                 diffs.append(t[True] - t[False])
             out[group if recording else f"{group}/off"] = median(diffs)
-    _log_bodies(tracker, False, saved)
     tracker.enabled = True
     return out
 
@@ -414,16 +368,12 @@ def breakdown(steps: int) -> dict[str, float]:
 
 def breakdown_rows(bd: dict[str, float]) -> list[str]:
     groups = [g for g in bd if "/" not in g and g not in ("none", "all")]
-    log = bd.get("all/log")
     parts = ", ".join(f"{g} {bd[g]:+.0f} ({bd[g + '/off']:+.0f})" for g in groups)
     return [
         f"| hook CPU per step by group of points, one process (each group alone vs every point off, paired "
         f"blocks; in brackets: the tracker disabled, i.e. the wrappers and torch's hook paths without the "
         f"record writes) | {parts}; all {bd['all']:+.0f} ({bd['all/off']:+.0f}) µs; noise floor (nothing on) "
         f"{bd['none']:+.0f} µs | — | — |",
-        f"| … all points, the Tracker's bodies swapped for one ring append of a (code, ns) word each (what an "
-        f"append-only transition log would cost; benchmark only) | **{log:+.0f} µs** (recording as now: "
-        f"{bd['all']:+.0f}; no record writes: {bd['all/off']:+.0f}) | <= 20 µs | {'yes' if log <= 20 else 'NO'} |",
     ]
 
 

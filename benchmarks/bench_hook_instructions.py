@@ -85,8 +85,10 @@ def blocks_of(out_dir: Path, stem: str) -> list[dict[str, int]]:
     return ordered[1::2]  # parts 2, 4, 6, …: the blocks
 
 
-def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None, only: str | None = None) -> dict[str, float]:
-    """One step_child under callgrind; per-step medians of the paired block differences."""
+def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None, only: str | None = None,
+        keep: Path | None = None) -> dict[str, float]:
+    """One step_child under callgrind; per-step medians of the paired block differences. ``keep``: copy
+    callgrind's per-block files there (for ``callgrind_annotate``: where the misses are, by function)."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("bench_hook_instructions: valgrind is not installed (apt-get install valgrind)")
@@ -114,6 +116,8 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None, only:
             raise SystemExit(f"bench_hook_instructions: the child failed ({res.returncode}):\n"
                              f"{res.stderr[-3000:]}")
         blocks = blocks_of(tmp, "cg.out")
+        if keep is not None:
+            shutil.copytree(tmp, keep, dirs_exist_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -126,6 +130,8 @@ def run(steps: int, cache_sim: bool, tracker_off: bool, tree: Path | None, only:
     if cache_sim:
         keys["cycles"] = est_cycles
         keys["ll_misses"] = ll_misses
+        keys["i1_misses"] = lambda ev: ev.get("I1mr", 0)
+        keys["d1_misses"] = lambda ev: ev.get("D1mr", 0) + ev.get("D1mw", 0)
     for name, f in keys.items():
         diffs, offs = [], []
         for i in range(0, len(order) - 1, 2):
@@ -149,13 +155,15 @@ def main() -> int:
                    help="hooked blocks with only this group of points on (bench_hook.HookSwitch.groups)")
     p.add_argument("--tree", type=Path, default=None,
                    help="a directory holding another version's rankwatch package (e.g. a git archive as pkg/rankwatch)")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep callgrind's per-block files here (callgrind_annotate them: misses by function)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     steps = args.steps or (40 if args.quick else 200)
     if steps < 2 * PER_BLOCK:
         print(f"bench_hook_instructions: --steps must be at least {2 * PER_BLOCK}", file=sys.stderr)
         return 2
-    r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree, args.only)
+    r = run(steps, not args.no_cache_sim, args.tracker_off, args.tree, args.only, args.keep)
     what = "the points on, tracker disabled" if args.tracker_off else "hook on"
     if args.only:
         what += f", only {args.only}"
@@ -166,7 +174,8 @@ def main() -> int:
     if "cycles_per_step" in r:
         us = r["cycles_per_step"] / cpu_mhz()
         rows.append(f"| … estimated cycles (Ir + 10 × L1 + 100 × LL misses) | **{r['cycles_per_step']:+,.0f}** "
-                    f"(LL misses {r['ll_misses_per_step']:+,.0f}; ≈ {us:+.1f} µs at {cpu_mhz():,.0f} MHz) | "
+                    f"(L1 misses: instruction {r['i1_misses_per_step']:+,.0f}, data {r['d1_misses_per_step']:+,.0f}; "
+                    f"LL misses {r['ll_misses_per_step']:+,.0f}; ≈ {us:+.1f} µs at {cpu_mhz():,.0f} MHz) | "
                     f"≈ 20 µs | {'yes' if us <= 20 else 'NO'} |")
     return print_results(rows, {"steps": steps, **r}, args.json)
 

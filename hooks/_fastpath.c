@@ -24,27 +24,50 @@
 
 #define N_SLOTS 32 /* an event word's arg field: 5 bits */
 
+/* one phase slot's event words less the clock, and its open word's code (an exit reads ``out`` and
+ * ``enter_code``: side by side) */
+typedef struct {
+    uint64_t in, out, enter_code, fail, batch, split;
+} SlotCodes;
+
+/* A transition runs between long stretches of torch's work, which evict the hook's lines from the L1
+ * caches (callgrind: the hook's cost per step is mostly L1 misses, not instructions). So what one
+ * transition reads sits together: the hot fields in the first two lines, a slot's codes in one line, the
+ * open phases in a C array (no int objects made and freed per phase, no list). */
 typedef struct {
     PyObject_HEAD
+    /* hot: every transition */
+    uint64_t *q;
+    long long tid;                  /* the thread that may write (-1: disabled) */
+    unsigned long long ev_n, slow_at;
+    Py_ssize_t w_ev, w_ev_count;
+    uint64_t ev_mask, ns_bits;
+    uint64_t *stk;                  /* open phases' enter words, outermost first */
+    Py_ssize_t depth, cap;
+    int bound, py_clock;            /* py_clock: ``clock`` is a Python callable (tests) */
+    int has_budgets;                /* mirror of ``len(_budgets) > 0``: such an exit takes the slow path */
+    int has_last_op;
+    uint64_t last_op;               /* the last collective's enter word less the clock */
+    long long colls;
+    uint64_t max_phases;
+    uint64_t gpu_on;                /* the slots timed on the GPU while a pool is attached (``_gpu``), else 0 */
+    /* per slot */
+    SlotCodes codes[N_SLOTS];
+    uint64_t k_coll_in, k_coll_out;
     /* the record */
     Py_buffer view;
-    int bound;
-    uint64_t *q;
     Py_ssize_t nwords;
     /* layout (word indices and sizes, from record.py via _bind) */
-    Py_ssize_t w_seq, w_ev, w_ev_count, w_steps_done, w_ring, w_input;
-    uint64_t ev_mask, ring_slots, entry_words, e_cp, max_stack, max_phases, ns_bits;
+    Py_ssize_t w_seq, w_steps_done, w_ring, w_input;
+    uint64_t ring_slots, entry_words, e_cp, max_stack;
     uint64_t gpu_slots; /* bit mask of slots timed on the GPU */
     int coll_slot, opt_slot;
-    uint64_t k_in[N_SLOTS], k_out[N_SLOTS], k_fail[N_SLOTS], k_batch[N_SLOTS], k_split[N_SLOTS];
-    uint64_t k_coll_in, k_coll_out;
-    uint64_t enter_code[N_SLOTS]; /* an open phase's word >> ns_bits */
     /* state shared with the Python methods (members below) */
-    long long tid, thread_id;
-    unsigned long long ev_n, slow_at, seq, steps_done, step_start, seen_ns, seen_batches, origin;
-    long long colls, input_slots_used, input_workers;
+    long long thread_id;
+    unsigned long long seq, steps_done, step_start, seen_ns, seen_batches, origin;
+    long long input_slots_used, input_workers;
     char explicit_steps;
-    PyObject *stack, *budgets, *gpu, *ops, *last_op, *frozen, *clock, *after_step;
+    PyObject *budgets, *gpu, *ops, *frozen, *clock, *after_step;
 } Core;
 
 static PyObject *s_require_sync, *s_stamp;
@@ -52,13 +75,24 @@ static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
 
+/* PyThread_get_thread_ident() without its two calls: on glibc and musl (x86-64, aarch64) pthread_self()
+ * is the thread pointer; exec_module checks that on the importing thread before the hot paths use it */
+static int tp_is_ident;
+
+static inline long long thread_ident(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
+    if (__builtin_expect(tp_is_ident, 1)) return (long long)(uintptr_t)__builtin_thread_pointer();
+#endif
+    return (long long)PyThread_get_thread_ident();
+}
+
 static inline int on_thread(Core *self) {
-    return self->bound && (long long)PyThread_get_thread_ident() == self->tid;
+    return self->bound && thread_ident() == self->tid;
 }
 
 /* 0 and an exception set when a Python clock fails */
 static inline int now_ns(Core *self, uint64_t *out) {
-    if (self->clock == NULL || self->clock == Py_None) {
+    if (__builtin_expect(!self->py_clock, 1)) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         *out = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
@@ -86,7 +120,7 @@ static inline void set_seq(Core *self, uint64_t v) {
 }
 
 /* the error path of every public method: self._fail(exc) for an Exception, other BaseExceptions go on */
-static PyObject *fail(Core *self) {
+static __attribute__((cold, noinline)) PyObject *fail(Core *self) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
@@ -100,30 +134,39 @@ static PyObject *fail(Core *self) {
     Py_RETURN_NONE;
 }
 
-static int push(Core *self, uint64_t w) {
-    PyObject *v = PyLong_FromUnsignedLongLong(w);
-    if (v == NULL) return -1;
-    int rc = PyList_Append(self->stack, v);
-    Py_DECREF(v);
-    return rc;
+static __attribute__((cold, noinline)) int grow(Core *self, Py_ssize_t need) {
+    Py_ssize_t cap = self->cap ? self->cap : 16;
+    while (cap < need) cap *= 2;
+    uint64_t *p = PyMem_Realloc(self->stk, (size_t)cap * sizeof(uint64_t));
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->stk = p;
+    self->cap = cap;
+    return 0;
 }
 
-/* pop the innermost open phase when it is ``code`` and nothing rare is pending; 1 popped, 0 not, -1 error */
-static int pop_if(Core *self, uint64_t code) {
-    if (!PyList_CheckExact(self->stack) || !PyList_CheckExact(self->budgets)) return 0;
-    Py_ssize_t n = PyList_GET_SIZE(self->stack);
-    if (n == 0 || PyList_GET_SIZE(self->budgets) != 0) return 0;
-    uint64_t top = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(self->stack, n - 1));
-    if (top == (uint64_t)-1 && PyErr_Occurred()) return -1;
-    if ((top >> self->ns_bits) != code) return 0;
-    /* list.pop()'s own way for the last item: the size drops, the allocation stays for the next push */
-    PyObject *item = PyList_GET_ITEM(self->stack, n - 1);
-    Py_SET_SIZE(self->stack, n - 1);
-    Py_DECREF(item);
+static inline int push(Core *self, uint64_t w) {
+    if (__builtin_expect(self->depth >= self->cap, 0) && grow(self, self->depth + 1) < 0) return -1;
+    self->stk[self->depth++] = w;
+    return 0;
+}
+
+/* the Python slow paths (``_entered_slow`` appends a budget, ``_exited_slow`` rebuilds the list) */
+static void refresh_budgets(Core *self) {
+    self->has_budgets = !PyList_CheckExact(self->budgets) || PyList_GET_SIZE(self->budgets) != 0;
+}
+
+/* pop the innermost open phase when it is ``code`` and nothing rare is pending; 1 popped, 0 not */
+static inline int pop_if(Core *self, uint64_t code) {
+    Py_ssize_t n = self->depth;
+    if (n == 0 || self->has_budgets || (self->stk[n - 1] >> self->ns_bits) != code) return 0;
+    self->depth = n - 1;
     return 1;
 }
 
-static int call_method(Core *self, PyObject *name, const char *fmt, ...) {
+static __attribute__((cold, noinline)) int call_method(Core *self, PyObject *name, const char *fmt, ...) {
     va_list va;
     va_start(va, fmt);
     PyObject *args = Py_VaBuildValue(fmt, va);
@@ -137,14 +180,14 @@ static int call_method(Core *self, PyObject *name, const char *fmt, ...) {
     PyObject *r = PyObject_Call(meth, args, NULL);
     Py_DECREF(meth);
     Py_DECREF(args);
+    refresh_budgets(self);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
 }
 
-static int gpu_call(Core *self, const char *method, int slot) {
-    if (self->gpu == NULL || self->gpu == Py_None || slot < 0 || slot >= 64 || !((self->gpu_slots >> slot) & 1))
-        return 0;
+static inline int gpu_call(Core *self, const char *method, int slot) {
+    if (__builtin_expect(!self->gpu_on, 1) || slot < 0 || slot >= 64 || !((self->gpu_on >> slot) & 1)) return 0;
     PyObject *r = PyObject_CallMethod(self->gpu, method, "i", slot);
     if (r == NULL) return -1;
     Py_DECREF(r);
@@ -207,18 +250,7 @@ static int write_cp(Core *self, Py_ssize_t base, uint64_t n, uint64_t at) {
     q[base] = n;
     q[base + 1] = at;
     q[base + 2] = (uint64_t)self->colls;
-    uint64_t last = UINT64_MAX;
-    if (self->last_op != NULL && PyLong_Check(self->last_op)) {
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(self->last_op, &overflow);
-        if (v == -1 && !overflow && PyErr_Occurred()) return -1;
-        if (overflow > 0 || (overflow == 0 && v >= 0)) {
-            uint64_t k = PyLong_AsUnsignedLongLongMask(self->last_op);
-            if (k == (uint64_t)-1 && PyErr_Occurred()) return -1;
-            last = ((k + self->origin) >> self->ns_bits) & 31;
-        }
-    }
-    q[base + 3] = last;
+    q[base + 3] = self->has_last_op ? ((self->last_op + self->origin) >> self->ns_bits) & 31 : UINT64_MAX;
     uint64_t frozen = 0;
     if (self->frozen != NULL && self->frozen != Py_None) {
         PyObject *w = PySequence_GetItem(self->frozen, 0);
@@ -228,18 +260,10 @@ static int write_cp(Core *self, Py_ssize_t base, uint64_t n, uint64_t at) {
         if (frozen == (uint64_t)-1 && PyErr_Occurred()) return -1;
     }
     q[base + 4] = frozen;
-    if (!PyList_Check(self->stack)) {
-        PyErr_SetString(PyExc_TypeError, "_stack is not a list");
-        return -1;
-    }
-    Py_ssize_t depth = PyList_GET_SIZE(self->stack);
+    Py_ssize_t depth = self->depth;
     q[base + 5] = (uint64_t)depth;
     Py_ssize_t first = depth > (Py_ssize_t)self->max_stack ? depth - (Py_ssize_t)self->max_stack : 0;
-    for (Py_ssize_t i = first; i < depth; i++) {
-        uint64_t w = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(self->stack, i));
-        if (w == (uint64_t)-1 && PyErr_Occurred()) return -1;
-        q[base + 6 + (i - first)] = w;
-    }
+    for (Py_ssize_t i = first; i < depth; i++) q[base + 6 + (i - first)] = self->stk[i];
     return 0;
 }
 
@@ -276,7 +300,7 @@ static PyObject *do_enter(Core *self, long slot, double budget_s) {
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
-    uint64_t w = self->k_in[slot] + t, n = self->ev_n;
+    uint64_t w = self->codes[slot].in + t, n = self->ev_n;
     put(self, n, w);
     publish_count(self, ++n);
     if (push(self, w) < 0) return fail(self);
@@ -340,12 +364,12 @@ static PyObject *do_exit(Core *self, long slot, uint64_t split, long tail, int f
     uint64_t n = self->ev_n;
     if (split && tail >= 0 && split > self->origin) {
         if (!slot_ok(self, tail)) return fail(self);
-        put(self, n++, self->k_split[tail] + split);
+        put(self, n++, self->codes[tail].split + split);
     }
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
-    uint64_t w = (failing ? self->k_fail : self->k_out)[slot] + t;
-    if (closed(self, n, w, slot, self->enter_code[slot], failing) < 0) return fail(self);
+    uint64_t w = (failing ? self->codes[slot].fail : self->codes[slot].out) + t;
+    if (closed(self, n, w, slot, self->codes[slot].enter_code, failing) < 0) return fail(self);
     Py_RETURN_NONE;
 }
 
@@ -367,36 +391,37 @@ static PyObject *do_exit_batch(Core *self, long slot, int produced) {
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
-    uint64_t w = (produced ? self->k_batch : self->k_out)[slot] + t;
-    if (closed(self, self->ev_n, w, slot, self->enter_code[slot], 0) < 0) return fail(self);
+    uint64_t w = (produced ? self->codes[slot].batch : self->codes[slot].out) + t;
+    if (closed(self, self->ev_n, w, slot, self->codes[slot].enter_code, 0) < 0) return fail(self);
     if (produced && self->input_workers) self->input_workers = 0;
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_collective_enter(Core *self, PyObject *op) {
-    if (!on_thread(self)) Py_RETURN_NONE;
+/* the collective-enter word less the clock for ``op`` (declared on first use by ``_op_word``); 0 and an
+ * exception set when that fails */
+static int op_word(Core *self, PyObject *op, uint64_t *out) {
     PyObject *k = PyDict_Check(self->ops) ? PyDict_GetItemWithError(self->ops, op) : NULL;
     if (k != NULL) {
         Py_INCREF(k);
     } else {
-        if (PyErr_Occurred()) return fail(self);
+        if (PyErr_Occurred()) return 0;
         k = PyObject_CallMethodOneArg((PyObject *)self, s_op_word, op);
-        if (k == NULL) return fail(self);
+        if (k == NULL) return 0;
     }
-    uint64_t kv = PyLong_AsUnsignedLongLongMask(k);
-    if (kv == (uint64_t)-1 && PyErr_Occurred()) {
-        Py_DECREF(k);
-        return fail(self);
-    }
+    *out = PyLong_AsUnsignedLongLongMask(k);
+    Py_DECREF(k);
+    return !(*out == (uint64_t)-1 && PyErr_Occurred());
+}
+
+/* on the tracker's thread */
+static PyObject *coll_enter(Core *self, uint64_t kv) {
     uint64_t t;
-    if (!now_ns(self, &t)) {
-        Py_DECREF(k);
-        return fail(self);
-    }
+    if (!now_ns(self, &t)) return fail(self);
     uint64_t n = self->ev_n;
     put(self, n, kv + t);
     publish_count(self, ++n);
-    Py_XSETREF(self->last_op, k); /* takes the reference */
+    self->last_op = kv;
+    self->has_last_op = 1;
     if (push(self, self->k_coll_in + t) < 0) return fail(self);
     self->colls++;
     if (n >= self->slow_at && call_method(self, s_entered_slow, "(dK)", 0.0, (unsigned long long)n) < 0)
@@ -404,11 +429,18 @@ static PyObject *Core_collective_enter(Core *self, PyObject *op) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Core_collective_enter(Core *self, PyObject *op) {
+    if (!on_thread(self)) Py_RETURN_NONE;
+    uint64_t kv;
+    if (!op_word(self, op, &kv)) return fail(self);
+    return coll_enter(self, kv);
+}
+
 static PyObject *Core_collective_exit(Core *self, PyObject *Py_UNUSED(ignored)) {
     if (!on_thread(self)) Py_RETURN_NONE;
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
-    if (closed(self, self->ev_n, self->k_coll_out + t, self->coll_slot, self->enter_code[self->coll_slot], 0) < 0)
+    if (closed(self, self->ev_n, self->k_coll_out + t, self->coll_slot, self->codes[self->coll_slot].enter_code, 0) < 0)
         return fail(self);
     Py_RETURN_NONE;
 }
@@ -419,7 +451,7 @@ static PyObject *do_exit_step(Core *self, long slot) {
     if (!slot_ok(self, slot)) return fail(self);
     uint64_t t;
     if (!now_ns(self, &t)) return fail(self);
-    if (closed(self, self->ev_n, self->k_out[slot] + t, slot, self->enter_code[slot], 0) < 0) return fail(self);
+    if (closed(self, self->ev_n, self->codes[slot].out + t, slot, self->codes[slot].enter_code, 0) < 0) return fail(self);
     if (!self->explicit_steps) {
         uint64_t seq = self->seq + 1;
         set_seq(self, seq);
@@ -538,18 +570,19 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     self->max_phases = v[11];
     self->ns_bits = v[12];
     self->gpu_slots = v[13];
+    self->gpu_on = self->gpu != NULL && self->gpu != Py_None ? self->gpu_slots : 0;
     self->coll_slot = (int)v[14];
     self->opt_slot = (int)v[15];
     self->origin = v[16];
     uint64_t o = v[16], nb = v[12], en = v[17], ex = v[18], fl = v[19], ba = v[20], sp = v[21], ce = v[22]; /* a collective's enter word comes from its op (_op_word) */
 #define CODE(kind, arg) ((((uint64_t)(kind) << 5) | ((uint64_t)(arg) & 31)) << nb)
     for (int s = 0; s < N_SLOTS; s++) {
-        self->k_in[s] = CODE(en, s) - o;
-        self->k_out[s] = CODE(ex, s) - o;
-        self->k_fail[s] = CODE(fl, s) - o;
-        self->k_batch[s] = CODE(ba, s) - o;
-        self->k_split[s] = CODE(sp, s) - o;
-        self->enter_code[s] = (en << 5) | (uint64_t)s;
+        self->codes[s].in = CODE(en, s) - o;
+        self->codes[s].out = CODE(ex, s) - o;
+        self->codes[s].fail = CODE(fl, s) - o;
+        self->codes[s].batch = CODE(ba, s) - o;
+        self->codes[s].split = CODE(sp, s) - o;
+        self->codes[s].enter_code = (en << 5) | (uint64_t)s;
     }
     self->k_coll_in = CODE(en, self->coll_slot) - o;
     self->k_coll_out = CODE(ce, 0) - o;
@@ -576,6 +609,8 @@ typedef struct {
     PyObject *core, *fn, *arg, *dict;
     int kind;
     long slot;
+    int op_known; /* a collective's word, once its op was declared (a core's op words never change) */
+    uint64_t op_k;
 } Phase;
 
 
@@ -617,9 +652,8 @@ static PyObject *GradReady_vectorcall(GradReady *self, PyObject *const *args, si
     PhaseState *t = (PhaseState *)self->state;
     /* only the outermost backward, once, and only when DDP's forward prepared this backward's all-reduce */
     if (!t->waiting || t->depth != 1) Py_RETURN_NONE;
-    PyObject *ddp = PyWeakref_GetObject(self->ref); /* borrowed; None once the model is gone */
+    PyObject *ddp = PyWeakref_GET_OBJECT(self->ref); /* borrowed; None once the model is gone (a checked ref) */
     int go = 0;
-    if (ddp == NULL) goto error;
     if (ddp != Py_None) {
         Py_INCREF(ddp);
         PyObject *v = PyObject_GetAttr(ddp, s_require_sync);
@@ -740,7 +774,7 @@ static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf
     Core *c = (Core *)self->core;
     PhaseState *t = (PhaseState *)self->arg;
     PyObject *x;
-    if (!c->bound || (long long)PyThread_get_thread_ident() != c->thread_id)  /* another thread's backward */
+    if (!c->bound || thread_ident() != c->thread_id) /* another thread's backward */
         return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
     long long depth = ++t->depth; /* DDPTiming.begin() */
     if (depth == 1) {
@@ -822,7 +856,16 @@ static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nar
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *x;
     if (self->kind == PHASE_COLL) {
-        x = Core_collective_enter(c, self->arg);
+        if (!on_thread(c)) {
+            x = Py_NewRef(Py_None);
+        } else if (self->op_known) {
+            x = coll_enter(c, self->op_k);
+        } else if (op_word(c, self->arg, &self->op_k)) {
+            self->op_known = 1;
+            x = coll_enter(c, self->op_k);
+        } else {
+            x = fail(c);
+        }
     } else {
         x = do_enter(c, self->slot, 0.0);
     }
@@ -1021,15 +1064,13 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Core *self = (Core *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->tid = -1;
-    self->stack = PyList_New(0);
     self->budgets = PyList_New(0);
     self->ops = PyDict_New();
-    self->last_op = PyLong_FromLong(-1);
     self->gpu = Py_NewRef(Py_None);
     self->frozen = Py_NewRef(Py_None);
     self->clock = Py_NewRef(Py_None);
     self->after_step = Py_NewRef(Py_None);
-    if (!self->stack || !self->budgets || !self->ops || !self->last_op) {
+    if (!self->budgets || !self->ops || grow(self, 16) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -1037,11 +1078,9 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static int Core_traverse(Core *self, visitproc visit, void *arg) {
-    Py_VISIT(self->stack);
     Py_VISIT(self->budgets);
     Py_VISIT(self->gpu);
     Py_VISIT(self->ops);
-    Py_VISIT(self->last_op);
     Py_VISIT(self->frozen);
     Py_VISIT(self->clock);
     Py_VISIT(self->after_step);
@@ -1050,11 +1089,9 @@ static int Core_traverse(Core *self, visitproc visit, void *arg) {
 }
 
 static int Core_clear(Core *self) {
-    Py_CLEAR(self->stack);
     Py_CLEAR(self->budgets);
     Py_CLEAR(self->gpu);
     Py_CLEAR(self->ops);
-    Py_CLEAR(self->last_op);
     Py_CLEAR(self->frozen);
     Py_CLEAR(self->clock);
     Py_CLEAR(self->after_step);
@@ -1069,6 +1106,7 @@ static void Core_dealloc(Core *self) {
         self->bound = 0;
         PyBuffer_Release(&self->view);
     }
+    PyMem_Free(self->stk);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -1099,17 +1137,100 @@ static PyMemberDef Core_members[] = {
     M("input_slots_used", T_LONGLONG, input_slots_used),
     M("input_workers", T_LONGLONG, input_workers),
     M("explicit_steps", T_BOOL, explicit_steps),
-    M("_stack", T_OBJECT_EX, stack),
-    M("_budgets", T_OBJECT_EX, budgets),
-    M("_gpu", T_OBJECT, gpu),
     M("_ops", T_OBJECT_EX, ops),
-    M("_last_op", T_OBJECT_EX, last_op),
     M("_frozen", T_OBJECT, frozen),
-    M("_clock", T_OBJECT, clock),
     M("_after_step", T_OBJECT, after_step),
     {NULL},
 };
 #undef M
+
+/* the C-held state as the Python slow paths see it (tracker.Tracker, like PyCore's attributes) */
+static PyObject *Core_get_stack(Core *self, void *Py_UNUSED(c)) {
+    PyObject *l = PyList_New(self->depth);
+    if (l == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < self->depth; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(self->stk[i]);
+        if (v == NULL) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, v);
+    }
+    return l;
+}
+
+static int Core_set_stack(Core *self, PyObject *v, void *Py_UNUSED(c)) {
+    if (v == NULL || !PyList_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "_stack must be a list of ints");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(v);
+    if (n > self->cap && grow(self, n) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t w = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(v, i));
+        if (w == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        self->stk[i] = w;
+    }
+    self->depth = n;
+    return 0;
+}
+
+static PyObject *Core_get_budgets(Core *self, void *Py_UNUSED(c)) { return Py_NewRef(self->budgets); }
+
+static int Core_set_budgets(Core *self, PyObject *v, void *Py_UNUSED(c)) {
+    if (v == NULL) {
+        PyErr_SetString(PyExc_TypeError, "_budgets cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(self->budgets, Py_NewRef(v));
+    refresh_budgets(self);
+    return 0;
+}
+
+static PyObject *Core_get_last_op(Core *self, void *Py_UNUSED(c)) {
+    return self->has_last_op ? PyLong_FromUnsignedLongLong(self->last_op) : PyLong_FromLong(-1);
+}
+
+static int Core_set_last_op(Core *self, PyObject *v, void *Py_UNUSED(c)) {
+    if (v == NULL || !PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "_last_op must be an int");
+        return -1;
+    }
+    int overflow = 0;
+    long long sv = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (sv == -1 && !overflow && PyErr_Occurred()) return -1;
+    int neg = overflow < 0 || (overflow == 0 && sv < 0);
+    uint64_t k = neg ? 0 : PyLong_AsUnsignedLongLongMask(v);
+    if (k == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    self->has_last_op = !neg;
+    self->last_op = k;
+    return 0;
+}
+
+static PyObject *Core_get_gpu(Core *self, void *Py_UNUSED(c)) { return Py_NewRef(self->gpu); }
+
+static int Core_set_gpu(Core *self, PyObject *v, void *Py_UNUSED(c)) {
+    Py_XSETREF(self->gpu, Py_NewRef(v != NULL ? v : Py_None));
+    self->gpu_on = self->gpu != Py_None ? self->gpu_slots : 0;
+    return 0;
+}
+
+static PyObject *Core_get_clock(Core *self, void *Py_UNUSED(c)) { return Py_NewRef(self->clock); }
+
+static int Core_set_clock(Core *self, PyObject *v, void *Py_UNUSED(c)) {
+    Py_XSETREF(self->clock, Py_NewRef(v != NULL ? v : Py_None));
+    self->py_clock = self->clock != Py_None;
+    return 0;
+}
+
+static PyGetSetDef Core_getset[] = {
+    {"_stack", (getter)Core_get_stack, (setter)Core_set_stack, "open phases (a copy: assign to change)", NULL},
+    {"_budgets", (getter)Core_get_budgets, (setter)Core_set_budgets, NULL, NULL},
+    {"_last_op", (getter)Core_get_last_op, (setter)Core_set_last_op, NULL, NULL},
+    {"_clock", (getter)Core_get_clock, (setter)Core_set_clock, NULL, NULL},
+    {"_gpu", (getter)Core_get_gpu, (setter)Core_set_gpu, NULL, NULL},
+    {NULL},
+};
 
 static PyMethodDef Core_methods[] = {
     {"enter", (PyCFunction)(void (*)(void))Core_enter, METH_FASTCALL | METH_KEYWORDS, NULL},
@@ -1133,6 +1254,7 @@ static PyType_Slot Core_slots[] = {
     {Py_tp_traverse, Core_traverse},
     {Py_tp_clear, Core_clear},
     {Py_tp_members, Core_members},
+    {Py_tp_getset, Core_getset},
     {Py_tp_methods, Core_methods},
     {Py_tp_doc, "The tracker's hot paths (see tracker.PyCore for the same in Python)."},
     {0, NULL},
@@ -1157,6 +1279,9 @@ static int exec_module(PyObject *m) {
     INTERN(s_require_sync, "require_forward_param_sync");
     INTERN(s_stamp, "_stamp");
 #undef INTERN
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
+    tp_is_ident = (unsigned long)(uintptr_t)__builtin_thread_pointer() == PyThread_get_thread_ident();
+#endif
     PyObject *t = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
     if (t == NULL) return -1;
     CoreType = (PyTypeObject *)t;

@@ -472,7 +472,7 @@ class _TrackerBase:
         """The stack after an exit that is not the plain close of the innermost phase: unwind to the
         matching phase (an exception skipped an exit; none matches: every phase is closed), note the
         phase a failing exit left, recompute the budget. The reader applies the same rule to the events."""
-        st = self._stack
+        st = self._stack  # the C core's is a copy: assigned back below
         code = _ENTER_CODE[slot]
         while st and st[-1] >> _TOP != code:
             st.pop()
@@ -481,6 +481,7 @@ class _TrackerBase:
             if failing:
                 self._frozen = (w, n - 1)
                 self._slow_at = 0  # the next enter ends it
+        self._stack = st
         if self._budgets and any(depth >= len(st) for depth, _, _ in self._budgets):
             self._budgets = [b for b in self._budgets if b[0] < len(st)]
             best = max(self._budgets, key=lambda b: b[1], default=None)
