@@ -195,11 +195,12 @@ class HookSwitch:
         import torch.distributed as dist
         import torch.optim.optimizer as optim_mod
         import torch.utils.data.dataloader as dl
-        from rankwatch.hooks.instrument import COLLECTIVES
+        from rankwatch.hooks.instrument import COLLECTIVES, backward_entry
         from torch.nn.parallel import DistributedDataParallel
 
         owners = [(dl._BaseDataLoaderIter, "__next__"), (DistributedDataParallel, "forward"),
-                  (torch.autograd, "backward"), *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
+                  (torch.autograd, backward_entry(torch.autograd)[0]),
+                  *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
         self.attrs = [(o, n, getattr(o, n)) for o, n in owners]
         dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks]
         dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]

@@ -70,7 +70,7 @@ typedef struct {
     PyObject *budgets, *gpu, *ops, *frozen, *clock, *after_step;
 } Core;
 
-static PyObject *s_require_sync, *s_stamp;
+static PyObject *s_require_sync, *s_stamp, *s_gate_kw;
 static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu;
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
@@ -611,6 +611,7 @@ typedef struct {
     long slot;
     int op_known; /* a collective's word, once its op was declared (a core's op words never change) */
     uint64_t op_k;
+    int gated;    /* a phase only when called with accumulate_grad=True (torch's engine entry: backward, not grad) */
 } Phase;
 
 
@@ -849,7 +850,20 @@ static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargs
     return r;
 }
 
+/* the keyword ``accumulate_grad`` given as True (torch.autograd.backward's call of the engine; grad's is False) */
+static int accumulates(PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (kwnames == NULL) return 0;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (k == s_gate_kw || (PyUnicode_Check(k) && PyUnicode_Compare(k, s_gate_kw) == 0))
+            return args[nargs + i] == Py_True;
+    }
+    return 0;
+}
+
 static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (self->gated && !accumulates(args, nargsf, kwnames)) return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
     if (self->kind == PHASE_BACKWARD) return backward_call(self, args, nargsf, kwnames);
     if (self->kind == PHASE_OUTERMOST) return outermost_call(self, args, nargsf, kwnames);
     Core *c = (Core *)self->core;
@@ -911,13 +925,13 @@ static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nar
 
 static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *core, *fn, *arg;
-    int kind;
+    int kind, gated = 0;
     long slot;
-    if (!PyArg_ParseTuple(args, "OOilO:Phase", &core, &fn, &kind, &slot, &arg)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOilO|p:Phase", &core, &fn, &kind, &slot, &arg, &gated)) return NULL;
     if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_OUTERMOST ||
         (kind == PHASE_COLL && !PyUnicode_Check(arg)) ||
         ((kind == PHASE_BACKWARD || kind == PHASE_OUTERMOST) && !PyObject_TypeCheck(arg, PhaseStateType))) {
-        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-4, slot: int, arg)");
+        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-4, slot: int, arg, gated: bool = False)");
         return NULL;
     }
     Phase *self = (Phase *)type->tp_alloc(type, 0);
@@ -928,6 +942,7 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->arg = Py_NewRef(arg);
     self->kind = kind;
     self->slot = slot;
+    self->gated = gated;
     return (PyObject *)self;
 }
 
@@ -1278,6 +1293,7 @@ static int exec_module(PyObject *m) {
     INTERN(s_harvest_gpu, "_harvest_gpu");
     INTERN(s_require_sync, "require_forward_param_sync");
     INTERN(s_stamp, "_stamp");
+    INTERN(s_gate_kw, "accumulate_grad");
 #undef INTERN
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
     tp_is_ident = (unsigned long)(uintptr_t)__builtin_thread_pointer() == PyThread_get_thread_ident();

@@ -1,9 +1,9 @@
 """Automatic phase points for an unmodified training script.
 
 Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
-(DataLoader ``__next__``, ``torch.autograd.backward``, Python-level ``torch.distributed`` collectives,
-``DistributedDataParallel`` construction for the backward/grad_sync split of ``ddp_timing.py``; batch
-production in ``input_timing.py``).
+(DataLoader ``__next__``, the engine entry of ``torch.autograd.backward`` (``backward_entry``),
+Python-level ``torch.distributed`` collectives, ``DistributedDataParallel`` construction for the
+backward/grad_sync split of ``ddp_timing.py``; batch production in ``input_timing.py``).
 Wrappers call the original first-class function and never alter arguments or results.
 """
 
@@ -181,21 +181,40 @@ def _compiled_something() -> bool:
 # The wrappers below run on every step. On the C core they are ``_fastpath.Phase`` objects (the same rules
 # in C, no Python frame of the hook's around the training call); the Python closures are the fallback and
 # bind what they need once, when they are made, so a call does no attribute lookups beyond the tracker's.
-def _c_wrapper(fn: Callable[..., Any], tracker: Tracker, kind: str, slot: int, arg: Any) -> Callable[..., Any] | None:
+def _c_wrapper(
+    fn: Callable[..., Any], tracker: Tracker, kind: str, slot: int, arg: Any, gated: bool = False
+) -> Callable[..., Any] | None:
     """``fn`` wrapped in C when the tracker runs on the C core (None: use the Python wrapper); ``kind`` names
-    one of ``_fastpath``'s ``PHASE_*`` kinds."""
+    one of ``_fastpath``'s ``PHASE_*`` kinds; ``gated``: see ``_gated``."""
     if _fastpath is None or not isinstance(tracker, _fastpath.Core):
         return None
-    wrapper = _fastpath.Phase(tracker, fn, getattr(_fastpath, f"PHASE_{kind}"), slot, arg)
+    wrapper = _fastpath.Phase(tracker, fn, getattr(_fastpath, f"PHASE_{kind}"), slot, arg, gated)
     functools.update_wrapper(wrapper, fn)
     wrapper.__rankwatch_wrapped__ = fn
     return wrapper
 
 
-def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int) -> Callable[..., Any]:
-    fast = _c_wrapper(fn, tracker, "PLAIN", slot, None)
+def _gated(fn: Callable[..., Any], timed: Callable[..., Any]) -> Callable[..., Any]:
+    """``timed`` for torch's engine entry when it runs a backward (``accumulate_grad=True``), ``fn`` itself
+    for ``torch.autograd.grad``'s calls (``accumulate_grad=False``): the Python wrappers' form of a gated
+    ``_fastpath.Phase``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("accumulate_grad") is True:
+            return timed(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_phase(fn: Callable[..., Any], tracker: Tracker, slot: int, gated: bool = False) -> Callable[..., Any]:
+    fast = _c_wrapper(fn, tracker, "PLAIN", slot, None, gated)
     if fast is not None:
         return fast
+    if gated:
+        return _gated(fn, _wrap_phase(fn, tracker, slot))
     enter, exit_ = tracker.enter, tracker.exit
 
     @functools.wraps(fn)
@@ -258,15 +277,20 @@ def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Calla
     return wrapper
 
 
-def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming | None) -> Callable[..., Any]:
-    """``backward``; with DDP timing, the tail after this rank's backward graph was done (waiting for
-    the gradient all-reduce, i.e. for the peers) is booked as ``grad_sync``. ``DDPTiming.begin``'s body and
-    ``end``'s common path run inline here (two Python calls per step fewer); the methods stay the reference."""
+def _wrap_backward(
+    fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming | None, gated: bool = False
+) -> Callable[..., Any]:
+    """``backward`` (or torch's engine entry, ``gated``: see ``backward_entry``); with DDP timing, the tail
+    after this rank's backward graph was done (waiting for the gradient all-reduce, i.e. for the peers) is
+    booked as ``grad_sync``. ``DDPTiming.begin``'s body and ``end``'s common path run inline here (two Python
+    calls per step fewer); the methods stay the reference."""
     if timing is None:
-        return _wrap_phase(fn, tracker, BACKWARD)
-    fast = _c_wrapper(fn, tracker, "BACKWARD", BACKWARD, timing)
+        return _wrap_phase(fn, tracker, BACKWARD, gated)
+    fast = _c_wrapper(fn, tracker, "BACKWARD", BACKWARD, timing, gated)
     if fast is not None:
         return fast
+    if gated:
+        return _gated(fn, _wrap_backward(fn, tracker, timing))
     enter, exit_ = tracker.enter, tracker.exit
     ident, thread = threading.get_ident, tracker.thread_id
 
@@ -303,6 +327,32 @@ def _wrap_backward(fn: Callable[..., Any], tracker: Tracker, timing: DDPTiming |
     return wrapper
 
 
+def backward_entry(autograd: Any) -> tuple[str, bool]:
+    """Where the backward phase is wrapped: ``("_engine_run_backward", True)`` where
+    ``torch.autograd.backward`` calls torch's engine entry through its module's globals with
+    ``accumulate_grad=True`` (torch >= 2.4; ``grad`` calls it with False: gated out), else
+    ``("backward", False)``.
+
+    Why not ``backward`` itself: a wrapper is the caller of what it wraps, so the wrapped function's frame
+    set-up and teardown (``backward``'s: its argument tuples and the implicit ones-gradient freed at its
+    return) run under the wrapper, in the hook's samples, where unwrapped they are inline in
+    ``Tensor.backward``. The engine entry's frame holds only its arguments. It also times a ``backward``
+    the script bound before the hook was installed (``from torch.autograd import backward``)."""
+    backward = getattr(autograd, "backward", None)
+    entry = vars(autograd).get("_engine_run_backward")
+    entry = getattr(entry, "__rankwatch_wrapped__", entry)  # asked again once installed (benchmarks, tests)
+    code = getattr(backward, "__code__", None)
+    if (
+        code is not None
+        and getattr(entry, "__code__", None) is not None
+        and getattr(backward, "__globals__", None) is vars(autograd)
+        and "_engine_run_backward" in code.co_names
+        and any(isinstance(c, tuple) and "accumulate_grad" in c for c in code.co_consts)
+    ):
+        return "_engine_run_backward", True
+    return "backward", False
+
+
 def install(tracker: Tracker) -> None:
     """Install every automatic point once per process."""
     global _installed
@@ -337,14 +387,16 @@ def install(tracker: Tracker) -> None:
     forward = OutermostForward(tracker, module_mod)
     forward.install()
 
-    # Backward: Tensor.backward delegates to torch.autograd.backward, so wrapping the latter covers both.
+    # Backward: Tensor.backward delegates to torch.autograd.backward, which calls torch's engine entry:
+    # wrapping the entry (or, where that cannot be proven, backward) covers all three.
     # DDP timing (ddp_timing.py) splits the wait for the gradient all-reduce off into grad_sync.
     try:
         timing = ddp_timing.install(tracker)
     except Exception as exc:
         timing = None
         warnings.warn(f"rankwatch: DDP backward timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
-    torch.autograd.backward = _wrap_backward(torch.autograd.backward, tracker, timing)
+    name, gated = backward_entry(torch.autograd)
+    setattr(torch.autograd, name, _wrap_backward(getattr(torch.autograd, name), tracker, timing, gated))
 
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

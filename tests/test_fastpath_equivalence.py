@@ -73,7 +73,7 @@ def same(a, b, where: str) -> None:
     if ra != rb:
         first = next(i for i in range(len(ra)) if ra[i] != rb[i])
         pytest.fail(f"records differ at byte {first} after {where}")
-    seen = [(t.enabled, list(t._stack), t._ev_n, t._colls) for t in (ta, tb)]
+    seen = [(t.enabled, list(t._stack), t._ev_n, t._colls, t._last_op, list(t._budgets)) for t in (ta, tb)]
     assert seen[0] == seen[1], where
 
 
@@ -254,6 +254,42 @@ def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
         t._release()
 
 
+@pytest.mark.parametrize("with_timing", [True, False])
+def test_the_gated_engine_wrapper_times_only_backward_calls_as_the_python_one(tmp_path, monkeypatch, with_timing):
+    """torch's engine entry wrapped ``gated`` (instrument.backward_entry): a phase for a call with
+    ``accumulate_grad=True`` (torch.autograd.backward's), a plain call for ``False`` (torch.autograd.grad's)
+    or none; arguments and results pass through unchanged, on both cores."""
+    made = pair(tmp_path, monkeypatch, f"gate{with_timing}")
+    calls = []
+    for t, clock in made:
+        tracker_mod._now = clock
+        timing = DDPTiming(t, lambda cb: None) if with_timing else None
+        if timing is not None:
+            timing.grad_sync_slot = t.slot("grad_sync")
+
+        def engine(*args, timing=timing, clock=clock, **kwargs):
+            calls.append((args, kwargs))
+            if timing is not None and kwargs.get("accumulate_grad"):
+                timing.ready_ns = clock.now + 100
+            return ("grads", args, kwargs)
+
+        w = instrument._wrap_backward(engine, t, timing, gated=True)
+        assert isinstance(w, fast.Phase) == (t is made[0][0])
+        assert w(1, 2, allow_unreachable=True, accumulate_grad=True) == ("grads", (1, 2), {
+            "allow_unreachable": True, "accumulate_grad": True})
+        n = t._ev_n
+        assert w(1, accumulate_grad=False)[2] == {"accumulate_grad": False}  # torch.autograd.grad's call
+        assert w(1)[1] == (1,)
+        assert t._ev_n == n  # neither was a phase
+        w(3, accumulate_grad=True)
+        t.exit_step(3)
+    same(*made, "the gated calls")
+    assert made[0][0]._ev_n == 2 * 2 + 1 + (2 if with_timing else 0)  # two backward pairs (+ splits), the step
+    assert calls[:4] == calls[4:]
+    for t, _ in made:
+        t._release()
+
+
 def test_the_c_outermost_forward_times_as_the_python_one(tmp_path, monkeypatch):
     """DistributedDataParallel.forward wrapped on the class: only the outermost call is ``forward``; a
     failing one leaves it failing; the nesting count is shared with OutermostForward's module hooks."""
@@ -337,3 +373,35 @@ def test_the_c_grad_hook_queues_as_the_python_one(waiting, depth, model):
     armed = waiting and depth == 1
     assert seen[0][0] == (1 if armed and model == "sync" else 0)
     assert (seen[0][3] == "RuntimeError") == (armed and model in ("raises", "queue-raises"))
+
+
+def test_the_c_cores_state_reads_and_writes_as_python_attributes(tmp_path, monkeypatch):
+    """The C core keeps the open phases, the last collective and the budgets' presence in C fields; the
+    tracker's Python slow paths read and assign them as PyCore's plain attributes."""
+    (tc, clock), _ = pair(tmp_path, monkeypatch, "attrs")
+    try:
+        tracker_mod._now = clock
+        assert (tc._stack, tc._last_op, tc._budgets) == ([], -1, [])
+        tc.enter(1)
+        tc.enter(2)
+        copy = tc._stack
+        copy.pop()  # a copy: the core's stack is unchanged until assigned
+        assert len(tc._stack) == 2
+        tc._stack = copy
+        assert tc._stack == copy
+        tc.exit(1)  # the plain close of the innermost phase, after the assignment
+        assert tc._stack == [] and tc._ev_n == 3
+        with pytest.raises(TypeError):
+            tc._stack = (1, 2)
+        tc.collective_enter("all_reduce")
+        assert tc._last_op >= 0
+        tc._last_op = -1
+        assert tc._last_op == -1
+        tc.collective_exit()
+        tc._budgets = [(0, 1.0, 0)]  # a pending budget sends every exit down the slow path
+        tc.enter(3)
+        tc.exit(3)
+        assert tc._stack == [] and tc._budgets == []
+    finally:
+        tc._release()
+
