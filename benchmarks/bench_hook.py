@@ -469,6 +469,9 @@ def main() -> int:
     p.add_argument("--no-e2e", action="store_true", help="skip (b), the wall-clock A/B")
     p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
+    p.add_argument("--shares-hidden", type=int, default=None,
+                   help="(c) the model's width (default 128: ~3 ms steps of ~1.5-2 ms training-thread CPU; 256: ~3 ms "
+                        "of CPU per step, the issue's measured step)")
     p.add_argument("--native", action="store_true", help="(c) every arm with --native (default: FR, hook)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     p.add_argument("--breakdown", action="store_true",
@@ -580,7 +583,8 @@ def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
         arms.append("traceml")
     print(f"(c) shares: {rounds} interleaved rounds of {arms}, 2 ranks, py-spy 100 Hz"
           f"{' --native' if args.native else ' (--native for fr and hook)'}", flush=True)
-    res = hook_shares.shares(rounds, steps, arms, native=args.native, traceml_python=args.traceml_python)
+    res = hook_shares.shares(rounds, steps, arms, native=args.native, traceml_python=args.traceml_python,
+                             hidden=args.shares_hidden)
     summ = hook_shares.summary(res)
     raw["shares"] = {"runs": res, "summary": summ}
     arms = [a for a in arms if a in summ]
@@ -595,7 +599,8 @@ def shares_rows(args: argparse.Namespace, raw: dict[str, object]) -> list[str]:
     for arm in arms[1:]:
         a = summ[arm]
         rows.append(
-            f"| training-thread samples in {arm}'s own frames, ~{summ['none']['median_step_ms']:.1f} ms steps, "
+            f"| training-thread samples in {arm}'s own frames, ~{summ['none']['median_step_ms']:.1f} ms steps"
+            f"{f' (--hidden {args.shares_hidden})' if args.shares_hidden else ''}, "
             f"2 ranks, {rounds} interleaved rounds | **{a['share_pct']:.2f} %** (pooled {a['pooled_pct']:.2f} % of "
             f"{a['samples']:.0f} samples); median step {a['median_step_ms']:.2f} ms, thread CPU "
             f"{a['thread_cpu_ms']:.3f} ms/step (no tool: {summ['none']['thread_cpu_ms']:.3f}) | "

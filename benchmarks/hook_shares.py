@@ -37,6 +37,12 @@ from _util import REPO, Procs, free_port, median, torchrun_args, torchrun_cmd
 
 TIMED = REPO / "benchmarks" / "ddp_timed.py"
 SMALL_STEPS = ["--hidden", "128", "--layers", "3", "--batch-size", "32"]  # ~3 ms per step, 2 ranks, 2 cores
+
+
+def job_args(hidden: int | None = None) -> list[str]:
+    """ddp_timed.py's model: the small steps, or their layers at another width (a longer step of the same
+    kind: the hook's points per step are the same, its share scales as one over the step's CPU time)."""
+    return SMALL_STEPS if hidden is None else ["--hidden", str(hidden), *SMALL_STEPS[2:]]
 NATIVE_ARMS = ("fr", "hook")  # tools with native frames of their own
 TOOL_FRAMES = {
     # an editable install reports paths relative to the repo; the C core's native frames name its library
@@ -105,9 +111,9 @@ def attribute(raw: str, tool: str | None, lines: range) -> tuple[int, int, Count
 
 
 def run_arm(procs: Procs, arm: str, steps: int, work: Path, pyspy: str, native: bool, rate: int,
-            traceml_python: str | None) -> dict[str, Any]:
+            traceml_python: str | None, hidden: int | None = None) -> dict[str, Any]:
     out = work / f"{arm}.txt"
-    script = [str(TIMED), *SMALL_STEPS, "--steps", str(steps), "--warmup", str(steps // 10)]
+    script = [str(TIMED), *job_args(hidden), "--steps", str(steps), "--warmup", str(steps // 10)]
     env = dict(os.environ, OMP_NUM_THREADS="1", RANKWATCH_SHM_DIR=str(work / "shm"))
     env.pop("TORCH_FR_BUFFER_SIZE", None)
     run_id = f"share-{arm}-{free_port()}"
@@ -191,7 +197,7 @@ def find_pyspy() -> str:
 
 
 def shares(rounds: int, steps: int, arms: list[str], native: bool = False, rate: int = 100,
-           traceml_python: str | None = None) -> dict[str, list[dict[str, Any]]]:
+           traceml_python: str | None = None, hidden: int | None = None) -> dict[str, list[dict[str, Any]]]:
     pyspy = find_pyspy()
     out: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     with Procs() as procs:
@@ -201,7 +207,7 @@ def shares(rounds: int, steps: int, arms: list[str], native: bool = False, rate:
                 with tempfile.TemporaryDirectory(prefix="rw-share-") as tmp:
                     try:
                         r = run_arm(procs, arm, steps, Path(tmp), pyspy, native or arm in NATIVE_ARMS, rate,
-                                    traceml_python)
+                                    traceml_python, hidden)
                     except RuntimeError as exc:  # one arm's failed run (e.g. TraceML's aggregator) is reported
                         print(f"  round {i + 1}/{rounds} {arm:<8} FAILED: {str(exc)[:300]}", flush=True)
                         continue

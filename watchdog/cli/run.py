@@ -129,6 +129,8 @@ def main(argv: list[str]) -> int:
     try:
         return _run_job(args, cmd, job_id, out, daemon, correlator)
     finally:
+        if correlator is not None:  # every way out (a launch that failed too): its connector stops quietly
+            correlator.close()
         # the records, state file and sockets live in RAM (/dev/shm): none outlives the run, however it ends
         removed, live = remove_job_files(job_dir)
         if live:

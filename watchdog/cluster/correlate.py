@@ -24,6 +24,7 @@ verdict is refused when it names a local rank that this node sees making progres
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -151,10 +152,13 @@ class Correlator:
                     timeout_s=self.policy.connect_timeout_s,
                     secret=self.secret,
                 )
-            except StoreError as exc:
-                if self.error != str(exc):
-                    log.warning("store_unreachable", job=self.job_id, error=str(exc), retry_in_s=delay)
-                self.error = str(exc)
+            except Exception as exc:  # StoreError; or torch's import failing under a concurrent one, at exit…
+                if self._stop.is_set() or sys.is_finalizing():
+                    return  # the run is over: nothing to report, and never a traceback on its stderr
+                error = str(exc) if isinstance(exc, StoreError) else f"{type(exc).__name__}: {exc}"
+                if self.error != error:
+                    log.warning("store_unreachable", job=self.job_id, error=error, retry_in_s=delay)
+                self.error = error
                 self._stop.wait(delay)
                 delay = min(delay * 2, 10.0)
                 continue
