@@ -470,12 +470,14 @@ def main() -> int:
     p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--shares-hidden", type=int, default=None,
-                   help="(c) the model's width (default 128: ~3 ms steps of ~1.5-2 ms training-thread CPU; 256: ~3 ms "
-                        "of CPU per step, the issue's measured step)")
+                   help="(c) the model's width (default 128: ~3 ms steps of 1.5-2.2 ms training-thread CPU here; "
+                        "256: 2.8 ms, 320: 3.4 ms of CPU per step, the issue's measured step)")
     p.add_argument("--native", action="store_true", help="(c) every arm with --native (default: FR, hook)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     p.add_argument("--breakdown", action="store_true",
                    help="(a3) also the hook's CPU per step by group of points, with and without the record writes")
+    p.add_argument("--breakdown-steps", type=int, default=None,
+                   help="(a3) steps (default 8 x (a2)'s; the CI smoke run: a few hundred, every path once)")
     p.add_argument("--step-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.step_child:
@@ -525,8 +527,9 @@ def main() -> int:
         raw["per_step"] = ps
         rows += per_step_rows(ps)
         if args.breakdown:
-            print(f"(a3) breakdown: {n_steps * 8} steps, each group of points alone", flush=True)
-            bd = breakdown(n_steps * 8)
+            bd_steps = args.breakdown_steps or n_steps * 8
+            print(f"(a3) breakdown: {bd_steps} steps, each group of points alone", flush=True)
+            bd = breakdown(bd_steps)
             print("  " + ", ".join(f"{k} {v:.1f}" for k, v in bd.items()), flush=True)
             raw["breakdown"] = bd
             rows += breakdown_rows(bd)

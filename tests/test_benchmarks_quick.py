@@ -35,6 +35,7 @@ def _hook(doc: Any) -> None:
     shares = doc["shares"]["summary"]
     assert set(shares) >= {"none", "fr", "hook"}
     assert all(s["samples"] > 0 for s in shares.values())
+    assert {"none", "all", "all/off", "backward"} <= set(doc["breakdown"])  # (a3): each group of points ran
 
 
 def _store(doc: Any) -> None:
@@ -118,8 +119,8 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     **{f"bench_inspect.py:classes-{i}": (["--reps", "0", "--classes", *half], _inspect_classes(half))
        for i, half in enumerate(INSPECT_HALVES, 1)},
     # (c) at 200 steps of ~3 ms still gives every arm py-spy samples (100 Hz on both ranks inside the loop);
-    # (a2)'s 2,000 steps are fixed by --quick (bench_hook.py is hookring's)
-    "bench_hook.py": (["--no-e2e", "--shares-steps", "200"], _hook),
+    # (a2)'s 2,000 steps are fixed by --quick (bench_hook.py is hookring's); (a3) at 400 steps runs each group once
+    "bench_hook.py": (["--no-e2e", "--shares-steps", "200", "--breakdown", "--breakdown-steps", "400"], _hook),
     # under callgrind (valgrind, installed by .ci/run), instructions only; most of
     # its minutes are `import torch` under valgrind (quick: 40 steps, 2 pairs of 10-step blocks)
     "bench_hook_instructions.py": (["--no-cache-sim"], _instructions),
