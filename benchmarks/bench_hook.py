@@ -330,7 +330,7 @@ def breakdown_blocks(switch: HookSwitch, block, steps: int) -> dict[str, float]:
                 for on in ((False, True) if i % 2 == 0 else (True, False)):
                     if not on:
                         switch.set(False)
-                    elif group.startswith("all"):
+                    elif group == "all":
                         switch.set(True)
                     elif group == "none":
                         switch.set(False)

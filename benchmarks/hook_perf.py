@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import Procs, free_port, torchrun_args, torchrun_cmd
-from hook_shares import SMALL_STEPS, TIMED
+from hook_shares import TIMED, job_args
 
 Frame = tuple[str, str]  # (symbol, library file name)
 Sample = tuple[int, int, list[Frame]]  # (pid, tid, frames leaf first)
@@ -102,7 +102,7 @@ def record(arm: str, steps: int, freq: int, settle_s: float, work: Path) -> tupl
     """One job of ``arm`` under perf: ddp_timed's timing line and the ``perf script`` text of its ranks."""
     import psutil
 
-    script = [str(TIMED), *SMALL_STEPS, "--steps", str(steps), "--warmup", str(steps // 10)]
+    script = [str(TIMED), *job_args(), "--steps", str(steps), "--warmup", str(steps // 10)]
     run_id = f"perf-{arm}-{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", RANKWATCH_SHM_DIR=str(work / "shm"), TORCH_FR_BUFFER_SIZE="2000")
     if arm == "hook":

@@ -37,12 +37,6 @@ from _util import REPO, Procs, free_port, median, torchrun_args, torchrun_cmd
 
 TIMED = REPO / "benchmarks" / "ddp_timed.py"
 SMALL_STEPS = ["--hidden", "128", "--layers", "3", "--batch-size", "32"]  # ~3 ms per step, 2 ranks, 2 cores
-
-
-def job_args(hidden: int | None = None) -> list[str]:
-    """ddp_timed.py's model: the small steps, or their layers at another width (a longer step of the same
-    kind: the hook's points per step are the same, its share scales as one over the step's CPU time)."""
-    return SMALL_STEPS if hidden is None else ["--hidden", str(hidden), *SMALL_STEPS[2:]]
 NATIVE_ARMS = ("fr", "hook")  # tools with native frames of their own
 TOOL_FRAMES = {
     # an editable install reports paths relative to the repo; the C core's native frames name its library
@@ -63,6 +57,12 @@ WORK_FRAMES = (
     "torch/_tensor.py",
     "torch/optim/",
 )
+
+
+def job_args(hidden: int | None = None) -> list[str]:
+    """ddp_timed.py's model: the small steps, or their layers at another width (a longer step of the same
+    kind: the hook's points per step are the same, its share scales as one over the step's CPU time)."""
+    return SMALL_STEPS if hidden is None else ["--hidden", str(hidden), *SMALL_STEPS[2:]]
 
 
 def loop_lines() -> range:

@@ -429,12 +429,24 @@ static PyObject *coll_enter(Core *self, uint64_t kv) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_collective_enter(Core *self, PyObject *op) {
+/* a collective's enter on the tracker's thread (else nothing); ``cached``/``known``: its word kept by the
+ * caller once declared (a wrapper's), or NULL */
+static PyObject *collective_enter(Core *self, PyObject *op, uint64_t *cached, int *known) {
     if (!on_thread(self)) Py_RETURN_NONE;
     uint64_t kv;
-    if (!op_word(self, op, &kv)) return fail(self);
+    if (known != NULL && *known) {
+        kv = *cached;
+    } else {
+        if (!op_word(self, op, &kv)) return fail(self);
+        if (known != NULL) {
+            *cached = kv;
+            *known = 1;
+        }
+    }
     return coll_enter(self, kv);
 }
+
+static PyObject *Core_collective_enter(Core *self, PyObject *op) { return collective_enter(self, op, NULL, NULL); }
 
 static PyObject *Core_collective_exit(Core *self, PyObject *Py_UNUSED(ignored)) {
     if (!on_thread(self)) Py_RETURN_NONE;
@@ -870,16 +882,7 @@ static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nar
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *x;
     if (self->kind == PHASE_COLL) {
-        if (!on_thread(c)) {
-            x = Py_NewRef(Py_None);
-        } else if (self->op_known) {
-            x = coll_enter(c, self->op_k);
-        } else if (op_word(c, self->arg, &self->op_k)) {
-            self->op_known = 1;
-            x = coll_enter(c, self->op_k);
-        } else {
-            x = fail(c);
-        }
+        x = collective_enter(c, self->arg, &self->op_k, &self->op_known);
     } else {
         x = do_enter(c, self->slot, 0.0);
     }
