@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import shutil
@@ -195,17 +196,19 @@ class HookSwitch:
         import torch.distributed as dist
         import torch.optim.optimizer as optim_mod
         import torch.utils.data.dataloader as dl
-        from rankwatch.hooks.instrument import COLLECTIVES, backward_entry
+        from rankwatch.hooks.instrument import COLLECTIVES, backward_point
         from torch.nn.parallel import DistributedDataParallel
 
         owners = [(dl._BaseDataLoaderIter, "__next__"), (DistributedDataParallel, "forward"),
-                  (torch.autograd, backward_entry(torch.autograd)[0]),
+                  backward_point(torch.autograd),
                   *((dist, n) for n in COLLECTIVES if hasattr(dist, n))]
-        self.attrs = [(o, n, getattr(o, n)) for o, n in owners]
+        # (owner, name, what the owner holds: a staticmethod for the engine's, the wrapped original)
+        self.attrs = [(o, n, inspect.getattr_static(o, n), getattr(getattr(o, n), "__rankwatch_wrapped__", None))
+                      for o, n in owners]
         dicts = [optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks]
         dicts += [p._post_accumulate_grad_hooks for p in ddp.parameters() if p._post_accumulate_grad_hooks]
         self.dicts = [(d, dict(d)) for d in dicts]
-        assert all(hasattr(f, "__rankwatch_wrapped__") for _, _, f in self.attrs[:3]), "instrument() not installed"
+        assert all(orig is not None for *_, orig in self.attrs[:3]), "instrument() not installed"
         # the points by what they time (breakdown_child): indices into attrs / dicts above
         ncoll = len(self.attrs) - 3
         self.groups: dict[str, tuple[list[int], list[int]]] = {
@@ -219,9 +222,9 @@ class HookSwitch:
     def set(self, on: bool, only: str | None = None) -> None:
         """All points on or off; with ``only``, that group ``on`` and every other point off."""
         keep = self.groups[only] if only else None
-        for i, (owner, name, fn) in enumerate(self.attrs):
+        for i, (owner, name, held, orig) in enumerate(self.attrs):
             this = on if keep is None else i in keep[0]
-            setattr(owner, name, fn if this else getattr(fn, "__rankwatch_wrapped__", fn))
+            setattr(owner, name, held if this or orig is None else orig)
         for i, (d, saved) in enumerate(self.dicts):
             this = on if keep is None else i in keep[1]
             d.clear()

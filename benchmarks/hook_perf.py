@@ -9,8 +9,8 @@ to both ranks once the loop runs (``--settle`` seconds after they start) and sam
 (cpu-clock). Only the ranks' main threads count. A sample is:
 
 * the hook's own when a frame of its C core (``_fastpath``) is on the stack and no Python function runs
-  below it (``_PyEval_EvalFrameDefault`` leafward of the hook's innermost frame: the wrapped function, the
-  training work, running through a wrapper);
+  below it (``_PyEval_EvalFrameDefault`` or torch's C engine entry leafward of the hook's innermost frame:
+  the wrapped function, the training work, running through a wrapper);
 * of which *the callee's frame set-up and teardown* when that leafward part is CPython pushing or clearing
   the wrapped function's frame under ``_PyEval_Vector`` (``_PyEvalFramePushAndInit``, ``_PyFrame_Clear``:
   the wrapped function's locals freed at its return). An unwrapped call does the same work inline in its
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _util import Procs, free_port, torchrun_args, torchrun_cmd
-from hook_shares import TIMED, job_args
+from hook_shares import NATIVE_WORK, TIMED, job_args
 
 Frame = tuple[str, str]  # (symbol, library file name)
 Sample = tuple[int, int, list[Frame]]  # (pid, tid, frames leaf first)
@@ -86,8 +86,8 @@ def attribute(samples: Iterator[Sample]) -> dict[str, Any]:
         if hook is None:
             continue
         leafward = frames[:hook]
-        if any(sym == PYTHON_RUNS for sym, _ in leafward):
-            continue  # a wrapper calling through to the training work
+        if any(sym == PYTHON_RUNS or sym in NATIVE_WORK for sym, _ in leafward):
+            continue  # a wrapper calling through to the training work (Python, or torch's C engine)
         own += 1
         if any(sym in CALLEE_FRAME for sym, _ in leafward):
             callee += 1

@@ -44,12 +44,15 @@ TOOL_FRAMES = {
     "fr": ("FlightRecorder",),
     "traceml": ("traceml_ai/", "traceml/"),
 }
+# native frames of the training work: torch's C engine entry, below the hook's wrapper of it (instrument.backward_entry)
+NATIVE_WORK = ("THPEngine_run_backward",)
 # frames of the training work itself: a tool frame above one of these is a pass-through wrapper
 WORK_FRAMES = (
     "ddp_timed.py",
     "torch/nn/modules/",
     "torch/nn/parallel/",  # DDP's own forward (_pre_forward, _post_forward): below a forward wrapper
     "_engine_run_backward",
+    *NATIVE_WORK,
     "torch/utils/data/",
     "torch/distributed/",
     "torch/autograd/__init__.py",

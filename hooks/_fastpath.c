@@ -23,6 +23,7 @@
 #include <time.h>
 
 #define N_SLOTS 32 /* an event word's arg field: 5 bits */
+#define STK0 4     /* open phases held in the Core itself (a step nests 1-2: optimizer, backward under it) */
 
 /* one phase slot's event words less the clock, and its open word's code (an exit reads ``out`` and
  * ``enter_code``: side by side) */
@@ -42,8 +43,9 @@ typedef struct {
     unsigned long long ev_n, slow_at;
     Py_ssize_t w_ev, w_ev_count;
     uint64_t ev_mask, ns_bits;
-    uint64_t *stk;                  /* open phases' enter words, outermost first */
+    uint64_t *stk;                  /* open phases' enter words, outermost first: stk0, or the heap past it */
     Py_ssize_t depth, cap;
+    uint64_t stk0[STK0];            /* the usual few open phases, in the lines the transition reads anyway */
     int bound, py_clock;            /* py_clock: ``clock`` is a Python callable (tests) */
     int has_budgets;                /* mirror of ``len(_budgets) > 0``: such an exit takes the slow path */
     int has_last_op;
@@ -135,13 +137,15 @@ static __attribute__((cold, noinline)) PyObject *fail(Core *self) {
 }
 
 static __attribute__((cold, noinline)) int grow(Core *self, Py_ssize_t need) {
-    Py_ssize_t cap = self->cap ? self->cap : 16;
+    Py_ssize_t cap = self->cap > STK0 ? self->cap : 16;
     while (cap < need) cap *= 2;
-    uint64_t *p = PyMem_Realloc(self->stk, (size_t)cap * sizeof(uint64_t));
+    int inline_ = self->stk == self->stk0;
+    uint64_t *p = PyMem_Realloc(inline_ ? NULL : self->stk, (size_t)cap * sizeof(uint64_t));
     if (p == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    if (inline_) memcpy(p, self->stk0, (size_t)self->depth * sizeof(uint64_t));
     self->stk = p;
     self->cap = cap;
     return 0;
@@ -626,6 +630,27 @@ typedef struct {
     int gated;    /* a phase only when called with accumulate_grad=True (torch's engine entry: backward, not grad) */
 } Phase;
 
+/* A call's arguments as they came: a vector (vectorcall), or a tuple and a dict (tp_call: the wrapper of a
+ * C function that takes a tuple and a dict has no vectorcall, so they reach that function as they are,
+ * with no vector made from them and no tuple and dict made back and freed under the wrapper). */
+typedef struct {
+    PyObject *const *v;
+    size_t nargsf;
+    PyObject *kwnames;
+    PyObject *tuple, *dict; /* tuple != NULL: this form */
+} Args;
+
+static inline PyObject *call_fn(Phase *self, const Args *a) {
+    if (a->tuple != NULL) return PyObject_Call(self->fn, a->tuple, a->dict);
+    return PyObject_Vectorcall(self->fn, a->v, a->nargsf, a->kwnames);
+}
+
+/* the first positional argument (borrowed), NULL: none */
+static inline PyObject *first_arg(const Args *a) {
+    if (a->tuple != NULL) return PyTuple_GET_SIZE(a->tuple) ? PyTuple_GET_ITEM(a->tuple, 0) : NULL;
+    return PyVectorcall_NARGS(a->nargsf) ? a->v[0] : NULL;
+}
+
 
 /* -- PhaseState: what a wrapper keeps between calls ---------------------------------------------------
  * The base class of instrument.OutermostForward (``depth``, the nesting shared with its module hooks) and
@@ -783,12 +808,12 @@ static uint64_t timing_end(PyObject *timing, int *ok) {
     return r;
 }
 
-static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *backward_call(Phase *self, const Args *a) {
     Core *c = (Core *)self->core;
     PhaseState *t = (PhaseState *)self->arg;
     PyObject *x;
     if (!c->bound || thread_ident() != c->thread_id) /* another thread's backward */
-        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+        return call_fn(self, a);
     long long depth = ++t->depth; /* DDPTiming.begin() */
     if (depth == 1) {
         t->ready_ns = 0;
@@ -796,7 +821,7 @@ static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf
     }
     if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
     Py_DECREF(x);
-    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *r = call_fn(self, a);
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
     long gss = t->grad_sync_slot;
@@ -834,7 +859,7 @@ static PyObject *backward_call(Phase *self, PyObject *const *args, size_t nargsf
 
 /* the outermost call only (instrument.OutermostForward: ``depth`` counts the nesting, shared with its
  * module hooks): DistributedDataParallel.forward as ``forward`` */
-static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *outermost_call(Phase *self, const Args *a) {
     Core *c = (Core *)self->core;
     PhaseState *t = (PhaseState *)self->arg;
     PyObject *x;
@@ -843,7 +868,7 @@ static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargs
         if ((x = do_enter(c, self->slot, 0.0)) == NULL) return NULL;
         Py_DECREF(x);
     }
-    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *r = call_fn(self, a);
     PyObject *et = NULL, *ev = NULL, *tb = NULL;
     if (r == NULL) PyErr_Fetch(&et, &ev, &tb);
     t->depth = depth - 1;
@@ -863,23 +888,28 @@ static PyObject *outermost_call(Phase *self, PyObject *const *args, size_t nargs
 }
 
 /* the keyword ``accumulate_grad`` given as True (torch.autograd.backward's call of the engine; grad's is False) */
-static int accumulates(PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (kwnames == NULL) return 0;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = PyTuple_GET_SIZE(kwnames);
+static int accumulates(const Args *a) {
+    if (a->tuple != NULL) {
+        if (a->dict == NULL) return 0;
+        PyObject *v = PyDict_GetItemWithError(a->dict, s_gate_kw); /* borrowed; an error reads as "no" */
+        if (v == NULL) PyErr_Clear();
+        return v == Py_True;
+    }
+    if (a->kwnames == NULL) return 0;
+    Py_ssize_t nargs = PyVectorcall_NARGS(a->nargsf), nkw = PyTuple_GET_SIZE(a->kwnames);
     for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        PyObject *k = PyTuple_GET_ITEM(a->kwnames, i);
         if (k == s_gate_kw || (PyUnicode_Check(k) && PyUnicode_Compare(k, s_gate_kw) == 0))
-            return args[nargs + i] == Py_True;
+            return a->v[nargs + i] == Py_True;
     }
     return 0;
 }
 
-static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (self->gated && !accumulates(args, nargsf, kwnames)) return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-    if (self->kind == PHASE_BACKWARD) return backward_call(self, args, nargsf, kwnames);
-    if (self->kind == PHASE_OUTERMOST) return outermost_call(self, args, nargsf, kwnames);
+static PyObject *phase_call(Phase *self, const Args *a) {
+    if (self->gated && !accumulates(a)) return call_fn(self, a);
+    if (self->kind == PHASE_BACKWARD) return backward_call(self, a);
+    if (self->kind == PHASE_OUTERMOST) return outermost_call(self, a);
     Core *c = (Core *)self->core;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *x;
     if (self->kind == PHASE_COLL) {
         x = collective_enter(c, self->arg, &self->op_k, &self->op_known);
@@ -888,12 +918,13 @@ static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nar
     }
     if (x == NULL) return NULL;
     Py_DECREF(x);
-    PyObject *r = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *r = call_fn(self, a);
     if (r != NULL) {
         if (self->kind == PHASE_COLL) {
             x = Core_collective_exit(c, NULL);
         } else if (self->kind == PHASE_NEXT) {
-            int mine = nargs >= 1 && self->arg != Py_None && (PyObject *)Py_TYPE(args[0]) == self->arg;
+            PyObject *it = first_arg(a);
+            int mine = it != NULL && self->arg != Py_None && (PyObject *)Py_TYPE(it) == self->arg;
             x = do_exit_batch(c, self->slot, mine);
         } else {
             x = do_exit(c, self->slot, 0, -1, 0);
@@ -926,6 +957,16 @@ static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nar
     return NULL;
 }
 
+static PyObject *Phase_vectorcall(Phase *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Args a = {args, nargsf, kwnames, NULL, NULL};
+    return phase_call(self, &a);
+}
+
+static PyObject *Phase_call(Phase *self, PyObject *args, PyObject *kwargs) {
+    Args a = {NULL, 0, NULL, args, kwargs};
+    return phase_call(self, &a);
+}
+
 static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *core, *fn, *arg;
     int kind, gated = 0;
@@ -939,7 +980,9 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     Phase *self = (Phase *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    self->vectorcall = (vectorcallfunc)Phase_vectorcall;
+    /* a C function taking a tuple and a dict is called with the caller's own (Phase_call, Args) */
+    int tuple_fn = PyCFunction_Check(fn) && !(PyCFunction_GET_FLAGS(fn) & METH_FASTCALL);
+    self->vectorcall = tuple_fn ? NULL : (vectorcallfunc)Phase_vectorcall;
     self->core = Py_NewRef(core);
     self->fn = Py_NewRef(fn);
     self->arg = Py_NewRef(arg);
@@ -998,7 +1041,7 @@ static PyType_Slot Phase_slots[] = {
     {Py_tp_traverse, Phase_traverse},
     {Py_tp_clear, Phase_clear},
     {Py_tp_members, Phase_members},
-    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_call, Phase_call},
     {Py_tp_descr_get, Phase_get},
     {Py_tp_doc, "A training function wrapped as a phase (instrument.py's wrappers, in C)."},
     {0, NULL},
@@ -1082,13 +1125,15 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Core *self = (Core *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->tid = -1;
+    self->stk = self->stk0;
+    self->cap = STK0;
     self->budgets = PyList_New(0);
     self->ops = PyDict_New();
     self->gpu = Py_NewRef(Py_None);
     self->frozen = Py_NewRef(Py_None);
     self->clock = Py_NewRef(Py_None);
     self->after_step = Py_NewRef(Py_None);
-    if (!self->budgets || !self->ops || grow(self, 16) < 0) {
+    if (!self->budgets || !self->ops) {
         Py_DECREF(self);
         return NULL;
     }
@@ -1124,7 +1169,7 @@ static void Core_dealloc(Core *self) {
         self->bound = 0;
         PyBuffer_Release(&self->view);
     }
-    PyMem_Free(self->stk);
+    if (self->stk != self->stk0) PyMem_Free(self->stk);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }

@@ -1,7 +1,7 @@
 """Automatic phase points for an unmodified training script.
 
 Global PyTorch hooks where they exist (module forward, optimizer step), thin wrappers otherwise
-(DataLoader ``__next__``, the engine entry of ``torch.autograd.backward`` (``backward_entry``),
+(DataLoader ``__next__``, the C engine's ``run_backward`` under ``torch.autograd.backward`` (``backward_entry``),
 Python-level ``torch.distributed`` collectives, ``DistributedDataParallel`` construction for the
 backward/grad_sync split of ``ddp_timing.py``; batch production in ``input_timing.py``).
 Wrappers call the original first-class function and never alter arguments or results.
@@ -327,17 +327,47 @@ def _wrap_backward(
     return wrapper
 
 
+_BASETYPE = 1 << 10  # Py_TPFLAGS_BASETYPE
+
+
+def _engine_holder(entry: Any) -> Any | None:
+    """The class (``Variable``) whose ``_execution_engine`` torch's engine entry calls ``run_backward`` on,
+    where a subclass instance of that engine can stand in for it: the entry names the three through its
+    module's globals, the engine is a C object with no state of its own (its methods drive torch's one
+    process-wide engine, so any instance is the same engine), its type can be subclassed, ``run_backward``
+    is its C method. None: not provable (another torch, or someone else's engine object)."""
+    code = getattr(entry, "__code__", None)
+    holder = getattr(entry, "__globals__", {}).get("Variable")
+    if code is None or holder is None or not {"Variable", "_execution_engine", "run_backward"} <= set(code.co_names):
+        return None
+    engine = vars(holder).get("_execution_engine") if isinstance(holder, type) else None
+    if engine is None:
+        return None
+    cls = type(engine)
+    if hasattr(getattr(cls, "run_backward", None), "__rankwatch_wrapped__"):
+        return holder  # ours, installed (asked again by benchmarks and tests)
+    if (
+        cls.__basicsize__ != object.__basicsize__
+        or not cls.__flags__ & _BASETYPE
+        or type(vars(cls).get("run_backward")).__name__ != "method_descriptor"
+    ):
+        return None
+    return holder
+
+
 def backward_entry(autograd: Any) -> tuple[str, bool]:
-    """Where the backward phase is wrapped: ``("_engine_run_backward", True)`` where
-    ``torch.autograd.backward`` calls torch's engine entry through its module's globals with
-    ``accumulate_grad=True`` (torch >= 2.4; ``grad`` calls it with False: gated out), else
+    """Where the backward phase is wrapped, innermost first, each where it can be proven that
+    ``torch.autograd.backward`` reaches it: ``("engine", True)``: the C engine's ``run_backward`` (on a
+    subclass instance of torch's engine put in its place, ``_engine_holder``); ``("_engine_run_backward",
+    True)``: torch's Python engine entry, which ``backward`` calls through its module's globals with
+    ``accumulate_grad=True`` (torch >= 2.4; ``grad`` calls it with False: gated out); else
     ``("backward", False)``.
 
-    Why not ``backward`` itself: a wrapper is the caller of what it wraps, so the wrapped function's frame
-    set-up and teardown (``backward``'s: its argument tuples and the implicit ones-gradient freed at its
-    return) run under the wrapper, in the hook's samples, where unwrapped they are inline in
-    ``Tensor.backward``. The engine entry's frame holds only its arguments. It also times a ``backward``
-    the script bound before the hook was installed (``from torch.autograd import backward``)."""
+    Why innermost: a wrapper is the caller of what it wraps, so the wrapped Python function's frame
+    set-up and teardown (its argument tuple and dict, the locals freed at its return) run under the
+    wrapper, in the hook's samples, where unwrapped they are inline in the caller. Around the C method
+    nothing Python is set up or torn down. Both entries also time a ``backward`` the script bound before
+    the hook was installed (``from torch.autograd import backward``)."""
     backward = getattr(autograd, "backward", None)
     entry = vars(autograd).get("_engine_run_backward")
     entry = getattr(entry, "__rankwatch_wrapped__", entry)  # asked again once installed (benchmarks, tests)
@@ -349,8 +379,36 @@ def backward_entry(autograd: Any) -> tuple[str, bool]:
         and "_engine_run_backward" in code.co_names
         and any(isinstance(c, tuple) and "accumulate_grad" in c for c in code.co_consts)
     ):
-        return "_engine_run_backward", True
+        return ("engine", True) if _engine_holder(entry) is not None else ("_engine_run_backward", True)
     return "backward", False
+
+
+def _holder_of(autograd: Any) -> Any:
+    entry = vars(autograd)["_engine_run_backward"]
+    return _engine_holder(getattr(entry, "__rankwatch_wrapped__", entry))
+
+
+def backward_point(autograd: Any) -> tuple[Any, str]:
+    """The object and attribute that hold the backward wrapper (``backward_entry``'s place): for the
+    engine, torch's engine class before ``install``, the subclass put in its place after."""
+    name, _ = backward_entry(autograd)
+    if name != "engine":
+        return autograd, name
+    return type(vars(_holder_of(autograd))["_execution_engine"]), "run_backward"
+
+
+def _wrap_engine(autograd: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Put a subclass instance of torch's engine in ``Variable._execution_engine`` whose ``run_backward``
+    is ``wrap`` of the engine's own (``backward_entry``'s ``engine``), a static method: the engine's
+    methods never read their instance, and the C wrapper of a C method that takes a tuple and a dict
+    passes them through as they came (no bound method made, no arguments rebuilt). The other methods
+    (``queue_callback``, which DDP and FSDP call) are the engine's own, inherited."""
+    holder = _holder_of(autograd)
+    engine = vars(holder)["_execution_engine"]
+    base = type(engine)
+    timed = type(f"Timed{base.__name__}", (base,),
+                 {"__slots__": (), "__module__": __name__, "run_backward": staticmethod(wrap(engine.run_backward))})
+    holder._execution_engine = timed()
 
 
 def install(tracker: Tracker) -> None:
@@ -387,8 +445,8 @@ def install(tracker: Tracker) -> None:
     forward = OutermostForward(tracker, module_mod)
     forward.install()
 
-    # Backward: Tensor.backward delegates to torch.autograd.backward, which calls torch's engine entry:
-    # wrapping the entry (or, where that cannot be proven, backward) covers all three.
+    # Backward: Tensor.backward delegates to torch.autograd.backward, which calls torch's engine entry,
+    # which calls the C engine: wrapping the innermost that can be proven (backward_entry) covers all three.
     # DDP timing (ddp_timing.py) splits the wait for the gradient all-reduce off into grad_sync.
     try:
         timing = ddp_timing.install(tracker)
@@ -396,7 +454,10 @@ def install(tracker: Tracker) -> None:
         timing = None
         warnings.warn(f"rankwatch: DDP backward timing unavailable: {exc!r}", RuntimeWarning, stacklevel=2)
     name, gated = backward_entry(torch.autograd)
-    setattr(torch.autograd, name, _wrap_backward(getattr(torch.autograd, name), tracker, timing, gated))
+    if name == "engine":
+        _wrap_engine(torch.autograd, lambda fn: _wrap_backward(fn, tracker, timing, gated))
+    else:
+        setattr(torch.autograd, name, _wrap_backward(getattr(torch.autograd, name), tracker, timing, gated))
 
     # Optimizer: global pre/post step hooks; the post hook closes the step.
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

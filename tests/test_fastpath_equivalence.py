@@ -122,6 +122,14 @@ def test_random_call_sequences_write_identical_records(tmp_path_factory, ops):
         mp.undo()
 
 
+def test_deep_nesting_past_the_cores_inline_stack_writes_identical_records(tmp_path, monkeypatch):
+    """The C core holds a few open phases in itself and moves them to the heap past that (and grows it
+    again): 40 nested enters, unwound in two ways, then nested again from the heap."""
+    deep = [("enter", i % 8) for i in range(40)]
+    ops = [*deep, *(("exit", (39 - i) % 8) for i in range(20)), ("exit", 0), *deep[:10], ("exit_step", 3)]
+    replay(tmp_path, monkeypatch, ops, "deep")
+
+
 def test_a_long_run_folds_and_wraps_the_event_ring_identically(tmp_path, monkeypatch):
     # a training-like loop with noise, past FOLD_EVENTS and twice around the event ring
     rng = random.Random(7)
@@ -286,6 +294,39 @@ def test_the_gated_engine_wrapper_times_only_backward_calls_as_the_python_one(tm
     same(*made, "the gated calls")
     assert made[0][0]._ev_n == 2 * 2 + 1 + (2 if with_timing else 0)  # two backward pairs (+ splits), the step
     assert calls[:4] == calls[4:]
+    for t, _ in made:
+        t._release()
+
+
+@pytest.mark.parametrize("with_timing", [True, False])
+def test_a_wrapped_c_function_taking_a_tuple_and_dict_gets_them_as_they_came(tmp_path, monkeypatch, with_timing):
+    """The wrapper of a C function that takes a tuple and a dict (torch's engine ``run_backward``; here a
+    dict's ``update``, the same calling convention) is called through ``tp_call``: the gate reads the
+    keyword from the dict, positional and keyword arguments arrive unchanged, an exception goes on; on
+    both cores the same record."""
+    made = pair(tmp_path, monkeypatch, f"tuple{with_timing}")
+    got = []
+    for t, clock in made:
+        tracker_mod._now = clock
+        timing = DDPTiming(t, lambda cb: None) if with_timing else None
+        if timing is not None:
+            timing.grad_sync_slot = t.slot("grad_sync")
+        store: dict = {}
+        w = instrument._wrap_backward(store.update, t, timing, gated=True)
+        assert isinstance(w, fast.Phase) == (t is made[0][0])
+        args, kwargs = ([("a", 1)],), {"allow_unreachable": True, "accumulate_grad": True}
+        assert w(*args, **kwargs) is None  # a phase
+        n = t._ev_n
+        w(b=2, accumulate_grad=False)  # grad()'s call: none
+        w({"c": 3})  # no keyword: none
+        assert t._ev_n == n
+        with pytest.raises(TypeError):
+            w(1, 2, accumulate_grad=True)  # update() takes one positional: a failing phase, the error goes on
+        t.exit_step(3)
+        got.append(store)
+    same(*made, "the tuple calls")
+    assert got[0] == got[1] == {"a": 1, "allow_unreachable": True, "accumulate_grad": False, "b": 2, "c": 3}
+    assert made[0][0]._ev_n == 2 * 2 + 1
     for t, _ in made:
         t._release()
 
