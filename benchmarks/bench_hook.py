@@ -196,7 +196,15 @@ class HookSwitch:
         import torch.distributed as dist
         import torch.optim.optimizer as optim_mod
         import torch.utils.data.dataloader as dl
-        from rankwatch.hooks.instrument import COLLECTIVES, backward_point
+        from rankwatch.hooks.instrument import COLLECTIVES
+
+        try:
+            from rankwatch.hooks.instrument import backward_point
+        except ImportError:  # an older tree (bench_hook_instructions --tree): its wrapper is on torch.autograd
+            from rankwatch.hooks.instrument import backward_entry
+
+            def backward_point(autograd):  # type: ignore[no-untyped-def]
+                return autograd, backward_entry(autograd)[0]
         from torch.nn.parallel import DistributedDataParallel
 
         owners = [(dl._BaseDataLoaderIter, "__next__"), (DistributedDataParallel, "forward"),

@@ -47,3 +47,19 @@ def test_a_wrapper_calling_through_is_not_the_hooks_time():
 def test_an_empty_or_foreign_recording_counts_nothing():
     assert hook_perf.attribute(hook_perf.parse(""))["samples"] == 0
     assert hook_perf.attribute(hook_perf.parse("not perf output\n  at all\n"))["hook_pct"] == 0.0
+
+
+def test_torchs_c_engine_below_the_hooks_engine_wrapper_is_training_work():
+    """The backward wrapper sits around torch's C engine (instrument.backward_entry): no Python runs between
+    them, so the engine's entry marks the training work (tests/fixtures/perf/hook_engine_script.txt, from a
+    hook-arm recording: DDP's bucket all-reduce under the engine, and the hook's engine callback
+    stamping the graph's end under the same engine: its own)."""
+    samples = list(hook_perf.parse((REPO / "tests" / "fixtures" / "perf" / "hook_engine_script.txt").read_text()))
+    assert len(samples) == 2
+    for _, _, frames in samples:  # no Python function runs anywhere below the engine
+        assert any(sym in hook_perf.NATIVE_WORK for sym, _ in frames)
+        engine = next(i for i, (sym, _) in enumerate(frames) if sym in hook_perf.NATIVE_WORK)
+        assert not any(sym == hook_perf.PYTHON_RUNS for sym, _ in frames[:engine])
+    r = hook_perf.attribute(iter(samples))
+    assert (r["samples"], r["hook_own"]) == (2, 1)
+    assert r["hook_frames"] == [("PhaseState_stamp", 1)]
