@@ -481,8 +481,8 @@ def main() -> int:
     p.add_argument("--shares-rounds", type=int, default=None, help="(c) interleaved rounds (default 4, quick 1)")
     p.add_argument("--shares-steps", type=int, default=None, help="(c) steps per run (default 3000, quick 800)")
     p.add_argument("--shares-hidden", type=int, default=None,
-                   help="(c) the model's width (default 128: ~3 ms steps of 1.5-2.2 ms training-thread CPU here; "
-                        "256: 2.8 ms, 320: 3.4 ms of CPU per step, the issue's measured step)")
+                   help="(c) the model's width (default 128: ~2-3 ms steps of 1.1-2.2 ms training-thread CPU here, "
+                        "quiet to loaded; 512: 3.3-3.5 ms of CPU per step on a quiet host, the issue's measured step)")
     p.add_argument("--native", action="store_true", help="(c) every arm with --native (default: FR, hook)")
     p.add_argument("--traceml-python", default=None, help="(c) a Python with traceml-ai, for the TraceML arm")
     p.add_argument("--breakdown", action="store_true",
