@@ -980,8 +980,9 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     Phase *self = (Phase *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    /* a C function taking a tuple and a dict is called with the caller's own (Phase_call, Args) */
-    int tuple_fn = PyCFunction_Check(fn) && !(PyCFunction_GET_FLAGS(fn) & METH_FASTCALL);
+    /* a C function taking a tuple (and a dict) is called with the caller's own (Phase_call, Args) */
+    int tuple_fn = PyCFunction_Check(fn) && (PyCFunction_GET_FLAGS(fn) & METH_VARARGS) &&
+                   !(PyCFunction_GET_FLAGS(fn) & METH_FASTCALL);
     self->vectorcall = tuple_fn ? NULL : (vectorcallfunc)Phase_vectorcall;
     self->core = Py_NewRef(core);
     self->fn = Py_NewRef(fn);

@@ -289,7 +289,7 @@ def test_the_gated_engine_wrapper_times_only_backward_calls_as_the_python_one(tm
         assert w(1, accumulate_grad=False)[2] == {"accumulate_grad": False}  # torch.autograd.grad's call
         assert w(1)[1] == (1,)
         assert t._ev_n == n  # neither was a phase
-        w(3, accumulate_grad=True)
+        type(w).__call__(w, 3, accumulate_grad=True)  # tp_call (a tuple and a dict), not vectorcall: the same
         t.exit_step(3)
     same(*made, "the gated calls")
     assert made[0][0]._ev_n == 2 * 2 + 1 + (2 if with_timing else 0)  # two backward pairs (+ splits), the step
