@@ -355,6 +355,12 @@ def _engine_holder(entry: Any) -> Any | None:
     return holder
 
 
+def _python_entry(autograd: Any) -> Any:
+    """torch's Python engine entry, unwrapped (asked again once installed: benchmarks, tests); None: none."""
+    entry = vars(autograd).get("_engine_run_backward")
+    return getattr(entry, "__rankwatch_wrapped__", entry)
+
+
 def backward_entry(autograd: Any) -> tuple[str, bool]:
     """Where the backward phase is wrapped, innermost first, each where it can be proven that
     ``torch.autograd.backward`` reaches it: ``("engine", True)``: the C engine's ``run_backward`` (on a
@@ -369,8 +375,7 @@ def backward_entry(autograd: Any) -> tuple[str, bool]:
     nothing Python is set up or torn down. Both entries also time a ``backward`` the script bound before
     the hook was installed (``from torch.autograd import backward``)."""
     backward = getattr(autograd, "backward", None)
-    entry = vars(autograd).get("_engine_run_backward")
-    entry = getattr(entry, "__rankwatch_wrapped__", entry)  # asked again once installed (benchmarks, tests)
+    entry = _python_entry(autograd)
     code = getattr(backward, "__code__", None)
     if (
         code is not None
@@ -384,8 +389,7 @@ def backward_entry(autograd: Any) -> tuple[str, bool]:
 
 
 def _holder_of(autograd: Any) -> Any:
-    entry = vars(autograd)["_engine_run_backward"]
-    return _engine_holder(getattr(entry, "__rankwatch_wrapped__", entry))
+    return _engine_holder(_python_entry(autograd))
 
 
 def backward_point(autograd: Any) -> tuple[Any, str]:

@@ -216,6 +216,13 @@ def test_the_c_wrappers_write_what_the_python_wrappers_write(tmp_path, monkeypat
     tp._release()
 
 
+def ddp_timing(t) -> DDPTiming:
+    """DDP timing on tracker ``t`` with its grad_sync slot, no engine (the tests stamp ``ready_ns`` themselves)."""
+    timing = DDPTiming(t, lambda cb: None)
+    timing.grad_sync_slot = t.slot("grad_sync")
+    return timing
+
+
 def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
     """instrument._wrap_backward with DDP timing: the split at the graph's end, a backward without one,
     a nested (reentrant) backward, a failing one, an error on an autograd thread, another thread's."""
@@ -223,8 +230,7 @@ def test_the_c_backward_splits_as_the_python_backward(tmp_path, monkeypatch):
     seen = []
     for t, clock in made:
         tracker_mod._now = clock
-        timing = DDPTiming(t, lambda cb: None)
-        timing.grad_sync_slot = t.slot("grad_sync")
+        timing = ddp_timing(t)
         box: dict = {}
 
         def graph(stamp: int = 0, fail: bool = False, nested: bool = False, error: bool = False,
@@ -271,9 +277,7 @@ def test_the_gated_engine_wrapper_times_only_backward_calls_as_the_python_one(tm
     calls = []
     for t, clock in made:
         tracker_mod._now = clock
-        timing = DDPTiming(t, lambda cb: None) if with_timing else None
-        if timing is not None:
-            timing.grad_sync_slot = t.slot("grad_sync")
+        timing = ddp_timing(t) if with_timing else None
 
         def engine(*args, timing=timing, clock=clock, **kwargs):
             calls.append((args, kwargs))
@@ -308,9 +312,7 @@ def test_a_wrapped_c_function_taking_a_tuple_and_dict_gets_them_as_they_came(tmp
     got = []
     for t, clock in made:
         tracker_mod._now = clock
-        timing = DDPTiming(t, lambda cb: None) if with_timing else None
-        if timing is not None:
-            timing.grad_sync_slot = t.slot("grad_sync")
+        timing = ddp_timing(t) if with_timing else None
         store: dict = {}
         w = instrument._wrap_backward(store.update, t, timing, gated=True)
         assert isinstance(w, fast.Phase) == (t is made[0][0])
