@@ -209,9 +209,16 @@ def test_stall_needs_timeout_startup_budget_and_declared_budget_excuses():
     assert find_trigger([rv(0, since_progress_s=5), rv(1, since_progress_s=5)], POLICY, 1.0, {}) is None
     t = find_trigger([rv(0, since_progress_s=11), rv(1, since_progress_s=5)], POLICY, 1.0, {})
     assert t is not None and t.kind == "stall" and t.ranks == (0,)
-    # before the first step the start-up budget applies
-    assert find_trigger([rv(0, step=0, since_progress_s=100)], POLICY, 0.0, {}) is None
-    assert find_trigger([rv(0, step=0, since_progress_s=130)], POLICY, 0.0, {}) is not None
+    # before the first step the start-up budget applies (nobody waits for anyone yet: imports, compile)
+    assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=100)], POLICY, 0.0, {}) is None
+    assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=130)], POLICY, 0.0, {}) is not None
+    # ... until a rank of the job waits in a collective: start-up is over, a rank blocked before its first
+    # step is a hang after the stall timeout (issue 44: it waited for the 300 s start-up budget)
+    blocked = rv(1, step=0, phase="idle", since_progress_s=11)
+    waiting = rv(0, step=0, phase="collective", coll_seq=1, coll_done=0, since_progress_s=5)
+    t = find_trigger([waiting, blocked], POLICY, 0.0, {})
+    assert t is not None and t.ranks == (1,)
+    assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=5), blocked], POLICY, 0.0, {}) is None
     # a rank inside a declared phase within budget excuses the others waiting for it
     ckpt = rv(0, phase="checkpoint", budget_s=900, budget_elapsed_s=300, since_progress_s=300)
     assert find_trigger([ckpt, rv(1, since_progress_s=300)], POLICY, 1.0, {}) is None

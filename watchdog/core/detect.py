@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .live_facts import is_waiting
 from .policy import StallPolicy
 from .ranks import fmt_ranks
 from .snapshot import GONE_STATES, RUNNING, STOPPED, RankView
@@ -19,9 +20,20 @@ class Trigger:
     detected_after_s: float  # onset → now, as a duration
 
 
-def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float) -> float:
-    """How long this rank may go without progress before it counts as stalled."""
-    base = policy.startup_for() if view.step == 0 else policy.timeout_for(longest_step_s)
+def started(views: Sequence[RankView]) -> bool:
+    """Some rank of the job already waits inside a collective (``live_facts.is_waiting``: a Python-level
+    collective, a stack in a wait, DDP's gradient sync in backward): start-up (imports, compile, rendezvous) is over
+    for it, and it can only go on once the others arrive. From then on a rank that has not completed a step
+    gets the stall timeout, not the start-up budget: a rank blocked before its first step is a hang like any
+    other (the waiting ranks are the evidence), not a slow start."""
+    return any(v.state == RUNNING and is_waiting(v) for v in views)
+
+
+def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float, job_started: bool = False) -> float:
+    """How long this rank may go without progress before it counts as stalled (``job_started``: ``started``
+    of the job's views)."""
+    first = view.step == 0 and not job_started
+    base = policy.startup_for() if first else policy.timeout_for(longest_step_s)
     if view.budget_s > 0:
         # inside a declared phase (checkpoint, eval) the declared budget replaces a shorter timeout
         return max(base, view.budget_s)
@@ -30,8 +42,10 @@ def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float) -> f
 
 def stalled_ranks(views: Sequence[RankView], policy: StallPolicy, longest_step_s: float) -> list[int]:
     """Live ranks past their stall allowance right now: what ``status`` highlights, by the rule detection uses."""
+    begun = started(views)
     return sorted(
-        v.rank for v in views if v.state == RUNNING and v.since_progress_s > allowance_s(v, policy, longest_step_s)
+        v.rank for v in views
+        if v.state == RUNNING and v.since_progress_s > allowance_s(v, policy, longest_step_s, begun)
     )
 
 
@@ -71,7 +85,8 @@ def find_trigger(
     live = [v for v in views if v.state in (RUNNING, STOPPED)]
     if not live or any(excused(v) for v in live):
         return None
-    stalled = [v for v in live if v.since_progress_s > allowance_s(v, policy, longest_step_s)]
+    begun = started(views)
+    stalled = [v for v in live if v.since_progress_s > allowance_s(v, policy, longest_step_s, begun)]
     if not stalled:
         return None
     worst = max(v.since_progress_s for v in stalled)
@@ -89,7 +104,8 @@ def recovered(views: Sequence[RankView], policy: StallPolicy, longest_step_s: fl
     live = [v for v in views if v.state in (RUNNING, STOPPED)]
     if not live or any(v.state in GONE_STATES or v.state == STOPPED for v in views):
         return False
-    return all(v.since_progress_s < allowance_s(v, policy, longest_step_s) for v in live)
+    begun = started(views)
+    return all(v.since_progress_s < allowance_s(v, policy, longest_step_s, begun) for v in live)
 
 
 # -- claims and verdicts from other nodes that no store secret authenticates ---------------------------
@@ -109,7 +125,8 @@ def local_stall_signs(
     live = [v for v in views if v.state == RUNNING]
     if not live or any(excused(v) for v in live):
         return None
-    stuck = [v for v in live if v.since_progress_s >= fraction * allowance_s(v, policy, longest_step_s)]
+    begun = started(views)
+    stuck = [v for v in live if v.since_progress_s >= fraction * allowance_s(v, policy, longest_step_s, begun)]
     if not stuck:
         return None
     worst = max(v.since_progress_s for v in stuck)

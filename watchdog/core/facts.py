@@ -121,6 +121,7 @@ class Waits:
 DESYNC_REPORT = "desync_report"  # PyTorch's desync report: computed from every rank's trace in the store
 NCCL_OP_COUNTS = "nccl_op_counts"  # NCCL INFO per-op lines: the last op each member of a communicator enqueued
 STORE_KEYS = "store_key_waits"  # a start-up store wait timed out on a peer's gloo rendezvous key: waits for it
+NAMED_IN_MESSAGE = "named_in_message"  # an error message names whom it waited for (``core.failures.NAMED_WAITS``)
 OWN_TIMEOUT = "own_timeout"  # a rank's own timeout / mismatch line: it waits, for whom it cannot say
 PEER_GONE = "peer_gone"  # a rank's own "connection closed/reset by peer" and no timeout: its peer went away
 IN_COLLECTIVE = "in_collective"  # live: the hook's record says it is inside a Python-level collective

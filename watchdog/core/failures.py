@@ -13,16 +13,69 @@ then by time.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 INITIATING = "initiating"
 CONSEQUENCE = "consequence"
 
+
+
+@dataclass(frozen=True)
+class NamedWait:
+    """An error message that names the ranks its printer waited for: the printer is a waiter, never the
+    initiator, and the ranks it names are where the wait-for graph goes next. ``regex``'s first group is a
+    rank list ("2", "2, 5", "1,4-5"). One row per message; the live verdict reads it from a crash mark,
+    ``diagnose`` from a log line (``waited_for``)."""
+
+    name: str
+    regex: re.Pattern[str]
+    source: str  # where the message comes from (the row's reason)
+
+
+NAMED_WAITS: tuple[NamedWait, ...] = (
+    # rank 0 of ``monitored_barrier``, after ``timeout`` without the others' messages: with
+    # ``wait_all_ranks=True`` "Ranks 2, 3 failed to pass monitoredBarrier in 8000 ms", else "Rank 2 failed ..."
+    NamedWait("monitored_barrier", re.compile(r"Ranks? ([\d][\d,\s\-]*?) failed to pass monitoredBarrier"),
+              "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp monitoredBarrier, on rank 0"),
+)
+# (every other rank of a monitored barrier then says it "received errors while waiting for send/recv from
+# rank 0": rank 0 is the monitor that gave up, not whom it waited for — that message is a plain
+# communication error, a consequence pointing nowhere)
+MAX_NAMED = 4096
+"""At most this many ranks are read from one message (a garbled or hostile line cannot make millions)."""
+
+
+def _ranks(spec: str) -> frozenset[int]:
+    out: set[int] = set()
+    for part in re.split(r"[,\s]+", spec.strip()):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            continue
+        a, b = int(lo), int(hi) if hi else int(lo)
+        out.update(range(a, min(b, a + MAX_NAMED - len(out)) + 1))
+        if len(out) >= MAX_NAMED:
+            break
+    return frozenset(out)
+
+
+def waited_for(message: str | None) -> frozenset[int] | None:
+    """The ranks a message says its printer waited for (``NAMED_WAITS``); None when it names nobody."""
+    if not message or "monitoredBarrier" not in message:  # every row's message names it: a cheap gate
+        return None
+    for row in NAMED_WAITS:
+        m = row.regex.search(message)
+        if m is not None and (ranks := _ranks(m.group(1))):
+            return ranks
+    return None
+
+
 # A message about communicating with peers: what a rank says when a *peer* failed (gloo, NCCL, c10d,
-# the TCPStore). Shared with diagnose/patterns.py, which reads the same messages from logs.
+# the TCPStore, a monitored barrier's report of who did not arrive). Shared with diagnose/patterns.py,
+# which reads the same messages from logs.
 COMMUNICATION = re.compile(
     r"gloo|NCCL|nccl|Timed out|timed out|Connection (?:closed|reset)|DistBackendError|DistNetworkError"
     r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
-    r"|Broken pipe|Connection refused"
+    r"|Broken pipe|Connection refused|monitoredBarrier"
 )
 # A peer's process is gone, not slow: its kernel closed or reset the connection (a frozen or unreachable peer
 # gives a timeout instead). What a survivor of a killed node prints (gloo's pair.cc, a TCPStore socket).

@@ -26,7 +26,7 @@ from .facts import (
     Stopped,
     Waits,
 )
-from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role
+from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role, waited_for
 from .fr_hints import FrHints
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
 
@@ -139,7 +139,9 @@ def ended_facts(
         own = roles[v.rank] == INITIATING
         peer_ended = not own and bool(v.exit_cause) and PEER_ENDED.search(v.exit_cause or "") is not None
         node = v.node if v.node_rank < 0 else f"#{v.node_rank}"  # ``node_key``: hostnames repeat across nodes
-        out.append(Ended(v.rank, own=own, cause=v.exit_cause, pid=v.pid, peer_ended=peer_ended,
+        # a consequence whose message names whom it waited for (a monitored barrier's report) points there
+        lost = None if own else waited_for(v.exit_cause)
+        out.append(Ended(v.rank, own=own, cause=v.exit_cause, lost=lost, pid=v.pid, peer_ended=peer_ended,
                          ts=-(v.exit_age_s or 0.0), order=v.exit_order if v.exit_order is not None else 0,
                          verified=v.verified, how=v.state, step=v.step, phase=v.phase, node=node))
     return out

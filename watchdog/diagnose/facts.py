@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from ..core.failures import waited_for
 from . import events as ev
 
 MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
@@ -33,6 +34,7 @@ class RankFacts:
     told: ev.Event | None = None  # first DUMP_SIGNAL naming a peer: another rank timed out and told it
     agent_terminated: bool = False  # torchrun sent it a closing signal: its death is downstream
     ops: dict[str, ev.Event] = field(default_factory=dict)  # last NCCL op line per group (bounded)
+    waited_on: frozenset[int] = frozenset()  # ranks its own error messages say it waited for (``waited_for``)
 
     def has(self, families: frozenset[str]) -> bool:
         return any(self.counts[f] for f in families)
@@ -59,8 +61,11 @@ class RankFacts:
             if last is not None:
                 self._fold(last)
         self.agent_terminated = self.agent_terminated or other.agent_terminated
+        self.waited_on |= other.waited_on
 
     def _fold(self, e: ev.Event) -> None:
+        if e.family in ev.WAITING and (on := waited_for(e.detail or e.text)):
+            self.waited_on |= on
         if e.family == ev.EXIT:
             if e.exitcode == 0:
                 self.finished = e

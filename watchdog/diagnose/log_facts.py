@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from ..core.facts import (
     DESYNC_REPORT,
+    NAMED_IN_MESSAGE,
     NCCL_OP_COUNTS,
     OWN_TIMEOUT,
     PEER_GONE,
@@ -123,8 +124,27 @@ def primary_events(f: RankFacts, p: OfflinePolicy) -> list[ev.Event]:
     return out
 
 
-def _ended(f: RankFacts, p: OfflinePolicy) -> Ended:
-    events = primary_events(f, p)
+def adopted_failure(logs: Evidence) -> tuple[int, ev.Event] | None:
+    """An own failure no rank prefix claims, and the one rank it can only belong to: torchrun's agent saw
+    exactly one worker end with an exit code of its own (not a signal, not its own SIGTERM) and sent every
+    other worker its closing signal, and every unclaimed traceback that is not about communication says the
+    same thing. (A console without ``[rankN]:`` prefixes: older torch, a pasted log.) The agent tears the
+    others down once it notices the first failure, so the lone exit is the worker that failed; the unclaimed
+    exception is its message. Unclaimed communication errors are the others' (they lost it), and a lone exit
+    with no such exception stays the report's guess: a waiter timing out exits 1 too."""
+    own = [e for e in logs.unattributed if e.family in ev.PRIMARY]
+    if not own or len({(e.family, e.detail) for e in own}) != 1:
+        return None
+    exits = [(f, f.exit) for f in logs.ranks.values() if f.exit is not None and f.exit.exitcode is not None]
+    lone = [f for f, x in exits if (x.exitcode or 0) > 0 and not f.agent_terminated and not f.has(ev.PRIMARY)]
+    rest = [(f, x) for f, x in exits if f not in lone]
+    if len(lone) != 1 or not rest or not all(f.agent_terminated or x.signal == "SIGTERM" for f, x in rest):
+        return None
+    return lone[0].rank, own[0]
+
+
+def _ended(f: RankFacts, p: OfflinePolicy, adopted: ev.Event | None = None) -> Ended:
+    events = primary_events(f, p) if adopted is None else [adopted]
     lead = next((e for e in events if e.family in ev.PRIMARY), None)
     ts = [e.ts for e in events if e.ts is not None]
     phase = next((e.phase for e in events if e.phase), None)
@@ -168,11 +188,16 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
     """Every fact the logs hold about their ranks."""
     facts = FactSet(ranks=tuple(sorted(logs.ranks)))
     lagging = frozenset(r for r, f in logs.ranks.items() if f.counts[ev.DESYNC])
+    adopted = adopted_failure(logs)
     for r in facts.ranks:
         f = logs.ranks[r]
-        if f.has(ev.PRIMARY) or unexplained_death(f, p, logs):
+        if adopted is not None and adopted[0] == r:
+            facts.ended.append(_ended(f, p, adopted[1]))
+        elif f.has(ev.PRIMARY) or unexplained_death(f, p, logs):
             facts.ended.append(_ended(f, p))
-        if waited(f):
+        if f.waited_on:  # its own message names whom it waited for (a monitored barrier's report)
+            facts.waits.append(Waits(r, f.waited_on, "", None, None, Rung.COUNTERS, NAMED_IN_MESSAGE))
+        elif waited(f):
             t = f.nccl_timeout
             # a rank that only lost its peer (no timeout of its own): the peer's process went away
             gone = f.counts[ev.PEER_LOST] and not f.counts[ev.GLOO_TIMEOUT] and not f.counts[ev.NCCL_TIMEOUT]

@@ -8,6 +8,7 @@ failure report. Anything it does not recognise yields nothing; it never raises o
 from __future__ import annotations
 
 import re
+import signal as _signal
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +140,11 @@ class SourceParser:
             if em:
                 del self._tracebacks[key]
                 out.extend(self._finish_traceback(tb, em, out, mk))
+        elif prefix.rank is not None and (em := pt.HEADLESS_EXCEPTION.match(stripped)):
+            # an exception line pasted without its traceback (only its last lines kept): still the rank's own
+            # message, read as a traceback with no frames (no frames: no traceback event of its own)
+            headless = self._finish_traceback(_Traceback(lineno), em, out, mk)
+            out.extend(e for e in headless if e.family != ev.TRACEBACK)
         return out
 
     def _saw_time(self, ts: float | None) -> None:
@@ -340,6 +346,14 @@ def _ds_killing(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank:
     return [mk(ev.AGENT_TERM, rank=None, local_rank=None, pid=int(_m(m).group(1)), signal="SIGKILL")]
 
 
+def _mp_spawn_exit(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    sig = m.group(2)
+    code = -_signal.Signals[sig].value if sig in _signal.Signals.__members__ else (-1 if sig else int(m.group(3)))
+    return [mk(ev.EXIT, rank=None, local_rank=int(m.group(1)), exitcode=code, signal=sig or None,
+               detail="torch.multiprocessing.spawn saw it exit first")]
+
+
 def _report_flat(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     m = _m(m)
     code = int(m.group(3))
@@ -518,6 +532,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("mpirun noticed", ("pirun noticed",), pt.MPIRUN_NOTICED, _mpirun),
     Pattern("DeepSpeed launcher exit", ("sigkill_handler",), pt.DS_EXIT, _ds_exit),
     Pattern("DeepSpeed launcher killing", ("sigkill_handler",), pt.DS_KILLING, _ds_killing),
+    Pattern("torch.multiprocessing.spawn exit", ("terminated with",), pt.MP_SPAWN_EXIT, _mp_spawn_exit),
     Pattern("failure report, flattened", ("exitcode",), pt.REPORT_FLAT, _report_flat),
     Pattern("NCCL watchdog timeout", ("Watchdog caught",), pt.NCCL_WATCHDOG, _watchdog),
     Pattern("NCCL PG status", _ENQUEUED, pt.NCCL_STATUS, _status),

@@ -39,6 +39,8 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     b"exits with return code", b"Killing subprocess",
     # how many ranks the job has (WORLD_SIZE below): ranks that never printed a line are still ranks
     b"world_size", b"WORLD_SIZE", b"world size", b" nranks ",
+    # torch.multiprocessing.spawn's report of a child's death (MP_SPAWN_EXIT), also pasted without its class
+    b"terminated with",
 )
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -264,6 +266,10 @@ DS_EXIT = re.compile(
     r"sigkill_handler\] \[[^\]]{0,8000}?'--local_rank=(\d{1,7})'[^\]]{0,8000}\] exits with return code = (-?\d{1,4})"
 )
 DS_KILLING = re.compile(r"sigkill_handler\] Killing subprocess (\d+)")
+# torch.multiprocessing.spawn's parent when a child dies (torch/multiprocessing/spawn.py ProcessContext.join):
+# "ProcessExitedException: process 1 terminated with signal SIGKILL" / "... with exit code 1". N is the spawn
+# index: the local rank on its node (the global rank only where one node spawns every rank)
+MP_SPAWN_EXIT = re.compile(r"process (\d{1,7}) terminated with (?:signal (SIG[A-Z0-9]{1,10})|exit code (\d{1,4}))")
 # torch elastic's failure report pasted with its table flattened into one line:
 # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>"
 REPORT_FLAT = re.compile(r"rank\s*:?\s*(\d+) \(local[ _]rank: (\d+)\)\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
@@ -367,6 +373,9 @@ TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 TB_EXCEPTION = re.compile(
     r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure|NotMet))(?:: ?(.*))?$"
 )
+# the same line outside a traceback (a paste that kept only the last lines): only on a line a rank prefix
+# claims, and only a class named like an exception with a message (a bare "ValueError" is no evidence)
+HEADLESS_EXCEPTION = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
 # a c10d collective in the innermost torch.distributed frame names the op
 C10D_FILE = "distributed_c10d.py"
 TORCH_PATH = re.compile(r"/(?:site|dist)-packages/|/torch/|<frozen ")

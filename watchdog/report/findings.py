@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.engine import Finding
-from ..core.facts import DESYNC_REPORT, STORE_KEYS
+from ..core.facts import DESYNC_REPORT, NAMED_IN_MESSAGE, NCCL_OP_COUNTS, STORE_KEYS
 from ..core.ranks import fmt_ranks
 from .live_words import LiveContext, live_words
 
@@ -137,16 +137,23 @@ def _mismatch(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     )
 
 
+_WAIT_SOURCE: dict[str, Callable[[str, Mapping[str, Any]], str]] = {
+    DESYNC_REPORT: lambda who, d: (f"PyTorch's desync report names {who} as the lagging rank(s) "
+                                   f"({d.get('lagging') or 'lagging'}): every other rank waited for it"),
+    NAMED_IN_MESSAGE: lambda who, d: (f"the ranks that gave up waiting named {who} in their own error (a monitored "
+                                      f"barrier's \"failed to pass monitoredBarrier\"): {who} never arrived, the "
+                                      "others' errors are the consequence"),
+    NCCL_OP_COUNTS: lambda who, d: (f"{who} enqueued fewer NCCL operations than its communicator's other members "
+                                    "(NCCL INFO opCount): they waited for it"),
+    STORE_KEYS: lambda who, d: (f"{who} never published its rendezvous key: the other ranks' start-up store waits "
+                                "timed out on it (DistStoreError … keys: …/<rank>), so it never reached "
+                                "init_process_group"),
+}
+"""The words of each source ``core.rules.waits.NAMING_SOURCES`` decides by (a test keeps both in step)."""
+
+
 def _wait_for(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
-    if d.get("source") == DESYNC_REPORT:
-        reason = (f"PyTorch's desync report names {who} as the lagging rank(s) ({d.get('lagging') or 'lagging'}): "
-                  "every other rank waited for it")
-    elif d.get("source") == STORE_KEYS:
-        reason = (f"{who} never published its rendezvous key: the other ranks' start-up store waits timed out "
-                  "on it (DistStoreError … keys: …/<rank>), so it never reached init_process_group")
-    else:
-        reason = (f"{who} enqueued fewer NCCL operations than its communicator's other members (NCCL INFO "
-                  "opCount): they waited for it")
+    reason = _WAIT_SOURCE[d["source"]](who, d)
     return Words(reason, f"find what {who} was doing instead of the next collective: a stack during the hang "
                  "(rankwatch run captures it), data loading / I/O / rank-specific work")
 

@@ -62,19 +62,24 @@ def optimize(opt: Any, loss: Any) -> Any:
     return loss
 
 
-def run_steps(args: argparse.Namespace, step: Callable[[int], Any], after: Callable[[int], None] | None = None) -> int:
+def run_steps(
+    args: argparse.Namespace, step: Callable[[int], Any], after: Callable[[int], None] | None = None,
+    log_reduce: bool = True,
+) -> int:
     """The loop every job shares: ``step(i)`` does the layout's forward, backward and optimizer step and
     returns its loss; the loss is all-reduced over the world for logging (a world collective every step, in
     every layout), then ``after(i)`` (a checkpoint) and the idle time per step. Ends in a barrier and
-    destroys the group, so a healthy job exits 0 on every rank."""
+    destroys the group, so a healthy job exits 0 on every rank. ``log_reduce=False``: no logging all_reduce (a
+    job whose only collective is ``after``'s)."""
     import torch
     import torch.distributed as dist
 
     loss_sum = torch.zeros(1)
     for i in range(args.steps):
         loss = step(i)
-        loss_sum.copy_(loss.detach().reshape(-1)[:1])
-        dist.all_reduce(loss_sum)
+        if log_reduce:
+            loss_sum.copy_(loss.detach().reshape(-1)[:1])
+            dist.all_reduce(loss_sum)
         if after is not None:
             after(i)
         if args.step_sleep_ms:

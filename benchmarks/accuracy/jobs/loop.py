@@ -18,12 +18,19 @@ compile-graph-break         ``DDP(torch.compile(model))``; the forward has a gra
 slow-step                   from ``--fault-step`` on, every forward also spins ``--slow-share`` (0.3) of the
                             rank's own median step time before the fault: 30 % slower every step, never
                             stuck (a straggler; the job finishes)
+monitored-barrier          no DDP: every step ends in ``dist.monitored_barrier(timeout=--barrier-timeout-s,
+                            wait_all_ranks=True)`` (the job's only collective); the fault rank spins in
+                            forward: rank 0 raises "Ranks N failed to pass monitoredBarrier" and exits first,
+                            the others lose rank 0 and exit; the spinning rank is the one holding the job
+first-step-hang             blocks at the top of step 0 (before any step completed), while the others wait
+                            in their first collective: a hang before the first step
 ==========================  ================================================================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import os
 import subprocess
@@ -47,6 +54,8 @@ SCENARIOS = (
     "child-hang",
     "compile-graph-break",
     "slow-step",
+    "monitored-barrier",
+    "first-step-hang",
     "none",
 )
 
@@ -114,6 +123,7 @@ def main() -> int:
     p.add_argument("--checkpoint-budget-s", type=float, default=60.0)
     p.add_argument("--also-ranks", type=int, nargs="*", default=[], help="forward-hang: more ranks that hang")
     p.add_argument("--slow-share", type=float, default=0.3, help="slow-step: extra time per step, share of a step")
+    p.add_argument("--barrier-timeout-s", type=float, default=2.0, help="monitored-barrier: the barrier's timeout")
     args = p.parse_args()
     env_rank = _common.rank_from_env()
     if args.scenario == "pre-init-hang" and env_rank == args.fault_rank:
@@ -124,7 +134,8 @@ def main() -> int:
     model = MLP(args)
     if args.scenario == "compile-graph-break":
         model = torch.compile(model, backend=os.environ.get("RW_COMPILE_BACKEND", "inductor"))  # type: ignore[assignment]
-    ddp = DistributedDataParallel(model)
+    barrier_job = args.scenario == "monitored-barrier"
+    ddp = model if barrier_job else DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     faulty = rank == args.fault_rank or (args.scenario == "forward-hang" and rank in args.also_ranks)
@@ -134,8 +145,11 @@ def main() -> int:
         STATE["step"] = i
         starts.append(time.perf_counter())
         at_fault = faulty and i == args.fault_step
-        if at_fault and args.scenario == "forward-hang":
-            _common.mark("forward-hang", rank, i)
+        if faulty and i == 0 and args.scenario == "first-step-hang":  # step 0 whatever --fault-step says
+            _common.mark("first-step-hang", rank, i)
+            _common.block_forever()
+        if at_fault and args.scenario in ("forward-hang", "monitored-barrier"):
+            _common.mark(args.scenario, rank, i)
             (model._orig_mod if hasattr(model, "_orig_mod") else model).spin = True
         if at_fault and args.scenario == "slow-step":
             durations = sorted(b - a for a, b in itertools.pairwise(starts))
@@ -159,8 +173,10 @@ def main() -> int:
                     _common.mark(args.scenario, rank, i)
                     save_checkpoint(model, args.checkpoint_s)
             dist.barrier()
+        if barrier_job:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=args.barrier_timeout_s), wait_all_ranks=True)
 
-    return _common.run_steps(args, step, after)
+    return _common.run_steps(args, step, after, log_reduce=not barrier_job)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,16 +11,30 @@ nobody is a sink: a communication hang, no initiator
 from __future__ import annotations
 
 from ..engine import Finding, blame
-from ..facts import DESYNC_REPORT, IN_OP_CALLS, NCCL_OP_COUNTS, PEER_GONE, STORE_KEYS, FactSet, Rung, Silent, Waits
+from ..facts import (
+    DESYNC_REPORT,
+    IN_OP_CALLS,
+    NAMED_IN_MESSAGE,
+    NCCL_OP_COUNTS,
+    PEER_GONE,
+    STORE_KEYS,
+    FactSet,
+    Rung,
+    Silent,
+    Waits,
+)
 from ..schema import COMM_HANG, DEAD_RANK, HANG
 
 WAIT_FOR = "wait_for"
 OUTSIDE = "outside"
 SAME_COLLECTIVE = "same_collective"
+NAMING_SOURCES = (DESYNC_REPORT, NAMED_IN_MESSAGE, NCCL_OP_COUNTS, STORE_KEYS)
+"""The sources whose waits name their targets, in the order ``wait_for`` asks them (each has its words in
+``report.findings``): torch's desync report, a message naming whom it waited for, NCCL op counts, store keys."""
 
 
 def rule_wait_for(facts: FactSet) -> Finding | None:
-    for source in (DESYNC_REPORT, NCCL_OP_COUNTS, STORE_KEYS):
+    for source in NAMING_SOURCES:
         waits = [w for w in facts.waits if w.source == source]
         if not waits:
             continue
@@ -29,7 +43,8 @@ def rule_wait_for(facts: FactSet) -> Finding | None:
             continue
         lead = next((i for i in facts.in_op if i.source == DESYNC_REPORT and i.rank == found.ranks[0]), None)
         # the desync report is torch's own analysis of every rank's trace in the store
-        confidence = "high" if source == DESYNC_REPORT and found.confidence != "low" else "medium"
+        # (and a monitored barrier's report is the monitor's own list of who never arrived)
+        confidence = "high" if source in (DESYNC_REPORT, NAMED_IN_MESSAGE) and found.confidence != "low" else "medium"
         return Finding(WAIT_FOR, HANG, list(found.ranks), found.strength, confidence, {
             **found.data, "source": source, "lagging": lead.op if lead is not None else None,
             "phase": "collective" if lead is not None and "joined" in lead.op else None})
