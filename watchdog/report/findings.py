@@ -289,6 +289,10 @@ def _none(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     )
 
 
+OFFLINE_SHAPES = frozenset({"late", "lone", "left_early", "ahead", "behind"})
+"""The shapes the offline rules' words tell apart (``_lone``, ``_behind``); live shapes are
+``report.live_words``'. A test holds every shape a rule makes to one of the two."""
+
 _WORDS: dict[str, Callable[[Finding, str, Mapping[str, Any]], Words]] = {
     "rankwatch_verdict": _logged,
     "exit_cause": _exit_cause,

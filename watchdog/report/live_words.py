@@ -231,6 +231,10 @@ def _skipped(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, lis
 
 
 def _earliest(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
+    if d.get("shape") == "last_running":
+        return (f"{fmt_ranks(f.ranks)} is the only rank still running, in {_in(d.get('phase'))}"
+                f"{c.at_step(d.get('step'))}, while {fmt_ranks(d.get('exited', ()))} exited normally: the job "
+                "cannot end before it does", [])
     if d.get("shape") == "shared_cause":
         return (f"every rank is stuck in {_in(d.get('phase'))}{c.at_step(d.get('step'))}: a shared cause (filesystem, "
                 "data service, host) rather than one rank", [])
@@ -324,7 +328,7 @@ _LIVE: dict[str, Phrase] = {
     "stopped": _stopped, "abort_with_odd_counts": _odd_counts, "fr_mismatch": _fr_mismatch,
     "fr_mismatch_tie": _fr_mismatch, "fr_behind": _fr_behind, "fr_behind_uncovered": _fr_behind,
     "behind": _behind, "extra_collective": _extra_collective, "skipped_collective": _skipped,
-    "earliest_in_step": _earliest, "shared_cause": _earliest, "op_tie": _ops, "odd_op": _ops,
+    "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest, "op_tie": _ops, "odd_op": _ops,
     "odd_stack": _odd_stack, "no_gpu": _gpu, "same_collective": _gpu, "no_answer": _unknown, "nothing": _unknown,
 }
 

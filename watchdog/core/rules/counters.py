@@ -11,7 +11,7 @@ from ..facts import Count, Rung
 from ..live_facts import COLLECTIVE_SEQ, STEP, count_facts, is_waiting
 from ..ranks import majority, outside_majority
 from ..schema import COLLECTIVE_MISMATCH, HANG
-from ..snapshot import STEP_PHASE_ORDER, RankView
+from ..snapshot import EXITED, STEP_PHASE_ORDER, RankView
 from .behind import behind_of
 
 COUNTERS = "counters"
@@ -61,11 +61,18 @@ def rule_behind(live: Sequence[RankView]) -> Finding | None:
         **data, "shape": "behind", "low": behind[0].coll_seq, "high": top_seq, "phase": behind[0].phase})
 
 
-def rule_not_waiting(live: Sequence[RankView]) -> Finding | None:
-    """Nobody waits (the wait-for graph has no edge): the ranks earliest in the step, else a shared cause."""
+def rule_not_waiting(live: Sequence[RankView], present: Sequence[RankView] = ()) -> Finding | None:
+    """Nobody waits (the wait-for graph has no edge): the one rank still running while every other rank that
+    answered has exited normally, else the ranks earliest in the step, else a shared cause (several ranks)."""
     busy = [v for v in live if not is_waiting(v)]
     if not busy or len(busy) != len(live):
         return None
+    exited = sorted(v.rank for v in present if v.state == EXITED)
+    if len(busy) == 1 and exited:
+        # "every rank stuck alike" would contradict the others' normal exits: this one is simply the last
+        lead = busy[0]
+        return Finding(WAITING, HANG, [lead.rank], Rung.WAITING, "low",
+                       {"shape": "last_running", "phase": lead.phase, "step": lead.step, "exited": exited})
     # the place in the step is one more counter: the ranks behind are those at its lowest (``rules.behind``)
     places = [Count(v.rank, "", STEP_PLACE, STEP_PHASE_ORDER.get(v.phase or "", 0)) for v in busy]
     earliest = set(behind_of(places, STEP_PLACE))

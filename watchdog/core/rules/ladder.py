@@ -93,7 +93,7 @@ def _live_counters(c: LiveCase) -> Finding | None:
 
 
 def _live_waiting(c: LiveCase) -> Finding | None:
-    return rule_not_waiting(c.live) if c.live and not any(is_waiting(v) for v in c.live) else None
+    return rule_not_waiting(c.live, c.present) if c.live and not any(is_waiting(v) for v in c.live) else None
 
 
 LADDER: tuple[LadderRung, ...] = (
