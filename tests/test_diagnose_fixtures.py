@@ -79,9 +79,10 @@ def test_each_fixture_is_one_job(fixture: str) -> None:
 
 
 def test_every_fixture_is_covered() -> None:
-    """A new capture must come with its expectation (the public corpus's live in public/TRUTH.json)."""
-    public = json.loads((LOGS / "public" / "TRUTH.json").read_text())["files"]
-    covered = {LOGS / k for k in EXPECTED} | {LOGS / "public" / name for name in public}
+    """A new capture must come with its expectation (the public and captured corpora's live in their TRUTH.json)."""
+    covered = {LOGS / k for k in EXPECTED}
+    for corpus in ("public", "captured"):  # truth tables of their own (test_public_logs, test_captured_logs)
+        covered |= {LOGS / corpus / name for name in json.loads((LOGS / corpus / "TRUTH.json").read_text())["files"]}
     for path in LOGS.rglob("*.log"):
         assert any(c == path or c in path.parents for c in covered), path
 

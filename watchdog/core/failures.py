@@ -76,6 +76,8 @@ COMMUNICATION = re.compile(
     r"gloo|NCCL|nccl|Timed out|timed out|Connection (?:closed|reset)|DistBackendError|DistNetworkError"
     r"|DistStoreError|c10d|ProcessGroup|collective|peer|Socket Timeout|recvBytes|sendBytes|TCPStore"
     r"|Broken pipe|Connection refused|monitoredBarrier"
+    # Horovod, once any rank failed: "Horovod has been shut down. This was caused by an exception on one of the ranks"
+    r"|Horovod has been shut down"
 )
 # A peer's process is gone, not slow: its kernel closed or reset the connection (a frozen or unreachable peer
 # gives a timeout instead). What a survivor of a killed node prints (gloo's pair.cc, a TCPStore socket).

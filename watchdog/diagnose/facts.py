@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.failures import waited_for
 from . import events as ev
+from .patterns import SRUN_EXIT
 
 MAX_PENDING = 4096  # events waiting for a local-rank/pid mapping
 MAX_SEEN_FILES = 10_000
@@ -131,9 +132,20 @@ class Collector:
         self._unattributed_count: Counter[str] = Counter()
         # torch elastic failure-report entries per (file, host): one agent's report, by local rank
         self._reported: dict[tuple[str, str | None], dict[int, ev.Event]] = {}
+        # what srun's task lines say of how tasks ended, kept until the end: a task is a rank only where srun
+        # started the ranks itself; where another launcher reported exits (torchrun under srun: a task is a
+        # node's agent) they are dropped
+        self._srun: list[ev.Event] = []
+        self._launcher_exit = False
 
     def add(self, e: ev.Event) -> None:
         logs = self.evidence
+        if e.detail.startswith(SRUN_EXIT) and e.family in (ev.EXIT, ev.HOST_OOM):
+            if len(self._srun) < MAX_PENDING:
+                self._srun.append(e)
+            return
+        if e.family == ev.EXIT:
+            self._launcher_exit = True
         if e.family == ev.DUMP_WRITTEN:
             if len(logs.dump_paths) < 32 and e.detail not in logs.dump_paths:
                 logs.dump_paths.append(e.detail)
@@ -198,6 +210,8 @@ class Collector:
         for pid, r in other._pid_to_rank.items():
             self._pid_to_rank.setdefault(pid, r)
         self._agent_pids.update(other._agent_pids)
+        self._srun += other._srun[: max(0, MAX_PENDING - len(self._srun))]
+        self._launcher_exit = self._launcher_exit or other._launcher_exit
         for key, report in other._reported.items():
             if key in self._reported or len(self._reported) < MAX_REPORTS:
                 self._reported.setdefault(key, {}).update(report)
@@ -232,6 +246,11 @@ class Collector:
 
     def finish(self) -> Evidence:
         logs = self.evidence
+        if not self._launcher_exit:
+            for e in self._srun:
+                if e.rank is not None:
+                    logs.facts(e.rank).add(e)
+        self._srun.clear()
         for e in self._pending:
             r = self._resolve(e)
             if r is None:

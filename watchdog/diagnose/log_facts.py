@@ -156,7 +156,9 @@ def _ended(f: RankFacts, p: OfflinePolicy, adopted: ev.Event | None = None) -> E
         cause=lead.family if lead is not None else None,
         ts=min(ts) if ts else None,
         signal=f.exit.signal if f.exit is not None else None,
-        stated=f.has(ev.PRIMARY),
+        # a failure srun states of its task (a task is a rank only where srun started the ranks) is the launcher's
+        # word, not the rank's own message
+        stated=any(e.family in ev.PRIMARY and not e.detail.startswith(pt.SRUN_EXIT) for e in f.first.values()),
         detail=(lead.detail if lead is not None else "") or "",
         phase=phase,
         site=lead.where if lead is not None and lead.family == ev.PY_ERROR else "",

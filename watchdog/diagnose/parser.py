@@ -66,6 +66,7 @@ class SourceParser:
         self._tracebacks: dict[tuple[int | None, int | None, int | None], _Traceback] = {}
         self._section: str | None = None  # "failures" | "root" inside an elastic failure report
         self._entry: _ReportEntry | None = None
+        self._ompi_first = -1  # the line of Open MPI's "The first process to do so was:" (its next lines name it)
         # what this source says about the job it belongs to (diagnose/jobs.py groups sources by it):
         # global ranks that printed here (by prefix or path), hosts named, and the time span it covers
         self.ranks: set[int] = set()
@@ -354,6 +355,18 @@ def _mp_spawn_exit(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, ra
                detail="torch.multiprocessing.spawn saw it exit first")]
 
 
+def _ompi_first(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    line = mk(ev.RANK_SEEN).line
+    if "first process to do so" in s:
+        p._ompi_first = line
+        return []
+    m = pt.OMPI_PROCESS_NAME.search(s)
+    if m is None or not 0 < line - p._ompi_first <= pt.OMPI_FIRST_LINES:
+        return []
+    return [mk(ev.EXIT, rank=int(m.group(1)), local_rank=None, root_cause=True,
+               detail="mpirun: the first process to exit non-zero")]
+
+
 def _report_flat(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     m = _m(m)
     code = int(m.group(3))
@@ -485,8 +498,17 @@ def _slurm_task(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank:
     why = m.group(3).strip()
     cm = re.search(r"exit code (\d+)", why)
     sig = "SIGKILL" if why.startswith("Killed") else None
-    return [mk(ev.SLURM, rank=t, host=m.group(1), detail=why[:120], exitcode=int(cm.group(1)) if cm else None,
-               signal=sig) for t in (tasks[:1] if len(tasks) > 64 else tasks)]
+    code = int(cm.group(1)) if cm else (-9 if sig else None)
+    out: list[ev.Event] = []
+    for t in tasks[:1] if len(tasks) > 64 else tasks:
+        out.append(mk(ev.SLURM, rank=t, host=m.group(1), detail=why[:120], exitcode=code, signal=sig))
+        # how the task ended, as a launcher's exit (``facts.Collector`` keeps it only where no other launcher
+        # reported: under srun + torchrun a task is a node's agent, not a rank)
+        if why.startswith("Out Of Memory"):
+            out.append(mk(ev.HOST_OOM, rank=t, host=m.group(1), detail=f"{pt.SRUN_EXIT}: task {t} Out Of Memory"))
+        elif code is not None:
+            out.append(mk(ev.EXIT, rank=t, host=m.group(1), exitcode=code, signal=sig, detail=pt.SRUN_EXIT))
+    return out
 
 
 def _slurm_cancel(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
@@ -533,6 +555,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("DeepSpeed launcher exit", ("sigkill_handler",), pt.DS_EXIT, _ds_exit),
     Pattern("DeepSpeed launcher killing", ("sigkill_handler",), pt.DS_KILLING, _ds_killing),
     Pattern("torch.multiprocessing.spawn exit", ("terminated with",), pt.MP_SPAWN_EXIT, _mp_spawn_exit),
+    Pattern("Open MPI first non-zero exit", ("first process to do so", "Process name: [["), None, _ompi_first),
     Pattern("failure report, flattened", ("exitcode",), pt.REPORT_FLAT, _report_flat),
     Pattern("NCCL watchdog timeout", ("Watchdog caught",), pt.NCCL_WATCHDOG, _watchdog),
     Pattern("NCCL PG status", _ENQUEUED, pt.NCCL_STATUS, _status),

@@ -41,6 +41,10 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     b"world_size", b"WORLD_SIZE", b"world size", b" nranks ",
     # torch.multiprocessing.spawn's report of a child's death (MP_SPAWN_EXIT), also pasted without its class
     b"terminated with",
+    # gloo's lost peer on a line of its own (the chained "Original exception:" of a monitored barrier's peers)
+    b"by peer", b"by remote peer",
+    # Open MPI's "The first process to do so was:" / "Process name: [[J,1],R]"
+    b"first process to do so", b"Process name: [[",
 )
 BLOCK_START: tuple[bytes, ...] = (b"Failures:", b"Root Cause (first observed failure)")
 BLOCK_END = b"\n===="
@@ -342,6 +346,12 @@ HOST_OOM = re.compile(
 )
 # srun: "srun: error: node12: task 5: Killed", "srun: error: node3: tasks 0-3: Exited with exit code 1"
 SLURM_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
+# Open MPI's mpirun (orte/tools/orterun help-orterun.txt "orterun:non-zero-exit"): "mpirun detected that one or
+# more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so
+# was:" then "  Process name: [[50371,1],0]" (job id, vpid = the rank in MPI_COMM_WORLD) and "  Exit code:    1"
+OMPI_PROCESS_NAME = re.compile(r"Process name: \[\[\d{1,10},\d{1,10}\],(\d{1,7})\]")
+OMPI_FIRST_LINES = 3  # "Process name:" follows "The first process to do so was:" within this many lines
+SRUN_EXIT = "srun task exit"  # the detail of the exits srun's task lines state (``parser._slurm_task``)
 SLURM_CANCEL = re.compile(r"\*\*\* (?:STEP|JOB) (\S+) ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([^*]+?))? \*\*\*")
 
 # --- how many ranks there are (each a lower bound of the world: a communicator may be a subgroup) -----

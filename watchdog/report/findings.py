@@ -234,6 +234,13 @@ def _outside(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
             "per-rank logs of the silent ranks, or stacks taken during the hang (rankwatch run / py-spy dump), "
             "or NCCL watchdog messages with sequence numbers",
         )
+    if d.get("launcher_first"):
+        return Words(
+            f"the launcher says {who} was the first process to exit with a failure, and {waiting} only failed "
+            f"waiting on a peer (consequences){note}; {who}'s own error is not in the log",
+            f"find why {who} exited: its own stderr (often printed earlier than the others' errors), dmesg for the "
+            "OOM killer, the scheduler",
+        )
     gone = d.get("peer_only")
     what = "lost the connection to a peer (a peer process went away)" if gone else \
         "timed out waiting in a collective"

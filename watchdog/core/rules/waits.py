@@ -75,6 +75,13 @@ def rule_outside(facts: FactSet) -> Finding | None:
     gone = {w.rank for w in facts.waits if w.source == PEER_GONE}
     peer_only = all(r in gone for r in inside)
     data = {"waiting": inside, "told": told, "peer_only": peer_only, "unseen": list(facts.unseen)}
+    first = {x.rank for x in facts.exited if x.root_cause and x.signal != "SIGTERM"} & set(outside)
+    if len(outside) >= len(inside) and len(first) == 1 and not facts.unseen and not told:
+        # as many silent ranks as waiters, but the launcher says which silent one ended first (mpirun's "the
+        # first process to do so") and every rank that printed waited on a peer: the one that left is the one
+        # they lost
+        return Finding(OUTSIDE, DEAD_RANK, sorted(first), Rung.WAITING, "medium",
+                       {**data, "peer_only": True, "launcher_first": True})
     if len(outside) >= len(inside) or facts.unseen:
         # any of the silent ranks could be the one that never arrived
         silent = sorted({*outside, *facts.unseen})
