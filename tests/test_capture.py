@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import stat
 import sys
@@ -11,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from rankwatch.hooks.responder import DumpResponder, ctl_path
 from rankwatch.watchdog.evidence import capture
 from rankwatch.watchdog.evidence.capture import DumpRequest, RankCapture, collect_dump, request_dump
@@ -193,3 +196,95 @@ def test_a_gil_held_in_a_c_call_does_not_hold_up_the_capture(job_dir, procs, mod
         # the normal case keeps the responder's answer
         assert cap.responder_error is None and cap.responder_stacks["pid"] == proc.pid
         assert "GIL" not in " ".join(cap.notes)
+
+
+# -- nothing a capture started outlives it (issue 42) ------------------------------------------------------
+# A py-spy that is really a wrapper script: it records its pid, starts a child that lives on (holding the
+# pipes py-spy answers on), one more in a process group of its own (`set -m`: still in the session), then
+# either hangs or answers and exits.
+WRAPPER = """#!/bin/bash
+echo $$ > {d}/wrapper.pid
+sleep 300 &
+echo $! > {d}/child.pid
+set -m
+sleep 300 < /dev/null > /dev/null 2>&1 &
+echo $! > {d}/grouped.pid
+set +m
+{last}
+"""
+HANGS = "sleep 300"
+ANSWERS = "echo '[]'; exit 0"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is dead: it waits only for whoever reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _fake_pyspy_on_path(tmp_path: Path, monkeypatch, last: str) -> Path:
+    """The wrapper as `py-spy` on PATH, nothing beside this Python: where the capture code looks it up."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    fake = tmp_path / "bin" / "py-spy"
+    fake.parent.mkdir()
+    fake.write_text(WRAPPER.format(d=d, last=last))
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_exe(tmp_path / "venv" / "bin" / "python")))
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    assert capture.pyspy_available() == str(fake)
+    return d
+
+
+def _started(d: Path) -> dict[str, int]:
+    pids = {name: int((d / f"{name}.pid").read_text()) for name in ("wrapper", "child", "grouped")
+            if (d / f"{name}.pid").exists() and (d / f"{name}.pid").read_text().strip()}
+    assert len(pids) == 3, f"the wrapper did not start its children within the capture's timeout: {pids}"
+    return pids
+
+
+def _kill_leftovers(d: Path) -> None:
+    """Whatever a failing test leaves is not left to the next one."""
+    for f in d.glob("*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(f.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["inspect", "reader"])
+def test_a_capture_that_times_out_leaves_no_process_it_started(tmp_path, monkeypatch, path):
+    """py-spy (a wrapper that forks, then hangs) is killed at the capture's timeout together with its child
+    and a grandchild in a process group of its own: the capture's whole session goes."""
+    d = _fake_pyspy_on_path(tmp_path, monkeypatch, HANGS)
+    try:
+        if path == "inspect":  # `rankwatch inspect`: py-spy run in this process
+            threads, err = capture.pyspy_dump(os.getpid(), 3.0, nonblocking=False, include_locals=False)
+        else:  # the daemon's reader (in-process where the daemon is not root), as a capture asks it
+            from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
+
+            answer = ReaderCore(ReaderPolicy(), None, fixed_pyspy=False).op_pyspy(
+                {"pid": os.getpid(), "timeout_s": 3.0}, [])
+            threads, err = answer["threads"], answer["error"]
+        assert (threads, err) == (None, "py-spy timed out after 3.0s")
+        pids = _started(d)
+        assert wait_for(lambda: not any(_alive(p) for p in pids.values()), 10), \
+            {name: pid for name, pid in pids.items() if _alive(pid)}
+    finally:
+        _kill_leftovers(d)
+
+
+@pytest.mark.slow
+def test_a_capture_that_answers_leaves_no_process_it_started_and_does_not_wait_for_them(tmp_path, monkeypatch):
+    """A wrapper that answers and exits while its child still holds the pipes: the answer is taken when the
+    wrapper exits (not when the child lets go of the pipes, here: the timeout), and the child goes with it."""
+    d = _fake_pyspy_on_path(tmp_path, monkeypatch, ANSWERS)
+    try:
+        assert capture.pyspy_dump(os.getpid(), 60.0, nonblocking=False, include_locals=False) == ([], None)
+        pids = _started(d)
+        assert wait_for(lambda: not any(_alive(p) for p in pids.values()), 10), \
+            {name: pid for name, pid in pids.items() if _alive(pid)}
+    finally:
+        _kill_leftovers(d)

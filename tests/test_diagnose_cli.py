@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -78,13 +79,50 @@ def test_bad_option_is_one_line_exit_2() -> None:
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_binary_file_does_not_crash(tmp_path: Path) -> None:
-    blob = tmp_path / "core.bin"
+def assert_not_a_log(p: subprocess.CompletedProcess[str], name: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stdout[:300], p.stderr)
+    assert p.stdout == "" and "Traceback" not in p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"rankwatch diagnose: {name}") and "is not a log" in line, line
+
+
+def test_a_binary_file_is_refused_as_not_a_log(tmp_path: Path) -> None:
+    """Was: "undecided" (exit 1) or even a verdict from words found in random bytes: a file that is not text
+    (``TextPolicy``) is one line and exit 2, as any other bad input."""
+    exe = tmp_path / "true"
+    shutil.copyfile("/bin/true", exe)
+    p = run(str(exe))
+    assert_not_a_log(p, str(exe))
+    assert "binary data" in p.stderr
+    blob = tmp_path / "core.bin"  # random bytes, with a log line's words inside
     blob.write_bytes(os.urandom(300_000) + b"\x00RuntimeError: \xff\xfe Traceback\n" + os.urandom(1000))
-    p = run(str(blob))
-    assert p.returncode in (0, 1), p.stderr
-    assert "Traceback" not in p.stderr
-    assert p.stdout.startswith(("INITIATOR", "NO SINGLE INITIATOR"))
+    assert_not_a_log(run(str(blob)), str(blob))
+    zeros = tmp_path / "zeros.log"
+    zeros.write_bytes(bytes(100_000))
+    assert_not_a_log(run(str(zeros)), str(zeros))
+
+
+def test_a_log_with_a_few_odd_bytes_is_still_read(tmp_path: Path) -> None:
+    """Odd bytes in a real log (a Latin-1 name, a NUL, a bell, a cut UTF-8 character, a progress bar's \\r) and a
+    hole of NULs that logrotate's copytruncate left at its start: still a log, still the same verdict."""
+    lines = (LOGS / "torchrun_tee/dead_rank_r2.log").read_bytes().splitlines(keepends=True)
+    odd = tmp_path / "odd.log"
+    odd.write_bytes(b"".join(lines[:3]) + b"user caf\xe9 \x00 \x07 \xe2\x82 40%|####\r" + b"\n" + b"".join(lines[3:]))
+    holed = tmp_path / "rotated.log"
+    holed.write_bytes(bytes(200_000) + b"".join(lines))
+    for log in (odd, holed):
+        p = run(str(log))
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.startswith("INITIATOR: rank 2"), p.stdout[:300]
+
+
+def test_a_binary_file_in_a_log_directory_is_skipped(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    shutil.copytree(LOGS / "logdir_input_hang_r3", logs)
+    shutil.copyfile("/bin/true", logs / "core")  # a core file, no telling extension
+    p = run(str(logs))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("INITIATOR: rank 3 — hang") and "read 9 source(s)" in p.stdout
 
 
 def test_several_sources_at_once() -> None:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import rankwatch.hooks.tracker as tracker_mod
 import structlog
-from conftest import new_tracker
+from conftest import free_port, new_tracker
 from prometheus_client.parser import text_string_to_metric_families
 from rankwatch.hooks.record import RecordWriter
 from rankwatch.watchdog.core.detect import Trigger
@@ -29,6 +29,8 @@ from rankwatch.watchdog.serve.metrics import (
     METRIC_NAMES,
     SERIES_PER_RANK_BUDGET,
     Exposure,
+    MetricsUnavailable,
+    file_sd_target,
     read_token,
     serve_metrics,
 )
@@ -225,25 +227,43 @@ def test_scrapes_during_polls_and_other_paths(daemon_setup):
     assert err.value.code == 404
 
 
-def test_port_in_use_is_a_user_error_and_close_frees_the_port(tmp_path):
+def test_a_taken_port_moves_to_the_next_free_one_and_close_frees_the_port(tmp_path):
+    """Metrics are optional (issue 42): a taken port is not an error while a port of the range is free; only
+    when none is (or the address cannot be served here) does ``MetricsUnavailable`` say so, for the caller to
+    warn and go on (it used to be a UserError: `rankwatch run` exited 2 before launching the job)."""
     daemon = Daemon(DaemonConfig(shm_dir=str(tmp_path), out_dir=str(tmp_path)))
     try:
         with socket.socket() as busy:
-            busy.bind(("127.0.0.1", 0))
+            busy.bind(("127.0.0.1", free_port()))
             busy.listen()
             port = busy.getsockname()[1]
-            with pytest.raises(UserError, match=re.escape(f"cannot serve metrics on 127.0.0.1:{port}: ")):
-                serve_metrics(daemon, "127.0.0.1", port)
+            with pytest.raises(MetricsUnavailable, match=re.escape(f"cannot serve metrics on 127.0.0.1:{port}: ")):
+                serve_metrics(daemon, "127.0.0.1", port)  # one try: the daemon's fixed port
+            moved = serve_metrics(daemon, "127.0.0.1", port, tries=16)
+            assert port < moved.port < port + 16 and moved.url == f"http://127.0.0.1:{moved.port}/metrics"
+            assert value(scrape(moved), "rankwatch_jobs") == 0
+            # the whole range taken: a bounded scan, then the reason with the range it covered
+            with pytest.raises(MetricsUnavailable, match=re.escape(
+                    f"cannot serve metrics on 127.0.0.1 ports {port}-{moved.port}: ")):
+                serve_metrics(daemon, "127.0.0.1", port, tries=moved.port - port + 1)
+            moved.close()
         server = serve_metrics(daemon, "127.0.0.1", port)
         assert server.url == f"http://127.0.0.1:{port}/metrics"
-        assert value(scrape(server), "rankwatch_jobs") == 0
         server.close()
         again = serve_metrics(daemon, "127.0.0.1", port)
         again.close()
-        with pytest.raises(UserError, match=re.escape("cannot serve metrics on no-such-host.invalid:")):
+        with pytest.raises(MetricsUnavailable, match=re.escape("cannot serve metrics on no-such-host.invalid:")):
             serve_metrics(daemon, "no-such-host.invalid", 0)
     finally:
         daemon.close()
+
+
+def test_the_file_sd_document_names_the_endpoint_as_prometheus_reaches_it():
+    labels = {"rankwatch_run": "j1"}
+    assert file_sd_target("127.0.0.1", 9432, labels) == [{"targets": ["127.0.0.1:9432"], "labels": labels}]
+    assert file_sd_target("::1", 9432, labels)[0]["targets"] == ["[::1]:9432"]
+    for wildcard in ("0.0.0.0", "::", ""):  # every interface: another host reaches it by this host's name
+        assert file_sd_target(wildcard, 9431, labels)[0]["targets"] == [f"{socket.gethostname()}:9431"]
 
 
 def test_a_straggler_that_persists_is_logged_exported_and_named_in_the_incident(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ import structlog
 
 from .. import logs
 from ..cluster.auth import load_secret
-from ..core.policy import ServePolicy
+from ..core.policy import MetricsPolicy, ServePolicy
 from ..errors import UserError
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.sdnotify import Notifier
@@ -133,6 +134,53 @@ def metrics_exposure(args: Any) -> Any:
     return Exposure(args.metrics_detail, token)
 
 
+class DaemonMetrics:
+    """The daemon's /metrics and /healthz, and while its port is taken, the wait for it.
+
+    Metrics are optional: a port another process holds (or an address this host cannot bind) is one warning
+    in the log, and the daemon watches every job on without them (refusing to start would leave the node
+    unwatched, and systemd restarting it would not free the port). The port is not moved: it is the node's
+    fixed address (static scrape configs, Kubernetes' liveness probe), so it is tried again every
+    ``retry_s`` off the poll loop, and metrics come back on it by themselves. Until then Prometheus sees
+    the target down (``RankwatchWatchdogDown``), which says where to look."""
+
+    def __init__(self, open_server: Callable[[], Any], retry_s: float) -> None:
+        from ..serve.metrics import MetricsUnavailable
+
+        self._open, self._unavailable = open_server, MetricsUnavailable
+        self.server: Any = None
+        self._stop = threading.Event()
+        self._retry: threading.Thread | None = None
+        if not self._try(first=True, retry_s=retry_s) and retry_s > 0:
+            self._retry = threading.Thread(target=self._retry_loop, args=(retry_s,), name="rankwatch-metrics-retry",
+                                           daemon=True)
+            self._retry.start()
+
+    def _try(self, *, first: bool, retry_s: float = 0.0) -> bool:
+        try:
+            self.server = self._open()
+        except self._unavailable as exc:
+            if first:
+                log.warning("metrics_unavailable", error=str(exc), retry_every_s=retry_s or None,
+                            detail="watching on without /metrics and /healthz")
+            return False
+        if not first:
+            log.info("metrics_available_again", url=self.server.url)
+        return True
+
+    def _retry_loop(self, retry_s: float) -> None:
+        while not self._stop.wait(retry_s):
+            if self._try(first=False):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._retry is not None:
+            self._retry.join(timeout=30)
+        if self.server is not None:
+            self.server.close()
+
+
 class SignalHandlers:
     """The daemon's signal handlers note the signal and return; whatever logs runs later, on the loop.
 
@@ -201,8 +249,11 @@ def main(argv: list[str]) -> int:
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
 
-        extras.append(serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
-                                    exposure=exposure))
+        def open_metrics() -> Any:
+            return serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
+                                 exposure=exposure, tries=MetricsPolicy().daemon_port_tries)
+
+        extras.append(DaemonMetrics(open_metrics, retry_s=0 if args.once else MetricsPolicy().daemon_retry_s))
 
     handlers = SignalHandlers(daemon, notifier, relog)
     signal.signal(signal.SIGTERM, handlers.stop)

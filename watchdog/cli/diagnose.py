@@ -15,7 +15,7 @@ DESCRIPTION = """Name the rank that started a failure from logs a job already wr
 --tag-output, dmesg. Offline, streamed in constant memory. Logs of several jobs (different run ids, Slurm
 job ids, master ports, or the same rank at other times / on other hosts) are diagnosed one job at a time.
 Exit code 0 when the logs decide an initiator (for every job), 1 when they cannot decide, 2 on bad
-input."""
+input (a file named here that is not text too)."""
 
 
 def build_parser() -> Parser:

@@ -141,13 +141,20 @@ def main(argv: list[str]) -> int:
 def _run_job(
     args: Any, cmd: TorchrunCommand, job_id: str, out: str, daemon: Daemon, correlator: Any
 ) -> int:
-    config = daemon.config
     daemon.clean_leftovers()
-    metrics = None
-    if args.metrics_port is not None:
-        from ..serve.metrics import serve_metrics
+    metrics = _serve_metrics(args, daemon, job_id, out) if args.metrics_port is not None else None
+    try:
+        return _watch_job(args, cmd, job_id, out, daemon, correlator, metrics)
+    finally:
+        if metrics is not None:  # every way out: a listed target that no longer answers would page as down
+            metrics.close()
 
-        metrics = serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms)
+
+def _watch_job(
+    args: Any, cmd: TorchrunCommand, job_id: str, out: str, daemon: Daemon, correlator: Any,
+    metrics: RunMetrics | None,
+) -> int:
+    config = daemon.config
     env = dict(os.environ, RANKWATCH_SHM_DIR=args.shm_dir, RANKWATCH_JOB_ID=job_id)
     log.info("run_start", job=job_id, torchrun=cmd.args, out=out)
     watcher = threading.Thread(target=daemon.run, name="rankwatch-watchdog", daemon=True)
@@ -183,6 +190,63 @@ def _run_job(
         daemon, job_id, out, history, torchrun_code=code, root_cause_printed=tee.root_cause_seen
     )
     return code
+
+
+# Prometheus' file-based service discovery document of this run's /metrics, in --out while the run serves
+METRICS_TARGET_FILE = "metrics-target.json"
+
+
+class RunMetrics:
+    """This run's metrics endpoint and the file_sd file naming it; ``close()`` stops both, once: a target
+    still listed after the run would be scraped as down (and page as ``RankwatchWatchdogDown``)."""
+
+    def __init__(self, server: Any, target_file: str | None) -> None:
+        self.server, self.target_file = server, target_file
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.target_file is not None:
+            try:
+                os.unlink(self.target_file)
+            except OSError:
+                pass
+        self.server.close()
+
+
+def _warn(text: str) -> None:
+    """One line on stderr, whatever --quiet says: what the user set up did not happen as asked."""
+    sys.stderr.write(f"rankwatch run: warning: {text}\n")
+    sys.stderr.flush()
+
+
+def _serve_metrics(args: Any, daemon: Daemon, job_id: str, out: str) -> RunMetrics | None:
+    """/metrics for this run, on the port asked for or the next free one (``MetricsPolicy``), written to
+    ``out/metrics-target.json`` for Prometheus' file_sd; where no port can be bound, the job runs without
+    metrics. Never a reason for the job not to start: a second job on the node holds the port as often as not."""
+    from ..core.policy import MetricsPolicy
+    from ..serve.metrics import MetricsUnavailable, file_sd_target, serve_metrics
+
+    try:
+        server = serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
+                               tries=MetricsPolicy().run_port_tries)
+    except MetricsUnavailable as exc:
+        _warn(f"{exc}; the job runs without metrics")
+        return None
+    path = os.path.join(out, METRICS_TARGET_FILE)
+    target: str | None = path
+    try:
+        atomic_json(path, file_sd_target(server.addr, server.port, {"rankwatch_run": job_id}))
+    except OSError as exc:
+        log.warning("metrics_target_not_written", path=path, error=exc.strerror or str(exc))
+        target = None
+    if server.port != args.metrics_port and args.metrics_port != 0:
+        where = f" (written to {target})" if target else ""
+        _warn(f"metrics port {args.metrics_port} on {args.metrics_addr} is taken; serving {server.url} "
+              f"instead{where}")
+    return RunMetrics(server, target)
 
 
 def _supervise(proc: subprocess.Popen, daemon: Daemon, job_id: str, startup_s: float) -> tuple[int, bool, bool, bool]:

@@ -114,6 +114,25 @@ class ServePolicy:
 
 
 @dataclass(frozen=True)
+class MetricsPolicy:
+    """Where /metrics goes when its port is taken: metrics are optional, so a taken port never stops a job
+    or the daemon (issue 42: a second `rankwatch run` on a node used to exit 2 before launching)."""
+
+    # `rankwatch run` tries the port asked for and the ones above it, this many in all: an 8-GPU node runs
+    # at most 8 one-GPU jobs, each a `rankwatch run` with the same default port, beside the node's daemon
+    # and an exporter or two; twice that still finds a free port, and a range this wide all taken means
+    # something holds the whole range, where scanning farther only scatters the targets Prometheus looks for
+    run_port_tries: int = 16
+    # the daemon tries only its own port: it is the node's fixed address (static scrape configs, the
+    # Kubernetes liveness probe on /healthz), and on another port a probe would reach someone else's server
+    daemon_port_tries: int = 1
+    # while its port is taken the daemon watches on without metrics and tries the port again this often,
+    # so /metrics and /healthz come back by themselves once the port is free: about one Prometheus scrape
+    # interval, and a bind try costs one syscall (plus a lookup for a host name), off the poll loop
+    daemon_retry_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class AlertPolicy:
     """How an incident reaches people: webhooks (--notify) and a command (--on-incident)."""
 

@@ -10,6 +10,7 @@ without a single newline.
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import sys
@@ -48,6 +49,63 @@ NOT_LOGS = frozenset((
 HEAD = 1 << 20  # bytes of each source searched for rank prefixes and job keys
 
 
+@dataclass(frozen=True)
+class TextPolicy:
+    """When a file is not a log at all (an executable, a checkpoint, an archive): `diagnose` says so instead
+    of reading it and answering "undecided"."""
+
+    # bytes looked at from the start (after a hole of NULs, below): a log's first lines are text (launcher
+    # banners, torchrun's config), a binary format shows its header and tables there; git and grep look as far
+    head_bytes: int = 8192
+    # a head with more than this share of bytes that are not text (NUL and other control bytes than tab,
+    # newline, CR, FF, VT, backspace and ESC; bytes that are not UTF-8) is binary: every log of
+    # tests/fixtures/logs reads 0 %, a log with a few odd bytes (a Latin-1 name, a cut multi-byte character,
+    # a progress bar's stray bytes) a few %, while random or compressed bytes read ~53 %, /bin/true 89 %
+    max_binary_share: float = 0.3
+    # a log that logrotate's copytruncate cut while its writer wrote on without O_APPEND starts with a hole of
+    # NULs: skipped (up to this much) before the head is looked at
+    max_leading_nul_bytes: int = 64 << 20
+
+
+TEXT_POLICY = TextPolicy()
+_TEXT_CONTROLS = frozenset(b"\t\n\r\f\v\b\x1b")
+
+
+def binary_share(head: bytes) -> float:
+    """Share of ``head``'s bytes that are not text: control bytes a log does not print and bytes that are not
+    UTF-8 (a multi-byte character cut at the end of ``head`` counts as text)."""
+    if not head:
+        return 0.0
+    bad = sum(1 for b in head if (b < 32 and b not in _TEXT_CONTROLS) or b == 127)
+    decoded = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(head, final=False)
+    bad += sum(1 for ch in decoded if "\udc80" <= ch <= "\udcff")
+    return bad / len(head)
+
+
+def not_text(path: str, policy: TextPolicy = TEXT_POLICY) -> str | None:
+    """Why the regular file ``path`` is not a text log (None when it is, or cannot be read here: opening it
+    again reports that)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(policy.head_bytes)
+            skipped = 0
+            while head and not head.strip(b"\0") and skipped < policy.max_leading_nul_bytes:
+                skipped += len(head)
+                head = f.read(policy.head_bytes)
+            if head.startswith(b"\0"):  # the hole ends inside this block: the head is what follows it
+                text = head.lstrip(b"\0")
+                skipped += len(head) - len(text)
+                head = text + f.read(policy.head_bytes - len(text))
+    except OSError:
+        return None
+    if not head and skipped:
+        return "nothing but NUL bytes"
+    share = binary_share(head)
+    if share > policy.max_binary_share:
+        return f"binary data: {share:.0%} of its first {len(head)} bytes are not text"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Source:
     name: str  # as shown in evidence ("-" for stdin)
@@ -74,8 +132,8 @@ def rank_from_path(path: str) -> PathRank:
 
 
 def expand(args: list[str]) -> list[Source]:
-    """Files as given, directories recursively in sorted order (without ``NOT_LOGS``), ``-`` as stdin.
-    Missing → UserError."""
+    """Files as given, directories recursively in sorted order (without ``NOT_LOGS`` and files that are not
+    text), ``-`` as stdin. Missing, or a file named here that is not text (``TextPolicy``) → UserError."""
     out: list[Source] = []
     for arg in args:
         if arg == "-":
@@ -88,13 +146,17 @@ def expand(args: list[str]) -> list[Source]:
                     if os.path.splitext(name)[1].lower() in NOT_LOGS:
                         continue
                     full = os.path.join(root, name)
-                    if os.path.isfile(full):
+                    # a core file or a checkpoint without a telling name beside the logs: not read
+                    if os.path.isfile(full) and not_text(full) is None:
                         out.append(Source(full, full, rank_from_path(full)))
             continue
         if not os.path.exists(arg):
             raise UserError(f"no such file or directory: {arg}")
         if not os.path.isfile(arg) and not _is_readable_stream(arg):
             raise UserError(f"not a regular file or directory: {arg}")
+        why = not_text(arg) if os.path.isfile(arg) else None  # a pipe is read as it comes
+        if why is not None:
+            raise UserError(f"{arg} is not a log ({why})")
         out.append(Source(arg, arg, rank_from_path(arg)))
     return out
 

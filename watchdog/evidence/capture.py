@@ -13,6 +13,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -31,7 +32,7 @@ from ..core.fr_trace import FlightRecorderFormatError, RankTrace, parse_dump
 from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
 from ..core.text import FIELD, NAME, PROSE, clean
-from ..observe.process import read_stat
+from ..observe.process import read_stat, session_members
 
 log = structlog.get_logger("rankwatch.capture")
 
@@ -146,23 +147,33 @@ def run_pyspy(
     if include_locals:
         cmd.append("--locals")
     try:
+        # a session of its own: everything py-spy starts (a wrapper script's children) is found and ended with it
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             pass_fds=_fd_of(exe),
         )
     except OSError as exc:
         return None, f"py-spy failed to start: {exc}"
+    exited = _exit_fd(proc.pid)
     deadline = time.monotonic() + timeout_s
     out, err = bytearray(), bytearray()
     over = False
+    rc: int | None = None
     assert proc.stdout is not None and proc.stderr is not None
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    gone = False  # py-spy exited: what it wrote is in the pipes, which a child it left may hold open
     try:
         while streams:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None, f"py-spy timed out after {timeout_s:.1f}s"
-            ready, _, _ = select.select(list(streams), [], [], left)
+            watch = list(streams) + ([exited] if exited is not None and not gone else [])
+            ready, _, _ = select.select(watch, [], [], 0 if gone else left)
+            if gone and not ready:
+                break  # drained: the rest of the wait would only be for its children
+            if exited is not None and exited in ready:
+                gone = True
+                ready.remove(exited)
             for fd in ready:
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
@@ -180,15 +191,17 @@ def run_pyspy(
                     break
         if over:
             return None, f"py-spy printed over {max_bytes} bytes: cut, not parsed"
-        rc = proc.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        return None, f"py-spy timed out after {timeout_s:.1f}s"
+        if not _exited_by(proc, exited, deadline):
+            return None, f"py-spy timed out after {timeout_s:.1f}s"
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, 9)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
+        # py-spy itself and whatever it started, on every way out: a child that outlived it (or a py-spy
+        # that timed out) is killed while py-spy is not yet reaped, so its pid, the id of its group and
+        # session, cannot have been handed to anyone else
+        end_session(proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = proc.wait(5)
+        if exited is not None:
+            os.close(exited)
         proc.stdout.close()
         proc.stderr.close()
     if rc != 0:
@@ -205,6 +218,41 @@ def run_pyspy(
     if threads is None:
         return None, "py-spy printed JSON of an unexpected shape"
     return threads, None
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd of the child, readable once it exited (still unreaped); None where the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def _exited_by(proc: subprocess.Popen[bytes], exited: int | None, deadline: float) -> bool:
+    """Whether ``proc`` exited before ``deadline``, leaving it unreaped (``end_session`` must come first)."""
+    if exited is not None:
+        return bool(select.select([exited], [], [], max(0.1, deadline - time.monotonic()))[0])
+    try:  # no pidfd: reaped here, its session ended after (a pid reused in between is the rare leftover)
+        proc.wait(max(0.1, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def end_session(sid: int) -> None:
+    """SIGKILL the process group and the session a capture started as ``sid`` (``start_new_session``): py-spy,
+    or a wrapper of it, and every descendant that stayed in either (one that left both, ``setsid``, is
+    beyond them). Its own leader must not be reaped yet, so neither id can name someone else's processes."""
+    with contextlib.suppress(OSError):
+        os.killpg(sid, signal.SIGKILL)
+    # a child moved to a group of its own is still in the session; a fork racing the kill is caught next pass
+    for _ in range(3):
+        members = [pid for pid in session_members(sid) if pid != sid]
+        if not members:
+            return
+        for pid in members:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _fd_of(exe: str) -> tuple[int, ...]:

@@ -94,6 +94,28 @@ def stat_or_unknown(pid: int, proc_root: str = "/proc") -> ProcStat | None:
         raise Unknown(f"/proc/{pid}/stat unreadable: {exc}") from None
 
 
+def session_members(sid: int, proc_root: str = "/proc") -> list[int]:
+    """Live processes of session ``sid`` (field 6 of ``/proc/<pid>/stat``; zombies are dead already): what
+    a command started in a session of its own left behind, also those in process groups of their own."""
+    members = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc_root}/{name}/stat", "rb") as f:
+                data = f.read(4096)
+            fields = data[data.rindex(b")") + 2 :].split()
+            if int(fields[3]) == sid and fields[0] != b"Z":
+                members.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members
+
+
 def proc_uids(pid: int) -> tuple[int, ...] | None:
     """Real, effective, saved and filesystem uid of ``pid`` (``/proc/<pid>/status``); None when unreadable."""
     try:

@@ -28,7 +28,9 @@ run``: one user's own job) everything; with a token file, a scrape that presents
 
 from __future__ import annotations
 
+import errno
 import hmac
+import ipaddress
 import json
 import os
 import socket
@@ -465,12 +467,25 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
+class MetricsUnavailable(Exception):
+    """No port of those tried could be bound (taken, refused, or the address does not resolve here): the
+    caller runs on without metrics and says so in one warning line, never failing the job for it."""
+
+
 def serve_metrics(
-    daemon: Daemon, addr: str, port: int, *, histograms: bool = False, exposure: Exposure | None = None
+    daemon: Daemon,
+    addr: str,
+    port: int,
+    *,
+    histograms: bool = False,
+    exposure: Exposure | None = None,
+    tries: int = 1,
 ) -> MetricsServer:
     """Serve ``daemon``'s metrics on http://addr:port/metrics, and ``/healthz`` (200 while the poll loop
     makes progress, else 503), from a background thread. ``histograms``: per-phase histograms too;
     ``exposure``: who gets per-job series (default: everyone, as ``rankwatch run`` serves one user's job).
+    A taken ``port`` moves the server to the next of ``tries`` ports upward (``.port`` says which; the
+    bound is ``MetricsPolicy``'s); when none can be bound, ``MetricsUnavailable``.
 
     The registry is private (not prometheus_client's global one) so that two daemons in one process, or
     a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
@@ -484,17 +499,40 @@ def serve_metrics(
     try:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise UserError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
+        raise MetricsUnavailable(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
     handler = type("MetricsHandler", (_Handler,), {"registry": registry, "aggregate": aggregate, "daemon": daemon,
                                                   "exposure": exposure or Exposure()})
     server_cls = type("MetricsServerSocket", (_Server,), {"address_family": family})
-    try:
-        server = server_cls((addr, port), handler)
-    except OSError as exc:
-        raise UserError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
+    # port 0 is the kernel's choice already; never past the last port
+    candidates = [port] if port == 0 else list(range(port, min(port + max(1, tries), 65536)))
+    server = None
+    for candidate in candidates:
+        try:
+            server = server_cls((addr, candidate), handler)
+            break
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or candidate == candidates[-1]:
+                # taken to the end of the range, or a reason the next port would share (EACCES below 1024,
+                # an address not on this host): stop here
+                where = f"{addr}:{port}" if candidate == port else f"{addr} ports {port}-{candidate}"
+                raise MetricsUnavailable(f"cannot serve metrics on {where}: {exc.strerror or exc}") from exc
+    assert server is not None
     bound_port = int(server.server_address[1])
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
                               name="rankwatch-metrics", daemon=True)
     thread.start()
-    log.info("metrics_serving", addr=addr, port=bound_port)
+    log.info("metrics_serving", addr=addr, port=bound_port, asked_port=port)
     return MetricsServer(server, thread, registry, addr, bound_port)
+
+
+def file_sd_target(addr: str, port: int, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Prometheus' file-based service discovery document (``file_sd_configs``) for one endpoint: a scrape
+    config that globs these files follows a `rankwatch run` wherever its port landed. A wildcard address
+    is named by the host's name, the way another host scrapes it."""
+    try:
+        wildcard = not addr or ipaddress.ip_address(addr).is_unspecified
+    except ValueError:  # a host name
+        wildcard = False
+    host = socket.gethostname() if wildcard else addr
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return [{"targets": [target], "labels": dict(labels)}]
