@@ -299,7 +299,13 @@ def open_incidents_dir(out: str, job_dir: str) -> int:
                 os.mkdir(name, 0o700, dir_fd=fd)
             except FileExistsError:
                 pass
-            sub = open_dir(name, fd)
+            try:
+                sub = open_dir(name, fd)
+            except OSError:
+                # O_DIRECTORY|O_NOFOLLOW on a link fails with ENOTDIR: say what it is
+                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, f"{name} is a symbolic link, not followed") from None
+                raise
             os.close(fd)
             fd = sub
             st = os.fstat(fd)
@@ -322,8 +328,7 @@ def _write_bundle(
     try:
         fd = open_incidents_dir(out, job.job_id)
     except OSError as exc:
-        why = "a symbolic link, not followed" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        sys.stderr.write(f"rankwatch inspect: bundle not written to {incidents}: {why}\n")
+        sys.stderr.write(f"rankwatch inspect: bundle not written to {incidents}: {exc.strerror or exc}\n")
         return None
     try:
         # written through the fd's own /proc path: it names the directory that was opened, not a path that
