@@ -138,6 +138,8 @@ class Watched:
     captures: dict[int, Any]
     fr_sources: dict[int, dict[str, str]]
     fr_notes: list[str]
+    looks: int  # how many looks were taken (2, or more where a rank spun in one place)
+    seconds: float  # from the first look to the end of the last
 
 
 def _wait_until(deadline: float) -> None:
@@ -161,6 +163,7 @@ def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
         return look, sources, notes
 
     look, _, _ = one()
+    started, looks = look.at, 2
     first = rank_looks(job, look)
     _wait_until(look.at + policy.look_interval_s)
     look, sources, notes = one()
@@ -171,6 +174,7 @@ def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
             break
         _wait_until(look.at + policy.look_interval_s)
         look, more_sources, more_notes = one(progress.again)
+        looks += 1
         latest.update(rank_looks(job, look))
         captures.update(look.ranks)
         sources.update(more_sources)
@@ -180,7 +184,7 @@ def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
         # still the same stack after every look, though its CPU time moved: it spins in one place
         progress = Progress(False, progress.moved, tuple(sorted({*progress.still, *progress.again})), (),
                             progress.unread, progress.seconds, progress.line)
-    return Watched(progress, first, latest, captures, sources, notes)
+    return Watched(progress, first, latest, captures, sources, notes, looks, time.monotonic() - started)
 
 
 def running_doc(job: Job, watched: Watched) -> dict[str, Any]:
@@ -210,7 +214,6 @@ def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str
     watched = watch(job, args, InspectPolicy(look_interval_s=args.look_interval))
     if watched.progress.running and args.store is None:
         return running_doc(job, watched), None
-    t0 = time.monotonic()
     captures = watched.captures
     workers = capture_workers(job, captures, args.pyspy_timeout)
     facts = facts_of(job, captures, cpu_pct(watched.first, watched.latest), node)
@@ -219,7 +222,7 @@ def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str
     fr_sources = dict(watched.fr_sources)
     fr_notes = [*watched.fr_notes, *attach_fr_dumps(job, captures, gone, fr_sources)]
     notes = [watched.progress.line, *lines, *worker_lines(workers), *fr_notes]
-    notes.append(f"stacks of {len(captures)} rank(s) read; workers and dumps in {time.monotonic() - t0:.2f}s")
+    notes.append(f"stacks of {len(captures)} rank(s) read at {watched.looks} looks in {watched.seconds:.2f}s")
     verdict, fr = _decide(job, incident_id, views, captures, {}, notes)
     if args.store is not None:
         verdict = _shared_verdict(job, args, node, views, captures, fr.traces, notes, incident_id)
