@@ -1,13 +1,16 @@
 """``rankwatch inspect`` on jobs that were never wrapped.
 
-Fast tier: discovery over a constructed /proc tree (hostile environments, workers, root's rules), the phase
-read from stacks, facts → verdict, bad input. Slow tier: plain torchrun jobs (tests/jobs/plain_ddp.py, no
-rankwatch imported anywhere) hung in a DataLoader worker, in forward, stopped, with a dead rank, and over
-two nodes whose two inspect runs agree through a TCPStore.
+Fast tier: discovery over a constructed /proc tree (hostile environments, workers, root's rules, a copied
+run id), the phase read from stacks, running or stalled from two looks, facts → verdict, bad input, a
+planted symlink where the bundle goes. Slow tier: plain torchrun jobs (tests/jobs/plain_ddp.py, no
+rankwatch imported anywhere) hung in a DataLoader worker, in forward, stopped, with a dead rank, over two
+nodes whose two inspect runs agree through a TCPStore, a healthy job beside a hung one, and a job that
+carries another job's run id.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from rankwatch.watchdog.cli import inspect as inspect_cli
-from rankwatch.watchdog.core.inspect_facts import RankFact, views_from_facts
+from rankwatch.watchdog.core.inspect_facts import RankFact, RankLook, judge_progress, views_from_facts
+from rankwatch.watchdog.core.policy import InspectPolicy
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
 from rankwatch.watchdog.core.stacks import Frame
 from rankwatch.watchdog.observe.discover import MAX_ENV_VALUE, discover, parse_environ, select
@@ -137,6 +141,25 @@ def test_hostile_rank_values_are_not_ranks(tmp_path):
     proc_entry(tmp_path, 103, 100, env={**rank_env(0, 0), "TORCHELASTIC_RUN_ID": "../../etc"})
     found = discover(proc_root=str(tmp_path), caller_uid=1000)
     assert [(j.job_id, [r.pid for r in j.ranks]) for j in found.jobs] == [("_._.._etc", [103])]
+
+
+@pytest.mark.parametrize("caller", [0, 1000])
+def test_a_job_is_one_agents_ranks_of_one_user_not_its_run_id(tmp_path, caller):
+    """A run id is in every rank's world-readable environment and command line: anyone can start a rank
+    carrying another job's. That one-rank job (another user's as root sees it; the same user's, under another
+    agent, as that user sees it) is a job of its own, and the job whose id it copied is still found whole."""
+    torchrun_tree(tmp_path)  # agent 100 (uid 1000): ranks 101, 102 of job1, world 2
+    intruder = 2000 if caller == 0 else 1000
+    proc_entry(tmp_path, 200, 1, uid=intruder, cmdline=AGENT_CMD)
+    proc_entry(tmp_path, 201, 200, uid=intruder, env=rank_env(0, 0, world=1))  # job1 again: RANK=0, WORLD_SIZE=1
+    found = discover(proc_root=str(tmp_path), caller_uid=caller)
+    assert [(j.job_id, j.launcher, j.owner_uid, [r.pid for r in j.ranks]) for j in found.jobs] == [
+        ("job1", 100, 1000, [101, 102]), ("job1", 200, intruder, [201])]
+    assert not found.notes
+    jobs, err = select(found, job_id="job1")
+    assert err is None and len(jobs) == 2
+    jobs, err = select(found, pids=[101])
+    assert err is None and [(j.launcher, [r.rank for r in j.ranks]) for j in jobs] == [(100, [0, 1])]
 
 
 def test_missing_local_ranks_are_found(tmp_path):
@@ -261,6 +284,63 @@ def test_a_rank_gone_altogether_is_named():
     assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [1])
 
 
+# -- running or stalled: two looks ------------------------------------------------------------------------
+TICKS = 100.0  # clock ticks per second, as the kernel reports CPU time
+
+
+def look(rank: int, at: float, cpu: int | None, sig: str | None = "a", *, state: str = "S", alive: bool = True,
+         wakeups: int | None = 0, fr: tuple[int, int] | None = None) -> RankLook:
+    return RankLook(rank, at, alive, state, cpu, sig, fr, wakeups)
+
+
+def progress(first: list[RankLook], last: list[RankLook], **kw):
+    return judge_progress({x.rank: x for x in first}, {x.rank: x for x in last}, ticks_per_s=TICKS, **kw)
+
+
+@pytest.mark.parametrize(
+    ("second", "running", "moved", "still", "again"),
+    [
+        # each rank's stack moved as its CPU time advanced: running
+        ([look(0, 1.0, 60, "b"), look(1, 1.0, 55, "c")], True, (0, 1), (), ()),
+        # rank 1 spun in one place (CPU advanced, same stack, never woken): look again
+        ([look(0, 1.0, 60, "b"), look(1, 1.0, 99, "a")], False, (0,), (), (1,)),
+        # the same stack at both looks, but woken from waits hundreds of times: a quick step landing there
+        ([look(0, 1.0, 60, "a", wakeups=600), look(1, 1.0, 55, "c")], True, (0, 1), (), ()),
+        # a rank whose CPU time stood still made no progress, whatever its stack: stalled at once
+        ([look(0, 1.0, 60, "b"), look(1, 1.0, 0, "c", wakeups=600)], False, (0,), (1,), ()),
+        # a stopped rank, and a rank replaced by another process (or gone) between the looks
+        ([look(0, 1.0, 60, "b"), look(1, 1.0, 55, "c", state="T")], False, (0,), (1,), ()),
+        ([look(0, 1.0, 60, "b"), look(1, 1.0, 55, "c", alive=False)], False, (0,), (1,), ()),
+        # a live flight recorder that completed collectives is progress even where the CPU time says little
+        ([look(0, 1.0, 60, "b", fr=(7, 7)), look(1, 1.0, 0, "a", fr=(9, 9))], True, (0, 1), (), ()),
+    ],
+)
+def test_two_looks_tell_running_from_stalled(second, running, moved, still, again):
+    first = [look(0, 0.0, 0, "a", fr=(7, 7)), look(1, 0.0, 0, "a", fr=(7, 7))]
+    p = progress(first, second)
+    assert (p.running, p.moved, p.still, p.again) == (running, moved, still, again), p.line
+    assert p.line.startswith("two looks 1.0s apart: ")
+
+
+def test_a_rank_without_a_stack_takes_no_side_and_a_gone_rank_stalls_the_job():
+    first = [look(0, 0.0, 0, "a"), look(1, 0.0, 0, None)]
+    second = [look(0, 1.0, 60, "b"), look(1, 1.0, 60, None)]
+    assert progress(first, second).running and progress(first, second).unread == (1,)
+    # no stack moved at all: nothing proves progress
+    assert not progress(first[1:], second[1:]).running
+    # a local rank the launcher started is gone: not running, whatever the others do
+    gone = progress(first, second, gone=[2])
+    assert not gone.running and gone.still == (2,)
+
+
+def test_cpu_needed_scales_with_the_time_between_the_looks():
+    policy = InspectPolicy(min_cpu_share=0.1)
+    first = [look(0, 0.0, 0, "a")]
+    # 10 % of a core over 5 s is 50 ticks: 40 is not enough, 50 is
+    assert progress(first, [look(0, 5.0, 40, "b")], policy=policy).still == (0,)
+    assert progress(first, [look(0, 5.0, 50, "b")], policy=policy).running
+
+
 # -- bad input ------------------------------------------------------------------------------------------
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rankwatch.watchdog.cli", "inspect", *args],
@@ -281,6 +361,46 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     res = run_cli(*args)
     assert res.returncode == 2, res.stderr
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_a_symlinked_out_dir_is_refused_before_anything_is_inspected(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "rankwatch-inspect").symlink_to(target)
+    res = run_cli("--out", str(tmp_path / "rankwatch-inspect"))
+    assert res.returncode == 2, res.stderr
+    assert "is a symbolic link" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("level", ["job", "incidents"])
+def test_a_symlink_below_the_out_dir_is_not_followed(tmp_path, level):
+    """The job's and the incidents' dirs are opened as the daemon opens job dirs (O_NOFOLLOW): a link
+    planted at either is refused (ELOOP), and nothing is written where it points."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    out = tmp_path / "out"
+    (out / "job1").mkdir(parents=True, mode=0o700)
+    planted = out / "job1" if level == "job" else out / "job1" / "incidents"
+    if level == "job":
+        planted.rmdir()
+    planted.symlink_to(target)
+    with pytest.raises(OSError) as exc:
+        inspect_cli.open_incidents_dir(str(out), "job1")
+    assert exc.value.errno == errno.ELOOP
+    assert list(target.iterdir()) == []
+    # a real dir of the caller's own is opened (and made where missing)
+    fd = inspect_cli.open_incidents_dir(str(tmp_path / "fresh"), "job1")
+    os.close(fd)
+    assert (tmp_path / "fresh" / "job1" / "incidents").is_dir()
+
+
+def test_a_job_dir_another_user_may_write_is_refused(tmp_path):
+    out = tmp_path / "out"
+    (out / "job1").mkdir(parents=True)
+    os.chmod(out / "job1", 0o777)  # anyone could swap entries in it under the writer
+    with pytest.raises(OSError, match="not this user's own directory"):
+        inspect_cli.open_incidents_dir(str(out), "job1")
 
 
 def test_no_ranks_found_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
@@ -409,6 +529,61 @@ def test_two_nodes_agree_through_the_store(plain_job, tmp_path):
     alone = inspect_json(a, tmp_path / "out-alone", "--store", f"127.0.0.1:{hung.free_port()}", "--store-timeout", "3")
     assert alone["correlation"] == "decided by node 0 over 1 of 2 node(s)"
     assert alone["initiating_ranks"] == [1] and alone["ranks"]["1"]["state"] == "missing"
+
+
+def wait_stepping(marks: Path, world: int, agent: subprocess.Popen, step: int = 5) -> None:
+    """Until every rank of a healthy job has started ``step`` (each writes its mark as it starts a step)."""
+    def stepping() -> bool:
+        if agent.poll() is not None:
+            raise AssertionError(f"torchrun ended (exit {agent.returncode}) before its ranks stepped")
+        return all((marks / f"rank-{r}.step-{step}").exists() for r in range(world))
+
+    hung.wait_until(stepping, HANG_TIMEOUT_S, f"{world} rank(s) to reach step {step}")
+
+
+@pytest.mark.slow
+def test_a_running_job_is_one_line_and_a_hung_one_beside_it_is_named(plain_job, tmp_path):
+    """A healthy job (its ranks stepping, busy on the CPU, their stacks moving) is not a stall: one line, no
+    bundle, exit 0. Beside a hung job it does not count against the answer: the hung one is named, exit 0."""
+    healthy, healthy_marks = plain_job(2, "none", 0, marks=tmp_path / "healthy")
+    stuck, stuck_marks = plain_job(2, "input-hang", 1, marks=tmp_path / "stuck")
+    wait_stepping(healthy_marks, 2, healthy)
+    res = run_cli("--pid", str(healthy.pid), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 and ": running — two looks " in lines[0] and lines[0].endswith("no bundle"), res.stdout
+    assert not (tmp_path / "out").exists()
+    hung.wait_hung(stuck_marks, 2, "input-hang", 1, 3, HANG_TIMEOUT_S, stuck)
+    res = run_cli("--pid", str(healthy.pid), "--pid", str(stuck.pid), "--out", str(tmp_path / "out"), "--json")
+    assert res.returncode == 0, res.stderr
+    docs = {d["agent_pid"] if d["kind"] == "running" else "stuck": d for d in json.loads(res.stdout)}
+    assert sorted(docs, key=str) == sorted([healthy.pid, "stuck"], key=str), res.stdout
+    running, verdict = docs[healthy.pid], docs["stuck"]
+    assert running["schema"] == "rankwatch.running/1" and running["bundle"] is None
+    assert sorted(running["looks"]["moved"]) == [0, 1]
+    assert (verdict["kind"], verdict["initiating_ranks"], verdict["phase"]) == ("hang", [1], "dataloader")
+    assert any(e.startswith("two looks ") and "CPU time flat" in e for e in verdict["evidence"])
+    assert json.loads((Path(verdict["bundle"]) / "verdict.json").read_text())["initiating_ranks"] == [1]
+    assert [p.parent.name for p in (tmp_path / "out").glob("*/incidents")] == [verdict["job_id"]]
+
+
+@pytest.mark.slow
+def test_a_job_carrying_another_jobs_run_id_does_not_hide_it(plain_job, tmp_path):
+    """A one-rank job started under the hung job's run id (another user's, as root sees it; here the same
+    user's in a separate process tree, which discovery tells apart the same way) is a job of its own: the
+    hung job is still inspected by its run id and its rank named, the other is running."""
+    run_id = f"insp-copied-{os.getpid()}"
+    victim, marks = plain_job(2, "input-hang", 1, marks=tmp_path / "victim", run_id=run_id)
+    copy, copy_marks = plain_job(1, "none", 0, marks=tmp_path / "copy", run_id=run_id)
+    wait_stepping(copy_marks, 1, copy)
+    hung.wait_hung(marks, 2, "input-hang", 1, 3, HANG_TIMEOUT_S, victim)
+    res = run_cli("--job", run_id, "--out", str(tmp_path / "out"), "--json")
+    assert res.returncode == 0, res.stderr
+    docs = json.loads(res.stdout)
+    kinds = sorted((d["kind"], d.get("agent_pid"), d["initiating_ranks"]) for d in docs)
+    assert kinds == [("hang", None, [1]), ("running", copy.pid, [])], res.stdout
+    hang = next(d for d in docs if d["kind"] == "hang")
+    assert sorted(hang["ranks"]) == ["0", "1"] and hang["job_id"] == run_id
 
 
 # -- flight-recorder dumps the job wrote ----------------------------------------------------------------

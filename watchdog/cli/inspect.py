@@ -1,24 +1,31 @@
 """``rankwatch inspect``: name the initiating rank of a job that is hung right now and was never wrapped.
 
-find ranks (``observe.discover``) → stacks, CPU, /proc states, flight-recorder files (``evidence.
-inspect_capture``) → views (``core.inspect_facts``) → the live verdict's ``decide`` → print and bundle
-(``report``), with ``--store`` after every node's evidence is in (``cluster.inspect_exchange``).
+find jobs (``observe.discover``: one torchrun agent's ranks of one user) → two looks at every rank a
+moment apart (``evidence.inspect_capture.look_at``) → running or stalled (``core.inspect_facts.
+judge_progress``): a running job is one line, no bundle → for a stalled one the workers' stacks, /proc
+states, flight-recorder files → views (``core.inspect_facts``) → the live verdict's ``decide`` → print
+and bundle (``report``, into a directory opened without following a symlink), with ``--store`` after
+every node's evidence is in (``cluster.inspect_exchange``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.fr_trace import RankTrace
-from ..core.inspect_facts import RankFact, views_from_facts
-from ..core.policy import CapturePolicy
+from ..core.inspect_facts import Progress, RankFact, RankLook, judge_progress, views_from_facts
+from ..core.policy import CapturePolicy, InspectPolicy
+from ..core.schema import RUNNING_SCHEMA
 from ..core.snapshot import RankView
 from ..core.stacks import Frame
 from ..core.text import NAME, clean
@@ -32,11 +39,15 @@ from .options import host_port, positive_float
 DESCRIPTION = """Name the rank a hung job waits for, without the hook and without a restart: find this node's
 torch distributed ranks in the process table (torchrun's RANK/LOCAL_RANK/WORLD_SIZE in their environment,
 the torchrun agent as their parent; DataLoader workers told apart), read every rank's stack with py-spy in
-parallel, its /proc state and exit, and the flight-recorder dumps the job wrote or its torch debug server
+parallel, twice a moment apart: a job whose ranks made progress in between (stacks moved as CPU time
+advanced, or the flight recorder advanced) is running, one line and no bundle. For a stalled job read its
+/proc states and exits and the flight-recorder dumps the job wrote or its torch debug server
 (start_debug_server) serves; decide with the live verdict's rules; print the verdict and write a bundle.
+A job is one torchrun agent's ranks of one user (not its run id, which anyone can copy).
 Multi-node: run it on every node with the same --store HOST:PORT (HOST: node 0's address; node 0's
-inspect hosts it) and every node prints one verdict. Nothing is signalled. Exit code 0 when a rank is
-named, 1 when no ranks are found or no rank can be named, 2 on bad input."""
+inspect hosts it) and every node prints one verdict. Nothing is signalled. Exit code 0 when every stalled
+job found got a rank named (running jobs count as answered), 1 when no ranks are found or a stalled job got
+no rank, 2 on bad input (an --out that is a symlink included)."""
 
 # store exchange: every node's inspect starts within this of the others (srun/kubectl exec on each node)
 STORE_TIMEOUT_S = 60.0
@@ -59,6 +70,9 @@ def build_parser() -> Parser:
     p.add_argument("--native", action="store_true", help="native (C/C++) frames too (pauses each rank longer)")
     p.add_argument("--pyspy-timeout", type=positive_float, default=CapturePolicy.pyspy_timeout_s, metavar="SECONDS",
                    help="how long py-spy may take per rank (default: %(default)s)")
+    p.add_argument("--look-interval", type=positive_float, default=InspectPolicy.look_interval_s, metavar="SECONDS",
+                   help="the two looks that tell a running job from a stalled one start at least this far apart; "
+                   "raise it for a job whose steps take longer (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the rankwatch.verdict/1 document")
     return p
 
@@ -113,27 +127,109 @@ def _decide(
     return verdict, fr
 
 
+@dataclass
+class Watched:
+    """What the looks at a job saw: its first and latest look per rank, the latest stacks (with any live
+    flight recorder) and where those recorders were read from."""
+
+    progress: Progress
+    first: dict[int, RankLook]
+    latest: dict[int, RankLook]
+    captures: dict[int, Any]
+    fr_sources: dict[int, dict[str, str]]
+    fr_notes: list[str]
+    looks: int  # how many looks were taken (2, or more where a rank spun in one place)
+    seconds: float  # from the first look to the end of the last
+
+
+def _wait_until(deadline: float) -> None:
+    """The look interval is a measurement window, not a guess: the second look is taken after it."""
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(left)
+
+
+def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
+    """Look at every rank, again ``look_interval_s`` later, and once more (``confirm_looks``) at the ranks
+    whose CPU time advanced while their stack read the same, until the job is running or stalled."""
+    from ..evidence.inspect_capture import attach_debug_server_dumps, look_at, rank_looks
+
+    ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    gone = [rank for rank, _ in job.missing_ranks()]
+
+    def one(only: Sequence[int] | None = None) -> tuple[Any, dict[int, dict[str, str]], list[str]]:
+        look = look_at(job, timeout_s=args.pyspy_timeout, native=args.native, only=only)
+        sources: dict[int, dict[str, str]] = {}
+        notes = attach_debug_server_dumps(job, look.ranks, sources, only=only)
+        return look, sources, notes
+
+    look, _, _ = one()
+    started, looks = look.at, 2
+    first = rank_looks(job, look)
+    _wait_until(look.at + policy.look_interval_s)
+    look, sources, notes = one()
+    latest, captures = rank_looks(job, look), dict(look.ranks)
+    progress = judge_progress(first, latest, ticks_per_s=ticks, policy=policy, gone=gone)
+    for _ in range(policy.confirm_looks):
+        if progress.running or progress.still or not progress.again:
+            break
+        _wait_until(look.at + policy.look_interval_s)
+        look, more_sources, more_notes = one(progress.again)
+        looks += 1
+        latest.update(rank_looks(job, look))
+        captures.update(look.ranks)
+        sources.update(more_sources)
+        notes = [n for n in notes if not any(n.startswith(f"rank {r}:") for r in progress.again)] + more_notes
+        progress = judge_progress(first, latest, ticks_per_s=ticks, policy=policy, gone=gone)
+    if not progress.running and progress.again:
+        # still the same stack after every look, though its CPU time moved: it spins in one place
+        progress = Progress(False, progress.moved, tuple(sorted({*progress.still, *progress.again})), (),
+                            progress.unread, progress.seconds, progress.line)
+    return Watched(progress, first, latest, captures, sources, notes, looks, time.monotonic() - started)
+
+
+def running_doc(job: Job, watched: Watched) -> dict[str, Any]:
+    """What a running job gets instead of a verdict: the looks, one line, no bundle."""
+    from ..evidence.inspect_capture import cpu_pct
+
+    p = watched.progress
+    cpu = cpu_pct(watched.first, watched.latest)
+    spread = sorted(round(v) for v in cpu.values())
+    use = "" if not spread else f"; {spread[0]}% CPU" if spread[0] == spread[-1] else f"; {spread[0]}-{spread[-1]}% CPU"
+    line = f"{job.label}: running — {p.line}{use}; no bundle"
+    return {
+        "schema": RUNNING_SCHEMA, "source": "inspect", "job_id": job.job_id, "agent_pid": job.launcher,
+        "owner_uid": job.owner_uid, "kind": "running", "initiating_ranks": [], "reason": line,
+        "looks": {"seconds_apart": round(p.seconds, 2), "moved": list(p.moved), "unread": list(p.unread)},
+        "ranks": {str(r): {"cpu_pct": round(v, 1)} for r, v in sorted(cpu.items())}, "bundle": None,
+    }
+
+
 def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
-    from ..evidence.inspect_capture import attach_debug_server_dumps, attach_fr_dumps, capture_job, worker_lines
+    """The verdict and bundle of a stalled job, or a running job's document (no bundle)."""
+    from ..evidence.inspect_capture import attach_fr_dumps, capture_workers, cpu_pct, worker_lines
 
     node = clean(socket.gethostname(), NAME)
-    incident_id = "inspect-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-    cap = capture_job(job, timeout_s=args.pyspy_timeout, native=args.native)
-    facts = facts_of(job, cap.ranks, cap.cpu_pct, node)
+    agent = f"-a{job.launcher}" if job.launcher > 0 else ""
+    incident_id = "inspect-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}{agent}"
+    watched = watch(job, args, InspectPolicy(look_interval_s=args.look_interval))
+    if watched.progress.running and args.store is None:
+        return running_doc(job, watched), None
+    captures = watched.captures
+    workers = capture_workers(job, captures, args.pyspy_timeout)
+    facts = facts_of(job, captures, cpu_pct(watched.first, watched.latest), node)
     views, lines = views_from_facts(facts)
     gone = [f.rank for f in facts if f.pid < 0]
-    fr_sources: dict[int, dict[str, str]] = {}
-    fr_notes = attach_debug_server_dumps(job, cap.ranks, fr_sources)
-    fr_notes += attach_fr_dumps(job, cap.ranks, gone, fr_sources)
-    notes = [*lines, *worker_lines(cap.workers), *fr_notes]
-    notes.append(f"stacks of {len(cap.ranks)} rank(s) read in {cap.seconds:.2f}s")
-    verdict, fr = _decide(job, incident_id, views, cap.ranks, {}, notes)
+    fr_sources = dict(watched.fr_sources)
+    fr_notes = [*watched.fr_notes, *attach_fr_dumps(job, captures, gone, fr_sources)]
+    notes = [watched.progress.line, *lines, *worker_lines(workers), *fr_notes]
+    notes.append(f"stacks of {len(captures)} rank(s) read at {watched.looks} looks in {watched.seconds:.2f}s")
+    verdict, fr = _decide(job, incident_id, views, captures, {}, notes)
     if args.store is not None:
-        verdict = _shared_verdict(job, args, node, views, cap.ranks, fr.traces, notes, incident_id)
+        verdict = _shared_verdict(job, args, node, views, captures, fr.traces, notes, incident_id)
     # where this node's flight-recorder dumps came from, by rank: {"from": "debug_server", "address": ...}
     # or {"from": "file", "path": ...}; only the ones that parsed
     verdict["flight_recorder_sources"] = {str(r): fr_sources[r] for r in sorted(fr.traces) if r in fr_sources}
-    path = _write_bundle(args.out, job, verdict, views, cap.ranks)
+    path = _write_bundle(args.out, job, verdict, views, captures)
     return verdict, path
 
 
@@ -174,6 +270,57 @@ def _shared_verdict(
     return shared.verdict
 
 
+def check_out(out: str) -> None:
+    """Refuse, before anything is inspected, an ``--out`` that is a symlink or not a directory: a bundle is
+    never written through a link someone planted (a ``rankwatch-inspect`` in a shared directory)."""
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"--out {out}: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UserError(f"--out {out} is a symbolic link: a bundle is never written through one (remove it, or pass "
+                        "--out DIR)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"--out {out} is not a directory")
+
+
+def open_incidents_dir(out: str, job_dir: str) -> int:
+    """``out/job_dir/incidents`` as a directory fd, every level made and opened as the daemon opens job dirs
+    (``observe.jobdir.open_dir``: ``O_NOFOLLOW``), so a symlink at any of them is refused (ELOOP), never
+    followed. The two levels inspect makes must be the caller's own and writable by no one else: entries
+    in a directory another user may write can be swapped under the writer."""
+    from ..observe.jobdir import open_dir
+
+    parent, leaf = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, mode=0o700, exist_ok=True)  # the path up to --out is the caller's to choose
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name, own in ((leaf, False), (job_dir, True), ("incidents", True)):
+            try:
+                os.mkdir(name, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                sub = open_dir(name, fd)
+            except OSError:
+                # O_DIRECTORY|O_NOFOLLOW on a link fails with ENOTDIR: say what it is
+                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, f"{name} is a symbolic link, not followed") from None
+                raise
+            os.close(fd)
+            fd = sub
+            st = os.fstat(fd)
+            if own and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
+                raise OSError(errno.EPERM, f"{name} is not this user's own directory (uid {st.st_uid}, mode "
+                              f"{stat.S_IMODE(st.st_mode):o})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _write_bundle(
     out: str, job: Job, verdict: dict[str, Any], views: Sequence[RankView], captures: Mapping[int, Any]
 ) -> str | None:
@@ -182,13 +329,23 @@ def _write_bundle(
 
     incidents = os.path.join(out, job.job_id, "incidents")
     try:
-        return bundle.write_bundle(
-            incidents, str(verdict.get("incident_id") or "inspect"), verdict, _text(verdict),
-            ranks_doc(job.job_id, verdict, views), views, captures,
-        )
+        fd = open_incidents_dir(out, job.job_id)
     except OSError as exc:
         sys.stderr.write(f"rankwatch inspect: bundle not written to {incidents}: {exc.strerror or exc}\n")
         return None
+    try:
+        # written through the fd's own /proc path: it names the directory that was opened, not a path that
+        # could be swapped for a link after the check
+        written = bundle.write_bundle(
+            f"/proc/self/fd/{fd}", str(verdict.get("incident_id") or "inspect"), verdict, _text(verdict),
+            ranks_doc(job.job_id, verdict, views), views, captures,
+        )
+        return os.path.join(incidents, os.path.basename(written))
+    except OSError as exc:
+        sys.stderr.write(f"rankwatch inspect: bundle not written to {incidents}: {exc.strerror or exc}\n")
+        return None
+    finally:
+        os.close(fd)
 
 
 def _text(verdict: Mapping[str, Any]) -> str:
@@ -200,6 +357,7 @@ def _text(verdict: Mapping[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    check_out(args.out)
     from ..evidence.capture import pyspy_available
 
     if pyspy_available() is None:
@@ -226,16 +384,22 @@ def main(argv: list[str]) -> int:
         )
         return 1
     if args.store is not None and len(jobs) > 1:
-        names = ", ".join(j.job_id for j in jobs)
-        raise UserError(f"--store inspects one job: pick it with --job ID (jobs: {names})")
-    docs, named = [], True
+        names = ", ".join(j.label for j in jobs)
+        raise UserError(f"--store inspects one job: pick it with --job ID or --pid AGENT (jobs: {names})")
+    docs, answered = [], True
     for job in jobs:
         verdict, path = inspect_job(job, args)
+        if verdict.get("kind") == "running":
+            if not args.json:
+                sys.stdout.write(str(verdict["reason"]) + "\n")
+            docs.append(verdict)
+            continue
         verdict["bundle"] = path
         docs.append(verdict)
-        named = named and bool(verdict.get("initiating_ranks"))
+        # a stalled job is answered when a rank is named; a running job was never a question
+        answered = answered and bool(verdict.get("initiating_ranks"))
         if not args.json:
             sys.stdout.write(_text(verdict) + (f"bundle: {path}\n" if path else "") + "\n")
     if args.json:
         sys.stdout.write(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2) + "\n")
-    return 0 if named else 1
+    return 0 if answered else 1

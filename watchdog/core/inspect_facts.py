@@ -7,14 +7,20 @@ thread is (``stack_phase``: the phase, waiting in ``torch.distributed``/DDP's re
 onto the same ``RankView`` the live pipeline builds, so the same ``decide`` names the rank: exits and
 stops first, then the minority that does not wait for its peers and its phase, then an odd stack.
 Steps and time in phase stay 0 (unknown); the evidence says so. Pure: facts in, views and lines out.
+
+Before any of that, ``judge_progress`` says whether the job is stalled at all: a job found at one look
+in the middle of a healthy step has ranks "not waiting" and odd stacks like a hung one, so every rank is
+looked at twice (``InspectPolicy``) and a job whose ranks all made progress in between is *running*.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from .fr_trace import RankTrace
+from .policy import InspectPolicy
 from .ranks import fmt_ranks
 from .snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, RankView
 from .stack_phase import phase_from_frames
@@ -156,3 +162,95 @@ def _read_stack(f: RankFact, sites: dict[str, list[int]], lines: list[str]) -> t
                                     f"{f.cpu_pct:.0f}% CPU" if f.cpu_pct is not None else "") if x)
         )
     return sp.phase, waiting
+
+
+# -- running or stalled: two looks ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankLook:
+    """One rank at one look: what moves when a rank makes progress."""
+
+    rank: int
+    at: float  # monotonic seconds when its CPU time was read
+    alive: bool  # the process discovery found (same start time), not a zombie
+    state: str  # /proc state letter at this look
+    cpu_ticks: int | None  # user + system CPU time so far, in clock ticks
+    signature: str | None  # its main thread's stack signature; None when no stack was read
+    fr_counter: tuple[int, int] | None = None  # (newest record id, completed entries) of a live flight recorder
+    wakeups: int | None = None  # times its main thread was woken from a wait so far (None: unknown)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Whether a job ran between the looks, rank by rank."""
+
+    running: bool
+    moved: tuple[int, ...]  # ranks that made progress
+    still: tuple[int, ...]  # ranks that did not (CPU time flat, stopped, gone): the job is stalled
+    again: tuple[int, ...]  # CPU time advanced but the stack read the same: worth another look
+    unread: tuple[int, ...]  # CPU time advanced, no stack at one of the looks: takes no side
+    seconds: float  # the longest time between a rank's first and last look
+    line: str  # one line that says what the looks saw
+
+
+def fr_counter(trace: RankTrace | None) -> tuple[int, int] | None:
+    """What a live flight recorder's progress reads as: the newest record and how many completed."""
+    if trace is None or not trace.entries:
+        return None
+    return max(e.record_id for e in trace.entries), sum(1 for e in trace.entries if e.state == "completed")
+
+
+def judge_progress(
+    first: Mapping[int, RankLook], last: Mapping[int, RankLook], *, ticks_per_s: float,
+    policy: InspectPolicy | None = None, gone: Sequence[int] = (),
+) -> Progress:
+    """Running or stalled from two looks at a job's ranks (``gone``: ranks the launcher started that are no
+    longer there). A rank moved when its flight recorder advanced, or when its CPU time advanced and either
+    its stack's signature changed or its main thread was woken from waits again and again (``InspectPolicy``).
+    Running only when no rank stood still, none is stopped or gone, none still awaits a further look (CPU
+    time moved, nothing else did), and at least one moved; a rank whose stack was not read takes no side."""
+    policy = policy or InspectPolicy()
+    moved, still, again, unread = [], [], [], []
+    why: dict[str, list[int]] = {}
+    spans = []
+    for rank in sorted(set(first) | set(last)):
+        a, b = first.get(rank), last.get(rank)
+        if a is None or b is None or not (a.alive and b.alive) or b.state in ("Z", "X", ""):
+            still.append(rank)
+            why.setdefault("gone", []).append(rank)
+            continue
+        span = max(0.0, b.at - a.at)
+        spans.append(span)
+        if "T" in (a.state, b.state):
+            still.append(rank)
+            why.setdefault("stopped", []).append(rank)
+            continue
+        if a.fr_counter is not None and b.fr_counter is not None and a.fr_counter != b.fr_counter:
+            moved.append(rank)
+            why.setdefault("flight recorder advanced", []).append(rank)
+            continue
+        need = max(1.0, policy.min_cpu_share * span * ticks_per_s)
+        cpu_moved = a.cpu_ticks is not None and b.cpu_ticks is not None and b.cpu_ticks - a.cpu_ticks >= need
+        if not cpu_moved:
+            still.append(rank)
+            why.setdefault("CPU time flat", []).append(rank)
+        elif a.signature is not None and b.signature is not None and a.signature != b.signature:
+            moved.append(rank)
+            why.setdefault("stack moved, CPU advanced", []).append(rank)
+        elif (a.wakeups is not None and b.wakeups is not None
+              and b.wakeups - a.wakeups >= max(2.0, policy.min_wakeups_per_s * span)):
+            moved.append(rank)
+            why.setdefault("CPU advanced, main thread woken from waits", []).append(rank)
+        elif a.signature is None or b.signature is None:
+            unread.append(rank)
+            why.setdefault("no stack read", []).append(rank)
+        else:
+            again.append(rank)
+            why.setdefault("CPU advanced, same stack", []).append(rank)
+    if gone:
+        still += [r for r in gone if r not in still]
+        why.setdefault("gone", []).extend(r for r in gone if r not in why.get("gone", []))
+    running = bool(moved) and not still and not again
+    seconds = max(spans, default=0.0)
+    parts = "; ".join(f"{fmt_ranks(sorted(ranks))}: {what}" for what, ranks in why.items())
+    line = f"two looks {seconds:.1f}s apart: {parts or 'no rank'}"
+    return Progress(running, tuple(moved), tuple(sorted(still)), tuple(again), tuple(unread), seconds, line)

@@ -55,6 +55,39 @@ class CapturePolicy:
 
 
 @dataclass(frozen=True)
+class InspectPolicy:
+    """How ``rankwatch inspect`` tells a job that runs from one that is stalled before it calls anything a
+    stall (``core.inspect_facts.judge_progress``): it looks at every rank twice, this far apart, and a job
+    is *running* when each of its live ranks made progress between the looks — its stack's signature
+    changed and its CPU time advanced, or its flight recorder's counters advanced."""
+
+    # the looks start at least this far apart: a stepping rank of a small job runs many steps in it and
+    # a large job's rank moves between functions (or completes collectives) well within it; a job whose
+    # ranks stay in the same functions for longer than this (a step of minutes) needs --look-interval
+    look_interval_s: float = 1.0
+    # CPU time a rank must spend between the looks (a share of one core over the time between them) for a
+    # changed stack to count as progress: a rank that steps runs Python between kernels and collectives
+    # (tens of %); one that polls in a sleep loop, its stack flipping between the sleep and the check,
+    # spends well under 1 %; a rank blocked in a wait spends none. At least one clock tick either way.
+    min_cpu_share: float = 0.02
+    # or, where the stack read the same, its main thread was woken from a wait this often per second
+    # between the looks (the kernel's voluntary context switches of the main thread): a stepping rank
+    # waits for its peers, its collectives and its DataLoader and is woken several times each step
+    # (~600/s in a small gloo job), so a quick step that lands in the same function at both looks still
+    # shows. A rank stuck in a wait is never woken; one spinning in C (NCCL's synchronize) or in Python
+    # is woken only when another thread asks for the GIL (a few times a second at most). A rank polling in
+    # a tight loop is woken often too, which is why one rank's progress never makes a job running alone:
+    # its peers, waiting for it, stand still.
+    min_wakeups_per_s: float = 5.0
+    # further looks, each look_interval_s after the last, at the ranks whose CPU time advanced but whose
+    # stack read the same: a healthy rank lands in the same functions twice by chance (a quick step spends
+    # much of its time in one all-reduce), three times in a row rarely; a rank spinning in one place (a
+    # busy loop, NCCL's spin in a synchronize) reads the same every time. A rank whose CPU time stood still
+    # needs no further look: the job is stalled at once.
+    confirm_looks: int = 2
+
+
+@dataclass(frozen=True)
 class KillPolicy:
     # after SIGTERM, ranks get this long to exit before SIGKILL (stopped ranks get SIGCONT first)
     term_grace_s: float = 5.0

@@ -12,6 +12,7 @@ NODE_SCHEMA = "rankwatch.node/1"  # a node's rank snapshot in the job store
 INCIDENT_SCHEMA = "rankwatch.incident/1"  # an incident claim in the job store
 HISTORY_SCHEMA = "rankwatch.history/1"  # a node's step rings for the leader's summary
 STATE_SCHEMA = "rankwatch.state/1"  # what a job's watchdog publishes for ``rankwatch status``
+RUNNING_SCHEMA = "rankwatch.running/1"  # a job ``rankwatch inspect`` saw make progress: no verdict, no bundle
 
 # -- verdict kinds ------------------------------------------------------------------------------------
 HANG = "hang"

@@ -7,6 +7,10 @@ py-spy pauses the process it reads (blocking mode) for a consistent stack; a sto
 pausing (``--nonblocking``), since detaching could resume a process someone stopped on purpose. Nothing is
 signalled.
 
+A job is looked at more than once (``look_at``): its ranks' CPU times and stacks (and live flight
+recorders) at two moments tell a running job from a stalled one (``core.inspect_facts.judge_progress``);
+only a stalled one has its DataLoader workers and dump files read.
+
 Run as root, nothing of a job is read or parsed with root's authority: py-spy runs, the debug server is
 asked and the dump files are read — and everything they return parsed — by a one-shot reader running as
 the job's owner (``observe.reader``, the daemon's); root only checks the typed answers. Run as a user,
@@ -18,15 +22,18 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.fr_trace import FlightRecorderFormatError, parse_dump
+from ..core.inspect_facts import RankLook, fr_counter, python_frames
+from ..core.policy import CapturePolicy
 from ..core.stack_phase import phase_from_frames
+from ..core.stacks import signature
 from ..core.text import FIELD, clean
-from ..observe.discover import Job, read_proc
+from ..observe.discover import Job, Proc, RankProc, read_proc
 from ..observe.reader import ReaderError, default_readers
 from .capture import RankCapture, pyspy_dump
 from .debug_server import DebugServerPolicy
@@ -86,28 +93,84 @@ def _parallel(
         return out
 
 
-def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCapture:
-    """Stacks of every live rank at once (CPU use over the same interval), then of the DataLoader workers
-    of the ranks that wait for a batch: only there does a worker's stack say more than its rank's."""
+@dataclass
+class Look:
+    """Every live rank of a job (or ``only`` some) at one moment: its /proc entry and its stacks."""
+
+    at: float  # monotonic seconds when the CPU times were read (just before the stacks)
+    procs: dict[int, Proc | None]  # rank -> its /proc entry now (None: gone)
+    ranks: dict[int, RankCapture]
+    seconds: float  # how long the stacks took
+
+
+def _live(job: Job, only: Collection[int] | None = None) -> list[RankProc]:
+    return [r for r in job.ranks if r.proc.state not in ("Z", "X") and (only is None or r.rank in only)]
+
+
+def look_at(job: Job, *, timeout_s: float, native: bool = False, only: Collection[int] | None = None) -> Look:
+    """CPU times, then stacks of every live rank (of ``only``) at once."""
     default_readers()  # as root: the zygote forks its readers from this thread, before any pool starts
-    owner = owner_of(job.owner_uid)
-    t0 = time.monotonic()
-    live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
-    before = {r.pid: r.proc.utime_ticks for r in live}
-    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native, owner)}
-    seconds = time.monotonic() - t0
+    live = _live(job, only)
+    at = time.monotonic()
+    procs = {r.rank: read_proc(r.pid) for r in live}
+    ranks = {c.rank: c for c in _parallel([(r.rank, r.pid) for r in live], timeout_s, native,
+                                           owner_of(job.owner_uid))}
+    return Look(at, procs, ranks, time.monotonic() - at)
+
+
+def rank_looks(job: Job, look: Look, *, signature_frames: int = CapturePolicy.signature_frames) -> dict[int, RankLook]:
+    """The look as the progress judgement reads it: alive (the process discovery found), CPU ticks, the
+    main thread's stack signature, a live flight recorder's counters (where the look holds one)."""
+    out = {}
+    for r in _live(job, look.procs):
+        now = look.procs.get(r.rank)
+        alive = now is not None and now.start_ticks == r.proc.start_ticks and now.state not in ("Z", "X")
+        cap = look.ranks.get(r.rank)
+        frames = python_frames(cap.main_frames()) if cap is not None else ()
+        out[r.rank] = RankLook(
+            rank=r.rank, at=look.at, alive=alive, state=now.state if now is not None and alive else "",
+            cpu_ticks=now.utime_ticks if now is not None and alive else None,
+            signature=signature(frames, signature_frames) if frames else None,
+            fr_counter=fr_counter(cap.fr_trace) if cap is not None else None,
+            wakeups=now.wakeups if now is not None and alive and now.wakeups >= 0 else None,
+        )
+    return out
+
+
+def cpu_pct(first: Mapping[int, RankLook], last: Mapping[int, RankLook]) -> dict[int, float]:
+    """Each rank's CPU use between its first and its last look (100 = one core)."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    cpu: dict[int, float] = {}
-    for r in live:
-        now = read_proc(r.pid)
-        if now is not None and now.start_ticks == r.proc.start_ticks and seconds > 0:
-            cpu[r.rank] = 100.0 * (now.utime_ticks - before[r.pid]) / ticks / seconds
-    feeding = [r for r in live if r.workers and phase_from_frames(ranks[r.rank].main_frames()).phase == "dataloader"]
+    out = {}
+    for rank, b in last.items():
+        a = first.get(rank)
+        if a is not None and a.cpu_ticks is not None and b.cpu_ticks is not None and b.at > a.at:
+            out[rank] = 100.0 * (b.cpu_ticks - a.cpu_ticks) / ticks / (b.at - a.at)
+    return out
+
+
+def capture_workers(job: Job, ranks: Mapping[int, RankCapture], timeout_s: float) -> dict[int, list[RankCapture]]:
+    """Stacks of the DataLoader workers of the ranks that wait for a batch: only there does a worker's
+    stack say more than its rank's."""
+    feeding = [r for r in _live(job) if r.workers and r.rank in ranks
+               and phase_from_frames(ranks[r.rank].main_frames()).phase == "dataloader"]
     workers: dict[int, list[RankCapture]] = {}
     for cap in _parallel([(r.rank, w) for r in feeding for w in r.workers[:MAX_WORKERS_PER_RANK]], timeout_s, False,
-                         owner):
+                         owner_of(job.owner_uid)):
         workers.setdefault(cap.rank, []).append(cap)
-    return JobCapture(ranks, workers, cpu, seconds)
+    return workers
+
+
+def capture_job(job: Job, *, timeout_s: float, native: bool = False) -> JobCapture:
+    """One look at every live rank (CPU use over the capture) and the workers of the ranks that wait for a
+    batch."""
+    look = look_at(job, timeout_s=timeout_s, native=native)
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    cpu: dict[int, float] = {}
+    for r in _live(job):
+        now, before = read_proc(r.pid), look.procs.get(r.rank)
+        if now is not None and before is not None and now.start_ticks == r.proc.start_ticks and look.seconds > 0:
+            cpu[r.rank] = 100.0 * (now.utime_ticks - before.utime_ticks) / ticks / look.seconds
+    return JobCapture(look.ranks, capture_workers(job, look.ranks, timeout_s), cpu, look.seconds)
 
 
 def fr_enabled(env: Mapping[str, str]) -> bool:
@@ -149,12 +212,13 @@ def read_owned_file(path: str, owner_uid: int, max_bytes: int) -> bytes | str:
 
 
 def attach_debug_server_dumps(
-    job: Job, captures: dict[int, RankCapture], sources: dict[int, dict[str, str]]
+    job: Job, captures: dict[int, RankCapture], sources: dict[int, dict[str, str]],
+    only: Collection[int] | None = None,
 ) -> list[str]:
     """Put each live rank's flight-recorder dump from its torch debug server (where it runs one) into its
     capture, all ranks at once; ``sources`` gets where each came from. Returns notes on servers that did not
     answer; a rank without a debug server adds nothing."""
-    live = [r for r in job.ranks if r.proc.state not in ("Z", "X")]
+    live = _live(job, only)
     if not live:
         return []
     owner = owner_of(job.owner_uid)

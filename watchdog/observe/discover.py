@@ -15,6 +15,12 @@ Who counts:
 * as root a process is taken only as a member of a job it provably belongs to: its parent is a torchrun
   agent owned by the same uid as the rank (real, effective and saved ids alike), and its environment agrees
   with the job's other ranks (one world size, one rank per global and local rank).
+
+What is a job: the ranks of one torchrun agent run by one user — (owner uid, agent pid, run id) — not
+the run id alone. A run id is in every rank's world-readable command line and environment; anyone can
+start a rank that carries another user's, and grouped by it alone that rank would join (and, as a
+second RANK=0, spoil) the other user's job. Ranks without an agent (only ever the caller's own: root
+takes none) are grouped by (owner uid, run id).
 Nothing here signals anything; a process that vanishes while it is read is simply not found.
 """
 
@@ -71,6 +77,9 @@ class Proc:
     uids: tuple[int, ...]  # real, effective, saved, filesystem
     utime_ticks: int = 0
     exit_code: int | None = None  # waitpid status of a zombie (stat field 52), None while alive
+    # times the main thread blocked and was woken (``voluntary_ctxt_switches`` of /proc/<pid>/status,
+    # which counts the thread-group leader alone); -1 when the kernel did not say
+    wakeups: int = -1
 
     @property
     def uid(self) -> int:
@@ -110,6 +119,12 @@ class Job:
     agents: dict[int, Proc] = field(default_factory=dict)  # the torchrun agents the ranks run under
     zombies: list[Proc] = field(default_factory=list)  # exited children of the agents, not yet reaped
     owner_uid: int = -1
+    launcher: int = -1  # the torchrun agent whose process tree this job is (-1: ranks without an agent)
+
+    @property
+    def label(self) -> str:
+        """The job as a person tells it apart from another with the same run id."""
+        return self.job_id + (f" (agent pid {self.launcher}, uid {self.owner_uid})" if self.launcher > 0 else "")
 
     @property
     def local_world_size(self) -> int:
@@ -150,11 +165,13 @@ def read_proc(pid: int, proc_root: str = "/proc") -> Proc | None:
             data = f.read(4096)
         fields = data[data.rindex(b")") + 2 :].split()
         uids: tuple[int, ...] = ()
+        wakeups = -1
         with open(f"{proc_root}/{pid}/status", "rb") as f:
             for line in f.read(16384).splitlines():
                 if line.startswith(b"Uid:"):
                     uids = tuple(int(x) for x in line.split()[1:5])
-                    break
+                elif line.startswith(b"voluntary_ctxt_switches:"):
+                    wakeups = int(line.split()[1])
         state = fields[0].decode("ascii", "replace")
         exit_code = int(fields[49]) if len(fields) > 49 and state in ("Z", "X") else None
         return Proc(
@@ -165,6 +182,7 @@ def read_proc(pid: int, proc_root: str = "/proc") -> Proc | None:
             uids=uids,
             utime_ticks=int(fields[11]) + int(fields[12]),
             exit_code=exit_code,
+            wakeups=wakeups,
         )
     except (OSError, ValueError, IndexError):
         return None
@@ -334,7 +352,7 @@ def discover(
     envs, fields = _candidates(table, skip, uid, proc_root, env_reader)
     worker_of, workers = _workers(table, envs, fields)
     agent_cache: dict[int, bool] = {}
-    jobs: dict[str, Job] = {}
+    jobs: dict[tuple[int, int, str], Job] = {}
     for pid in sorted(set(fields) - set(worker_of)):
         p, env = table[pid], envs[pid]
         rank, local, world = fields[pid]
@@ -352,7 +370,9 @@ def discover(
                 notes.append(f"pid {pid} (RANK={rank}) left out: {why}")
                 continue
         job_id = job_id_of(env, p.ppid if has_agent else pid)
-        job = jobs.setdefault(job_id, Job(job_id=job_id, world_size=world, owner_uid=p.uid))
+        launcher = p.ppid if has_agent else -1
+        job = jobs.setdefault((p.uid, launcher, job_id),
+                              Job(job_id=job_id, world_size=world, owner_uid=p.uid, launcher=launcher))
         job.ranks.append(
             RankProc(pid, rank, local, world, p, env, workers=tuple(sorted(workers.get(pid, ()))))
         )
@@ -368,14 +388,14 @@ def discover(
     out = []
     for job in jobs.values():
         if (why := _inconsistent(job)) is not None:
-            notes.append(f"job {job.job_id} left out: {why}")
+            notes.append(f"job {job.label} left out: {why}")
             continue
         job.ranks.sort(key=lambda r: r.rank)
         job.zombies = sorted(
             (q for q in table.values() if q.ppid in job.agents and q.state in ("Z", "X")), key=lambda q: q.pid
         )
         out.append(job)
-    return Discovery(sorted(out, key=lambda j: j.job_id), notes[:100], idle[:20])
+    return Discovery(sorted(out, key=lambda j: (j.job_id, j.launcher)), notes[:100], idle[:20])
 
 
 def _inconsistent(job: Job) -> str | None:
@@ -421,7 +441,8 @@ def select(
         unmatched -= {r.pid for r in hits} | {r.proc.ppid for r in hits} | {w for r in hits for w in r.workers}
         agents = {a: p for a, p in j.agents.items() if a in {r.proc.ppid for r in hits}}
         keep = [r for r in j.ranks if r in hits or r.proc.ppid in agents]
-        out.append(Job(j.job_id, j.world_size, keep, agents, [z for z in j.zombies if z.ppid in agents], j.owner_uid))
+        out.append(Job(j.job_id, j.world_size, keep, agents, [z for z in j.zombies if z.ppid in agents], j.owner_uid,
+                       j.launcher))
     if unmatched:
         return [], (
             f"pid {sorted(unmatched)[0]} is not a torch distributed rank, worker or torchrun agent this user may "
