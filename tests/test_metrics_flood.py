@@ -24,6 +24,8 @@ from rankwatch.watchdog.serve.metrics import serve_metrics
 
 FD_LIMIT = 256  # the daemon's RLIMIT_NOFILE below: fewer fds than the idle connections the test opens
 IDLE = 400
+# fds a polling daemon holds for a moment besides its resting set (the shm dir it lists, a /proc file it reads)
+TRANSIENT_FDS = 8
 
 
 def get(url: str, timeout: float = 10, **headers: str) -> tuple[int, bytes, float]:
@@ -119,7 +121,7 @@ def test_a_real_daemon_under_a_low_fd_limit_survives_hundreds_of_idle_connection
         assert len(idle) == IDLE, f"only {len(idle)} connections were accepted"
         threads, fds = counts(daemon.pid)
         assert threads <= threads0 + policy.render_workers, (threads0, threads)
-        assert fds <= fds0 + policy.max_connections + policy.accept_backlog < FD_LIMIT, (fds0, fds)
+        assert fds <= fds0 + TRANSIENT_FDS + policy.max_connections + policy.accept_backlog < FD_LIMIT, (fds0, fds)
         # the connections over the cap were closed by the server, not kept waiting
         assert wait_for(lambda: sum(map(closed_by_server, idle)) >= IDLE - policy.max_connections, timeout=30)
 
