@@ -17,7 +17,7 @@ from typing import Any
 
 from .ranks import fmt_ranks
 from .straggler import StragglerDiagnosis
-from .text import NAME, PROSE, clean
+from .text import NAME, PROSE, clean, clean_doc
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,16 @@ class LiveStraggler:
     reported: bool = False
 
     def doc(self) -> dict[str, Any]:
-        """The JSON form (status, state file)."""
-        return {
+        """The JSON form (status, state file, straggler alerts), its strings cleaned: the phase is the job's."""
+        doc: dict[str, Any] = clean_doc({
             "rank": self.rank,
             "label": self.label,
             "phase": self.phase,
             "since_step": self.since_step,
             "since_unix": round(self.since_unix, 3),
             "why": self.why,
-        }
+        })
+        return doc
 
 
     @classmethod
