@@ -203,3 +203,19 @@ def _root_cause_victims(facts: FactSet, found: Finding) -> Finding:
     if root and found.ranks and not set(root) & set(found.ranks):
         return found.adding(root_cause_victims=root)
     return found
+
+
+FLAGS = ("strong", "first", "decisive", "final", "backs", "derived")
+"""The boolean flags of a rung, in the order ``flags_table`` shows them."""
+
+
+def flags_table() -> str:
+    """The ladder's roles as a markdown table (docs/verdict-engine.md holds a copy; a test compares them)."""
+    head = ["rung", "live", "offline", *FLAGS, "subsumes", "lends label"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in LADDER:
+        cells = [f"`{r.name}`", "yes" if r.live or r.derived else "—", f"`{r.offline_name}`" if r.offline else "—",
+                 *("yes" if getattr(r, f) else "" for f in FLAGS),
+                 ", ".join(f"`{x}`" for x in sorted(r.subsumes)), f"`{r.lends_label}`" if r.lends_label else ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
