@@ -20,11 +20,11 @@ from ..core.schema import VERDICT_SCHEMA
 from ..report.findings import words
 from . import events as ev
 from . import log_facts
+from .activity import activity
 from .facts import Evidence, RankFacts
 from .log_facts import finished as _finished
 from .log_facts import is_waiting as _is_waiting
 from .log_facts import primary_events
-from .render import activity
 
 __all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
 
