@@ -93,6 +93,15 @@ def _exit_cause(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
             "(PYTHONFAULTHANDLER=1) and core dumps so a native crash leaves a stack",
             "per-rank stderr with the crash message or a faulthandler stack from each rank",
         )
+    if (late := d.get("after_waits")) is not None:
+        return Words(
+            f"{who} ended ({failure_label(d)}, no message of its own) {late / 60:.0f} min after "
+            f"{fmt_ranks(d.get('waiting') or ())} had already timed out waiting: its end cannot be what they waited "
+            "for, and a rank that hung ends the same way when its own watchdog aborts it",
+            f"find what {who} was doing when the others timed out (its stack, its own stderr before the abort)",
+            "the rank's own stderr (a watchdog timeout line, or its own crash message), or a stack taken during "
+            "the hang",
+        )
     reason = f"{who} failed first: {failure_label(d)}"
     if d.get("waiting"):
         reason += f"; {fmt_ranks(d['waiting'])} then waited on it (timeouts / lost peer) — downstream"
