@@ -621,6 +621,22 @@ CLASSES: dict[str, Klass] = {
         offline_why="rank 0's traceback says 'Ranks 2 failed to pass monitoredBarrier'",
         stall_timeout="6",
     ),
+    "helper-thread-dies": Klass(
+        "loop.py",
+        ("--scenario", "helper-thread-dies"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        truth=(1,),
+        kinds=("hang",),
+        phase="idle",
+        why="rank 1's batches come from a prefetch thread; the thread raises at step 5 and the training loop "
+        "waits on queue.get() forever (between phases: idle); the others wait for it in DDP's all_reduce. The "
+        "dead thread's exception is the cause the verdict must carry",
+        offline=False,
+        offline_why="the thread's traceback is printed, but nothing ties it to the hang before the kill",
+    ),
     "first-step-hang": Klass(
         "loop.py",
         ("--scenario", "first-step-hang"),

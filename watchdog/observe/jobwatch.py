@@ -386,6 +386,7 @@ class JobWatch:
                     exit_order=exit_order,
                     exit_age_s=exit_age,
                     exit_cause=(snap.crash_info or None) if state == CRASHED else None,
+                    thread_died=snap.thread_error or None,
                     node_rank=snap.node_rank,
                     verified=st.ident is not None,
                 )

@@ -32,6 +32,7 @@ from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
 from .recorder import rule_fr, split_behind
+from .threads import rule_thread_died
 from .waits import rule_outside, rule_wait_for
 from .waits import rule_same_collective as facts_same_collective
 from .weak import rule_same_collective, rule_stacks
@@ -147,6 +148,8 @@ LADDER: tuple[LadderRung, ...] = (
                offline=lambda f, p: rule_outside(f), offline_name="outside"),
     LadderRung(n.WAITING, "every rank busy and none waiting: the one earliest in the step", False,
                live=_live_waiting, backs=True),
+    LadderRung(n.THREAD_DIED, "a helper thread of the rank died with an exception (the hook's record): what its "
+               "training loop waits for", False, live=lambda c: rule_thread_died(c.present), backs=True),
     LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
     LadderRung(n.GPU, "every rank in one collective: a communication hang, unless one has no GPU activity", False,
                live=lambda c: rule_same_collective(c.live, c.policy),

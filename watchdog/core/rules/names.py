@@ -18,6 +18,7 @@ COUNTERS = "counters"
 OUTSIDE = "outside"
 WAITING = "waiting"
 STACKS = "stacks"
+THREAD_DIED = "thread_died"
 GPU = "gpu"
 REPORT_ONLY = "report_only"
 MISSING_NODE = "missing_node"  # a label, not a rung: the sinks are a node that never answered
