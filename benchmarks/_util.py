@@ -3,6 +3,7 @@ command lines on loopback, and small statistics. Not a benchmark itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,11 +14,31 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = str(REPO / "examples" / "ddp_demo.py")
+
+
+def examples_module(name: str) -> ModuleType:
+    """``examples/<name>.py`` (``fault_catalogue``: the faults and their right answers), loaded by its path under
+    its own name, once per process: the demos' ranks import it by that name beside them, and this process gets
+    the same module. Not by putting ``examples/`` on ``sys.path``: its folders (``kubernetes``, ``prometheus``…)
+    would then import as namespace packages where the real one is missing."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while a class is made
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def free_port() -> int:

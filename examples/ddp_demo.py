@@ -41,18 +41,13 @@ except ImportError:  # imported from elsewhere: the module lives beside this fil
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fault_injection
 
+# the scenarios of fault_catalogue.py: this model's own slow ones, then the injector's (both models have them)
 SCENARIOS = (
-    "balanced",
-    "input-straggler",
-    "input-bound",
-    "compute-straggler",
-    "backward-straggler",
-    "input-hang",
-    "compute-hang",
-    "dead-rank",
-    "stopped-rank",
-    "collective-mismatch",
-    *fault_injection.NEW_IN_THIS_MODULE,
+    fault_injection.NO_FAULT,
+    *(name for name, s in fault_injection.fault_catalogue.SCENARIOS.items()
+      if s.program == fault_injection.fault_catalogue.DDP_DEMO),
+    *fault_injection.STRAGGLERS,
+    *fault_injection.FAULTS,
 )
 
 try:  # declared phases when rankwatch is installed; the demo runs without it too

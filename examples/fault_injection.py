@@ -12,32 +12,9 @@ One ``Injector`` per rank. A model calls it at fixed points of its loop; the fau
         inj.metrics_all_reduce(step, t)   # the loop's explicit collective: extra, skipped, mismatched
         inj.after_step(step)              # between-phases hang, checkpoint that never returns
 
-Fault at the point it fires (``--fault-step`` on ``--fault-rank``):
-
-=====================  ==============  =========================================================
-scenario               where           what
-=====================  ==============  =========================================================
-input-hang             data            the dataset blocks forever (``threading.Event().wait()``)
-compute-hang           forward         an infinite Python loop in forward
-backward-hang          backward        a gradient hook that spins forever
-optimizer-hang         optimizer       an optimizer step pre-hook that spins forever
-between-phases-hang    after step      blocks after the optimizer and the metrics all_reduce,
-                                       before the next batch (a stuck logging/metrics call)
-dead-rank              step start      ``SIGKILL`` to itself
-exception              forward         ``raise RuntimeError`` in forward
-stopped-rank           step start      ``SIGSTOP`` to itself
-extra-collective       after metrics   one extra ``all_reduce`` only this rank calls
-extra-barrier          after metrics   ``if rank == r: dist.barrier()``
-skipped-collective     metrics         this rank skips the metrics ``all_reduce`` once
-collective-mismatch    metrics         ``all_gather`` where the others call ``all_reduce``
-uneven-data            data            this rank's dataset has ``fault_step`` batches: its loop
-                                       ends early and it exits normally (exit code 0)
-gil-hold               data            a C call that holds the GIL: ``ctypes.PyDLL(None).sleep``
-lock-deadlock          forward         a ``threading.Lock`` acquired twice by the same thread
-checkpoint-hang        after step      ``open()`` of a FIFO nobody reads, for writing, inside
-                                       ``rankwatch.hooks.phase("checkpoint", budget_s=…)``
-compute-straggler      optimizer       (every step, ``--straggler-rank``) extra matmuls
-=====================  ==============  =========================================================
+The scenarios, where each fires and what it does, and the answer rankwatch should give for each, are in
+``fault_catalogue.py`` beside this file (``python examples/fault_catalogue.py`` prints them); ``FAULTS`` and
+``STRAGGLERS`` below are read from it, and ``Injector`` refuses a scenario it does not list.
 
 Why ``PyDLL`` for the GIL: ``ctypes.CDLL`` *releases* the GIL around every foreign call, so
 ``CDLL(None).sleep(1000)`` is, for the interpreter, the same as ``time.sleep`` — other Python threads
@@ -56,33 +33,25 @@ import ctypes
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
-# Faults this module implements for every model. ``ddp_demo.py`` keeps its own code for the ones it had
-# before this module existed (input-hang, compute-hang, dead-rank, stopped-rank, collective-mismatch,
-# the stragglers) and uses the injector for the others.
-FAULTS = (
-    "input-hang",
-    "compute-hang",
-    "backward-hang",
-    "optimizer-hang",
-    "between-phases-hang",
-    "dead-rank",
-    "exception",
-    "stopped-rank",
-    "extra-collective",
-    "extra-barrier",
-    "skipped-collective",
-    "collective-mismatch",
-    "uneven-data",
-    "gil-hold",
-    "lock-deadlock",
-    "checkpoint-hang",
-)
-STRAGGLERS = ("compute-straggler",)
+try:
+    import fault_catalogue
+except ImportError:  # imported from elsewhere: the catalogue lives beside this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fault_catalogue
+
+# Faults this module implements for every model (the catalogue's scenarios of this file): the faults, then the
+# slow ranks. ``ddp_demo.py`` keeps its own code for the ones it had before this module existed (input-hang,
+# compute-hang, dead-rank, stopped-rank, collective-mismatch, the stragglers) and uses the injector for the others.
+_OURS = tuple(name for name, s in fault_catalogue.SCENARIOS.items() if s.program == fault_catalogue.INJECTOR)
+FAULTS = tuple(name for name in _OURS if not fault_catalogue.demo_fault(name).straggler)
+STRAGGLERS = tuple(name for name in _OURS if fault_catalogue.demo_fault(name).straggler)
+NO_FAULT = "balanced"  # the models' run with nothing injected
 NEW_IN_THIS_MODULE = (
     "backward-hang",
     "optimizer-hang",
@@ -174,6 +143,8 @@ class Injector:
         checkpoint_budget_s: float = 1.0,
         extra_matmuls: int = 40,
     ) -> None:
+        if scenario not in (None, NO_FAULT, *FAULTS, *STRAGGLERS):
+            raise ValueError(f"unknown scenario {scenario!r}: fault_catalogue.py lists {', '.join(_OURS)}")
         self.scenario = scenario
         self.rank = rank
         self.fault_rank = fault_rank

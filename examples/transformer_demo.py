@@ -30,7 +30,7 @@ except ImportError:  # imported from elsewhere: the module lives beside this fil
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fault_injection
 
-SCENARIOS = ("balanced", *fault_injection.STRAGGLERS, *fault_injection.FAULTS)
+SCENARIOS = (fault_injection.NO_FAULT, *fault_injection.STRAGGLERS, *fault_injection.FAULTS)
 
 
 class Tokens(Dataset):
