@@ -153,9 +153,12 @@ class Expect:
     offline_if_unreported: bool = False
     culprit: Culprit = "fault-rank"
 
-    def ranks(self, fault_rank: int) -> list[int]:
+    def ranks(self, fault_rank: int | None) -> list[int]:
         """The ranks the answer names with the fault at ``fault_rank`` (a straggler's: the summary's)."""
-        return [fault_rank] if self.culprit == "fault-rank" else []
+        if self.culprit != "fault-rank":
+            return []
+        assert fault_rank is not None, f"{self.scenario}: the answer is the fault's rank"
+        return [fault_rank]
 
 
 # One table: fault → expected kind / rank (the faulting rank) / phase, with the reason.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -25,6 +26,25 @@ _PORT_BLOCK = 1000  # ports per xdist worker, below the kernel's ephemeral range
 _PORT_BLOCKS = 12  # 20000-31999: two runs of six workers side by side
 _PORT_STRIDE = 4  # the ports a test derives from one it drew (port + 1 ...) are never drawn
 _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
+
+
+def examples_module(name: str):  # type: ignore[no-untyped-def]
+    """``examples/<name>.py`` loaded by its path under its own name, once per process (as benchmarks/_util.py's
+    twin does for the accuracy runner, so a test that loads both gets one module): ``fault_catalogue``, the
+    faults and their right answers. ``examples/`` is a folder of scripts; on ``sys.path`` its folders
+    (``kubernetes``…) would import as namespace packages."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while a class is made
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def free_port() -> int:

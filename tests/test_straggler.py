@@ -21,6 +21,7 @@ from conftest import (
     DEMO,
     bundle_dirs,
     demo_job_cmd,
+    examples_module,
     new_tracker,
     rankwatch_cmd,
     run_demo_job,
@@ -471,13 +472,15 @@ def test_batch_production_is_timed_in_workers_and_on_the_training_thread(procs, 
 
 
 # -- real jobs ---------------------------------------------------------------------------------------------
+# the right label, ranks and phase of each slow scenario: the catalogue's (examples/fault_catalogue.py)
+demo_fault = examples_module("fault_catalogue").demo_fault
 JOBS = [
-    # scenario, ranks, straggler rank, label, phase: one job on 4 ranks (the straggler among three that wait for
-    # it), the others on 2 (the phase is their point; every rank is a torch start-up, ~1.6 s of CPU). The
-    # backward straggler once, on the 4 ranks: the same label and phase on 2 ranks was the same code path again
-    ("backward-straggler", 4, 2, "COMPUTE STRAGGLER", "backward"),
-    ("compute-straggler", 2, 0, "COMPUTE STRAGGLER", "optimizer"),
-    ("input-straggler", 2, 0, "INPUT STRAGGLER", "dataloader"),
+    # scenario, ranks, straggler rank: one job on 4 ranks (the straggler among three that wait for it), the others
+    # on 2 (the phase is their point; every rank is a torch start-up, ~1.6 s of CPU). The backward straggler
+    # once, on the 4 ranks: the same label and phase on 2 ranks was the same code path again
+    ("backward-straggler", 4, 2),
+    ("compute-straggler", 2, 0),
+    ("input-straggler", 2, 0),
 ]
 
 
@@ -493,12 +496,14 @@ def run_demo(procs, tmp_path, scenario: str, nproc: int, straggler: int, steps: 
 
 
 @pytest.mark.parametrize(
-    ("scenario", "nproc", "rank", "label", "phase"), JOBS, ids=[f"{j[0]}-{j[1]}ranks-r{j[2]}" for j in JOBS]
+    ("scenario", "nproc", "rank"), JOBS, ids=[f"{j[0]}-{j[1]}ranks-r{j[2]}" for j in JOBS]
 )
-def test_real_job_names_the_straggler(procs, tmp_path, scenario, nproc, rank, label, phase):
+def test_real_job_names_the_straggler(procs, tmp_path, scenario, nproc, rank):
+    expect = demo_fault(scenario)
     summary, _, _ = run_demo(procs, tmp_path, scenario, nproc, rank)
     seen = (summary["diagnosis"], summary["straggler_ranks"], summary["phase"])
-    assert seen == (label, [rank], phase), (summary["why"], json.dumps(summary["ranks"]))
+    assert expect.straggler and seen[0] in expect.kinds, (summary["why"], json.dumps(summary["ranks"]))
+    assert seen[1:] == (expect.ranks(rank), expect.phase), (summary["why"], json.dumps(summary["ranks"]))
 
 
 def test_balanced_job_splits_backward_and_keeps_step_totals(procs, tmp_path):
@@ -548,27 +553,30 @@ def test_balanced_job_splits_backward_and_keeps_step_totals(procs, tmp_path):
 
 
 # the issue's two cases, as real jobs: a loader slow every 4th batch on one rank, and every rank input-bound
+# (name, the demo's arguments, the straggler rank); the right answer is the scenario's in the catalogue
 ISSUE_CASES = [
     ("periodic-input-straggler",
      ("--scenario", "input-straggler", "--straggler-rank", "1", "--input-every", "4", "--input-sleep-ms", "120"),
-     ("INPUT STRAGGLER", [1], "dataloader")),
+     1),
     # a batch takes 200 ms in each of 2 workers: 100 ms of input per step. With 60 ms (30 ms/step) a run on
     # 2 cores at load 23 had a 79 ms step, the rest stretched by the scheduler: truly no longer input-bound,
     # BALANCED was the right answer and the test failed; 100 ms is twice that rest
     ("input-bound",
      ("--scenario", "input-bound", "--num-workers", "2", "--input-sleep-ms", "200", "--compute-extra-matmuls", "0"),
-     ("INPUT-BOUND", [], "dataloader")),
+     None),
 ]
 
 
-@pytest.mark.parametrize(("name", "demo_args", "want"), ISSUE_CASES, ids=[c[0] for c in ISSUE_CASES])
-def test_real_job_time_lost_and_input_bound(procs, tmp_path, name, demo_args, want):
+@pytest.mark.parametrize(("name", "demo_args", "rank"), ISSUE_CASES, ids=[c[0] for c in ISSUE_CASES])
+def test_real_job_time_lost_and_input_bound(procs, tmp_path, name, demo_args, rank):
+    expect = demo_fault(demo_args[1])
     steps = 60
     result, out, shm = run_demo_job(procs, tmp_path, name, 2, *demo_args, "--steps", str(steps))
     skip_if_gloo_teardown_abort(result, shm / name, steps)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["diagnosis"], summary["straggler_ranks"], summary["phase"]) == want, summary["why"]
+    assert expect.straggler and summary["diagnosis"] in expect.kinds, summary["why"]
+    assert (summary["straggler_ranks"], summary["phase"]) == (expect.ranks(rank), expect.phase), summary["why"]
     assert summary["steps_total"] == steps
     if name == "periodic-input-straggler":
         assert summary["pattern"]["kind"] == "periodic" and summary["pattern"]["period"] == 4, summary["pattern"]

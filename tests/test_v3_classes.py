@@ -3,8 +3,8 @@ and the most important ones the v3 engine fixed (pp; tpdp-tp2 and node-loss acro
 ranks on two nodes.
 
 Each is the real job of benchmarks/accuracy/jobs/ under `rankwatch run --on-stall kill` + torchrun (gloo,
-one node), with the fault and truth taken from the one table the accuracy suite scores against (`CLASSES`
-in benchmarks/accuracy/run.py); the one-node classes whose layout is one flat group run on 3 ranks
+one node), with the fault and truth taken from the one catalogue the accuracy suite scores against (`CLASSES`
+in examples/fault_catalogue.py); the one-node classes whose layout is one flat group run on 3 ranks
 (`small_plan`), the pipeline on its 4 stages. The two-node classes run through the suite's own runner
 (`run_one`: one `rankwatch run` + torchrun per node over a shared store, the runner's node kill) and its
 scoring. The other classes are measured by the suite, not asserted here (benchmarks/README.md, "Verdict v3
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import bundle_dirs, rankwatch_cmd, torchrun_args
+from conftest import bundle_dirs, examples_module, rankwatch_cmd, torchrun_args
 
 
 def _accuracy_suite():  # type: ignore[no-untyped-def]
@@ -40,7 +40,8 @@ def _accuracy_suite():  # type: ignore[no-untyped-def]
 
 
 SUITE = _accuracy_suite()
-CLASSES, plan_class = SUITE.CLASSES, SUITE.plan_class
+CLASSES, plan_class = examples_module("fault_catalogue").CLASSES, SUITE.plan_class
+assert CLASSES is SUITE.CLASSES  # the runner's table is the catalogue's
 
 STAY_RIGHT = (
     "ep", "child-hang", "ckpt-declared", "ckpt-undeclared", "pre-init", "compile", "pp",
