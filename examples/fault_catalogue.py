@@ -39,7 +39,6 @@ Culprit = Literal["fault-rank", "fault-ranks", "node", "none"]
 INJECTOR = "examples/fault_injection.py"  # both example models (ddp_demo.py, transformer_demo.py) through Injector
 DDP_DEMO = "examples/ddp_demo.py"  # that model's own slow scenarios
 JOBS = "benchmarks/accuracy/jobs/"  # + the job's script
-DEMO_MODELS = ("examples/ddp_demo.py", "examples/transformer_demo.py")
 
 # what the answers assume of the run (the accuracy runner's defaults; the 'why's speak of step 5)
 STALL_TIMEOUT = "3"  # rankwatch run --stall-timeout, unless a class says otherwise
