@@ -133,6 +133,8 @@ SCENARIOS: dict[str, Scenario] = {
         "loop.py", "data", "its prefetch thread raises; the loop waits on queue.get() forever"
     ),
     "first-step-hang": _job("loop.py", "step start", "(step 0, whatever --fault-step says) blocks forever"),
+    "worker-died": _job("loop.py", "data", "its DataLoader worker process ends with os._exit(1)"),
+    "preempted": _job("loop.py", "step start", "gets SIGTERM from outside the job (a preemption, an operator)"),
 }
 
 
@@ -768,6 +770,37 @@ CLASSES: dict[str, Klass] = {
         "dead thread's exception is the cause the verdict must carry",
         offline=False,
         offline_why="the thread's traceback is printed, but nothing ties it to the hang before the kill",
+    ),
+    "worker-died": Klass(
+        "loop.py",
+        ("--scenario", "worker-died"),
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        other_ranks=(0, 3),
+        kinds=("dead_rank",),
+        phase=None,
+        why="rank 2's DataLoader worker process ends with os._exit(1) at step 5 (a native crash / the OOM killer "
+        "in a worker): rank 2 raises 'DataLoader worker (pid N) exited unexpectedly' and exits; the others "
+        "lose it in DDP's all_reduce. A class the verdict was not built around",
+        offline=True,
+        offline_why="rank 2's traceback ('DataLoader worker ... exited unexpectedly') and torchrun's report",
+    ),
+    "preempted": Klass(
+        "loop.py",
+        ("--scenario", "preempted"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        kinds=("dead_rank",),
+        phase=None,
+        why="rank 1 gets SIGTERM from outside the job at step 5 (a preemption, an operator): it dies without a "
+        "word of its own; torchrun then SIGTERMs the others. The first SIGTERM is not torchrun's. A class the "
+        "verdict was not built around",
+        offline=False,
+        offline_why="torchrun's report shows every rank ended by SIGTERM: the log cannot tell the outside kill from "
+        "torchrun's teardown",
     ),
     "first-step-hang": Klass(
         "loop.py",

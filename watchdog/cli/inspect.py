@@ -32,7 +32,7 @@ from ..core.text import NAME, clean, clean_doc
 from ..errors import UserError
 from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
-from ..report.verdict_words import decide
+from ..verdict import decide
 from .argparser import Parser
 from .options import host_port, positive_float
 

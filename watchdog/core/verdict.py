@@ -67,7 +67,7 @@ class Verdict:
     ranks: dict[str, dict[str, Any]]
     evidence: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    # what the words are made of (``report.verdict_words`` fills ``reason`` and ``evidence``); not in the JSON
+    # what the words are made of (``verdict.stage`` fills ``reason`` and ``evidence``); not in the JSON
     finding: Finding | None = None  # the deciding finding
     found: dict[str, Finding | None] = field(default_factory=dict)  # every rung's, by rung name
     notes: list[Note] = field(default_factory=list)  # the evidence after the finding's own, as data
@@ -132,7 +132,7 @@ def decide(
     killed: Sequence[int] = (),
 ) -> Verdict:
     """The verdict for one incident over every rank's view (all nodes), as data: ``reason`` and
-    ``evidence`` are left empty for ``report.verdict_words`` (what every caller asks) to fill from
+    ``evidence`` are left empty for ``verdict.stage`` (what every caller asks) to fill from
     ``finding``, ``found`` and ``notes``.
 
     Every rung of ``EVIDENCE_LADDER`` is asked; the strongest rung that names a rank decides, weaker ones

@@ -15,9 +15,9 @@ from typing import Any
 from ..core.engine import Finding
 from ..core.policy import OfflinePolicy
 from ..core.ranks import fmt_ranks
-from ..core.rules.ladder import decide
 from ..core.schema import VERDICT_SCHEMA
 from ..report.findings import words
+from ..verdict import decide_facts
 from . import events as ev
 from . import log_facts
 from .activity import activity
@@ -113,7 +113,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     """The verdict of one job's logs: facts → the fact rules → the document, in words."""
     known = sorted(logs.ranks)
     facts = logs.ranks
-    found = _quoted(decide(log_facts.facts_of(logs, p), p), logs)
+    found = _quoted(decide_facts(log_facts.facts_of(logs, p), p), logs)
     backing, notes = _backing(found, logs, p)
     w = words(found)
     d = Diagnosis(

@@ -4,7 +4,7 @@ written, one phrase per finding (``words``).
 Every rule of ``core`` (the ladder's rungs, the engine) hands over a structured ``Finding`` (rule, kind,
 ranks, strength, data) and the live verdict adds notes (what weaker rungs, stacks, GPU use and silent
 nodes say) as data; tests assert on that data, not on these words. Offline a finding becomes a reason, a
-next action and what would decide; live a reason and evidence lines, which ``report.verdict_words``
+next action and what would decide; live a reason and evidence lines, which ``verdict.stage``
 writes into the verdict document. Every value may come from a hostile log or record: the parser bounds
 it and the renderers (``diagnose.render``, ``report.text``/``html``) clean it before it is shown.
 """

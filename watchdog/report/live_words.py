@@ -1,6 +1,6 @@
 """The live verdict's findings and notes in words (reason and evidence lines), one phrase per shape, for
 ``report.findings.words``. The words are those the verdict document always carried; the rules
-(``core.rules``, ``core.engine``) hand over only data, and ``report.verdict_words`` writes these lines
+(``core.rules``, ``core.engine``) hand over only data, and ``verdict.stage`` writes these lines
 into the document. Pure."""
 
 from __future__ import annotations

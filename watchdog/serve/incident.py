@@ -39,7 +39,7 @@ from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
 from ..report.text import int_ranks, verdict_text
-from ..report.verdict_words import decide
+from ..verdict import decide
 from .act import Killer
 from .alerts import Alerter
 

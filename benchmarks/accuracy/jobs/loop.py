@@ -25,6 +25,11 @@ monitored-barrier          no DDP: every step ends in ``dist.monitored_barrier(t
 helper-thread-dies          batches come from a prefetch thread through a queue; at ``--fault-step`` the fault
                             rank's thread raises (its traceback goes to stderr) and the training loop waits
                             on ``queue.get()`` forever: not in ``DataLoader.__next__``, phase ``idle``
+worker-died                 batches come from a DataLoader with one worker process; at ``--fault-step`` the fault
+                            rank's worker ends with ``os._exit(1)`` (a native crash, the OOM killer): the rank
+                            raises "DataLoader worker ... exited unexpectedly"
+preempted                   at ``--fault-step`` the fault rank gets SIGTERM from outside the job (a preemption,
+                            an operator's kill): no exception of its own, exit by signal
 first-step-hang             blocks at the top of step 0 (before any step completed), while the others wait
                             in their first collective: a hang before the first step
 ==========================  ================================================================================
@@ -37,6 +42,7 @@ import datetime
 import itertools
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +68,8 @@ SCENARIOS = (
     "monitored-barrier",
     "first-step-hang",
     "helper-thread-dies",
+    "worker-died",
+    "preempted",
     "none",
 )
 
@@ -139,6 +147,24 @@ def prefetcher(args, gen: torch.Generator, faulty: bool) -> queue.Queue:  # type
     return q
 
 
+class Batches(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """worker-died: one synthetic batch per index, made in a DataLoader worker process; on the fault rank the
+    worker that makes batch ``fault_step`` dies without a word."""
+
+    def __init__(self, n: int, seed: int, die_at: int | None) -> None:
+        self.n, self.seed, self.die_at = n, seed, die_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.die_at:
+            _common.mark("worker-died", STATE["rank"], i)
+            os._exit(1)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        return torch.randn(16, HIDDEN, generator=g), torch.randn(16, 1, generator=g)
+
+
 def main() -> int:
     p = _common.parser(__doc__, SCENARIOS)
     p.add_argument("--checkpoint-s", type=float, default=12.0)
@@ -162,6 +188,9 @@ def main() -> int:
     gen = torch.Generator().manual_seed(rank)
     faulty = rank == args.fault_rank or (args.scenario == "forward-hang" and rank in args.also_ranks)
     batches = prefetcher(args, gen, faulty) if args.scenario == "helper-thread-dies" else None
+    if args.scenario == "worker-died":
+        data = Batches(args.steps, rank, args.fault_step if faulty else None)
+        loader = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, prefetch_factor=1))
     starts: list[float] = []  # slow-step: each step's start, to calibrate the extra on the rank's own steps
 
     def step(i: int) -> torch.Tensor:
@@ -183,8 +212,14 @@ def main() -> int:
         if at_fault and args.scenario == "child-hang":
             _common.mark("child-hang", rank, i)
             hung_child()
+        if at_fault and args.scenario == "preempted":
+            _common.mark("preempted", rank, i)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the signal ends the process (default SIGTERM handler)
         if batches is not None:
             x, y = batches.get()  # helper-thread-dies: waits forever once the producer died
+        elif args.scenario == "worker-died":
+            x, y = next(loader)
         else:
             x, y = torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)
         return _common.optimize(opt, nn.functional.mse_loss(ddp(x), y))
