@@ -92,6 +92,20 @@ class StragglerPolicy:
     # ... on at least this share of the steps: a whole-process slowdown is steady; a rank slow on a third of
     # its steps beside CPU hogs is the scheduler's noise (a balanced 2-rank job at 2 hogs: 12 of 39 steps)
     rank_wide_steady_share: float = 0.5
+    # a phase straggler whose slowest phase carries less than this share of its excess summed over its own
+    # phases is rank-wide (the time lost is then that sum): extra work of its own lands in one phase and
+    # leaves the others within noise, while a whole-process slowdown (a CPU shared with other processes, a
+    # quota) spreads over every phase in proportion to its work — the issue's CPU-sharing rank lost 46-55
+    # ms/step over four phases, backward alone ~40 % of it
+    rank_wide_top_share: float = 0.75
+    # no rank is named unless its per-step excess beats the run's own noise: its mean excess must be at
+    # least this many standard errors (its per-step excesses' standard deviation / sqrt(steps)) above zero.
+    # One-sided, about 1 % of a noise-only rank passing on 7 steps (Student's t, 6 degrees of freedom:
+    # 3.14) and well under 1 % on 40; a steady straggler's excess is many times that, and a rank slow on
+    # every 4th step by 300 ms passes from ~30 steps on. Seven noisy steps of a job about to hang named a
+    # straggler it did not have in 2 of 14 runs (issue 41): five big hiccups look like a pattern, not like
+    # evidence
+    min_evidence_t: float = 3.0
 
 
 @dataclass
@@ -112,6 +126,12 @@ class StragglerDiagnosis:
     time_lost_ms: float = 0.0
     # the straggler's per-step excess is measured on the input pipeline, not on the dataloader wait
     input_pipeline: bool = False
+    # the straggler's excess per step (ms): what the cause must explain
+    excess_ms: float = 0.0
+    # per rank, the compared steps in wall time: (first step's start ns, last step's end ns, steps)
+    windows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # why the straggler is slow (``core.straggler_cause``), set by the caller that sampled the host signals
+    cause: dict[str, Any] | None = None
 
     def summary_doc(
         self,
@@ -136,6 +156,8 @@ class StragglerDiagnosis:
             "why": self.why,
             "pattern": self.pattern,
             "time_lost_ms": round(self.time_lost_ms, 3),
+            "excess_ms": round(self.excess_ms, 3),
+            "cause": self.cause,
             # each incident's verdict without its per-rank table and evidence (those are in the bundle)
             "incident_verdicts": [
                 {k: v.get(k) for k in ("job_id", "incident_id", "kind", "initiating_ranks", "phase", "confidence",
@@ -427,8 +449,11 @@ def diagnose_stragglers(
     w = _window(aligned, steps)
     step_doc, phases_doc, ranks_doc = _documents(w, per_rank, aligned)
 
+    windows = {r: (ts[0].start_ns, ts[-1].end_ns, len(ts)) for r, ts in aligned.items() if ts}
+
     def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> StragglerDiagnosis:
-        return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
+        return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc,
+                                  windows=windows, **kw)
 
     if len(steps) < policy.min_steps or not w.ranks:
         return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")
@@ -439,11 +464,35 @@ def diagnose_stragglers(
     if w.has_pipeline:
         compared[INPUT_PHASE] = w.pipe
     per_step_excess = _per_step_excess(w, own, compared)
+    phase = _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
+    if phase is not None and len(phase.straggler_ranks) == 1 and not phase.input_pipeline:
+        # slower in every phase, whatever phase stands out most: a whole-process slowdown, its time summed
+        wide = _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy, only=phase.straggler_ranks[0],
+                          top_share=policy.rank_wide_top_share)
+        if wide is not None:
+            return _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result, wide) or phase
     return (
-        _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
+        phase
         or _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result)
         or _bound(w, policy, threshold, result)
     )
+
+
+def evidence_t(xs: Sequence[float], share: float) -> float:
+    """How many standard errors the trimmed mean of ``xs`` is above zero (inf when every value is alike and
+    positive): the same trimming as the excess itself, so one outlier neither makes nor breaks the case."""
+    n = len(xs)
+    kept = sorted(xs)
+    if n >= 5:
+        k = max(1, int(share * n))
+        kept = kept[k : n - k]
+    if len(kept) < 2:
+        return 0.0
+    mean = _mean(kept)
+    sd = statistics.stdev(kept)
+    if sd == 0:
+        return math.inf if mean > 0 else 0.0
+    return mean / (sd / math.sqrt(len(kept)))
 
 
 def _phase_straggler(
@@ -464,7 +513,9 @@ def _phase_straggler(
         return sum(1 for e in per_step_excess[(r, p)] if e >= threshold)
 
     candidates = sorted(
-        ((excess(r, p), r, p) for (r, p) in per_step_excess if slow_count(r, p) >= policy.min_slow_steps),
+        ((excess(r, p), r, p) for (r, p) in per_step_excess
+         if slow_count(r, p) >= policy.min_slow_steps
+         and evidence_t(per_step_excess[(r, p)], policy.trim_share) >= policy.min_evidence_t),
         reverse=True,
     )
     if not candidates or candidates[0][0] < threshold:
@@ -505,7 +556,7 @@ def _phase_straggler(
         for r in ranks
     ]
     return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
-                  time_lost_ms=lost, input_pipeline=on_pipe)
+                  time_lost_ms=lost, input_pipeline=on_pipe, excess_ms=best)
 
 
 def _rank_wide_straggler(
@@ -516,9 +567,10 @@ def _rank_wide_straggler(
     compared: Mapping[str, Mapping[int, Sequence[float]]],
     per_step_excess: Mapping[tuple[int, str], list[float]],
     result: _Result,
+    wide: tuple[int, float, dict[str, float]] | None = None,
 ) -> StragglerDiagnosis | None:
-    """A rank a little slower in every phase of its own work (a whole-process slowdown), in words."""
-    wide = _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy)
+    """A rank slower in every phase of its own work (a whole-process slowdown), in words."""
+    wide = wide or _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy)
     if wide is None:
         return None
     rank, best, by_phase = wide
@@ -528,7 +580,7 @@ def _rank_wide_straggler(
     pattern = describe_pattern(steps, per_step, threshold, policy)
     parts = ", ".join(f"{p} {e:+.1f}" for p, e in sorted(by_phase.items(), key=lambda kv: -kv[1]))
     why = (
-        f"rank {rank} is slower across the phases of its own work, none enough to stand out alone ({parts} "
+        f"rank {rank} is slower across the phases of its own work ({parts} "
         f"ms/step), together +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean "
         f"step), {pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks "
         "wait for it (a whole-process slowdown: CPU contention, a busy thread of its own, a slower host)"
@@ -538,7 +590,8 @@ def _rank_wide_straggler(
         f"{sum(trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in by_phase):+.1f} ms/step"
         for r in w.ranks
     ]
-    return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost)
+    return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost,
+                  excess_ms=best)
 
 
 def _bound(w: _Window, policy: StragglerPolicy, threshold: float, result: _Result) -> StragglerDiagnosis:
@@ -611,14 +664,18 @@ def _rank_wide(
     per_step_excess: Mapping[tuple[int, str], list[float]],
     threshold: float,
     policy: StragglerPolicy,
+    *,
+    only: int | None = None,
+    top_share: float = 1.0,
 ) -> tuple[int, float, dict[str, float]] | None:
-    """The rank slower in *every* phase of its own work by a little (each phase below the threshold) whose
-    excess summed over those phases clears it: (rank, summed excess ms/step, excess by phase)."""
+    """The rank slower in *every* phase of its own work (two or more, none carrying ``top_share`` or more of
+    the sum) whose excess summed over those phases clears the threshold, steadily and beyond the run's
+    noise: (rank, summed excess ms/step, excess by phase). ``only``: that rank or nobody."""
     phases = [p for p in own if p in compared and p != "idle"]
     if len(ranks) < 2 or len(phases) < 2:
         return None
     best: tuple[int, float, dict[str, float]] | None = None
-    for r in ranks:
+    for r in ranks if only is None else [only]:
         by_phase = {p: trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in phases}
         slower = {p: e for p, e in by_phase.items() if e >= policy.rank_wide_phase_share * threshold}
         if len(slower) < 2:
@@ -626,9 +683,12 @@ def _rank_wide(
         n = len(per_step_excess[(r, phases[0])])
         summed = [math.fsum(per_step_excess[(r, p)][i] for p in phases) for i in range(n)]
         total = trimmed_mean(summed, policy.trim_share)
+        if top_share < 1.0 and (total <= 0 or max(slower.values()) >= top_share * total):
+            continue
         slow = sum(1 for e in summed if e >= threshold)
         steady = slow >= max(policy.min_slow_steps, policy.rank_wide_steady_share * n)
-        if total >= threshold and steady and (best is None or total > best[1]):
+        strong = evidence_t(summed, policy.trim_share) >= policy.min_evidence_t
+        if total >= threshold and steady and strong and (best is None or total > best[1]):
             best = (r, total, slower)
     return best
 
