@@ -186,3 +186,12 @@ def test_explain_sets_the_cause_of_a_diagnosis_and_leaves_a_balanced_one_alone()
     assert d.cause["cause"] == "cpu_contention"
     b = StragglerDiagnosis("BALANCED", [], None, "", 200, {}, {}, {}, windows=w)
     assert explain(b, samples(2, 20)).cause is None
+
+
+def test_the_summary_text_shows_the_cause_and_the_next_step():
+    from rankwatch.watchdog.report.text import summary_text
+
+    w = {r: (x.start_ns, x.end_ns, x.steps) for r, x in windows(2, 20).items()}
+    d = StragglerDiagnosis("RANK-WIDE STRAGGLER", [1], None, "slow", 200, {}, {}, {}, excess_ms=52.0, windows=w)
+    text = summary_text(explain(d, samples(2, 20, slow=1, wait_ms_per_s=500.0)).summary_doc("j", []))
+    assert "cause: cpu_contention — rank 1 waited 50.0 ms/step for a CPU" in text and "\nnext: see what else" in text

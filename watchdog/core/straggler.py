@@ -92,12 +92,15 @@ class StragglerPolicy:
     # ... on at least this share of the steps: a whole-process slowdown is steady; a rank slow on a third of
     # its steps beside CPU hogs is the scheduler's noise (a balanced 2-rank job at 2 hogs: 12 of 39 steps)
     rank_wide_steady_share: float = 0.5
-    # a phase straggler whose slowest phase carries less than this share of its excess summed over its own
-    # phases is rank-wide (the time lost is then that sum): extra work of its own lands in one phase and
-    # leaves the others within noise, while a whole-process slowdown (a CPU shared with other processes, a
-    # quota) spreads over every phase in proportion to its work — the issue's CPU-sharing rank lost 46-55
-    # ms/step over four phases, backward alone ~40 % of it
-    rank_wide_top_share: float = 0.75
+    # a phase straggler that is also this much slower (its excess / its peers' time) in *every* other phase
+    # of its own work is rank-wide, its time lost summed over the phases: extra work of its own lands in
+    # one phase and leaves the others within noise (a few %), while a whole-process slowdown (a CPU shared
+    # with other processes, a quota) stretches every phase by a like factor (measured: x3 and more with two
+    # busy processes on its CPU), however unevenly its work is spread over them
+    rank_wide_rel_share: float = 0.3
+    # ... counting only phases of at least this many ms on its peers: a 0.2 ms phase's relative noise on a
+    # busy host is larger than any slowdown
+    rank_wide_min_phase_ms: float = 0.5
     # no rank is named unless its per-step excess beats the run's own noise: its mean excess must be at
     # least this many standard errors (its per-step excesses' standard deviation / sqrt(steps)) above zero.
     # One-sided, about 1 % of a noise-only rank passing on 7 steps (Student's t, 6 degrees of freedom:
@@ -132,6 +135,8 @@ class StragglerDiagnosis:
     windows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     # why the straggler is slow (``core.straggler_cause``), set by the caller that sampled the host signals
     cause: dict[str, Any] | None = None
+    # per rank, each host signal in ms per compared step (``core.straggler_cause.rank_signals``)
+    signals: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary_doc(
         self,
@@ -158,6 +163,7 @@ class StragglerDiagnosis:
             "time_lost_ms": round(self.time_lost_ms, 3),
             "excess_ms": round(self.excess_ms, 3),
             "cause": self.cause,
+            "signals": self.signals,
             # each incident's verdict without its per-rank table and evidence (those are in the bundle)
             "incident_verdicts": [
                 {k: v.get(k) for k in ("job_id", "incident_id", "kind", "initiating_ranks", "phase", "confidence",
@@ -467,8 +473,7 @@ def diagnose_stragglers(
     phase = _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
     if phase is not None and len(phase.straggler_ranks) == 1 and not phase.input_pipeline:
         # slower in every phase, whatever phase stands out most: a whole-process slowdown, its time summed
-        wide = _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy, only=phase.straggler_ranks[0],
-                          top_share=policy.rank_wide_top_share)
+        wide = _slower_everywhere(w, phase.straggler_ranks[0], own, compared, per_step_excess, policy)
         if wide is not None:
             return _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result, wide) or phase
     return (
@@ -476,6 +481,34 @@ def diagnose_stragglers(
         or _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result)
         or _bound(w, policy, threshold, result)
     )
+
+
+def _slower_everywhere(
+    w: _Window,
+    rank: int,
+    own: Sequence[str],
+    compared: Mapping[str, Mapping[int, Sequence[float]]],
+    per_step_excess: Mapping[tuple[int, str], list[float]],
+    policy: StragglerPolicy,
+) -> tuple[int, float, dict[str, float]] | None:
+    """(rank, summed excess ms/step, excess by phase) when ``rank`` is slower by ``rank_wide_rel_share`` or
+    more in every phase of its own work that its peers spend ``rank_wide_min_phase_ms`` in (two or more)."""
+    phases = [p for p in own if p in compared and p != "idle"]
+    peers = [q for q in w.ranks if q != rank]
+    by_phase: dict[str, float] = {}
+    for p in phases:
+        base = _median([_mean(compared[p][q]) for q in peers])
+        if base < policy.rank_wide_min_phase_ms:
+            continue
+        e = trimmed_mean(per_step_excess[(rank, p)], policy.trim_share)
+        if e < policy.rank_wide_rel_share * base:
+            return None
+        by_phase[p] = e
+    if len(by_phase) < 2:
+        return None
+    n = len(w.steps)
+    summed = [math.fsum(per_step_excess[(rank, p)][i] for p in phases) for i in range(n)]
+    return rank, trimmed_mean(summed, policy.trim_share), by_phase
 
 
 def evidence_t(xs: Sequence[float], share: float) -> float:
@@ -664,18 +697,15 @@ def _rank_wide(
     per_step_excess: Mapping[tuple[int, str], list[float]],
     threshold: float,
     policy: StragglerPolicy,
-    *,
-    only: int | None = None,
-    top_share: float = 1.0,
 ) -> tuple[int, float, dict[str, float]] | None:
-    """The rank slower in *every* phase of its own work (two or more, none carrying ``top_share`` or more of
-    the sum) whose excess summed over those phases clears the threshold, steadily and beyond the run's
-    noise: (rank, summed excess ms/step, excess by phase). ``only``: that rank or nobody."""
+    """The rank slower in *every* phase of its own work by a little (each phase below the threshold) whose
+    excess summed over those phases clears it, steadily and beyond the run's noise: (rank, summed excess
+    ms/step, excess by phase)."""
     phases = [p for p in own if p in compared and p != "idle"]
     if len(ranks) < 2 or len(phases) < 2:
         return None
     best: tuple[int, float, dict[str, float]] | None = None
-    for r in ranks if only is None else [only]:
+    for r in ranks:
         by_phase = {p: trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in phases}
         slower = {p: e for p, e in by_phase.items() if e >= policy.rank_wide_phase_share * threshold}
         if len(slower) < 2:
@@ -683,8 +713,6 @@ def _rank_wide(
         n = len(per_step_excess[(r, phases[0])])
         summed = [math.fsum(per_step_excess[(r, p)][i] for p in phases) for i in range(n)]
         total = trimmed_mean(summed, policy.trim_share)
-        if top_share < 1.0 and (total <= 0 or max(slower.values()) >= top_share * total):
-            continue
         slow = sum(1 for e in summed if e >= threshold)
         steady = slow >= max(policy.min_slow_steps, policy.rank_wide_steady_share * n)
         strong = evidence_t(summed, policy.trim_share) >= policy.min_evidence_t

@@ -109,9 +109,12 @@ def _at(samples: Sequence[tuple[int, int]], t: int) -> float | None:
 
 def _series(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int,
             get: Callable[[RankCounters], int]) -> list[tuple[int, int]]:
-    """(t, counter) of one rank, one signal; stops at a counter that goes back (a restarted process)."""
+    """(t, counter) of one rank, one signal, made monotonic: an interval in which the counter went back (a
+    thread that ended takes its time out of the sum over threads), the process changed (a restart, a reused
+    pid) or the rank moved to another cgroup adds nothing, instead of a negative or foreign delta."""
     out: list[tuple[int, int]] = []
-    start = None
+    prev: RankCounters | None = None
+    acc = 0
     for t, by_rank in samples:
         c = by_rank.get(rank)
         if c is None:
@@ -119,10 +122,12 @@ def _series(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int
         v = get(c)
         if v == MISSING:
             return []
-        if start is not None and (c.start_ticks != start or (out and v < out[-1][1])):
-            out = []  # another process from here on: only its own counters compare
-        start = c.start_ticks
-        out.append((t, v))
+        if prev is not None:
+            pv = get(prev)
+            if c.start_ticks == prev.start_ticks and c.cgroup == prev.cgroup and pv != MISSING and v >= pv:
+                acc += v - pv
+        prev = c
+        out.append((t, acc))
     return out
 
 
@@ -259,6 +264,26 @@ def cause_line(cause: Mapping[str, Any] | None) -> str:
 
 
 
+def rank_signals(
+    samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
+    windows: Mapping[int, Window],
+    policy: CausePolicy | None = None,
+) -> dict[str, dict[str, float]]:
+    """Per rank, each signal in ms per compared step (what the summary shows beside the phases, straggler or
+    not: a job slowed alike on every rank shows here, not in the diagnosis)."""
+    policy = policy or CausePolicy()
+    out: dict[str, dict[str, float]] = {}
+    for r, win in sorted(windows.items()):
+        row = {}
+        for sig in SIGNALS:
+            got = per_step(samples, r, sig, win, policy)
+            if got is not None:
+                row[sig.name] = round(got[0], 3)
+        if row:
+            out[str(r)] = row
+    return out
+
+
 def explain(
     diag: StragglerDiagnosis,
     samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
@@ -267,12 +292,16 @@ def explain(
 ) -> StragglerDiagnosis:
     """``diag`` with its ``cause`` set (for its first straggler rank) when it names one and the ranks were
     sampled; unchanged otherwise. The causes of co-stragglers are one and the same diagnosis's."""
-    if not diag.straggler_ranks or not samples or diag.excess_ms <= 0:
+    if not samples:
         return diag
     windows = {r: Window(*w) for r, w in diag.windows.items()}
+    diag.signals = rank_signals(samples, windows, policy)
+    if not diag.straggler_ranks or diag.excess_ms <= 0:
+        return diag
     diag.cause = attribute_cause(samples, windows, diag.straggler_ranks[0], diag.excess_ms, host, policy,
                                  who=diag.straggler_ranks)
     return diag
 
 
-__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "per_step"]
+__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "per_step",
+           "rank_signals"]
