@@ -113,7 +113,7 @@ def node_views(k: int, world: int) -> list[Any]:
 
 def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> None:
     """One node daemon: polls, then handles cfg['incidents'] incidents; bounded by cfg["run_s"]."""
-    from rankwatch.watchdog.report.verdict_words import decide
+    from rankwatch.watchdog.verdict import decide
 
     k, n, world, poll_s = corr.node_rank, cfg["nodes"], cfg["nodes"] * RANKS_PER_NODE, cfg["poll_s"]
     views = node_views(k, world)

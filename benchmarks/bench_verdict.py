@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rankwatch.watchdog.core.snapshot import DEAD, RUNNING, RankView
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 RANKS_PER_NODE = 8
 SIZES = (64, 1024, 8192)

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -134,6 +135,17 @@ def _chain_excepthook(tracker: Tracker) -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+    previous_thread = threading.excepthook
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        # a helper thread (prefetch, I/O, a queue's producer) dying: the training loop that waits on it hangs
+        # with no error of its own, so its exception is the cause the daemon must see
+        if args.exc_type is not SystemExit and args.thread is not threading.main_thread() and args.exc_value:
+            name = args.thread.name if args.thread is not None else "?"
+            tracker.mark_thread_died(f"thread {name}: {crash_text(args.exc_value)}")
+        previous_thread(args)
+
+    threading.excepthook = thread_hook
 
 
 def crash_text(exc: BaseException) -> str:

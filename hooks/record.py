@@ -26,9 +26,9 @@ MAGIC = b"RNKWTCH1"
 CRASH_LEN = 240
 # 2: crash_info (why the script ended with an exception); 3: input pipeline timing (per-step batch
 # production time and the DataLoader workers' slots); 4: the event ring (the training thread appends one
-# word per phase transition; per-phase times and the live state are rebuilt by the reader). Any other
-# version is rejected, never misread.
-VERSION = 4
+# word per phase transition; per-phase times and the live state are rebuilt by the reader); 5: thread_error
+# (a helper thread of the rank died with an exception). Any other version is rejected, never misread.
+VERSION = 5
 MAX_PHASES = 16  # slot table; canonical phases take the first six
 RING_STEPS = 512  # steps kept; at 5 ms steps a 1 Hz poll needs ~200
 INPUT_SLOTS = 32  # DataLoader workers timed at once per rank (more share slots modulo this)
@@ -150,6 +150,10 @@ class RecordHeader(ctypes.Structure):
         ("exit_ns", ctypes.c_uint64),
         # "ExceptionType: message" of the exception that ended the script (bounded, UTF-8), set with FLAG_CRASHED
         ("crash_info", ctypes.c_char * CRASH_LEN),
+        # "thread NAME: ExceptionType: message" of the first thread other than the main one that died with an
+        # exception (a prefetch or I/O helper whose queue the training loop now waits on forever); written once,
+        # by the dying thread, outside the seqlock (the training thread is the seqlock's only writer)
+        ("thread_error", ctypes.c_char * CRASH_LEN),
         # GPU time per phase slot (ms, cumulative) from CUDA events; only on ranks that use CUDA
         ("gpu_phase_ms", ctypes.c_double * MAX_PHASES),
         # per DataLoader worker slot: [production ns, batches], cumulative; each slot is written only by
@@ -228,6 +232,7 @@ class RecordSnapshot:
     exit_ns: int
     steps_done: int
     crash_info: str = ""
+    thread_error: str = ""
     gpu_phase_ms: dict[str, float] = field(default_factory=dict)
     recent_steps: tuple[StepTiming, ...] = field(default=())
 
@@ -460,6 +465,7 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
         ),
         steps_done=done,
         crash_info=_decode_str(rec.crash_info),
+        thread_error=_decode_str(rec.thread_error),
         recent_steps=tuple(steps),
     )
 

@@ -316,6 +316,10 @@ class PyCore:
         self._step_start = now
 
 
+_THREAD_ERROR_LOCK = threading.Lock()
+"""Orders two helper threads dying at once (``mark_thread_died``); never taken on the training thread."""
+
+
 class _TrackerBase:
     """What a tracker is besides its hot paths: set-up, the rare paths the cores call back, declarations,
     explicit steps, the end. Mixed into a core (``PyCore`` or ``_fastpath.Core``)."""
@@ -539,6 +543,20 @@ class _TrackerBase:
         rec = self._rec
         for gslot, gpu_ms in self._gpu.poll():
             rec.gpu_phase_ms[gslot] += gpu_ms
+
+    def mark_thread_died(self, info: str) -> None:
+        """A thread other than the training thread is dying with an exception (called on that thread, never
+        on the training thread): the first such death is kept for the daemon. Outside the seqlock, whose only
+        writer is the training thread: the bytes go first, NUL-terminated in a zeroed field, so a reader sees
+        nothing, a prefix, or the whole line; a lock orders two helpers dying at once."""
+        try:
+            with _THREAD_ERROR_LOCK:
+                rec = self._rec
+                if info and not rec.thread_error:
+                    raw = info.encode("utf-8", "replace")[: CRASH_LEN - 1]
+                    rec.thread_error = raw.decode("utf-8", "ignore").encode()
+        except Exception:
+            pass
 
     def mark_crashed(self, info: str = "") -> None:
         """The script is ending with an exception or non-zero exit; ``info`` ("Type: message") lets the

@@ -5,7 +5,7 @@ Load as a pytest plugin with the dump folder in ``RANKWATCH_VERDICT_DUMP`` (does
     RANKWATCH_VERDICT_DUMP=/tmp/vd/base PYTHONPATH=tests python -m pytest -p _verdict_dump tests/test_x.py
     python tests/_verdict_dump.py /tmp/vd/base /tmp/vd/new    # "N differences in M verdicts"
 
-It wraps ``core.verdict.decide`` (the live verdict; its words are filled later by ``report.verdict_words``,
+It wraps ``core.verdict.decide`` (the live verdict; its words are filled later by ``verdict.stage``,
 so each one is written when its test ends) and ``diagnose.reasoning.diagnose_evidence`` (offline), in every
 module that already holds them by name and in their own modules (later imports get the wrapper).
 """
@@ -71,7 +71,7 @@ def _wrap(module: str, name: str, src: str) -> None:
 if DUMP:
     import rankwatch.watchdog.core.verdict
     import rankwatch.watchdog.diagnose.reasoning
-    import rankwatch.watchdog.report.verdict_words  # noqa: F401
+    import rankwatch.watchdog.verdict  # noqa: F401
 
     _wrap("rankwatch.watchdog.core.verdict", "decide", "live")
     _wrap("rankwatch.watchdog.diagnose.reasoning", "diagnose_evidence", "offline")

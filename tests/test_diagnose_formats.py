@@ -9,7 +9,7 @@ from typing import Any
 from rankwatch.watchdog.core.snapshot import RankView
 from rankwatch.watchdog.diagnose import diagnose_logs
 from rankwatch.watchdog.report.text import verdict_text
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 
 def rv(rank: int, **kw: Any) -> RankView:

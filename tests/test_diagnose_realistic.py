@@ -420,3 +420,26 @@ def test_a_sigabrt_next_to_an_unclaimed_gloo_enforce_is_the_mismatch_not_a_crash
     # without the enforce line the same SIGABRT is still that rank's own crash
     d = diagnose_evidence(collect(events[1:]))
     assert (d.initiating_ranks, d.kind) == ([3], "dead_rank")
+
+
+# -- a bare SIGABRT long after the others timed out (issue 44: named high) ----------------------------------
+def test_a_bare_abort_long_after_the_others_timed_out_is_not_named_with_confidence(tmp_path: Path) -> None:
+    """Two ranks' NCCL watchdogs time out in collective #808 at 10:40; torchrun reports rank 2 dead by SIGABRT
+    (no message of its own) at 10:59. Its end came after they had given up: it is not what they waited for,
+    and a hung rank's own watchdog abort ends the same way. Undecidable: never named with confidence."""
+    timeout = ("[rank{r}]:[E726 10:40:12.45174 ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught collective "
+               "operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=9801523, NumelOut=9801523, "
+               "Timeout(ms)=600000) ran for 600020 milliseconds before timing out.")
+    report = ["Root Cause (first observed failure):", "[0]:", "  time      : 2024-07-26_10:59:45",
+              "  host      : node1", "  rank      : 2 (local_rank: 2)", "  exitcode  : -6 (pid: 214033)",
+              "  error_file: <N/A>", "  traceback : Signal 6 (SIGABRT) received by PID 214033", "=" * 40]
+    log = tmp_path / "late_abort.log"
+    log.write_text("\n".join([timeout.format(r=0), timeout.format(r=1), *report]) + "\n")
+    d, _ = diagnose_logs([str(log)])
+    assert d.confidence == "low" and not d.decided, d.reason
+    assert finding(d)["data"]["after_waits"] > 1000  # seconds after the first timeout
+    # the same abort at the time of the timeouts is still read as before (the watchdog's, with its peers')
+    log.write_text("\n".join([timeout.format(r=0), timeout.format(r=1),
+                              *(x.replace("10:59:45", "10:40:12") for x in report)]) + "\n")
+    d, _ = diagnose_logs([str(log)])
+    assert finding(d)["data"].get("after_waits") is None

@@ -14,7 +14,7 @@ from rankwatch.watchdog.cluster.store import ValueRejected
 from rankwatch.watchdog.core.doc_checks import STORE_VERDICT_FIELDS, VERDICT_FIELDS, document_problems
 from rankwatch.watchdog.diagnose.facts import Evidence
 from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 
 def live_verdict() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from rankwatch.watchdog.evidence.capture import RankCapture
 from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, fr_hints, with_remote
 from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.evidence.ras_watch import RasWatch
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml

@@ -60,39 +60,38 @@ def test_finished_but_one_decides_from_a_log_where_the_others_finished():
 def test_a_receiver_aborted_inside_a_mismatched_collective_is_set_aside_for_the_mismatch():
     fr = Finding("flight_recorder", "collective_mismatch", [0], Rung.FLIGHT_RECORDER, "high", {})
     alive = [Progress(r, "running", "collective", 1, True, 7) for r in (0, 1, 2)]
-    found: dict[str, Finding | None] = {"exits": exits([3]), "flight_recorder": fr}
-    abort_on_mismatch(found, facts(*alive, Progress(3, "dead", "collective")))
-    assert found["exits"] is None and found["exits_aborted"] is not None and fr.data["aborted_receivers"] == [3]
+    before: dict[str, Finding | None] = {"exits": exits([3]), "flight_recorder": fr}
+    found = abort_on_mismatch(before, facts(*alive, Progress(3, "dead", "collective")))
+    new_fr = found["flight_recorder"]
+    assert found["exits"] is None and found["exits_aborted"] is not None
+    assert new_fr is not None and new_fr.data["aborted_receivers"] == [3]
+    assert before["exits"] is not None and "aborted_receivers" not in fr.data  # a new set; nothing changed
     # killed while computing: its own death, the mismatch does not explain it
-    found = {"exits": exits([3]), "flight_recorder": fr}
-    abort_on_mismatch(found, facts(*alive, Progress(3, "dead", "forward")))
+    computing = facts(*alive, Progress(3, "dead", "forward"))
+    found = abort_on_mismatch({"exits": exits([3]), "flight_recorder": fr}, computing)
     assert found["exits"] is not None and "exits_aborted" not in found
 
 
 def test_odd_collective_counts_name_the_sender_when_a_receiver_was_aborted():
     ranks = [Progress(3, "dead", "collective", 1, True, 6), Progress(1, "dead", "collective", 1, True, 6),
              Progress(0, "dead", "backward", 1, False, 5), Progress(2, "crashed", "idle", 1, False, 6)]
-    found: dict[str, Finding | None] = {"exits": exits([3]), "flight_recorder": None}
-    abort_with_odd_counts(found, facts(*ranks))
+    found = abort_with_odd_counts({"exits": exits([3]), "flight_recorder": None}, facts(*ranks))
     new = found["exits"]
     assert new is not None and (new.kind, new.ranks) == ("collective_mismatch", [0])
     assert (new.data["shape"], new.data["aborted_receivers"], new.data["counts"]) == (
         "abort_with_odd_counts", [3], {6: [1, 2, 3], 5: [0]})
     # the odd rank still computing: its count is lag, not a skipped collective
     ranks[2] = Progress(0, "dead", "forward", 1, False, 5)
-    found = {"exits": exits([3]), "flight_recorder": None}
-    abort_with_odd_counts(found, facts(*ranks))
+    found = abort_with_odd_counts({"exits": exits([3]), "flight_recorder": None}, facts(*ranks))
     assert found["exits"] is not None and found["exits"].data["shape"] == "first_exit"
 
 
 def test_every_exit_a_consequence_is_weighed_below_the_wait_for_graph():
     ends = (Ended(1, own=False, cause="Connection closed by peer"),)
-    found: dict[str, Finding | None] = {"exits": exits([1])}
-    split_consequence(found, facts(Progress(0, "running", "forward"), Progress(1, "crashed", "collective"),
-                                   ended=ends))
+    found = split_consequence({"exits": exits([1])}, facts(Progress(0, "running", "forward"),
+                                                           Progress(1, "crashed", "collective"), ended=ends))
     assert found["exits"] is None and found["exits_consequence"] is not None
     assert found["exits_consequence"].rule == "exits_consequence"
     own = (Ended(1, own=True, cause="CUDA error"),)
-    found = {"exits": exits([1])}
-    split_consequence(found, facts(Progress(1, "crashed", "forward"), ended=own))
+    found = split_consequence({"exits": exits([1])}, facts(Progress(1, "crashed", "forward"), ended=own))
     assert found["exits"] is not None

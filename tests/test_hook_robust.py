@@ -116,6 +116,24 @@ def test_script_exception_marks_the_rank_crashed_and_still_propagates(run_hooked
     assert rec.crashed
 
 
+
+def test_a_helper_thread_dying_is_kept_in_the_record_and_training_goes_on(run_hooked, tmp_path):
+    """The first exception that ends a thread other than the training thread reaches the record (the
+    daemon's ``thread_died`` rung); the thread's own traceback is still printed and the script is untouched."""
+    shm = tmp_path / "shm"
+    script = ("import threading\n"
+              "def produce():\n    raise ValueError('corrupt shard 7')\n"
+              "t = threading.Thread(target=produce, name='prefetch'); t.start(); t.join()\n"
+              "t = threading.Thread(target=produce, name='second'); t.start(); t.join()\n"
+              "print('still training', flush=True)\n")
+    result = run_hooked(script, {"RANKWATCH_SHM_DIR": str(shm), "RANKWATCH_JOB_ID": "j"})
+    assert result.returncode == 0 and "still training" in result.stdout
+    assert "ValueError: corrupt shard 7" in result.stderr
+    rec = read_record(str(shm / "j" / "rank-0.hb"))
+    assert rec.thread_error == "thread prefetch: ValueError: corrupt shard 7"  # the first one, kept
+    assert not rec.crashed and rec.exited_normally
+
+
 FORK = r"""
 import os, time
 import multiprocessing as mp

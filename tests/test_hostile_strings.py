@@ -8,12 +8,15 @@ overrides and carriage returns must come out inert, and 10 kB in one field must 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import unicodedata
+import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, new_tracker, rankwatch_cmd
+from conftest import REPO, bundle_dirs, free_port, new_tracker, rankwatch_cmd, start_daemon, wait_for
 from rankwatch.watchdog.core.text import ELLIPSIS, NAME, clean
 from rankwatch.watchdog.evidence.capture import RankCapture, render_text
 
@@ -46,6 +49,20 @@ def test_clean_replaces_controls_bidi_and_format_characters_and_keeps_printable_
     assert clean("one\ttwo\nthree\rfour\u2028five\xa0six") == "one two three four five six"
     assert clean("a\r\nb\x1bc", multiline=True) == "a\nb?c"
     assert clean(None) == "None" and clean(12) == "12"
+
+
+def test_clean_doc_cleans_every_string_key_and_value_at_any_depth_once():
+    from rankwatch.watchdog.core.straggler_live import LiveStraggler
+    from rankwatch.watchdog.core.text import PROSE, clean_doc
+
+    doc = {"a\x1b[2J": [{"op": "x\r\ny"}, ("t\x9b", 3)], "n": 1.5, "b": True, "none": None, "long": "z" * 10_000}
+    out = clean_doc(doc)
+    assert out == {"a?[2J": [{"op": "x  y"}, ("t?", 3)], "n": 1.5, "b": True, "none": None,
+                   "long": "z" * (PROSE - 1) + ELLIPSIS}
+    assert clean_doc(out) == out and doc["a\x1b[2J"][0]["op"] == "x\r\ny"  # idempotent; the input unchanged
+    live = LiveStraggler(rank=1, label="INPUT STRAGGLER", phase=ESCAPES + "ph", since_step=3, since_unix=1.0,
+                         why=HOSTILE)
+    assert not unsafe_strings(live.doc())  # the straggler alert's document and the state file
 
 
 def test_clean_bounds_the_length_with_an_ellipsis():
@@ -214,3 +231,100 @@ def test_diagnose_of_a_hostile_log_prints_no_control_characters(tmp_path):
     assert out.returncode in (0, 1), out.stderr
     assert "why:" in out.stdout
     assert_inert(out.stdout + out.stderr)
+
+
+# -- every sink of a real daemon: verdict.json, webhook, Alertmanager, --on-incident, the HTML report ---------
+ESC_CSI, CRLF, OSC8, C1_CSI, SCRIPT = "\x1b[31m", "\r\n", "\x1b]8;;http://x\x07", "\x9b", "<script>"
+# what a job names itself: the record keeps phase and op names to 23 bytes, the host name to 63
+JOB_STRINGS = {
+    "host": ESC_CSI + "node" + CRLF + OSC8 + SCRIPT + "alert(1)</script>" + C1_CSI,
+    "phase": "\x1b[2J" + CRLF + SCRIPT + C1_CSI + "ph",
+    "op": OSC8 + "op",
+    "exc": ESC_CSI + "boom" + CRLF + OSC8 + "link\x1b]8;;\x07 " + C1_CSI + "1m" + SCRIPT + "alert(1)</script>",
+    "thread": ESC_CSI + "main" + CRLF + OSC8 + SCRIPT,
+}
+
+
+def unsafe_strings(doc: object, where: str = "") -> list[str]:
+    """Every string (key or value, at any depth) of a parsed document holding a character a terminal,
+    chat client or dashboard could act on — a newline too: no field of these documents is a block of lines."""
+    if isinstance(doc, str):
+        return [f"{where}: {doc!r}"] if unsafe_chars(doc) or "\n" in doc else []
+    if isinstance(doc, dict):
+        return [bad for k, v in doc.items() for bad in unsafe_strings(k, where) + unsafe_strings(v, f"{where}.{k}")]
+    if isinstance(doc, list):
+        return [bad for i, v in enumerate(doc) for bad in unsafe_strings(v, f"{where}[{i}]")]
+    return []
+
+
+def test_a_real_hostile_job_reaches_every_sink_of_a_real_daemon_cleaned(procs, tmp_path):
+    from test_alerts import Receiver
+
+    shm, out = tmp_path / "shm", tmp_path / "out"
+    shm.mkdir(mode=0o700)
+    env_file = tmp_path / "incident.env"
+    hook = tmp_path / "on-incident.sh"
+    hook.write_text(f"#!/bin/sh\nenv -0 > {env_file}.tmp && mv {env_file}.tmp {env_file}\n")
+    hook.chmod(0o700)
+    receiver = Receiver()
+    am_url = receiver.url.rsplit("/", 2)[0] + "/api/v2/alerts"
+    port = free_port()
+    daemon = start_daemon(procs, shm, out, "--notify", receiver.url, "--notify", am_url, "--on-incident", str(hook),
+                          "--metrics-port", str(port), poll="0.2", stall="2")
+
+    def running_ranks() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                return 'rankwatch_ranks{state="running"} 2.0' in resp.read().decode()
+        except OSError:
+            return False
+    try:
+        ranks = []
+        for r in (0, 1):
+            env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm), RANKWATCH_JOB_ID="hostile", RANK=str(r),
+                       LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       RANKWATCH_HOSTILE=json.dumps(JOB_STRINGS))
+            rank = procs.start([sys.executable, str(REPO / "tests" / "procs" / "hostile_job.py")], env=env, text=True,
+                               stdin=subprocess.PIPE)
+            assert rank.stdout.readline().startswith("ready"), rank.stderr.read()
+            ranks.append(rank)
+        assert wait_for(running_ranks, timeout=60), "the daemon never watched both ranks"
+        ranks[1].stdin.write("go\n")  # rank 1 raises now; rank 0 waits in its collective for it
+        ranks[1].stdin.flush()
+        assert ranks[1].wait(timeout=60) == 1
+        found = wait_for(lambda: bundle_dirs(out / "hostile" / "incidents"), timeout=120)
+        assert found, daemon.stderr.read() if daemon.poll() is not None else "no incident bundle"
+        assert wait_for(env_file.exists, timeout=60), "the --on-incident command never ran"
+        assert wait_for(lambda: {p for p, _, _ in receiver.requests} >= {"/hooks/secret-token", "/api/v2/alerts"},
+                        timeout=60), receiver.requests
+    finally:
+        receiver.close()
+
+    # the text reached the documents (cleaned, not dropped), and no document carries a control character
+    verdict_file = found[0] / "verdict.json"
+    verdict = json.loads(verdict_file.read_text())
+    text = json.dumps(verdict, ensure_ascii=False)
+    assert "boom" in text and "<script>" in text and "?]8;;http://x?" in text, text
+    assert any("node" in e["node"] for e in verdict["ranks"].values()), verdict["ranks"]
+    assert not unsafe_strings(verdict), unsafe_strings(verdict)
+    ranks_doc = json.loads((found[0] / "ranks.json").read_text())
+    assert not unsafe_strings(ranks_doc), unsafe_strings(ranks_doc)
+    for path, _, body in receiver.requests:
+        posted = json.loads(body)
+        assert not unsafe_strings(posted), (path, unsafe_strings(posted))
+        if path == "/hooks/secret-token" and posted.get("status") == "firing":
+            assert posted["ranks"] == verdict["ranks"] and posted["reason"] == verdict["reason"]
+    raw_env = env_file.read_bytes().split(b"\0")
+    env = dict(item.decode("utf-8", "replace").split("=", 1) for item in raw_env if item.startswith(b"RANKWATCH_"))
+    assert env["RANKWATCH_BUNDLE"] == str(found[0]) and env["RANKWATCH_JOB_ID"] == "hostile"
+    assert not unsafe_strings(env), unsafe_strings(env)
+    # the HTML report of the run escapes what stays markup in the documents
+    page = tmp_path / "report.html"
+    result = subprocess.run(rankwatch_cmd("report", str(found[0]), "--html", str(page)), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    html = page.read_text(encoding="utf-8")
+    assert "&lt;script&gt;" in html and "<script>alert" not in html and "<script>" + C1_CSI not in html
+    assert_inert(html, max_line=200_000)
+    # the stack files alone keep what py-spy read (a human asked for them): the raw thread name may be there
+    assert (found[0] / "stacks").is_dir()

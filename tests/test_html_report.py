@@ -16,7 +16,7 @@ from rankwatch.watchdog.core.straggler import diagnose_stragglers
 from rankwatch.watchdog.errors import UserError
 from rankwatch.watchdog.report.html import EXTRA_COLOURS, PHASE_COLOURS, nice_ticks, render_html, write_html
 from rankwatch.watchdog.report.text import summary_text
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 EVIL = "<script>alert('x')</script>"
 MS = 1_000_000

@@ -25,7 +25,7 @@ from rankwatch.watchdog.core.policy import InspectPolicy
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
 from rankwatch.watchdog.core.stacks import Frame
 from rankwatch.watchdog.observe.discover import MAX_ENV_VALUE, discover, parse_environ, select
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
 import hung

@@ -158,7 +158,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
     client.set("rankwatch/g/verdict/1", b'{"schema": "rankwatch.verdict/1", "kind": "__import__(\'os\')"}')
     client.set("rankwatch/g/node/0", b"[" * 100000)
     from rankwatch.watchdog.core.snapshot import RankView
-    from rankwatch.watchdog.report.verdict_words import decide
+    from rankwatch.watchdog.verdict import decide
 
     view = RankView(
         rank=2, node="n1", pid=5, state="running", step=3, phase="forward", in_phase_s=9.0, since_progress_s=9.0
@@ -186,7 +186,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
 def test_published_verdict_is_slim_for_very_large_jobs():
     from rankwatch.watchdog.cluster.correlate import slim_verdict
     from rankwatch.watchdog.core.snapshot import RankView
-    from rankwatch.watchdog.report.verdict_words import decide
+    from rankwatch.watchdog.verdict import decide
 
     views = [
         RankView(

@@ -15,7 +15,7 @@ from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
 from rankwatch.watchdog.diagnose.render import render_text
 from rankwatch.watchdog.evidence.flight_recorder import fr_hints
 from rankwatch.watchdog.report.text import headline
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 SEQ = 7
 # ops as the hook / the flight recorder name them, and as the NCCL watchdog prints them

@@ -403,7 +403,7 @@ def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdi
     from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
     from rankwatch.watchdog.core.policy import CorrelationPolicy
     from rankwatch.watchdog.core.snapshot import RankView
-    from rankwatch.watchdog.report.verdict_words import decide
+    from rankwatch.watchdog.verdict import decide
 
     def view(rank: int, phase: str, since: float) -> RankView:
         return RankView(rank=rank, node=f"n{rank}", pid=1000 + rank, state="running", step=7, phase=phase,

@@ -13,6 +13,7 @@ from conftest import new_tracker
 from rankwatch.hooks.record import (
     RECORD_SIZE,
     RING_STEPS,
+    VERSION,
     RecordFormatError,
     RecordReader,
     read_record,
@@ -167,7 +168,7 @@ def test_truncated_foreign_and_corrupt_files_are_rejected_clearly(tmp_path):
     v3[8:12] = (3).to_bytes(4, "little")
     v3[12:16] = len(v3).to_bytes(4, "little")
     (tmp_path / "v3.hb").write_bytes(bytes(v3))
-    with pytest.raises(RecordFormatError, match="record version 3, expected 4"):
+    with pytest.raises(RecordFormatError, match=f"record version 3, expected {VERSION}"):
         RecordReader(str(tmp_path / "v3.hb"))
 
     corrupt = bytearray(data)

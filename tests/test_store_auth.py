@@ -37,7 +37,7 @@ from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
 from rankwatch.watchdog.core.detect import Trigger, local_stall_signs
 from rankwatch.watchdog.core.policy import CapturePolicy, CorrelationPolicy, ServePolicy, StallPolicy
 from rankwatch.watchdog.core.snapshot import RankView
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 SECRET = b"3q2+7wAAAAAx1Y8PhWmLc0tZrVd9Jq4B"  # what `head -c 24 /dev/urandom | base64` looks like
 

@@ -167,31 +167,18 @@ def test_a_rank_under_a_cpu_quota_is_cpu_throttled(procs, tmp_path):
     assert cg.dir.name in s["cause"]["next"]
 
 
-HOST_WIDE_MISS = (
-    "measured on the 2 shared cores (2026-12-05, three runs): beside two busy processes, pinned or not, the rank "
-    "that falls behind first stays behind (its peer sleeps in the collective and wins each wake-up): rank 1 "
-    "waited 583-615 ms/step for a CPU against its peer's 12-17, a straggler the diagnosis names with cause "
-    "cpu_contention; a host-wide load does not slow every rank alike here, and no rule tells it apart yet"
-)
-
-
-@pytest.mark.parametrize("hogs", ["none", pytest.param("host-wide", marks=pytest.mark.xfail(reason=HOST_WIDE_MISS))])
-def test_no_fault_or_a_load_on_the_whole_host_names_no_straggler(procs, tmp_path, hogs):
+def test_a_balanced_job_names_no_straggler(procs, tmp_path):
+    """The control: each rank on a CPU of its own, nothing beside them. (A load on the whole host is not
+    asserted: measured on the 2 shared cores, 2026-12-05, three runs, beside two busy processes pinned or not
+    the rank that falls behind first stays behind — its peer sleeps in the collective and wins each wake-up —
+    and waited 583-615 ms/step for a CPU against its peer's 12-17: the diagnosis names it, cause
+    cpu_contention. Issue 41's "a host-wide load slows every rank alike" does not hold here; left open.)"""
     c0, c1 = cpus()
 
     def fault(p0: int, p1: int) -> None:
-        if hogs == "none":
-            pin(p0, c0)
-            pin(p1, c1)
-            return
-        # two busy processes the scheduler may put anywhere, beside ranks it may put anywhere: a load on
-        # the whole host. (One hog pinned to each rank's pinned CPU is not that: measured, the rank that
-        # falls behind first stays behind — its peer sleeps in the collective and wins every wake-up — and
-        # it waited 615 ms/step for a CPU against its peer's 17: a real straggler, rightly named.)
-        for c in (c0, c1):
-            p = procs.start(HOG, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            boost(p.pid)
+        pin(p0, c0)
+        pin(p1, c1)
 
-    s = run_job(procs, tmp_path, f"cause-control-{hogs}", fault)
+    s = run_job(procs, tmp_path, "cause-control", fault)
     assert "STRAGGLER" not in s["diagnosis"] and s["straggler_ranks"] == [], (s["why"], s["cause"])
     assert s["cause"] is None

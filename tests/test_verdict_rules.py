@@ -212,13 +212,20 @@ def test_stall_needs_timeout_startup_budget_and_declared_budget_excuses():
     # before the first step the start-up budget applies (nobody waits for anyone yet: imports, compile)
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=100)], POLICY, 0.0, {}) is None
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=130)], POLICY, 0.0, {}) is not None
-    # ... until a rank of the job waits in a collective: start-up is over, a rank blocked before its first
-    # step is a hang after the stall timeout (issue 44: it waited for the 300 s start-up budget)
+    # ... until a rank of the job waits in a collective: start-up is over for it, and a rank blocked before its
+    # first step gets as long again as the waiter needed to get there (at least the stall timeout), not the
+    # 120 s start-up budget (issue 44: it waited for the 300 s default)
     blocked = rv(1, step=0, phase="idle", since_progress_s=11)
-    waiting = rv(0, step=0, phase="collective", coll_seq=1, coll_done=0, since_progress_s=5)
+    waiting = rv(0, step=0, phase="collective", coll_seq=1, coll_done=0, since_progress_s=5, age_s=12)
     t = find_trigger([waiting, blocked], POLICY, 0.0, {})
     assert t is not None and t.ranks == (1,)
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=5), blocked], POLICY, 0.0, {}) is None
+    # start-up skew is not a hang: the waiter needed 35 s to get there, the late rank gets 35 s too
+    slow_start = dataclasses.replace(waiting, age_s=40)
+    assert find_trigger([slow_start, blocked], POLICY, 0.0, {}) is None
+    assert find_trigger([slow_start, dataclasses.replace(blocked, since_progress_s=36)], POLICY, 0.0, {}) is not None
+    # a waiter whose start is not known (another node's view): the start-up budget, as before
+    assert find_trigger([dataclasses.replace(waiting, age_s=None), blocked], POLICY, 0.0, {}) is None
     # a rank inside a declared phase within budget excuses the others waiting for it
     ckpt = rv(0, phase="checkpoint", budget_s=900, budget_elapsed_s=300, since_progress_s=300)
     assert find_trigger([ckpt, rv(1, since_progress_s=300)], POLICY, 1.0, {}) is None

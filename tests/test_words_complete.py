@@ -11,7 +11,7 @@ from rankwatch.watchdog.core.rules.ladder import LADDER
 from rankwatch.watchdog.core.rules.waits import NAMING_SOURCES
 from rankwatch.watchdog.core.snapshot import RankView
 from rankwatch.watchdog.report import findings, live_words
-from rankwatch.watchdog.report.verdict_words import decide
+from rankwatch.watchdog.verdict import decide
 
 CORE = Path(__file__).resolve().parent.parent / "watchdog" / "core"
 

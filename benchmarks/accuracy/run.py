@@ -621,6 +621,55 @@ CLASSES: dict[str, Klass] = {
         offline_why="rank 0's traceback says 'Ranks 2 failed to pass monitoredBarrier'",
         stall_timeout="6",
     ),
+    "helper-thread-dies": Klass(
+        "loop.py",
+        ("--scenario", "helper-thread-dies"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        truth=(1,),
+        kinds=("hang",),
+        phase="idle",
+        why="rank 1's batches come from a prefetch thread; the thread raises at step 5 and the training loop "
+        "waits on queue.get() forever (between phases: idle); the others wait for it in DDP's all_reduce. The "
+        "dead thread's exception is the cause the verdict must carry",
+        offline=False,
+        offline_why="the thread's traceback is printed, but nothing ties it to the hang before the kill",
+    ),
+    "worker-died": Klass(
+        "loop.py",
+        ("--scenario", "worker-died"),
+        nodes=1,
+        nproc=4,
+        fault_rank=2,
+        other_ranks=(0, 3),
+        truth=(2,),
+        kinds=("dead_rank",),
+        phase=None,
+        why="rank 2's DataLoader worker process ends with os._exit(1) at step 5 (a native crash / the OOM killer "
+        "in a worker): rank 2 raises 'DataLoader worker (pid N) exited unexpectedly' and exits; the others "
+        "lose it in DDP's all_reduce. A class the verdict was not built around",
+        offline=True,
+        offline_why="rank 2's traceback ('DataLoader worker ... exited unexpectedly') and torchrun's report",
+    ),
+    "preempted": Klass(
+        "loop.py",
+        ("--scenario", "preempted"),
+        nodes=1,
+        nproc=4,
+        fault_rank=1,
+        other_ranks=(3, 0),
+        truth=(1,),
+        kinds=("dead_rank",),
+        phase=None,
+        why="rank 1 gets SIGTERM from outside the job at step 5 (a preemption, an operator): it dies without a "
+        "word of its own; torchrun then SIGTERMs the others. The first SIGTERM is not torchrun's. A class the "
+        "verdict was not built around",
+        offline=False,
+        offline_why="torchrun's report shows every rank ended by SIGTERM: the log cannot tell the outside kill from "
+        "torchrun's teardown",
+    ),
     "first-step-hang": Klass(
         "loop.py",
         ("--scenario", "first-step-hang"),

@@ -28,11 +28,11 @@ from ..core.policy import CapturePolicy, InspectPolicy
 from ..core.schema import RUNNING_SCHEMA
 from ..core.snapshot import RankView
 from ..core.stacks import Frame
-from ..core.text import NAME, clean
+from ..core.text import NAME, clean, clean_doc
 from ..errors import UserError
 from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
-from ..report.verdict_words import decide
+from ..verdict import decide
 from .argparser import Parser
 from .options import host_port, positive_float
 
@@ -124,7 +124,8 @@ def _decide(
         steps_known=False,  # no record: step counters and phase timers are unknown, the reason names none
     ).to_json()
     verdict["source"] = "inspect"
-    return verdict, fr
+    # the job's strings cleaned before the verdict goes anywhere: with --store the leader publishes this one
+    return clean_doc(verdict), fr
 
 
 @dataclass
@@ -229,6 +230,9 @@ def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str
     # where this node's flight-recorder dumps came from, by rank: {"from": "debug_server", "address": ...}
     # or {"from": "file", "path": ...}; only the ones that parsed
     verdict["flight_recorder_sources"] = {str(r): fr_sources[r] for r in sorted(fr.traces) if r in fr_sources}
+    # once more over the whole: a leader's verdict read from the store (anyone reaching it could write one)
+    # and the dump paths the job's environment named; the bundle and the terminal get the same safe text
+    verdict = clean_doc(verdict)
     path = _write_bundle(args.out, job, verdict, views, captures)
     return verdict, path
 

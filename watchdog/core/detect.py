@@ -20,20 +20,29 @@ class Trigger:
     detected_after_s: float  # onset → now, as a duration
 
 
-def started(views: Sequence[RankView]) -> bool:
-    """Some rank of the job already waits inside a collective (``live_facts.is_waiting``: a Python-level
-    collective, a stack in a wait, DDP's gradient sync in backward): start-up (imports, compile, rendezvous) is over
-    for it, and it can only go on once the others arrive. From then on a rank that has not completed a step
-    gets the stall timeout, not the start-up budget: a rank blocked before its first step is a hang like any
-    other (the waiting ranks are the evidence), not a slow start."""
-    return any(v.state == RUNNING and is_waiting(v) for v in views)
+def first_step_s(views: Sequence[RankView], policy: StallPolicy, longest_step_s: float) -> float | None:
+    """How long a rank that has not completed a step may go without progress once some rank of the job waits
+    in a collective (``live_facts.is_waiting``: a Python-level collective, a stack in a wait, DDP's gradient
+    sync): start-up is over for the waiters and they can only go on once the others arrive, so a rank blocked
+    before its first step is a hang like any other, not a slow start. It gets the waiters' own start-up again
+    (``StallPolicy.first_step_skew``), at least the stall timeout, at most the start-up budget. None: nobody
+    waits yet, or a waiter's start-up is not known (the start-up budget applies)."""
+    waiters = [v for v in views if v.state == RUNNING and is_waiting(v)]
+    if not waiters or any(v.age_s is None for v in waiters):
+        return None
+    reached = max(max(0.0, (v.age_s or 0.0) - v.since_progress_s) for v in waiters)
+    return min(policy.startup_for(), max(policy.timeout_for(longest_step_s), policy.first_step_skew * reached))
 
 
-def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float, job_started: bool = False) -> float:
-    """How long this rank may go without progress before it counts as stalled (``job_started``: ``started``
-    of the job's views)."""
-    first = view.step == 0 and not job_started
-    base = policy.startup_for() if first else policy.timeout_for(longest_step_s)
+def allowance_s(
+    view: RankView, policy: StallPolicy, longest_step_s: float, first_step: float | None = None
+) -> float:
+    """How long this rank may go without progress before it counts as stalled (``first_step``: what
+    ``first_step_s`` gives the job's views, for a rank that has not completed a step)."""
+    if view.step == 0:
+        base = first_step if first_step is not None else policy.startup_for()
+    else:
+        base = policy.timeout_for(longest_step_s)
     if view.budget_s > 0:
         # inside a declared phase (checkpoint, eval) the declared budget replaces a shorter timeout
         return max(base, view.budget_s)
@@ -42,10 +51,10 @@ def allowance_s(view: RankView, policy: StallPolicy, longest_step_s: float, job_
 
 def stalled_ranks(views: Sequence[RankView], policy: StallPolicy, longest_step_s: float) -> list[int]:
     """Live ranks past their stall allowance right now: what ``status`` highlights, by the rule detection uses."""
-    begun = started(views)
+    first = first_step_s(views, policy, longest_step_s)
     return sorted(
         v.rank for v in views
-        if v.state == RUNNING and v.since_progress_s > allowance_s(v, policy, longest_step_s, begun)
+        if v.state == RUNNING and v.since_progress_s > allowance_s(v, policy, longest_step_s, first)
     )
 
 
@@ -85,8 +94,8 @@ def find_trigger(
     live = [v for v in views if v.state in (RUNNING, STOPPED)]
     if not live or any(excused(v) for v in live):
         return None
-    begun = started(views)
-    stalled = [v for v in live if v.since_progress_s > allowance_s(v, policy, longest_step_s, begun)]
+    first = first_step_s(views, policy, longest_step_s)
+    stalled = [v for v in live if v.since_progress_s > allowance_s(v, policy, longest_step_s, first)]
     if not stalled:
         return None
     worst = max(v.since_progress_s for v in stalled)
@@ -104,8 +113,8 @@ def recovered(views: Sequence[RankView], policy: StallPolicy, longest_step_s: fl
     live = [v for v in views if v.state in (RUNNING, STOPPED)]
     if not live or any(v.state in GONE_STATES or v.state == STOPPED for v in views):
         return False
-    begun = started(views)
-    return all(v.since_progress_s < allowance_s(v, policy, longest_step_s, begun) for v in live)
+    first = first_step_s(views, policy, longest_step_s)
+    return all(v.since_progress_s < allowance_s(v, policy, longest_step_s, first) for v in live)
 
 
 # -- claims and verdicts from other nodes that no store secret authenticates ---------------------------
@@ -125,8 +134,8 @@ def local_stall_signs(
     live = [v for v in views if v.state == RUNNING]
     if not live or any(excused(v) for v in live):
         return None
-    begun = started(views)
-    stuck = [v for v in live if v.since_progress_s >= fraction * allowance_s(v, policy, longest_step_s, begun)]
+    first = first_step_s(views, policy, longest_step_s)
+    stuck = [v for v in live if v.since_progress_s >= fraction * allowance_s(v, policy, longest_step_s, first)]
     if not stuck:
         return None
     worst = max(v.since_progress_s for v in stuck)

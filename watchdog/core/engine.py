@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import schema
@@ -24,16 +24,26 @@ WAIT_FOR = "wait_for"  # sinks of the wait-for graph
 AFTER_KILL = "after_kill"  # exits that follow rankwatch's own kill of an earlier incident's ranks
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
-    """One rule's conclusion: which ranks, how strong, and the data a renderer needs."""
+    """One rule's conclusion: which ranks, how strong, and the data a renderer needs. Frozen: weighing,
+    naming a rung and adding data make a new one (``but``, ``adding``), so a rung's own finding is never
+    changed by what another rung or the weighing concluded."""
 
     rule: str
     kind: str
     ranks: list[int]
     strength: Rung
     confidence: str
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def but(self, **changes: Any) -> Finding:
+        """This finding with ``changes`` (``rule``, ``confidence``, ...)."""
+        return replace(self, **changes)
+
+    def adding(self, **data: Any) -> Finding:
+        """This finding with ``data`` added to (or replacing keys of) its data."""
+        return replace(self, data={**self.data, **data})
 
     def to_json(self) -> dict[str, Any]:
         return {

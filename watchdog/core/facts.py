@@ -116,6 +116,7 @@ class Waits:
     op: str | None = None
     strength: Rung = Rung.WAITING
     source: str = ""  # what says so, when rules must tell sources apart (offline: ``DESYNC_REPORT``, …)
+    ts: float | None = None  # offline: when its own wait ended (its timeout line), on the log's clock
 
 
 DESYNC_REPORT = "desync_report"  # PyTorch's desync report: computed from every rank's trace in the store

@@ -4,6 +4,11 @@ Everything a bundle, a callback, the store or the terminal shows beyond ``decide
 trigger that opened the incident, the stall timeout in force, how the nodes agreed, and this node's own
 ranks when the leader sent a slimmed verdict — is added here and nowhere else, so every consumer of an
 incident sees the same document.
+
+It is also where the job's own strings are made safe, once for every sink: a host name, phase or op name,
+exception text or stack frame a job chose can hold escape sequences, line breaks or markup, and
+``verdict.json``, the webhooks, Alertmanager, the ``--on-incident`` environment, the log and the store all
+carry this document (``text.clean_doc``). Only the bundle's stack files keep what py-spy read.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 from .detect import Trigger
 from .snapshot import RankView
+from .text import clean_doc
 from .verdict import rank_entry
 
 
@@ -33,7 +39,8 @@ def finalize_verdict(
     correlation: str | None,
     local_views: Sequence[RankView] = (),
 ) -> dict[str, Any]:
-    """A new document: ``verdict`` plus trigger, timeout, correlation and any missing local rank entries.
+    """A new document: ``verdict`` plus trigger, timeout, correlation and any missing local rank entries,
+    every string in it cleaned (``clean_doc``).
 
     Idempotent, so a verdict finalized by the leader can be finalized again by each follower with its own
     trigger and ranks.
@@ -47,4 +54,5 @@ def finalize_verdict(
     doc["stall_timeout_s"] = round(trigger.timeout_s, 3)
     if correlation is not None:
         doc["correlation"] = correlation
-    return doc
+    cleaned: dict[str, Any] = clean_doc(doc)
+    return cleaned

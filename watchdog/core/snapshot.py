@@ -45,6 +45,8 @@ class RankView:
     exit_order: int | None = None  # 0 = first rank of its node to exit; node-local
     exit_age_s: float | None = None  # seconds since it exited, as seen by its node's daemon
     exit_cause: str | None = None  # crashed: "ExceptionType: message" from the hook's crash mark
+    thread_died: str | None = None  # "thread NAME: ExceptionType: message": a helper thread of it that died
+    age_s: float | None = None  # seconds since the rank's record was created (its start); None: not known
     node_rank: int = -1  # the launcher's node rank (hostnames can repeat: containers, simulated nodes)
     # the process was proven to write the record; False for one that ended before rankwatch first saw it
     # (its record is evidence for a verdict, never a reason to open an incident or to act)

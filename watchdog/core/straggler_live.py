@@ -18,7 +18,7 @@ from typing import Any
 from .ranks import fmt_ranks
 from .straggler import StragglerDiagnosis
 from .straggler_cause import CAUSES, cause_line
-from .text import NAME, PROSE, clean
+from .text import NAME, PROSE, clean, clean_doc
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class LiveStraggler:
     cause_text: str = ""  # the cause's figures and next step, one line
 
     def doc(self) -> dict[str, Any]:
-        """The JSON form (status, state file)."""
-        return {
+        """The JSON form (status, state file, straggler alerts), its strings cleaned: the phase is the job's."""
+        doc: dict[str, Any] = clean_doc({
             "rank": self.rank,
             "label": self.label,
             "phase": self.phase,
@@ -60,8 +60,8 @@ class LiveStraggler:
             "why": self.why,
             "cause": self.cause,
             "cause_text": self.cause_text,
-        }
-
+        })
+        return doc
 
     @classmethod
     def from_doc(cls, doc: object) -> LiveStraggler | None:

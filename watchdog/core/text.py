@@ -14,11 +14,18 @@ reaches a terminal, a text file or HTML it goes through ``clean``:
 * length is bounded: longer text is cut and ends with ``…``, so 10 MB in a hostname costs nothing.
 
 Printable Unicode (accents, CJK, emoji) is kept. Pure: no I/O, standard library only.
+
+A document that leaves rankwatch (the verdict in ``verdict.json``, a webhook's or Alertmanager's body, the
+``--on-incident`` environment, the store) goes through ``clean_doc`` once where it is completed, so every
+sink carries the same safe text and whatever renders it next (a chat client, a dashboard) gets no
+escape sequence, line break or bidi override from a job. HTML renderers still escape markup themselves.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 NAME = 128  # host names, job ids, phase and op names, thread names, states
 FIELD = 512  # one frame of a stack, one table cell, one error message
@@ -51,3 +58,18 @@ def clean(value: object, limit: int = FIELD, *, multiline: bool = False) -> str:
             text = text.replace("\r\n", "\n")
         text = "".join(_safe(ch, multiline) for ch in text)
     return text + ELLIPSIS if cut else text
+
+
+def clean_doc(doc: Any, limit: int = PROSE) -> Any:
+    """``doc`` (JSON-shaped: dicts, lists, tuples, scalars) with every string in it, keys included and at any
+    depth, through ``clean`` with ``limit``; numbers, booleans and None as they are. A new document: the
+    caller's is not changed. Idempotent, so a document cleaned by another node can be cleaned again."""
+    if isinstance(doc, str):
+        return clean(doc, limit)
+    if isinstance(doc, Mapping):
+        return {clean(k, limit) if isinstance(k, str) else k: clean_doc(v, limit) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [clean_doc(v, limit) for v in doc]
+    if isinstance(doc, tuple):
+        return tuple(clean_doc(v, limit) for v in doc)
+    return doc

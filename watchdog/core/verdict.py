@@ -31,8 +31,8 @@ from .fr_hints import FrBehind, FrGroup, FrHints
 from .live_facts import exit_facts, is_waiting, live_facts
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
-from .rules.exits import abort_on_mismatch, abort_with_odd_counts, split_consequence
-from .rules.ladder import LADDER, LIVE_LADDER, LadderRung, LiveCase
+from .rules import names as n
+from .rules.ladder import EDGE_LABEL, LADDER, LIVE_LADDER, REFINEMENTS, LadderRung, LiveCase
 from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
 from .schema import UNKNOWN, VERDICT_SCHEMA, lower_confidence, raise_confidence
 from .snapshot import MISSING, RUNNING, RankView
@@ -67,7 +67,7 @@ class Verdict:
     ranks: dict[str, dict[str, Any]]
     evidence: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    # what the words are made of (``report.verdict_words`` fills ``reason`` and ``evidence``); not in the JSON
+    # what the words are made of (``verdict.stage`` fills ``reason`` and ``evidence``); not in the JSON
     finding: Finding | None = None  # the deciding finding
     found: dict[str, Finding | None] = field(default_factory=dict)  # every rung's, by rung name
     notes: list[Note] = field(default_factory=list)  # the evidence after the finding's own, as data
@@ -113,16 +113,6 @@ EVIDENCE_LADDER = LIVE_LADDER
 """The rungs the live verdict weighs, strongest first: the live rows of the one ladder (``core.rules.ladder``)."""
 # what ``decided_by`` says for a rung (the names documents and dashboards already know)
 _DECIDED_BY = {r.name: r.decided_by for r in LADDER if r.decided_by}
-# which ladder name an engine edge strength stands for
-_RUNG_NAME = {
-    FactRung.EXIT_CAUSE: "exits",
-    FactRung.STOPPED: "stopped",
-    FactRung.FLIGHT_RECORDER: "flight_recorder",
-    FactRung.COUNTERS: "counters",
-    FactRung.WAITING: "waiting",
-    FactRung.STACKS: "waiting",
-    FactRung.SILENCE: "missing_node",
-}
 
 
 def _names_everyone(f: Finding, present: Sequence[RankView]) -> bool:
@@ -142,7 +132,7 @@ def decide(
     killed: Sequence[int] = (),
 ) -> Verdict:
     """The verdict for one incident over every rank's view (all nodes), as data: ``reason`` and
-    ``evidence`` are left empty for ``report.verdict_words`` (what every caller asks) to fill from
+    ``evidence`` are left empty for ``verdict.stage`` (what every caller asks) to fill from
     ``finding``, ``found`` and ``notes``.
 
     Every rung of ``EVIDENCE_LADDER`` is asked; the strongest rung that names a rank decides, weaker ones
@@ -159,12 +149,12 @@ def decide(
     found = _findings(views, present, live, fr_hints, policy, prior, killed)
     notes: list[Note] = []
     finding = _conclude(found, present, live, missing, policy, notes)
-    if finding.ranks and finding.kind in ("hang", "collective_mismatch") and finding.rule != "stacks":
+    if finding.ranks and finding.kind in ("hang", "collective_mismatch") and finding.rule != n.STACKS:
         note, agrees = stack_backing(present, finding.ranks)
         if note is not None:
             notes.append(note)
         if agrees is False and finding.confidence == "high":
-            finding.confidence = "medium"
+            finding = finding.but(confidence="medium")
     if missing:
         notes.append(("missing", {"ranks": [v.rank for v in missing]}))
     named = set(finding.ranks)
@@ -200,22 +190,21 @@ def _findings(
     a consequence of a mismatch stays as ``exits_aborted`` (no rung: its words are quoted)."""
     ends = exit_facts(present, policy.exit_order_tolerance_s)
     case = LiveCase(views, present, live, fr_hints, policy, ends)
-    found: dict[str, Finding | None] = {r.name: r.live(case) for r in LIVE_LADDER if r.first and r.live}
-    for name, f in found.items():
-        if f is not None:
-            f.rule = name
-    abort_on_mismatch(found, ends)
-    abort_with_odd_counts(found, ends)
-    exits = found["exits"]
-    split_consequence(found, ends)
-    fr = found["flight_recorder"]
-    if fr is not None and fr.kind != "collective_mismatch":
-        found["flight_recorder"], found["fr_behind"] = None, fr
-        fr.rule = "fr_behind"
-    # an own exit or a stop decides and is never weighed: the graph and the weaker rungs are not needed
-    decisive = any((f := found.get(n)) is not None and f.ranks for n in ("exits", "stopped"))
+    found: dict[str, Finding | None] = {}
+    for r in LIVE_LADDER:
+        if r.first and r.live is not None and (f := r.live(case)) is not None:
+            found[r.name] = f.but(rule=r.name)
+        elif r.first:
+            found[r.name] = None
+    for refine in REFINEMENTS:
+        found = refine(found, ends)
+    # an own exit or a stop decides and is never weighed: the graph and the weaker rungs are not needed ...
+    decisive = any((f := found.get(r.name)) is not None and f.ranks for r in LIVE_LADDER if r.decisive)
     # ... and so does the same error on every rank, which names nobody (the job's own failure)
-    decisive = decisive or bool(exits is not None and exits.data.get("same_failure"))
+    # (wherever a refinement put it: exits that are all consequences still say so)
+    labels = {r.label for r in LIVE_LADDER if r.decisive}
+    decisive = decisive or any((f := found.get(r.name)) is not None and bool(f.data.get("same_failure"))
+                               for r in LIVE_LADDER if r.label in labels)
     if prior is not None or not decisive:
         case.facts = live_facts(
             views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed,
@@ -223,9 +212,8 @@ def _findings(
         )
         for r in LIVE_LADDER:
             if r.live is not None and not r.first and (r.after_decision or not decisive):
-                if (f := r.live(case)) is not None:
-                    f.rule = r.name
-                found[r.name] = f
+                f = r.live(case)
+                found[r.name] = f.but(rule=r.name) if f is not None else None
     return found
 
 
@@ -243,10 +231,11 @@ def _conclude(
     singling = [r for r in ladder if (f := found[r.name]) is not None and f.ranks and not _names_everyone(f, present)]
     rung = singling[0] if singling else (ladder[0] if ladder else None)
     finding = found[rung.name] if rung is not None else None
-    if finding is not None and rung is not None and rung.name not in ("exits", "stopped", "after_kill"):
+    if finding is not None and rung is not None and not rung.final:
         # the stopped or dead cannot be second-guessed; everything else is weighed against the weaker rungs
-        _weigh(finding, rung, found, present, notes)
-        if (gpu := apply_gpu(finding, live, policy)) is not None:
+        finding = _weigh(finding, rung, found, present, notes)
+        finding, gpu = apply_gpu(finding, live, policy)
+        if gpu is not None:
             notes.append(gpu)
     if finding is None and missing:
         return Finding("", UNKNOWN, sorted(v.rank for v in missing), FactRung.SILENCE, "low",
@@ -275,8 +264,8 @@ def _extra(
     if finding.rule == engine.AFTER_KILL:
         extra["follows_incident"] = finding.data.get("follows_incident")
     if fr_hints is not None:
-        fr_role = "decided" if decided_by == "flight_recorder" else _fr_role(
-            found.get("flight_recorder") or found.get("fr_behind"), finding)
+        fr_role = "decided" if decided_by == n.FLIGHT_RECORDER else _fr_role(
+            found.get(n.FLIGHT_RECORDER) or found.get(n.FR_BEHIND), finding)
         extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
     return extra
 
@@ -291,17 +280,20 @@ def _finding_doc(finding: Finding, decided_by: str) -> dict[str, Any]:
 
 
 def _wait_for_label(f: Finding, found: Mapping[str, Finding | None]) -> str:
-    """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a per-group
-    count that names the same ranks (the flight recorder's, then the counters')."""
+    """The ladder name of the strongest evidence a wait-for finding rests on: its edges', or a rung that lends
+    its name (``LadderRung.lends_label``) when it names the same ranks (the flight recorder's, then the
+    counters')."""
     if f.kind == "comm_hang" or f.data.get("peer_ended"):
-        return "missing_node"  # the sinks are a node that never answered (gone, when its peers saw it close)
+        return n.MISSING_NODE  # the sinks are a node that never answered (gone, when its peers saw it close)
     if f.kind == "stopped_rank":
-        return "stopped"
-    label = _RUNG_NAME.get(f.data.get("edge_strength", FactRung.WAITING), "waiting")
-    for name, as_label in (("fr_behind", "flight_recorder"), ("counters", "counters")):
-        other = found.get(name)
-        if label in ("waiting", "counters") and other is not None and set(other.ranks) == set(f.ranks):
-            return as_label if label == "waiting" or as_label == "flight_recorder" else label
+        return n.STOPPED
+    label = EDGE_LABEL.get(f.data.get("edge_strength", FactRung.WAITING), n.WAITING)
+    for r in LADDER:
+        other = found.get(r.name)
+        if not r.lends_label or other is None or set(other.ranks) != set(f.ranks):
+            continue
+        if label in (n.WAITING, n.COUNTERS):
+            return r.lends_label if label == n.WAITING or r.lends_label == n.FLIGHT_RECORDER else label
     return label
 
 
@@ -314,23 +306,21 @@ def _fr_role(fr: Finding | None, finding: Finding) -> str:
 def _weigh(
     finding: Finding, rung: LadderRung, found: Mapping[str, Finding | None], present: Sequence[RankView],
     notes: list[Note],
-) -> None:
+) -> Finding:
     """Back or question the decision with every weaker rung (each a ``weighed`` note); refuse to blame a
-    majority on weak evidence."""
+    majority on weak evidence. Returns the weighed finding (the rung's own is left as it was)."""
     chosen = set(finding.ranks)
     below = list(EVIDENCE_LADDER)[[r.name for r in EVIDENCE_LADDER].index(rung.name) + 1 :]
-    # the wait-for graph already read groups, p2p peers and counters: their per-group "behind" is no
-    # independent evidence against it (pipeline stages and subgroups make it disagree by design)
-    subsumed = {"exits_consequence", "fr_behind", "counters", "waiting"} if rung.name == "wait_for" else set()
     # ranks the graph shows waiting for a named peer: a weaker rung that names them beside the sinks (a TP
     # peer waiting in its own collective has a stack nobody else shares) says nothing against the sinks
-    graph = finding.data if rung.name == "wait_for" else {}
+    graph = finding.data if rung.name == n.WAIT_FOR else {}
     named_waiters = set(graph.get("waiters", ())) - set(graph.get("via_anyone", ()))
+    confidence, backed_by, questioned_by = finding.confidence, [], []
     for r in below:
         other = found.get(r.name)
         if other is None or not other.ranks or _names_everyone(other, present):
             continue
-        if r.name in subsumed and set(other.ranks) != chosen:
+        if r.name in rung.subsumes and set(other.ranks) != chosen:
             continue
         if other.data.get("shape") == "shared_cause":
             continue  # "every live rank stuck alike" singles nobody out: not backing, even when one is live
@@ -338,17 +328,23 @@ def _weigh(
         if (extra := set(other.ranks) - chosen) and extra <= named_waiters and chosen <= set(other.ranks):
             notes.append(("weighed", {**about, "how": "named_waiters", "waiters": sorted(extra)}))
         elif set(other.ranks) == chosen:
-            finding.data.setdefault("backed_by", []).append(r.name)
+            backed_by.append(r.name)
             notes.append(("weighed", {**about, "how": "agrees"}))
-            if r.name in ("flight_recorder", "fr_behind", "counters", "waiting"):
-                finding.confidence = raise_confidence(finding.confidence)
+            if r.backs:
+                confidence = raise_confidence(confidence)
         elif len(other.ranks) < len(present) / 2:
-            finding.data.setdefault("questioned_by", []).append(r.name)
+            questioned_by.append(r.name)
             notes.append(("weighed", {**about, "how": "instead"}))
-            finding.confidence = lower_confidence(finding.confidence)
+            confidence = lower_confidence(confidence)
         else:
             notes.append(("weighed", {**about, "how": "majority"}))
+    data: dict[str, Any] = {}
+    if backed_by:
+        data["backed_by"] = [*finding.data.get("backed_by", ()), *backed_by]
+    if questioned_by:
+        data["questioned_by"] = [*finding.data.get("questioned_by", ()), *questioned_by]
     if not rung.strong and finding.ranks and len(finding.ranks) > len(present) / 2:
-        finding.confidence = "low"
-        finding.data["majority_on_weak_evidence"] = True
+        confidence = "low"
+        data["majority_on_weak_evidence"] = True
         notes.append(("weak_majority", {"rung": rung.name, "named": len(finding.ranks), "of": len(present)}))
+    return finding.adding(**data).but(confidence=confidence)

@@ -203,9 +203,10 @@ def facts_of(logs: Evidence, p: OfflinePolicy = DEFAULT_POLICY) -> FactSet:
             t = f.nccl_timeout
             # a rank that only lost its peer (no timeout of its own): the peer's process went away
             gone = f.counts[ev.PEER_LOST] and not f.counts[ev.GLOO_TIMEOUT] and not f.counts[ev.NCCL_TIMEOUT]
+            when = [e.ts for fam in ev.WAITED if (e := f.first.get(fam)) is not None and e.ts is not None]
             facts.waits.append(
                 Waits(r, None, (t.pg or "") if t else "", t.seq if t else None, t.op if t else None, Rung.WAITING,
-                      PEER_GONE if gone else OWN_TIMEOUT)
+                      PEER_GONE if gone else OWN_TIMEOUT, ts=min(when) if when else None)
             )
         elif signalled(f):
             s = f.status

@@ -15,16 +15,16 @@ from typing import Any
 from ..core.engine import Finding
 from ..core.policy import OfflinePolicy
 from ..core.ranks import fmt_ranks
-from ..core.rules.ladder import decide
 from ..core.schema import VERDICT_SCHEMA
 from ..report.findings import words
+from ..verdict import decide_facts
 from . import events as ev
 from . import log_facts
+from .activity import activity
 from .facts import Evidence, RankFacts
 from .log_facts import finished as _finished
 from .log_facts import is_waiting as _is_waiting
 from .log_facts import primary_events
-from .render import activity
 
 __all__ = ["DEFAULT_POLICY", "Diagnosis", "Policy", "diagnose_evidence", "fmt_ranks", "quote"]
 
@@ -81,13 +81,20 @@ def quote(e: ev.Event) -> str:
     return f"{e.file}:{e.line}: {e.text}"
 
 
+def _quoted(f: Finding, logs: Evidence) -> Finding:
+    """The finding with what its words quote from the logs (rankwatch's own line; the ranks seen)."""
+    if f.rule == "rankwatch_verdict":
+        return f.adding(line=log_facts.rankwatch_lines(logs)[0].text)
+    if f.rule == "none":
+        return f.adding(seen=sorted(logs.ranks))
+    return f
+
+
 def _backing(f: Finding, logs: Evidence, p: OfflinePolicy) -> tuple[list[str], list[str]]:
     """The lines that back a finding (quoted from the logs), and its notes."""
     facts, d = logs.ranks, f.data
     if f.rule == "rankwatch_verdict":
-        first = log_facts.rankwatch_lines(logs)[0]
-        d["line"] = first.text
-        return [quote(first)], []
+        return [quote(log_facts.rankwatch_lines(logs)[0])], []
     if f.rule == "exit_cause":
         if d.get("same_failure") or d.get("all_failed"):
             return [quote(evs[0]) for r in d["failed"][:4] if (evs := primary_events(facts[r], p))], []
@@ -99,8 +106,6 @@ def _backing(f: Finding, logs: Evidence, p: OfflinePolicy) -> tuple[list[str], l
         lead = facts.get(f.ranks[0])
         line = (lead.first.get(ev.DESYNC) or next(iter(lead.ops.values()), None)) if lead is not None else None
         return ([quote(line)] if line is not None else []), [f"decided by the wait-for graph ({d.get('source')})"]
-    if f.rule == "none":
-        d["seen"] = sorted(logs.ranks)
     return [], []
 
 
@@ -108,7 +113,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     """The verdict of one job's logs: facts → the fact rules → the document, in words."""
     known = sorted(logs.ranks)
     facts = logs.ranks
-    found = decide(log_facts.facts_of(logs, p), p)
+    found = _quoted(decide_facts(log_facts.facts_of(logs, p), p), logs)
     backing, notes = _backing(found, logs, p)
     w = words(found)
     d = Diagnosis(

@@ -411,6 +411,8 @@ class JobWatch:
                     exit_order=exit_order,
                     exit_age_s=exit_age,
                     exit_cause=(snap.crash_info or None) if state == CRASHED else None,
+                    thread_died=snap.thread_error or None,
+                    age_s=max(0.0, (now - snap.start_ns) / 1e9),
                     node_rank=snap.node_rank,
                     verified=st.ident is not None,
                 )

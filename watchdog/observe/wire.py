@@ -151,6 +151,7 @@ def snapshot_to_doc(s: RecordSnapshot) -> dict[str, Any]:
         "coll_seq_entered": s.coll_seq_entered, "coll_seq_completed": s.coll_seq_completed,
         "coll_op": s.coll_op, "budget_s": s.budget_s, "budget_start_ns": s.budget_start_ns,
         "exit_ns": s.exit_ns, "steps_done": s.steps_done, "crash_info": s.crash_info,
+        "thread_error": s.thread_error,
         "gpu_phase_ms": s.gpu_phase_ms,
         "steps": [
             [t.step, t.start_ns, t.end_ns, t.phases_ms, t.input_ms, t.input_batches, t.input_workers]
@@ -210,6 +211,7 @@ def snapshot_from_doc(d: Any, path: str) -> RecordSnapshot:
         exit_ns=w_int(d.get("exit_ns")),
         steps_done=w_int(d.get("steps_done")),
         crash_info=w_str(d.get("crash_info"), 1024),
+        thread_error=w_str(d.get("thread_error", ""), 1024),
         gpu_phase_ms=_phases(d.get("gpu_phase_ms")),
         recent_steps=tuple(timings),
     )

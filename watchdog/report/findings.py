@@ -4,7 +4,7 @@ written, one phrase per finding (``words``).
 Every rule of ``core`` (the ladder's rungs, the engine) hands over a structured ``Finding`` (rule, kind,
 ranks, strength, data) and the live verdict adds notes (what weaker rungs, stacks, GPU use and silent
 nodes say) as data; tests assert on that data, not on these words. Offline a finding becomes a reason, a
-next action and what would decide; live a reason and evidence lines, which ``report.verdict_words``
+next action and what would decide; live a reason and evidence lines, which ``verdict.stage``
 writes into the verdict document. Every value may come from a hostile log or record: the parser bounds
 it and the renderers (``diagnose.render``, ``report.text``/``html``) clean it before it is shown.
 """
@@ -92,6 +92,15 @@ def _exit_cause(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
             "reproduce with one rank (or world size 2) to see the crash itself; enable faulthandler "
             "(PYTHONFAULTHANDLER=1) and core dumps so a native crash leaves a stack",
             "per-rank stderr with the crash message or a faulthandler stack from each rank",
+        )
+    if (late := d.get("after_waits")) is not None:
+        return Words(
+            f"{who} ended ({failure_label(d)}, no message of its own) {late / 60:.0f} min after "
+            f"{fmt_ranks(d.get('waiting') or ())} had already timed out waiting: its end cannot be what they waited "
+            "for, and a rank that hung ends the same way when its own watchdog aborts it",
+            f"find what {who} was doing when the others timed out (its stack, its own stderr before the abort)",
+            "the rank's own stderr (a watchdog timeout line, or its own crash message), or a stack taken during "
+            "the hang",
         )
     reason = f"{who} failed first: {failure_label(d)}"
     if d.get("waiting"):

@@ -1,6 +1,6 @@
 """The live verdict's findings and notes in words (reason and evidence lines), one phrase per shape, for
 ``report.findings.words``. The words are those the verdict document always carried; the rules
-(``core.rules``, ``core.engine``) hand over only data, and ``report.verdict_words`` writes these lines
+(``core.rules``, ``core.engine``) hand over only data, and ``verdict.stage`` writes these lines
 into the document. Pure."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ..core.facts import Rung
 from ..core.live_facts import is_waiting
 from ..core.phases import GRAD_SYNC, PHASE_FAMILY
 from ..core.ranks import fmt_ranks, ranks_verb
+from ..core.rules.names import THREAD_DIED
 from ..core.snapshot import CRASHED, EXITED, MISSING, RUNNING, RankView
 
 _PHASE_KIND = {p: f for p, f in PHASE_FAMILY.items() if p != GRAD_SYNC}  # grad_sync: not a stuck phase
@@ -242,6 +243,14 @@ def _earliest(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, li
             [f"rank {v.rank}: phase {v.phase or 'idle'}" for v in c.live])
 
 
+def _thread_died(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
+    threads: Mapping[Any, str] = d.get("threads") or {}
+    lines = [f"rank {r}: {text}" for r, text in sorted(threads.items(), key=lambda x: int(x[0]))]
+    return (f"a helper thread of {fmt_ranks(f.ranks)} died with an exception ({'; '.join(lines)}): its training "
+            f"loop waits for what that thread would have produced, in {_in(d.get('phase'))}"
+            f"{c.at_step(d.get('step'))}", lines)
+
+
 def _ops(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     ops: Mapping[str, Sequence[int]] = d["ops"]
     if d.get("shape") == "op_tie":
@@ -306,7 +315,11 @@ def _wait_for_reason(f: Finding, d: Mapping[str, Any], c: LiveContext) -> str:
         return f"{who} ended by its own cause; {wait} for it"
     lead = c.by_rank.get(f.ranks[0]) if f.ranks else None
     where = f" in {_in(lead.phase)}{c.at_step(lead.step, lead.in_phase_s)}" if lead is not None else ""
-    return f"{who} waits for nobody{where} while {wait} for it"
+    died = c.found.get(THREAD_DIED)
+    cause = ""
+    if died is not None and set(died.ranks) == set(f.ranks):  # the cause the sinks' own state does not show
+        cause = "; its helper thread died: " + "; ".join(str(t) for t in (died.data.get("threads") or {}).values())
+    return f"{who} waits for nobody{where} while {wait} for it{cause}"
 
 
 def _engine(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
@@ -328,7 +341,8 @@ _LIVE: dict[str, Phrase] = {
     "stopped": _stopped, "abort_with_odd_counts": _odd_counts, "fr_mismatch": _fr_mismatch,
     "fr_mismatch_tie": _fr_mismatch, "fr_behind": _fr_behind, "fr_behind_uncovered": _fr_behind,
     "behind": _behind, "extra_collective": _extra_collective, "skipped_collective": _skipped,
-    "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest, "op_tie": _ops, "odd_op": _ops,
+    "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest,
+    "thread_died": _thread_died, "op_tie": _ops, "odd_op": _ops,
     "odd_stack": _odd_stack, "no_gpu": _gpu, "same_collective": _gpu, "no_answer": _unknown, "nothing": _unknown,
 }
 

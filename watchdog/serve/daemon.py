@@ -20,7 +20,15 @@ import structlog
 from rankwatch.hooks.files import atomic_write_in
 
 from ..cluster.correlate import Correlator, SharedIncident
-from ..core.detect import Trigger, allowance_s, find_trigger, local_stall_signs, recovered, stalled_ranks, started
+from ..core.detect import (
+    Trigger,
+    allowance_s,
+    find_trigger,
+    first_step_s,
+    local_stall_signs,
+    recovered,
+    stalled_ranks,
+)
 from ..core.engine import prior_verdict
 from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
@@ -291,8 +299,8 @@ class Daemon:
                     seen = local_stall_signs(
                         views, stall, longest, correlator.policy.unauthenticated_claim_stall_fraction
                     )
-                    begun = started(views)
-                    give_up = max((allowance_s(v, stall, longest, begun) for v in views),
+                    first = first_step_s(views, stall, longest)
+                    give_up = max((allowance_s(v, stall, longest, first) for v in views),
                                   default=stall.timeout_for(longest))
                     remote = correlator.screen_unauthenticated(remote, seen, give_up)
                 if remote is not None:

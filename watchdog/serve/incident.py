@@ -30,6 +30,7 @@ from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from ..core.stacks import signature, stack_top, waiting_on_peers
+from ..core.text import clean_doc
 from ..core.verdict import rank_entry
 from ..evidence.capture import RankCapture, capture_all
 from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
@@ -38,7 +39,7 @@ from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
 from ..report.text import int_ranks, verdict_text
-from ..report.verdict_words import decide
+from ..verdict import decide
 from .act import Killer
 from .alerts import Alerter
 
@@ -114,7 +115,9 @@ def enrich(views: Sequence[RankView], captures: Mapping[int, RankCapture], polic
 
 
 def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]) -> dict[str, Any]:
-    return {
+    """The bundle's ``ranks.json``: every rank as this node saw it, its job-chosen strings cleaned as the
+    verdict's are (``finalize_verdict``)."""
+    doc: dict[str, Any] = clean_doc({
         "job_id": job_id,
         "job": verdict.get("job"),
         "ranks": [
@@ -128,7 +131,8 @@ def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]
             }
             for v in views
         ],
-    }
+    })
+    return doc
 
 
 class IncidentPipeline:

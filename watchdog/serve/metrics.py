@@ -37,9 +37,8 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
@@ -56,6 +55,7 @@ from ..core.straggler_cause import explain
 from ..core.straggler_live import reported
 from ..errors import UserError
 from .daemon import Daemon, JobEntry
+from .http_endpoint import BoundedHttpServer, EndpointPolicy, Request, Response, error_response
 
 log = structlog.get_logger("rankwatch.metrics")
 
@@ -406,58 +406,43 @@ def health(daemon: Daemon, now_ns: int | None = None) -> tuple[bool, dict[str, A
                 "limit_s": limit_s}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    registry: CollectorRegistry  # set on the per-server subclass: every series
+@dataclass(frozen=True)
+class _Routes:
+    """What the metrics port answers: ``/healthz`` at once (on the server's loop, so a wedged render never
+    hides the daemon's health), ``/metrics`` (and ``/``) rendered off the loop, anything else 404."""
+
+    registry: CollectorRegistry  # every series
     aggregate: CollectorRegistry  # node totals only
     exposure: Exposure
-    daemon: Daemon  # set on the per-server subclass
+    daemon: Daemon
 
-    def _healthz(self) -> None:
-        ok, doc = health(self.daemon)
-        body = (json.dumps(doc) + "\n").encode()
-        self.send_response(200 if ok else 503)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+    def __call__(self, request: Request) -> Response | Callable[[], Response]:
+        path = request.target.split("?", 1)[0]
         if path == "/healthz":
-            self._healthz()
-            return
+            ok, doc = health(self.daemon)
+            return Response(200 if ok else 503, (("Content-Type", "application/json"),),
+                            (json.dumps(doc) + "\n").encode())
         if path not in ("/", "/metrics"):
-            self.send_error(404, "try /metrics or /healthz")
-            return
+            return error_response(404, "try /metrics or /healthz")
+        accept = request.headers.get("Accept", "")
+        full = self.exposure.per_job(request.headers.get("Authorization"))
+        return lambda: self._scrape(accept, full)
+
+    def _scrape(self, accept: str, full: bool) -> Response:
         try:
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            full = self.exposure.per_job(self.headers.get("Authorization"))
+            encoder, content_type = choose_encoder(accept)
             body = encoder(self.registry if full else self.aggregate)
         except Exception:
             log.exception("metrics_scrape_failed")
-            self.send_error(500, "scrape failed; see the daemon log")
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        # the base class writes every request to stderr; the daemon logs structured, and only in debug
-        log.debug("metrics_request", client=self.client_address[0], line=format % args)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a stuck scraper never blocks shutdown
+            return error_response(500, "scrape failed; see the daemon log")
+        return Response(200, (("Content-Type", content_type),), body)
 
 
 @dataclass
 class MetricsServer:
     """A running metrics endpoint; ``close()`` stops it and frees the port."""
 
-    server: ThreadingHTTPServer
-    thread: threading.Thread
+    server: BoundedHttpServer
     registry: CollectorRegistry
     addr: str
     port: int
@@ -468,9 +453,7 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.server.close()
 
 
 class MetricsUnavailable(Exception):
@@ -486,12 +469,14 @@ def serve_metrics(
     histograms: bool = False,
     exposure: Exposure | None = None,
     tries: int = 1,
+    policy: EndpointPolicy | None = None,
 ) -> MetricsServer:
     """Serve ``daemon``'s metrics on http://addr:port/metrics, and ``/healthz`` (200 while the poll loop
     makes progress, else 503), from a background thread. ``histograms``: per-phase histograms too;
     ``exposure``: who gets per-job series (default: everyone, as ``rankwatch run`` serves one user's job).
     A taken ``port`` moves the server to the next of ``tries`` ports upward (``.port`` says which; the
-    bound is ``MetricsPolicy``'s); when none can be bound, ``MetricsUnavailable``.
+    bound is ``MetricsPolicy``'s); when none can be bound, ``MetricsUnavailable``. ``policy``: the
+    connection cap and deadlines (``http_endpoint.EndpointPolicy``).
 
     The registry is private (not prometheus_client's global one) so that two daemons in one process, or
     a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
@@ -506,29 +491,31 @@ def serve_metrics(
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     except (socket.gaierror, UnicodeError) as exc:
         raise MetricsUnavailable(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
-    handler = type("MetricsHandler", (_Handler,), {"registry": registry, "aggregate": aggregate, "daemon": daemon,
-                                                  "exposure": exposure or Exposure()})
-    server_cls = type("MetricsServerSocket", (_Server,), {"address_family": family})
+    policy = policy or EndpointPolicy()
     # port 0 is the kernel's choice already; never past the last port
     candidates = [port] if port == 0 else list(range(port, min(port + max(1, tries), 65536)))
-    server = None
+    sock = None
     for candidate in candidates:
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            server = server_cls((addr, candidate), handler)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted daemon rebinds at once
+            sock.bind((addr, candidate))
+            sock.listen(policy.accept_backlog)
             break
         except OSError as exc:
+            sock.close()
             if exc.errno != errno.EADDRINUSE or candidate == candidates[-1]:
                 # taken to the end of the range, or a reason the next port would share (EACCES below 1024,
                 # an address not on this host): stop here
                 where = f"{addr}:{port}" if candidate == port else f"{addr} ports {port}-{candidate}"
                 raise MetricsUnavailable(f"cannot serve metrics on {where}: {exc.strerror or exc}") from exc
-    assert server is not None
-    bound_port = int(server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
-                              name="rankwatch-metrics", daemon=True)
-    thread.start()
+    assert sock is not None
+    bound_port = int(sock.getsockname()[1])
+    routes = _Routes(registry, aggregate, exposure or Exposure(), daemon)
+    server = BoundedHttpServer(sock, routes, policy, name="rankwatch-metrics")
+    server.start()
     log.info("metrics_serving", addr=addr, port=bound_port, asked_port=port)
-    return MetricsServer(server, thread, registry, addr, bound_port)
+    return MetricsServer(server, registry, addr, bound_port)
 
 
 def file_sd_target(addr: str, port: int, labels: Mapping[str, str]) -> list[dict[str, Any]]:

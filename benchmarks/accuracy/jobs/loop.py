@@ -22,6 +22,14 @@ monitored-barrier          no DDP: every step ends in ``dist.monitored_barrier(t
                             wait_all_ranks=True)`` (the job's only collective); the fault rank spins in
                             forward: rank 0 raises "Ranks N failed to pass monitoredBarrier" and exits first,
                             the others lose rank 0 and exit; the spinning rank is the one holding the job
+helper-thread-dies          batches come from a prefetch thread through a queue; at ``--fault-step`` the fault
+                            rank's thread raises (its traceback goes to stderr) and the training loop waits
+                            on ``queue.get()`` forever: not in ``DataLoader.__next__``, phase ``idle``
+worker-died                 batches come from a DataLoader with one worker process; at ``--fault-step`` the fault
+                            rank's worker ends with ``os._exit(1)`` (a native crash, the OOM killer): the rank
+                            raises "DataLoader worker ... exited unexpectedly"
+preempted                   at ``--fault-step`` the fault rank gets SIGTERM from outside the job (a preemption,
+                            an operator's kill): no exception of its own, exit by signal
 first-step-hang             blocks at the top of step 0 (before any step completed), while the others wait
                             in their first collective: a hang before the first step
 ==========================  ================================================================================
@@ -33,9 +41,12 @@ import contextlib
 import datetime
 import itertools
 import os
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import _common
@@ -56,6 +67,9 @@ SCENARIOS = (
     "slow-step",
     "monitored-barrier",
     "first-step-hang",
+    "helper-thread-dies",
+    "worker-died",
+    "preempted",
     "none",
 )
 
@@ -117,6 +131,40 @@ def hung_child() -> None:
     subprocess.run([sys.executable, "-c", "import threading; threading.Event().wait()"], check=False)
 
 
+def prefetcher(args, gen: torch.Generator, faulty: bool) -> queue.Queue:  # type: ignore[no-untyped-def,type-arg]
+    """A producer thread that prepares each step's batch ahead (helper-thread-dies: it raises at the fault step
+    on the fault rank; the consumer then waits forever)."""
+    q: queue.Queue = queue.Queue(maxsize=2)  # type: ignore[type-arg]
+
+    def produce() -> None:
+        for j in itertools.count():
+            if faulty and j == args.fault_step:
+                _common.mark("helper-thread-dies", STATE["rank"], j)
+                raise RuntimeError(f"corrupt record in shard {j} (prefetch thread)")
+            q.put((torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)))
+
+    threading.Thread(target=produce, name="prefetch", daemon=True).start()
+    return q
+
+
+class Batches(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """worker-died: one synthetic batch per index, made in a DataLoader worker process; on the fault rank the
+    worker that makes batch ``fault_step`` dies without a word."""
+
+    def __init__(self, n: int, seed: int, die_at: int | None) -> None:
+        self.n, self.seed, self.die_at = n, seed, die_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == self.die_at:
+            _common.mark("worker-died", STATE["rank"], i)
+            os._exit(1)
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        return torch.randn(16, HIDDEN, generator=g), torch.randn(16, 1, generator=g)
+
+
 def main() -> int:
     p = _common.parser(__doc__, SCENARIOS)
     p.add_argument("--checkpoint-s", type=float, default=12.0)
@@ -139,6 +187,10 @@ def main() -> int:
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     faulty = rank == args.fault_rank or (args.scenario == "forward-hang" and rank in args.also_ranks)
+    batches = prefetcher(args, gen, faulty) if args.scenario == "helper-thread-dies" else None
+    if args.scenario == "worker-died":
+        data = Batches(args.steps, rank, args.fault_step if faulty else None)
+        loader = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, prefetch_factor=1))
     starts: list[float] = []  # slow-step: each step's start, to calibrate the extra on the rank's own steps
 
     def step(i: int) -> torch.Tensor:
@@ -160,7 +212,16 @@ def main() -> int:
         if at_fault and args.scenario == "child-hang":
             _common.mark("child-hang", rank, i)
             hung_child()
-        x, y = torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)
+        if at_fault and args.scenario == "preempted":
+            _common.mark("preempted", rank, i)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the signal ends the process (default SIGTERM handler)
+        if batches is not None:
+            x, y = batches.get()  # helper-thread-dies: waits forever once the producer died
+        elif args.scenario == "worker-died":
+            x, y = next(loader)
+        else:
+            x, y = torch.randn(16, HIDDEN, generator=gen), torch.randn(16, 1, generator=gen)
         return _common.optimize(opt, nn.functional.mse_loss(ddp(x), y))
 
     def after(i: int) -> None:

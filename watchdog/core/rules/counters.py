@@ -13,9 +13,8 @@ from ..ranks import majority, outside_majority
 from ..schema import COLLECTIVE_MISMATCH, HANG
 from ..snapshot import EXITED, STEP_PHASE_ORDER, RankView
 from .behind import behind_of
+from .names import COUNTERS, WAITING
 
-COUNTERS = "counters"
-WAITING = "waiting"
 STEP_PLACE = "step_place"  # a counter too: the phase's place in the step (``snapshot.STEP_PHASE_ORDER``)
 
 

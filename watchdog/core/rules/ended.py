@@ -97,10 +97,18 @@ def rule_exit_order(facts: FactSet, tolerance: float) -> Finding | None:
     if all_consequences and len(ordered) > 1:
         confidence = "low"
     bare_abort = not waiting and not lead.stated and lead.signal == "SIGABRT"
+    # a death with no message of its own that came after the others had already given up waiting cannot be
+    # what they waited for (it ended later); it may be the hung rank's own watchdog abort: the log cannot say
+    gave_up = [w.ts for w in facts.waits if w.ts is not None and w.rank != lead.rank]
+    after_waits = (not lead.stated and lead.ts is not None and bool(gave_up)
+                   and lead.ts - min(gave_up) > tolerance and len(firsts) == 1)
     consequences = [e.rank for e in ordered if not e.own]
+    undecided = bare_abort or after_waits
     return Finding(EXIT_CAUSE, DEAD_RANK, sorted(e.rank for e in firsts), Rung.EXIT_CAUSE,
-                   "low" if bare_abort else confidence, {
-                       "shape": "first_exit", "decided": not bare_abort, "bare_abort": bare_abort,
+                   "low" if undecided else confidence, {
+                       "shape": "first_exit", "decided": not undecided, "bare_abort": bare_abort,
+                       "after_waits": round(lead.ts - min(gave_up), 3) if after_waits and lead.ts is not None
+                       and gave_up else None,
                        "waiting": waiting, "phase": lead.phase, **cause_of(lead), "lead": lead.rank,
                        "how": lead.how, "step": lead.step, "exit_order": [e.rank for e in ordered],
                        "roles": {e.rank: INITIATING if e.own else CONSEQUENCE for e in ordered},

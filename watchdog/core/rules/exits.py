@@ -6,6 +6,7 @@ findings are data, put in words by ``report.findings``."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from ..engine import Finding
 from ..facts import FactSet, Progress, Rung
@@ -15,9 +16,12 @@ from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, DEAD_RANK, HANG, STOPPED_RANK
 from ..snapshot import DEAD, GONE_STATES
 from .ended import rule_exit_order, rule_same_failure
+from .names import EXITS, EXITS_ABORTED, EXITS_CONSEQUENCE, FLIGHT_RECORDER
+from .names import STOPPED as STOPPED_RULE
 
-EXITS = "exits"
-STOPPED_RULE = "stopped"
+Found = Mapping[str, Finding | None]
+"""Every rung's finding by rung name, as the live verdict collects them; the refinements below return a new
+one and change none."""
 
 
 def rule_finished_but_one(facts: FactSet) -> Finding | None:
@@ -71,9 +75,7 @@ def rule_gone(facts: FactSet, policy: VerdictPolicy) -> Finding | None:
     if (same := _same_failure_everywhere(facts)) is not None:
         return same
     found = rule_exit_order(facts, policy.exit_order_tolerance_s)
-    if found is not None:
-        found.rule = EXITS
-    return found
+    return found.but(rule=EXITS) if found is not None else None
 
 
 def rule_stopped(facts: FactSet) -> Finding | None:
@@ -95,33 +97,34 @@ def _aborted(exits: Finding, facts: FactSet, phases: tuple[str, ...]) -> list[Pr
     return dead
 
 
-def abort_on_mismatch(found: dict[str, Finding | None], facts: FactSet) -> None:
+def abort_on_mismatch(found: Found, facts: FactSet) -> dict[str, Finding | None]:
     """A rank killed without any mark inside a collective, while the flight recorder shows a mismatch at one
     seq: the death is gloo aborting the *receiver* of a mismatched collective (size or op), not its cause —
     the mismatch decides, and names the rank that sent it. The set-aside exit stays as ``exits_aborted``.
     Over the exit facts (``Progress``); offline the log says it itself (``diagnose.log_facts.enforce_aborted``:
     gloo's size enforcement beside the receiver's SIGABRT)."""
-    exits, fr = found.get("exits"), found.get("flight_recorder")
+    exits, fr = found.get(EXITS), found.get(FLIGHT_RECORDER)
     if exits is None or fr is None or fr.kind != COLLECTIVE_MISMATCH or not fr.ranks:
-        return
+        return dict(found)
     dead = _aborted(exits, facts, ("collective", "backward"))
     if dead is None:
-        return
-    fr.data["aborted_receivers"] = sorted(p.rank for p in dead)  # gloo's abort: a consequence, not a cause
-    found["exits"], found["exits_aborted"] = None, exits
+        return dict(found)
+    # gloo's abort: a consequence, not a cause
+    return {**found, FLIGHT_RECORDER: fr.adding(aborted_receivers=sorted(p.rank for p in dead)),
+            EXITS: None, EXITS_ABORTED: exits}
 
 
-def abort_with_odd_counts(found: dict[str, Finding | None], facts: FactSet) -> None:
+def abort_with_odd_counts(found: Found, facts: FactSet) -> dict[str, Finding | None]:
     """No flight recorder that names anyone (every rank died before capture, or too few dumped for a
     majority: the receiver died and its peer crashed), but the first death is a rank killed without any
     mark inside a collective while the ranks' Python-level collective counts (``Progress.seq``) disagree:
     gloo aborted the receiver of a mismatched collective. The rank whose count is the odd one out sent it."""
-    exits, fr = found.get("exits"), found.get("flight_recorder")
+    exits, fr = found.get(EXITS), found.get(FLIGHT_RECORDER)
     if exits is None or (fr is not None and fr.ranks):
-        return
+        return dict(found)
     dead = _aborted(exits, facts, ("collective",))
     if dead is None:
-        return
+        return dict(found)
     by_seq: dict[int, list[int]] = defaultdict(list)
     for p in facts.progress:
         by_seq[p.seq or 0].append(p.rank)
@@ -129,19 +132,19 @@ def abort_with_odd_counts(found: dict[str, Finding | None], facts: FactSet) -> N
     # the odd ranks were communicating too: counts that differ while a rank still computes are just lag
     odd_set = set(odd or ())
     if odd is None or any(p.phase not in ("collective", "backward") for p in facts.progress if p.rank in odd_set):
-        return
-    found["exits_aborted"] = exits
-    found["exits"] = Finding(EXITS, COLLECTIVE_MISMATCH, list(odd), Rung.EXIT_CAUSE, "medium", {
+        return dict(found)
+    return {**found, EXITS_ABORTED: exits, EXITS: Finding(EXITS, COLLECTIVE_MISMATCH, list(odd), Rung.EXIT_CAUSE,
+                                                          "medium", {
         "shape": "abort_with_odd_counts", "aborted_receivers": sorted(p.rank for p in dead),
         "counts": {seq: sorted(rs) for seq, rs in by_seq.items()},
-        "fr_mismatch_tie": fr is not None and fr.kind == COLLECTIVE_MISMATCH})
+        "fr_mismatch_tie": fr is not None and fr.kind == COLLECTIVE_MISMATCH})}
 
 
-def split_consequence(found: dict[str, Finding | None], facts: FactSet) -> None:
+def split_consequence(found: Found, facts: FactSet) -> dict[str, Finding | None]:
     """A dead-rank exit finding while no end is the rank's own (every exit a consequence): the sinks of the
     wait-for graph are the better account, if any; the exit finding is weighed below them as
     ``exits_consequence``."""
-    exits = found.get("exits")
+    exits = found.get(EXITS)
     if exits is not None and exits.kind == DEAD_RANK and not any(e.own for e in facts.ended):
-        found["exits"], found["exits_consequence"] = None, exits
-        exits.rule = "exits_consequence"
+        return {**found, EXITS: None, EXITS_CONSEQUENCE: exits.but(rule=EXITS_CONSEQUENCE)}
+    return dict(found)

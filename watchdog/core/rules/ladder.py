@@ -12,7 +12,7 @@ A new bug class is one fact extractor (``core.live_facts``, ``diagnose.log_facts
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import engine
@@ -23,14 +23,16 @@ from ..live_facts import is_waiting
 from ..policy import OfflinePolicy, VerdictPolicy
 from ..schema import UNKNOWN
 from ..snapshot import RankView
+from . import names as n
 from .counters import rule_behind as counters_behind
 from .counters import rule_collective, rule_not_waiting
 from .ended import rule_exit_cause, rule_report_only
-from .exits import rule_gone, rule_stopped
+from .exits import abort_on_mismatch, abort_with_odd_counts, rule_gone, rule_stopped, split_consequence
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
-from .recorder import rule_fr
+from .recorder import rule_fr, split_behind
+from .threads import rule_thread_died
 from .waits import rule_outside, rule_wait_for
 from .waits import rule_same_collective as facts_same_collective
 from .weak import rule_same_collective, rule_stacks
@@ -58,8 +60,18 @@ LiveRule = Callable[[LiveCase], Finding | None]
 
 @dataclass(frozen=True)
 class LadderRung:
-    """One kind of evidence and the rule each source runs for it (None: that source never holds it).
-    ``strong``: may name a majority of ranks. ``offline_name``: the rule name offline documents carry."""
+    """One kind of evidence, the rule each source runs for it (None: that source never holds it), and how the
+    live verdict weighs it — the only place a rung's role is stated (``core.verdict`` reads these flags, never
+    a rung's name).
+
+    ``strong``: may name a majority of ranks. ``offline_name``: the rule name offline documents carry.
+    ``first``: live, asked before the graph. ``decisive``: a naming by it decides without the graph and the
+    weaker rungs (an own exit, a stop). ``final``: its finding is never weighed against weaker rungs (the dead
+    and the stopped cannot be second-guessed). ``backs``: a finding of it that names the same ranks raises
+    the deciding finding's confidence. ``subsumes``: weaker rungs whose disagreement is no evidence against
+    this one (they read what it already read). ``lends_label``: when the wait-for graph's sinks are what this
+    rung names too, the document's ``decided_by`` says this (the names dashboards know). ``derived``: no rule
+    of its own, split off another rung by a refinement (``REFINEMENTS``)."""
 
     name: str
     what: str
@@ -68,8 +80,14 @@ class LadderRung:
     offline: OfflineRule | None = None
     offline_name: str = ""
     decided_by: str = ""  # what the live ``decided_by`` says for it (the names dashboards already know)
-    first: bool = False  # live: asked before the graph (an own exit or a stop decides without it)
+    first: bool = False
     after_decision: bool = False  # live: asked even when an own exit or a stop decided (the job's prior kill)
+    decisive: bool = False
+    final: bool = False
+    backs: bool = False
+    subsumes: frozenset[str] = frozenset()
+    lends_label: str = ""
+    derived: bool = False
 
     @property
     def label(self) -> str:
@@ -97,47 +115,59 @@ def _live_waiting(c: LiveCase) -> Finding | None:
 
 
 LADDER: tuple[LadderRung, ...] = (
-    LadderRung("rankwatch_verdict", "rankwatch's own verdict line in a log (it saw more than the log)", True,
+    LadderRung(n.RANKWATCH_VERDICT, "rankwatch's own verdict line in a log (it saw more than the log)", True,
                offline=lambda f, p: rule_logged_verdict(f), offline_name="rankwatch_verdict"),
-    LadderRung("after_kill", "exits that follow rankwatch's own kill of an earlier incident's initiators", True,
-               live=_live_after_kill, after_decision=True),
-    LadderRung("exits", "ends by their own cause, by cause then time (early normal exits while peers are "
+    LadderRung(n.AFTER_KILL, "exits that follow rankwatch's own kill of an earlier incident's initiators", True,
+               live=_live_after_kill, after_decision=True, final=True),
+    LadderRung(n.EXITS, "ends by their own cause, by cause then time (early normal exits while peers are "
                "mid-step); every rank failing alike names nobody", True,
                live=lambda c: rule_gone(c.ends, c.policy), offline=rule_exit_cause, offline_name="exit_cause",
-               first=True),
-    LadderRung("stopped", "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.ends),
-               first=True),
-    LadderRung("flight_recorder", "a collective mismatch (op/size/dtype) at one seq: the flight recorder live; "
+               first=True, decisive=True, final=True),
+    LadderRung(n.STOPPED, "ranks stopped by SIGSTOP or a debugger", True, live=lambda c: rule_stopped(c.ends),
+               first=True, decisive=True, final=True),
+    LadderRung(n.FLIGHT_RECORDER, "a collective mismatch (op/size/dtype) at one seq: the flight recorder live; "
                "fingerprints, watchdog SeqNums, stacks offline", True,
-               live=_live_fr, offline=lambda f, p: rule_mismatch(f), offline_name="mismatch", first=True),
-    LadderRung("wait_for", "sinks of the wait-for graph over groups, p2p peers, exits, silent nodes (live); the "
-               "desync report's and NCCL op counts' edges (offline)", True,
-               live=_live_wait_for, offline=lambda f, p: rule_wait_for(f), offline_name="wait_for"),
-    LadderRung("exits_consequence", "every exit a consequence and no sink: the first exit", False,
-               decided_by="exits"),
-    LadderRung("lone_collective", "ranks in a collective nobody else issued, or that left early", False,
+               live=_live_fr, offline=lambda f, p: rule_mismatch(f), offline_name="mismatch", first=True,
+               backs=True),
+    LadderRung(n.WAIT_FOR, "sinks of the wait-for graph over groups, p2p peers, exits, silent nodes (live); the "
+               "desync report's, a message naming whom it waited for, NCCL op counts' edges (offline)", True,
+               live=_live_wait_for, offline=lambda f, p: rule_wait_for(f), offline_name="wait_for",
+               # the graph already read groups, p2p peers and counters: their per-group "behind" is no
+               # independent evidence against it (pipeline stages and subgroups make it disagree by design)
+               subsumes=frozenset({n.EXITS_CONSEQUENCE, n.FR_BEHIND, n.COUNTERS, n.WAITING})),
+    LadderRung(n.EXITS_CONSEQUENCE, "every exit a consequence and no sink: the first exit", False,
+               decided_by=n.EXITS, derived=True),
+    LadderRung(n.LONE_COLLECTIVE, "ranks in a collective nobody else issued, or that left early", False,
                offline=lambda f, p: rule_lone_collective(f), offline_name="lone_collective"),
-    LadderRung("fr_behind", "per process group: ranks behind or missing (the flight recorder live; one group's "
-               "SeqNums offline)", True, offline=rule_behind, offline_name="behind", decided_by="flight_recorder"),
-    LadderRung("counters", "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops",
-               False, live=_live_counters),
-    LadderRung("outside", "the sinks of ranks whose lines wait for someone they cannot name", False,
+    LadderRung(n.FR_BEHIND, "per process group: ranks behind or missing (the flight recorder live; one group's "
+               "SeqNums offline)", True, offline=rule_behind, offline_name="behind", decided_by=n.FLIGHT_RECORDER,
+               derived=True, backs=True, lends_label=n.FLIGHT_RECORDER),
+    LadderRung(n.COUNTERS, "Python-level steps and collective sequence numbers and ops: ranks behind, odd ops",
+               False, live=_live_counters, backs=True, lends_label=n.COUNTERS),
+    LadderRung(n.OUTSIDE, "the sinks of ranks whose lines wait for someone they cannot name", False,
                offline=lambda f, p: rule_outside(f), offline_name="outside"),
-    LadderRung("waiting", "every rank busy and none waiting: the one earliest in the step", False,
-               live=_live_waiting),
-    LadderRung("stacks", "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
-    LadderRung("gpu", "every rank in one collective: a communication hang, unless one has no GPU activity", False,
+    LadderRung(n.WAITING, "every rank busy and none waiting: the one earliest in the step", False,
+               live=_live_waiting, backs=True),
+    LadderRung(n.THREAD_DIED, "a helper thread of the rank died with an exception (the hook's record): what its "
+               "training loop waits for", False, live=lambda c: rule_thread_died(c.present), backs=True),
+    LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
+    LadderRung(n.GPU, "every rank in one collective: a communication hang, unless one has no GPU activity", False,
                live=lambda c: rule_same_collective(c.live, c.policy),
                offline=lambda f, p: facts_same_collective(f), offline_name="same_collective"),
-    LadderRung("report_only", "only a launcher's exit report: the rank it says exited first, as a guess", False,
+    LadderRung(n.REPORT_ONLY, "only a launcher's exit report: the rank it says exited first, as a guess", False,
                offline=lambda f, p: rule_report_only(f), offline_name="report_only"),
 )
-"""The ladder, strongest first (docs/verdict-engine.md). ``exits_consequence`` and ``fr_behind`` (live) are
-split off ``exits`` and ``flight_recorder`` by ``core.verdict`` and have no rule of their own there."""
+"""The ladder, strongest first (docs/verdict-engine.md)."""
 
-LIVE_LADDER: tuple[LadderRung, ...] = tuple(
-    r for r in LADDER if r.live is not None or r.name in ("exits_consequence", "fr_behind")
-)
+Refinement = Callable[[Mapping[str, Finding | None], FactSet], dict[str, Finding | None]]
+REFINEMENTS: tuple[Refinement, ...] = (abort_on_mismatch, abort_with_odd_counts, split_consequence, split_behind)
+"""What the first rungs' findings say about each other, in order, before anything is weighed (live; each returns
+a new set of findings): a death inside a mismatched collective is gloo's abort of its receiver (the mismatch
+decides, ``abort_on_mismatch``; odd Python-level counts where no recorder names anyone,
+``abort_with_odd_counts``); exits that are all consequences go below the graph (``split_consequence``); the
+recorder's ranks behind go below the graph (``split_behind``)."""
+
+LIVE_LADDER: tuple[LadderRung, ...] = tuple(r for r in LADDER if r.live is not None or r.derived)
 """The rungs the live verdict weighs."""
 
 OFFLINE_LADDER: tuple[tuple[str, OfflineRule], ...] = tuple(
@@ -147,23 +177,48 @@ OFFLINE_LADDER: tuple[tuple[str, OfflineRule], ...] = tuple(
 
 FACT_LADDER = OFFLINE_LADDER  # the old name
 
+EDGE_LABEL: Mapping[Rung, str] = {
+    Rung.EXIT_CAUSE: n.EXITS,
+    Rung.STOPPED: n.STOPPED,
+    Rung.FLIGHT_RECORDER: n.FLIGHT_RECORDER,
+    Rung.COUNTERS: n.COUNTERS,
+    Rung.WAITING: n.WAITING,
+    Rung.STACKS: n.WAITING,
+    Rung.SILENCE: n.MISSING_NODE,
+}
+"""The ladder name an engine edge's strength stands for (a wait-for finding's ``decided_by``)."""
+
 
 def decide(facts: FactSet, policy: OfflinePolicy) -> Finding:
     """The first rung of ``OFFLINE_LADDER`` that concludes, else a finding that nothing was found."""
     for name, rule in OFFLINE_LADDER:
         found = rule(facts, policy)
         if found is not None:
-            found.rule = name
-            found.data.setdefault("decided", True)
-            found.data.setdefault("phase", None)
-            _root_cause_victims(facts, found)
-            return found
+            return _root_cause_victims(facts, found.but(rule=name, data={"decided": True, "phase": None,
+                                                                       **found.data}))
     return Finding(NONE, UNKNOWN, [], Rung.SILENCE, "low", {"decided": False, "phase": None})
 
 
-def _root_cause_victims(facts: FactSet, found: Finding) -> None:
+def _root_cause_victims(facts: FactSet, found: Finding) -> Finding:
     """torchrun's "Root Cause (first observed failure)" names only the first exit it noticed: where that
     rank is not the initiator, it was a victim (``root_cause_victims``), which the report says."""
     root = sorted({x.rank for x in facts.exited if x.root_cause})
     if root and found.ranks and not set(root) & set(found.ranks):
-        found.data["root_cause_victims"] = root
+        return found.adding(root_cause_victims=root)
+    return found
+
+
+FLAGS = ("strong", "first", "decisive", "final", "backs", "derived")
+"""The boolean flags of a rung, in the order ``flags_table`` shows them."""
+
+
+def flags_table() -> str:
+    """The ladder's roles as a markdown table (docs/verdict-engine.md holds a copy; a test compares them)."""
+    head = ["rung", "live", "offline", *FLAGS, "subsumes", "lends label"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in LADDER:
+        cells = [f"`{r.name}`", "yes" if r.live or r.derived else "—", f"`{r.offline_name}`" if r.offline else "—",
+                 *("yes" if getattr(r, f) else "" for f in FLAGS),
+                 ", ".join(f"`{x}`" for x in sorted(r.subsumes)), f"`{r.lends_label}`" if r.lends_label else ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -4,7 +4,7 @@ process group (``core.ranks.behind``: at its lowest count; ranks in between wait
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..engine import Finding
@@ -14,8 +14,8 @@ from ..live_facts import mismatch_facts
 from ..schema import COLLECTIVE_MISMATCH, HANG, lower_confidence
 from ..snapshot import RankView
 from .mismatch import rule_mismatch
-
-FR = "flight_recorder"
+from .names import FLIGHT_RECORDER as FR
+from .names import FR_BEHIND
 
 
 def _mismatch_finding(found: Finding, hints: FrHints, covered: bool) -> Finding:
@@ -77,3 +77,12 @@ def rule_fr(hints: FrHints, live: Sequence[RankView]) -> Finding | None:
     return Finding(FR, HANG, behind, Rung.FLIGHT_RECORDER, confidence, {
         **data, "shape": "fr_behind", "lead": lead.rank, "phase": lead.phase, "step": lead.step,
         "others": sorted(live_ranks - set(behind))})
+
+
+def split_behind(found: Mapping[str, Finding | None], facts: FactSet) -> dict[str, Finding | None]:
+    """The recorder's finding is a mismatch (its own rung) or ranks behind in a group (``fr_behind``, a rung
+    below the wait-for graph, which already reads the same per-group counts): split it by what it is."""
+    fr = found.get(FR)
+    if fr is None or fr.kind == COLLECTIVE_MISMATCH:
+        return dict(found)
+    return {**found, FR: None, FR_BEHIND: fr.but(rule=FR_BEHIND)}

@@ -13,10 +13,8 @@ from ..policy import VerdictPolicy
 from ..ranks import outside_majority
 from ..schema import COMM_HANG, HANG, raise_confidence
 from ..snapshot import RankView
+from .names import GPU, STACKS
 from .waits import rule_same_collective as facts_same_collective
-
-STACKS = "stacks"
-GPU = "gpu"
 
 
 def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
@@ -81,16 +79,17 @@ def rule_same_collective(live: Sequence[RankView], policy: VerdictPolicy) -> Fin
     return Finding(GPU, COMM_HANG, [], Rung.GPU, "low", {**data, "shape": "same_collective"})
 
 
-def apply_gpu(finding: Finding, live: Sequence[RankView], policy: VerdictPolicy) -> Note | None:
-    """Back a hang finding with GPU use; never single a rank out on high utilisation alone. Returns what
-    GPU use says (``finding.data["gpu"]``) as a note for the evidence."""
+def apply_gpu(finding: Finding, live: Sequence[RankView], policy: VerdictPolicy) -> tuple[Finding, Note | None]:
+    """Back a hang finding with GPU use; never single a rank out on high utilisation alone. Returns the
+    finding with what GPU use says (``data["gpu"]``, the confidence it raises) and that as a note for the
+    evidence."""
     if finding.kind != HANG or not finding.ranks:
-        return None
+        return finding, None
     initiators = set(finding.ranks)
     chosen = [v for v in live if v.rank in initiators]
     read = [v for v in live if v.rank not in initiators and (v.gpu_util is not None or v.gpu_missing)]
     if not chosen or not any(v.gpu_util is not None or v.gpu_missing for v in live):
-        return None
+        return finding, None
 
     def _gpu_idle(v: RankView) -> bool:
         return v.gpu_missing or (v.gpu_util is not None and v.gpu_util <= policy.gpu_idle_pct)
@@ -100,13 +99,11 @@ def apply_gpu(finding: Finding, live: Sequence[RankView], policy: VerdictPolicy)
 
     data = {"chosen": [v.rank for v in chosen], "busy_pct": policy.gpu_busy_pct}
     if read and all(_gpu_idle(v) for v in chosen) and all(_gpu_busy(v) for v in read):
-        finding.confidence = raise_confidence(finding.confidence)
-        finding.data["gpu"] = "agrees"
-        return "gpu_agrees", {**data, "read": [v.rank for v in read]}
+        return (finding.adding(gpu="agrees").but(confidence=raise_confidence(finding.confidence)),
+                ("gpu_agrees", {**data, "read": [v.rank for v in read]}))
     if all(_gpu_busy(v) for v in live):
-        finding.data["gpu"] = "singles_nobody_out"
-        return "gpu_singles_nobody_out", data
+        return finding.adding(gpu="singles_nobody_out"), ("gpu_singles_nobody_out", data)
     if read and all(_gpu_busy(v) for v in chosen) and any(_gpu_idle(v) for v in read):
-        finding.data["gpu"] = "disagrees"
-        return "gpu_disagrees", {**data, "idle": [v.rank for v in read if _gpu_idle(v)]}
-    return None
+        idle = [v.rank for v in read if _gpu_idle(v)]
+        return finding.adding(gpu="disagrees"), ("gpu_disagrees", {**data, "idle": idle})
+    return finding, None

@@ -1,21 +1,25 @@
-"""The verdict as users read it: ``core.verdict.decide`` (data) with its ``reason`` and ``evidence`` written
-in words (``report.findings``). What every caller asks — the incident pipeline, ``rankwatch inspect``, the
-cross-node exchange, benchmarks — so the document keeps its reason line and evidence lines while the rules
-in ``core`` hand over only structured findings."""
+"""The verdict stage: the one place a decision is entered. Live, ``decide`` — ``core.verdict.decide`` (data,
+weighed over the registry of rungs) with its ``reason`` and ``evidence`` written in words
+(``report.findings``) — is what every live caller asks (the incident pipeline, ``rankwatch inspect``, the
+cross-node exchange, benchmarks); offline, ``decide_facts`` is the same registry's first rung that
+concludes over a log's facts (``diagnose``). The rules in ``core`` hand over only structured findings;
+the words come from ``report``; nothing decides anywhere else."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.facts import PriorVerdict
+from ..core.engine import Finding
+from ..core.facts import FactSet, PriorVerdict
 from ..core.fr_hints import FrHints
-from ..core.policy import VerdictPolicy
+from ..core.policy import OfflinePolicy, VerdictPolicy
 from ..core.ranks import fold_rank_lines
+from ..core.rules.ladder import decide as decide_ladder
 from ..core.snapshot import RankView
 from ..core.verdict import DEFAULT_VERDICT_POLICY, Verdict
 from ..core.verdict import decide as decide_data
-from .findings import words
-from .live_words import LiveContext, note_words
+from ..report.findings import words
+from ..report.live_words import LiveContext, note_words
 
 
 def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[str] = (), *,
@@ -50,3 +54,8 @@ def decide(
     verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
                           fr_hints=fr_hints, policy=policy, prior=prior, killed=killed)
     return fill_words(verdict, views, extra_evidence, steps_known=steps_known)
+
+
+def decide_facts(facts: FactSet, policy: OfflinePolicy) -> Finding:
+    """Offline: the first rung of the registry that concludes over a log's facts (``core.rules.ladder``)."""
+    return decide_ladder(facts, policy)
