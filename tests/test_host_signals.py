@@ -148,6 +148,18 @@ def test_a_quota_outranks_the_run_queue_wait_it_also_causes():
     assert "cgroup /job" in doc["next"]
 
 
+def test_a_quota_whose_loss_splits_with_the_run_queue_wait_is_still_the_quota():
+    # throttled 15 ms/step and waiting 30 ms/step of a 45 ms/step loss: neither covers half alone; the quota
+    # (a third of it) with the wait it causes when it refills does (beside other load, measured here)
+    doc = attribute_cause(samples(4, 20, slow=2, wait_ms_per_s=300.0, throttled_ms_per_s=150.0), windows(4, 20),
+                          2, 45.0)
+    assert doc["cause"] == "cpu_throttled", doc
+    # a quota that explains a corner only (5 of 45 ms/step) leaves the cause to the run queue
+    doc = attribute_cause(samples(4, 20, slow=2, wait_ms_per_s=400.0, throttled_ms_per_s=50.0), windows(4, 20),
+                          2, 45.0)
+    assert doc["cause"] == "cpu_contention", doc
+
+
 @pytest.mark.parametrize(("rates", "cause"), [({"mem_ms_per_s": 400.0}, "memory_pressure"),
                                                ({"io_ms_per_s": 400.0}, "io_pressure")])
 def test_memory_and_io_stalls(rates, cause):
