@@ -143,6 +143,7 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_fr_share.py": ([], _nonempty),  # quick: 2 nodes (a leader and a remote), 1 repeat
     "bench_traceml.py": ([], _traceml),
     "bench_series.py": ([], _nonempty),
+    "bench_signals.py": ([], _nonempty),  # quick: 2 ranks of 24 threads, 20 polls
 }
 
 

@@ -644,3 +644,49 @@ def test_a_rank_slightly_slower_in_every_phase_is_a_rank_wide_straggler():
             p["dataloader"] += 2.0
 
     assert "STRAGGLER" not in diagnose_stragglers(job(4, 40, one_phase)).label
+
+
+def test_a_rank_slower_in_every_phase_is_rank_wide_even_when_one_phase_clears_the_threshold():
+    # the case: a rank sharing its CPU with two busy processes is slower in every phase, backward
+    # the most; the time lost is the sum over its phases, not backward's share of it
+    def tweak(r, s, p, rng):
+        p["forward"] += rng.uniform(-0.3, 0.3)
+        if r == 1:
+            p["dataloader"] += 8.0
+            p["forward"] += 12.0
+            p["backward"] += 20.0
+            p["optimizer"] += 10.0
+
+    d = diagnose_stragglers(job(2, 40, tweak))
+    assert (d.label, d.straggler_ranks, d.phase) == ("RANK-WIDE STRAGGLER", [1], None), d.why
+    assert d.excess_ms == pytest.approx(50.0, abs=1.0)
+    # extra work in one phase (the others within noise) stays that phase's straggler
+    def one(r, s, p, rng):
+        p["forward"] += rng.uniform(-0.3, 0.3)
+        if r == 1:
+            p["backward"] += 20.0
+            p["forward"] += 1.0
+
+    d = diagnose_stragglers(job(2, 40, one))
+    assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [1], "backward"), d.why
+
+
+def test_a_few_noisy_steps_do_not_name_a_straggler():
+    # the case: 7 steps before a hang, every rank noisy, one with a few large hiccups: not evidence
+    def tweak(r, s, p, rng):
+        p["forward"] *= rng.uniform(0.6, 1.6)
+        if r == 1 and s in (2, 4, 6):
+            p["backward"] += rng.uniform(20.0, 60.0)
+
+    for seed in range(20):
+        d = diagnose_stragglers(job(4, 8, tweak, seed=seed))
+        assert "STRAGGLER" not in d.label, (seed, d.why)
+    # the same rank slow on every one of those 7 steps is named
+    def steady(r, s, p, rng):
+        p["forward"] *= rng.uniform(0.8, 1.2)
+        if r == 1:
+            p["backward"] += 30.0
+
+    d = diagnose_stragglers(job(4, 8, steady))
+    assert (d.label, d.straggler_ranks) == ("COMPUTE STRAGGLER", [1]), d.why
+    assert StragglerPolicy().min_evidence_t == 3.0

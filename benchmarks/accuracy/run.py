@@ -406,6 +406,8 @@ def run_one(index: int, plan: Plan, hogs: int, repeat: int, work: Path, keep: bo
     try:
         s = json.loads((agents[0][1] / "summary.json").read_text())
         summary = {k: s.get(k) for k in ("diagnosis", "straggler_ranks", "phase", "why", "steps", "incidents")}
+        # the straggler's cause (issue 41): cpu_contention, cpu_throttled, ..., own_work; None when not measured
+        summary["cause"] = (s.get("cause") or {}).get("cause")
     except (OSError, ValueError, IndexError):
         pass
     record["summary"] = summary
@@ -638,8 +640,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             said = (
                 f"incident {v['kind']} {v['initiating_ranks']} phase {v['phase']}: {v['reason']}"
                 if v
-                else f"summary {summ.get('diagnosis')} {summ.get('straggler_ranks')} phase {summ.get('phase')}: "
-                f"{summ.get('why')}"
+                else f"summary {summ.get('diagnosis')} {summ.get('straggler_ranks')} phase {summ.get('phase')} "
+                f"cause {summ.get('cause')}: {summ.get('why')}"
             )
         elif v:
             said = f"{v['kind']} {v['initiating_ranks']} phase {v['phase']} ({v['confidence']}): {v['reason']}"
@@ -754,7 +756,7 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
             f"{v['kind']} {v['initiating_ranks']} phase {v['phase']} ({v['confidence']}): {v['reason']}"
             if v
             else f"no incident; summary {summ.get('diagnosis')} {summ.get('straggler_ranks')} phase "
-            f"{summ.get('phase')}: {summ.get('why')}"
+            f"{summ.get('phase')} cause {summ.get('cause')}: {summ.get('why')}"
             if CLASSES[r["fault"]].straggler
             else "no incident (" + ("; ".join(r["notes"]) or f"job ended, rc {r['rc']}") + ")"
         )

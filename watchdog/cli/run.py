@@ -20,6 +20,7 @@ from ..cluster.auth import load_secret
 from ..core.ranks import fmt_ranks
 from ..core.steps import StepTiming
 from ..core.straggler import diagnose_stragglers
+from ..core.straggler_cause import explain
 from ..errors import UserError
 from ..report.bundle import atomic_json, atomic_text
 from ..report.text import final_block, int_ranks, summary_text, verdict_text
@@ -423,6 +424,8 @@ def _write_summary(
     incidents = entry.incidents if entry else []
     verdicts = entry.verdicts if entry else []
     diag = diagnose_stragglers(history)
+    if entry is not None:
+        explain(diag, list(entry.watch.signals), entry.watch.host)
     doc = diag.summary_doc(job_id, incidents, history, verdicts)
     doc["details"] = diag.details
     summary_path: str | None = os.path.join(out, "summary.json")

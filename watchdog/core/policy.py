@@ -291,6 +291,12 @@ class ObservePolicy:
     # records read per job and poll: a node hosts a few dozen ranks of one job at most; a dir of 1,100
     # planted records is a flood, and what it costs is bounded here (and by the owner's reader budget)
     max_records_per_job: int = 256
+    # host-signal samples (``observe.signals``) kept per job, one per poll: 2,400 polls of 0.5 s are 20 min,
+    # longer than the straggler window of 200 steps for steps up to 6 s; ~200 bytes per rank each
+    signal_samples_kept: int = 2_400
+    # sample the ranks' host signals at every poll (a handful of /proc and cgroup reads per rank: ~0.1 % of a
+    # core for 8 ranks at 0.5 s, ``benchmarks/bench_signals.py``); off: no cause is given
+    sample_signals: bool = True
 
 
 @dataclass(frozen=True)

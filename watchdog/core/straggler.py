@@ -92,6 +92,23 @@ class StragglerPolicy:
     # ... on at least this share of the steps: a whole-process slowdown is steady; a rank slow on a third of
     # its steps beside CPU hogs is the scheduler's noise (a balanced 2-rank job at 2 hogs: 12 of 39 steps)
     rank_wide_steady_share: float = 0.5
+    # a phase straggler that is also this much slower (its excess / its peers' time) in *every* other phase
+    # of its own work is rank-wide, its time lost summed over the phases: extra work of its own lands in
+    # one phase and leaves the others within noise (a few %), while a whole-process slowdown (a CPU shared
+    # with other processes, a quota) stretches every phase by a like factor (measured: x3 and more with two
+    # busy processes on its CPU), however unevenly its work is spread over them
+    rank_wide_rel_share: float = 0.3
+    # ... counting only phases of at least this many ms on its peers: a 0.2 ms phase's relative noise on a
+    # busy host is larger than any slowdown
+    rank_wide_min_phase_ms: float = 0.5
+    # no rank is named unless its per-step excess beats the run's own noise: its mean excess must be at
+    # least this many standard errors (its per-step excesses' standard deviation / sqrt(steps)) above zero.
+    # One-sided, about 1 % of a noise-only rank passing on 7 steps (Student's t, 6 degrees of freedom:
+    # 3.14) and well under 1 % on 40; a steady straggler's excess is many times that, and a rank slow on
+    # every 4th step by 300 ms passes from ~30 steps on. Seven noisy steps of a job about to hang named a
+    # straggler it did not have in 2 of 14 runs (issue 41): five big hiccups look like a pattern, not like
+    # evidence
+    min_evidence_t: float = 3.0
 
 
 @dataclass
@@ -112,6 +129,14 @@ class StragglerDiagnosis:
     time_lost_ms: float = 0.0
     # the straggler's per-step excess is measured on the input pipeline, not on the dataloader wait
     input_pipeline: bool = False
+    # the straggler's excess per step (ms): what the cause must explain
+    excess_ms: float = 0.0
+    # per rank, the compared steps in wall time: (first step's start ns, last step's end ns, steps)
+    windows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # why the straggler is slow (``core.straggler_cause``), set by the caller that sampled the host signals
+    cause: dict[str, Any] | None = None
+    # per rank, each host signal in ms per compared step (``core.straggler_cause.rank_signals``)
+    signals: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary_doc(
         self,
@@ -136,6 +161,9 @@ class StragglerDiagnosis:
             "why": self.why,
             "pattern": self.pattern,
             "time_lost_ms": round(self.time_lost_ms, 3),
+            "excess_ms": round(self.excess_ms, 3),
+            "cause": self.cause,
+            "signals": self.signals,
             # each incident's verdict without its per-rank table and evidence (those are in the bundle)
             "incident_verdicts": [
                 {k: v.get(k) for k in ("job_id", "incident_id", "kind", "initiating_ranks", "phase", "confidence",
@@ -427,8 +455,11 @@ def diagnose_stragglers(
     w = _window(aligned, steps)
     step_doc, phases_doc, ranks_doc = _documents(w, per_rank, aligned)
 
+    windows = {r: (ts[0].start_ns, ts[-1].end_ns, len(ts)) for r, ts in aligned.items() if ts}
+
     def result(label: str, who: list[int], phase: str | None, why: str, **kw: Any) -> StragglerDiagnosis:
-        return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc, **kw)
+        return StragglerDiagnosis(label, who, phase, why, len(steps), step_doc, phases_doc, ranks_doc,
+                                  windows=windows, **kw)
 
     if len(steps) < policy.min_steps or not w.ranks:
         return result("NOT ENOUGH DATA", [], None, f"only {len(steps)} common step(s); need {policy.min_steps}")
@@ -439,11 +470,62 @@ def diagnose_stragglers(
     if w.has_pipeline:
         compared[INPUT_PHASE] = w.pipe
     per_step_excess = _per_step_excess(w, own, compared)
+    phase = _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
+    if phase is not None and len(phase.straggler_ranks) == 1 and not phase.input_pipeline:
+        # slower in every phase, whatever phase stands out most: a whole-process slowdown, its time summed
+        wide = _slower_everywhere(w, phase.straggler_ranks[0], own, compared, per_step_excess, policy)
+        if wide is not None:
+            return _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result, wide) or phase
     return (
-        _phase_straggler(w, policy, threshold, compared, per_step_excess, result)
+        phase
         or _rank_wide_straggler(w, policy, threshold, own, compared, per_step_excess, result)
         or _bound(w, policy, threshold, result)
     )
+
+
+def _slower_everywhere(
+    w: _Window,
+    rank: int,
+    own: Sequence[str],
+    compared: Mapping[str, Mapping[int, Sequence[float]]],
+    per_step_excess: Mapping[tuple[int, str], list[float]],
+    policy: StragglerPolicy,
+) -> tuple[int, float, dict[str, float]] | None:
+    """(rank, summed excess ms/step, excess by phase) when ``rank`` is slower by ``rank_wide_rel_share`` or
+    more in every phase of its own work that its peers spend ``rank_wide_min_phase_ms`` in (two or more)."""
+    phases = [p for p in own if p in compared and p != "idle"]
+    peers = [q for q in w.ranks if q != rank]
+    by_phase: dict[str, float] = {}
+    for p in phases:
+        base = _median([_mean(compared[p][q]) for q in peers])
+        if base < policy.rank_wide_min_phase_ms:
+            continue
+        e = trimmed_mean(per_step_excess[(rank, p)], policy.trim_share)
+        if e < policy.rank_wide_rel_share * base:
+            return None
+        by_phase[p] = e
+    if len(by_phase) < 2:
+        return None
+    n = len(w.steps)
+    summed = [math.fsum(per_step_excess[(rank, p)][i] for p in phases) for i in range(n)]
+    return rank, trimmed_mean(summed, policy.trim_share), by_phase
+
+
+def evidence_t(xs: Sequence[float], share: float) -> float:
+    """How many standard errors the trimmed mean of ``xs`` is above zero (inf when every value is alike and
+    positive): the same trimming as the excess itself, so one outlier neither makes nor breaks the case."""
+    n = len(xs)
+    kept = sorted(xs)
+    if n >= 5:
+        k = max(1, int(share * n))
+        kept = kept[k : n - k]
+    if len(kept) < 2:
+        return 0.0
+    mean = _mean(kept)
+    sd = statistics.stdev(kept)
+    if sd == 0:
+        return math.inf if mean > 0 else 0.0
+    return mean / (sd / math.sqrt(len(kept)))
 
 
 def _phase_straggler(
@@ -464,7 +546,9 @@ def _phase_straggler(
         return sum(1 for e in per_step_excess[(r, p)] if e >= threshold)
 
     candidates = sorted(
-        ((excess(r, p), r, p) for (r, p) in per_step_excess if slow_count(r, p) >= policy.min_slow_steps),
+        ((excess(r, p), r, p) for (r, p) in per_step_excess
+         if slow_count(r, p) >= policy.min_slow_steps
+         and evidence_t(per_step_excess[(r, p)], policy.trim_share) >= policy.min_evidence_t),
         reverse=True,
     )
     if not candidates or candidates[0][0] < threshold:
@@ -505,7 +589,7 @@ def _phase_straggler(
         for r in ranks
     ]
     return result(f"{_family(phase)} STRAGGLER", who, phase, why, details=details, pattern=pattern,
-                  time_lost_ms=lost, input_pipeline=on_pipe)
+                  time_lost_ms=lost, input_pipeline=on_pipe, excess_ms=best)
 
 
 def _rank_wide_straggler(
@@ -516,9 +600,10 @@ def _rank_wide_straggler(
     compared: Mapping[str, Mapping[int, Sequence[float]]],
     per_step_excess: Mapping[tuple[int, str], list[float]],
     result: _Result,
+    wide: tuple[int, float, dict[str, float]] | None = None,
 ) -> StragglerDiagnosis | None:
-    """A rank a little slower in every phase of its own work (a whole-process slowdown), in words."""
-    wide = _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy)
+    """A rank slower in every phase of its own work (a whole-process slowdown), in words."""
+    wide = wide or _rank_wide(w.ranks, own, compared, per_step_excess, threshold, policy)
     if wide is None:
         return None
     rank, best, by_phase = wide
@@ -528,7 +613,7 @@ def _rank_wide_straggler(
     pattern = describe_pattern(steps, per_step, threshold, policy)
     parts = ", ".join(f"{p} {e:+.1f}" for p, e in sorted(by_phase.items(), key=lambda kv: -kv[1]))
     why = (
-        f"rank {rank} is slower across the phases of its own work, none enough to stand out alone ({parts} "
+        f"rank {rank} is slower across the phases of its own work ({parts} "
         f"ms/step), together +{best:.1f} ms/step ({100 * best / overall:.0f}% of the {overall:.1f} ms mean "
         f"step), {pattern_text(pattern)}; {lost / 1e3:.2f} s lost over {len(steps)} steps; the other ranks "
         "wait for it (a whole-process slowdown: CPU contention, a busy thread of its own, a slower host)"
@@ -538,7 +623,8 @@ def _rank_wide_straggler(
         f"{sum(trimmed_mean(per_step_excess[(r, p)], policy.trim_share) for p in by_phase):+.1f} ms/step"
         for r in w.ranks
     ]
-    return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost)
+    return result("RANK-WIDE STRAGGLER", [rank], None, why, details=details, pattern=pattern, time_lost_ms=lost,
+                  excess_ms=best)
 
 
 def _bound(w: _Window, policy: StragglerPolicy, threshold: float, result: _Result) -> StragglerDiagnosis:
@@ -613,7 +699,8 @@ def _rank_wide(
     policy: StragglerPolicy,
 ) -> tuple[int, float, dict[str, float]] | None:
     """The rank slower in *every* phase of its own work by a little (each phase below the threshold) whose
-    excess summed over those phases clears it: (rank, summed excess ms/step, excess by phase)."""
+    excess summed over those phases clears it, steadily and beyond the run's noise: (rank, summed excess
+    ms/step, excess by phase)."""
     phases = [p for p in own if p in compared and p != "idle"]
     if len(ranks) < 2 or len(phases) < 2:
         return None
@@ -628,7 +715,8 @@ def _rank_wide(
         total = trimmed_mean(summed, policy.trim_share)
         slow = sum(1 for e in summed if e >= threshold)
         steady = slow >= max(policy.min_slow_steps, policy.rank_wide_steady_share * n)
-        if total >= threshold and steady and (best is None or total > best[1]):
+        strong = evidence_t(summed, policy.trim_share) >= policy.min_evidence_t
+        if total >= threshold and steady and strong and (best is None or total > best[1]):
             best = (r, total, slower)
     return best
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from .ranks import fmt_ranks
 from .straggler import StragglerDiagnosis
+from .straggler_cause import CAUSES, cause_line
 from .text import NAME, PROSE, clean, clean_doc
 
 
@@ -45,6 +46,8 @@ class LiveStraggler:
     seen: int = 1  # consecutive diagnoses that named it
     missed: int = 0  # consecutive diagnoses that did not, since it was last named
     reported: bool = False
+    cause: str = ""  # ``core.straggler_cause.CAUSES``, "" when not measured
+    cause_text: str = ""  # the cause's figures and next step, one line
 
     def doc(self) -> dict[str, Any]:
         """The JSON form (status, state file, straggler alerts), its strings cleaned: the phase is the job's."""
@@ -55,9 +58,10 @@ class LiveStraggler:
             "since_step": self.since_step,
             "since_unix": round(self.since_unix, 3),
             "why": self.why,
+            "cause": self.cause,
+            "cause_text": self.cause_text,
         })
         return doc
-
 
     @classmethod
     def from_doc(cls, doc: object) -> LiveStraggler | None:
@@ -74,7 +78,11 @@ class LiveStraggler:
         if not all(isinstance(v, str) for v in strings):
             return None
         label, phase, why = (clean(v, n) for v, n in zip(strings, (NAME, NAME, PROSE), strict=True))
-        return cls(int(rank), label, phase, int(step), float(since), why, reported=True)  # type: ignore[arg-type]
+        cause, cause_text = doc.get("cause"), doc.get("cause_text")
+        cause = clean(cause, NAME) if isinstance(cause, str) and cause in CAUSES else ""
+        cause_text = clean(cause_text, PROSE) if isinstance(cause_text, str) and cause else ""
+        return cls(int(rank), label, phase, int(step), float(since), why, reported=True,  # type: ignore[arg-type]
+                   cause=cause, cause_text=cause_text)
 
 
 Key = tuple[int, str]
@@ -90,18 +98,23 @@ def update_live(
     """The next live state after one diagnosis at ``now_unix`` (the caller's clock), and the events it caused."""
     now = now_unix
     named: dict[Key, LiveStraggler] = {}
-    if "STRAGGLER" in diag.label and diag.phase:
+    if "STRAGGLER" in diag.label and diag.straggler_ranks:
+        # a rank-wide straggler has no phase: keyed by "all" (its own work, every phase)
+        phase = diag.phase or "all"
         since = diag.pattern.get("since_step", diag.pattern.get("first_slow_step"))
+        cause = diag.cause or {}
         for r in diag.straggler_ranks:
-            named[(r, diag.phase)] = LiveStraggler(
-                r, diag.label, diag.phase, int(since) if isinstance(since, int) else -1, now, diag.why
+            named[(r, phase)] = LiveStraggler(
+                r, diag.label, phase, int(since) if isinstance(since, int) else -1, now, diag.why,
+                cause=str(cause.get("cause") or ""), cause_text=cause_line(cause),
             )
     out: dict[Key, LiveStraggler] = {}
     events: list[Event] = []
     for key, s in prev.items():
         if key in named:
             fresh = named.pop(key)
-            s = replace(s, seen=s.seen + 1, missed=0, why=fresh.why, label=fresh.label)
+            s = replace(s, seen=s.seen + 1, missed=0, why=fresh.why, label=fresh.label,
+                        cause=fresh.cause or s.cause, cause_text=fresh.cause_text or s.cause_text)
             if not s.reported and s.seen >= policy.confirm:
                 s = replace(s, reported=True)
                 events.append(("started", s))
@@ -132,7 +145,9 @@ def straggler_line(s: LiveStraggler, now_unix: float) -> str:
     ago = max(0.0, now_unix - s.since_unix)
     when = time.strftime("%H:%M:%SZ", time.gmtime(s.since_unix))
     since = f"since step {s.since_step}, " if s.since_step >= 0 else ""
-    return f"{fmt_ranks([s.rank])}: {s.label} in {s.phase} — {since}first seen {when} ({ago:.0f} s ago): {s.why}"
+    where = f" in {s.phase}" if s.phase != "all" else ""
+    cause = f"; {s.cause_text}" if s.cause_text else ""
+    return f"{fmt_ranks([s.rank])}: {s.label}{where} — {since}first seen {when} ({ago:.0f} s ago): {s.why}{cause}"
 
 
 def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float) -> list[str]:

@@ -17,12 +17,14 @@ import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordSnapshot
 
 from ..core.histogram import RankHistograms
+from ..core.host_signals import HostPressure, RankCounters
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
 from ..core.steps import StepTiming
 from . import jobdir
 from .process import NO_PROCESS, Identity, ProcessTable, Unverified
 from .reader import JobDir, ReaderError, Readers, RecordInfo, default_readers
+from .signals import read_host
 
 log = structlog.get_logger("rankwatch.jobwatch")
 
@@ -137,6 +139,9 @@ class JobWatch:
         self.first_seen_ns = time.monotonic_ns()
         self.retired = False
         self.job_info: dict[str, object] = {}
+        # host signals of the live verified ranks, one sample per poll: (monotonic ns, rank -> counters)
+        self.signals: deque[tuple[int, dict[int, RankCounters]]] = deque(maxlen=self.policy.signal_samples_kept)
+        self.host: HostPressure | None = None  # the host's pressure at the last sample
 
     @property
     def dir_path(self) -> str:
@@ -217,6 +222,26 @@ class JobWatch:
                 verified=st.ident is not None,
             )
         return found
+
+    def sample_signals(self) -> None:
+        """One sample of every live verified rank's host counters (through the owner's reader) and the host's
+        pressure; a rank whose start time changed (its pid reused) is left out."""
+        if not self.policy.sample_signals:
+            return
+        live = {rank: st.ident for rank, st in self.ranks.items()
+                if st.ident is not None and self._procs.exit_ns(st.ident) is None}
+        if not live:
+            return
+        try:
+            got = self.job.signals(sorted({i.pid for i in live.values()}))
+        except ReaderError:
+            return
+        now = time.monotonic_ns()
+        sample = {rank: got[i.pid] for rank, i in live.items()
+                  if i.pid in got and got[i.pid].start_ticks == i.start_ticks}
+        if sample:
+            self.signals.append((now, sample))
+        self.host = read_host()
 
     def _reader_failed(self, exc: Exception) -> None:
         for st in self.ranks.values():

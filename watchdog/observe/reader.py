@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordSnapshot
 
+from ..core.host_signals import RankCounters
 from . import jobdir
 from .wire import WireError, recv_frame, send_frame, snapshot_from_doc, snapshot_to_doc, w_float, w_int, w_str
 
@@ -266,6 +267,20 @@ class ReaderCore:
             raise ValueError("pids: a list of at most 4096")
         return {"envs": {str(pid): read_environ(pid) for pid in (w_int(x, 1, 1 << 22) for x in pids)}}
 
+    def op_signals(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+        """The kernel's counters of each rank process and its cgroup (``observe.signals``), read as its owner:
+        which cgroup a rank is in is the job's choice."""
+        from .signals import counters_to_doc, read_rank
+
+        pids = req.get("pids")
+        if not isinstance(pids, list) or len(pids) > self.policy.max_records:
+            raise ValueError(f"pids: a list of at most {self.policy.max_records}")
+        out: dict[str, Any] = {}
+        for pid in (w_int(x, 1, 1 << 22) for x in pids):
+            c = read_rank(pid)
+            out[str(pid)] = counters_to_doc(c) if c is not None else None
+        return {"ranks": out}
+
     def op_fr_file(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         """A flight-recorder file the job's environment names, read and parsed as its owner."""
         from ..evidence.capture import FR_WIRE_BYTES
@@ -454,9 +469,12 @@ def _preload() -> None:
     import encodings.latin_1  # noqa: F401
     import subprocess  # noqa: F401
 
-    from ..core import policy  # noqa: F401
+    from ..core import (
+        host_signals,  # noqa: F401
+        policy,  # noqa: F401
+    )
     from ..evidence import capture, debug_server, flight_recorder, inspect_capture  # noqa: F401
-    from . import discover  # noqa: F401
+    from . import discover, signals  # noqa: F401
 
 
 def _owner_gid(uid: int, fallback: int) -> int:
@@ -772,6 +790,25 @@ class JobDir:
     def close_record(self, r: int) -> None:
         with contextlib.suppress(ReaderError):
             self._call({"op": "rec_close", "r": r})
+
+    def signals(self, pids: list[int]) -> dict[int, RankCounters]:
+        """Each live rank process's host counters, read by the owner's reader and checked here; a pid it
+        could not read is left out. ReaderError when the reader cannot answer."""
+        from .signals import counters_from_doc
+
+        out = self._call({"op": "signals", "pids": pids}).get("ranks")
+        if not isinstance(out, dict):
+            raise ReaderError("malformed signals answer")
+        got: dict[int, RankCounters] = {}
+        for pid in pids:
+            doc = out.get(str(pid))
+            if doc is None:
+                continue
+            try:
+                got[pid] = counters_from_doc(doc)
+            except WireError as exc:
+                raise ReaderError(f"malformed signals answer: {exc}") from None
+        return got
 
     def remove_dumps(self, older_than_s: float = 0.0) -> int:
         out = self._call({"op": "remove_dumps", "older_than_s": older_than_s}).get("removed")

@@ -190,6 +190,10 @@ def summary_text(doc: Mapping[str, Any], *, incidents: bool = True) -> str:
         + (f" in {clean(doc.get('phase'), NAME)}" if doc.get("phase") else ""),
         f"why: {clean(doc.get('why', ''), PROSE)}",
     ]
+    cause = doc.get("cause")
+    if isinstance(cause, dict) and isinstance(cause.get("cause"), str):
+        lines += [f"cause: {clean(cause['cause'], NAME)} — {clean(cause.get('text', ''), PROSE)}",
+                  f"next: {clean(cause.get('next', ''), PROSE)}"]
     ids = doc.get("incidents") or []
     if incidents and ids and isinstance(ids, list):
         lines.append(f"incidents: {clean(', '.join(clean(i, NAME) for i in ids), PROSE)}")

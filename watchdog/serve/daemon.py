@@ -33,6 +33,7 @@ from ..core.engine import prior_verdict
 from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
 from ..core.straggler import StragglerPolicy, diagnose_stragglers
+from ..core.straggler_cause import explain
 from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
@@ -267,6 +268,10 @@ class Daemon:
             return
         views = self.gpu.apply(watch.poll())
         entry.last_views = views
+        try:
+            watch.sample_signals()
+        except Exception:  # a cause is a nicety: it never costs a poll
+            log.exception("signals_sample_failed", job=job_id)
         if not views:
             return
         if watch.all_gone(views):
@@ -365,11 +370,13 @@ class Daemon:
         diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=policy.window_steps))
         if diag.steps < policy.min_steps:
             return
+        explain(diag, list(entry.watch.signals), entry.watch.host)
         state, events = update_live(entry.live_stragglers, diag, policy, time.time())
         entry.live_stragglers = state
         for kind, s in events:
             fields: dict[str, Any] = dict(job=job_id, rank=s.rank, label=s.label, phase=s.phase,
-                                          since_step=s.since_step, why=s.why)
+                                          since_step=s.since_step, why=s.why, cause=s.cause,
+                                          cause_text=s.cause_text)
             if kind == "started":
                 log.warning("straggler_detected", **fields)
             else:

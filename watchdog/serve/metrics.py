@@ -51,6 +51,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
 from ..core.steps import StepTiming
 from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
+from ..core.straggler_cause import explain
 from ..core.straggler_live import reported
 from ..errors import UserError
 from .daemon import Daemon, JobEntry
@@ -127,8 +128,9 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "Time since the poll loop last completed a poll (a wedged loop still answers scrapes)"),
     ("diagnosis", "gauge", "rankwatch_diagnosis", (*_J, "label", "phase"),
      f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
-    ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label"),
-     "1 for each rank the current straggler diagnosis names"),
+    ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label", "cause"),
+     "1 for each rank the current straggler diagnosis names; cause: why (cpu_contention, cpu_throttled, "
+     "memory_pressure, io_pressure, own_work; empty when not measured)"),
     ("live", "gauge", "rankwatch_live_straggler", (*_R, "phase", "label"),
      "1 for each rank the live diagnosis has named on consecutive looks at the recent steps"),
     ("live_since", "gauge", "rankwatch_live_straggler_since_timestamp_seconds", (*_R, "phase", "label"),
@@ -213,6 +215,9 @@ class DaemonCollector(Collector):
         if cached is not None and cached[0] == key:
             return cached[1]
         diag = diagnose_stragglers(per_rank, self.policy)
+        entry = self.daemon.jobs.get(job_id)
+        if entry is not None:  # the deque copied in one C-level call while the loop may append to it
+            explain(diag, list(entry.watch.signals), entry.watch.host)
         self._cache[job_id] = (key, diag)
         return diag
 
@@ -322,7 +327,8 @@ class DaemonCollector(Collector):
             diag = self._diagnosis(job_id, per_rank)
             m["diagnosis"].add_metric([job_id, diag.label, diag.phase or ""], 1.0)
             for r in diag.straggler_ranks:
-                m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label], 1.0)
+                cause = str((diag.cause or {}).get("cause") or "")
+                m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label, cause], 1.0)
 
 
 @dataclass(frozen=True)
