@@ -443,3 +443,24 @@ def test_a_bare_abort_long_after_the_others_timed_out_is_not_named_with_confiden
                               *(x.replace("10:59:45", "10:40:12") for x in report)]) + "\n")
     d, _ = diagnose_logs([str(log)])
     assert finding(d)["data"].get("after_waits") is None
+
+
+# -- a local rank on another node read as a global one (issue 44) --------------------------------------------
+def test_a_local_rank_of_another_node_is_only_a_guess(tmp_path: Path) -> None:
+    """nodeA's lines map local to global ranks one to one ([default1] … [Rank 1]); nodeB's failing rank is named
+    only by its local rank ([default3]): on two nodes that is rank 3 of nodeB's block, not global rank 3 — a
+    guess at low confidence, never a decision. The same failure on the mapping node stays decided."""
+    timeout = ("nodeA: [default{r}]:[E726 10:40:12.4517 ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught "
+               "collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=9801523, NumelOut=9801523, "
+               "Timeout(ms)=600000) ran for 600020 milliseconds before timing out.")
+    failure = ["{h}: [default3]:Traceback (most recent call last):",
+               '{h}: [default3]:  File "/work/train.py", line 88, in <module>',
+               "{h}: [default3]:    loss = model(batch)", "{h}: [default3]:ValueError: bad batch shape (3, 224)"]
+    log = tmp_path / "two_nodes.log"
+    log.write_text("\n".join([*(x.format(h="nodeB") for x in failure), timeout.format(r=1), timeout.format(r=0)]))
+    d, _ = diagnose_logs([str(log)])
+    assert (d.initiating_ranks, d.confidence, d.decided) == ([3], "low", False), d.reason
+    assert finding(d)["data"]["local_ranks_only"] is True
+    log.write_text("\n".join([*(x.format(h="nodeA") for x in failure), timeout.format(r=1), timeout.format(r=0)]))
+    d, _ = diagnose_logs([str(log)])
+    assert (d.initiating_ranks, d.confidence, d.decided) == ([3], "high", True), d.reason

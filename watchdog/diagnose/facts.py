@@ -127,6 +127,7 @@ class Collector:
         self._pending: list[ev.Event] = []
         self._local_to_global: dict[tuple[str | None, int], int] = {}
         self._local_any: dict[int, set[int]] = {}
+        self._local_hosts: set[str | None] = set()  # the hosts whose lines taught ``_local_any``
         self._pid_to_rank: dict[int, int] = {}
         self._agent_pids: set[int] = set()
         self._unattributed_count: Counter[str] = Counter()
@@ -166,6 +167,8 @@ class Collector:
             if e.family == ev.EXIT:
                 self._local_to_global[(e.host, e.local_rank)] = e.rank
             self._local_any.setdefault(e.local_rank, set()).add(e.rank)
+            if len(self._local_hosts) < 1024:
+                self._local_hosts.add(e.host)
         if e.family == ev.EXIT and e.rank is not None and e.pid is not None:
             self._pid_to_rank[e.pid] = e.rank
         if e.family == ev.EXIT and e.rank is not None and e.local_rank is not None and e.detail != ev.FIRST_NOTICED:
@@ -207,6 +210,7 @@ class Collector:
         for lr, gs in other._local_any.items():
             if len(self._local_any) < 100_000:
                 self._local_any.setdefault(lr, set()).update(gs)
+        self._local_hosts |= set(list(other._local_hosts)[: max(0, 1024 - len(self._local_hosts))])
         for pid, r in other._pid_to_rank.items():
             self._pid_to_rank.setdefault(pid, r)
         self._agent_pids.update(other._agent_pids)
@@ -238,8 +242,10 @@ class Collector:
         if e.local_rank is not None and e.local_rank not in self._local_any:
             identity = all(cands == {lr} for lr, cands in self._local_any.items())
             if identity:
-                # nothing maps this local rank, and every mapping seen is local == global (one node)
-                if not self._local_any:
+                # nothing maps this local rank, and every mapping seen is local == global (one node) — seen on
+                # this line's host; a line of another host is only a guess (its node's ranks start elsewhere)
+                other_host = e.host is not None and None not in self._local_hosts and e.host not in self._local_hosts
+                if not self._local_any or other_host:
                     self.evidence.local_only = True
                 return e.local_rank
         return None

@@ -90,6 +90,22 @@ def _quoted(f: Finding, logs: Evidence) -> Finding:
     return f
 
 
+def _several_nodes(logs: Evidence) -> bool:
+    """The log shows more than one node: lines from several hosts, or a stated world larger than every rank
+    it names."""
+    hosts = {e.host for f in logs.ranks.values() for e in f.first.values() if e.host}
+    return len(hosts) > 1 or (bool(logs.ranks) and logs.world > max(logs.ranks) + 1)
+
+
+def _local_only(f: Finding, logs: Evidence) -> Finding:
+    """Ranks known only by a local rank (a ``[defaultN]`` prefix, a per-rank log path, no failure report that
+    maps them) equal global ranks on one node only: on a log of several nodes the rank named may be another
+    node's, so it is named at low confidence, never as a decision."""
+    if not logs.local_only or not f.ranks or not _several_nodes(logs):
+        return f
+    return f.but(confidence="low").adding(decided=False, local_ranks_only=True)
+
+
 def _backing(f: Finding, logs: Evidence, p: OfflinePolicy) -> tuple[list[str], list[str]]:
     """The lines that back a finding (quoted from the logs), and its notes."""
     facts, d = logs.ranks, f.data
@@ -113,7 +129,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     """The verdict of one job's logs: facts → the fact rules → the document, in words."""
     known = sorted(logs.ranks)
     facts = logs.ranks
-    found = _quoted(decide_facts(log_facts.facts_of(logs, p), p), logs)
+    found = _local_only(_quoted(decide_facts(log_facts.facts_of(logs, p), p), logs), logs)
     backing, notes = _backing(found, logs, p)
     w = words(found)
     d = Diagnosis(
@@ -154,7 +170,13 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
         quoted.append(quote(e))
     d.evidence = quoted[: p.max_evidence]
     d.notes.extend(w.notes)
-    if logs.local_only:
+    if found.data.get("local_ranks_only"):
+        d.notes.append(
+            "the log shows several nodes but names these ranks only by their local rank (per-rank log paths or "
+            "[defaultN] prefixes, no failure report to map them): the rank named may be another node's, so it "
+            "is a guess."
+        )
+    elif logs.local_only:
         d.notes.append(
             "some ranks are named by local rank only (per-rank log paths or [defaultN] prefixes, no "
             "failure report to map them): they equal global ranks only on a single-node job."
