@@ -451,8 +451,8 @@ def test_a_local_rank_of_another_node_is_only_a_guess(tmp_path: Path) -> None:
     only by its local rank ([default3]): on two nodes that is rank 3 of nodeB's block, not global rank 3 — a
     guess at low confidence, never a decision. The same failure on the mapping node stays decided."""
     timeout = ("nodeA: [default{r}]:[E726 10:40:12.4517 ProcessGroupNCCL.cpp:616] [Rank {r}] Watchdog caught "
-               "collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=9801523, NumelOut=9801523, "
-               "Timeout(ms)=600000) ran for 600020 milliseconds before timing out.")
+               "collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=9801523, "
+               "NumelOut=9801523, Timeout(ms)=600000) ran for 600020 milliseconds before timing out.")
     failure = ["{h}: [default3]:Traceback (most recent call last):",
                '{h}: [default3]:  File "/work/train.py", line 88, in <module>',
                "{h}: [default3]:    loss = model(batch)", "{h}: [default3]:ValueError: bad batch shape (3, 224)"]
