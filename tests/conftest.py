@@ -29,22 +29,17 @@ _port_next = [int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK]
 
 
 def examples_module(name: str):  # type: ignore[no-untyped-def]
-    """``examples/<name>.py`` loaded by its path under its own name, once per process (as benchmarks/_util.py's
-    twin does for the accuracy runner, so a test that loads both gets one module): ``fault_catalogue``, the
-    faults and their right answers. ``examples/`` is a folder of scripts; on ``sys.path`` its folders
-    (``kubernetes``…) would import as namespace packages."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while a class is made
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    """``examples/<name>.py`` (``fault_catalogue``: the faults and their right answers), loaded once per process
+    by benchmarks/_util.py's ``examples_module`` — one loader, so a test that also loads the accuracy runner
+    gets one module object."""
+    util = sys.modules.get("_rankwatch_bench_util")
+    if util is None:
+        spec = importlib.util.spec_from_file_location("_rankwatch_bench_util", REPO / "benchmarks" / "_util.py")
+        assert spec and spec.loader
+        util = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = util
+        spec.loader.exec_module(util)
+    return util.examples_module(name)
 
 
 def free_port() -> int:
