@@ -213,17 +213,17 @@ def test_stall_needs_timeout_startup_budget_and_declared_budget_excuses():
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=100)], POLICY, 0.0, {}) is None
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=130)], POLICY, 0.0, {}) is not None
     # ... until a rank of the job waits in a collective: start-up is over for it, and a rank blocked before its
-    # first step gets as long again as the waiter needed to get there (at least the stall timeout), not the
+    # first step gets three times what the waiter needed to get there (at least the stall timeout), not the
     # 120 s start-up budget (issue 44: it waited for the 300 s default)
-    blocked = rv(1, step=0, phase="idle", since_progress_s=11)
-    waiting = rv(0, step=0, phase="collective", coll_seq=1, coll_done=0, since_progress_s=5, age_s=12)
+    blocked = rv(1, step=0, phase="idle", since_progress_s=13)
+    waiting = rv(0, step=0, phase="collective", coll_seq=1, coll_done=0, since_progress_s=1, age_s=5)
     t = find_trigger([waiting, blocked], POLICY, 0.0, {})
     assert t is not None and t.ranks == (1,)
     assert find_trigger([rv(0, step=0, phase="forward", since_progress_s=5), blocked], POLICY, 0.0, {}) is None
-    # start-up skew is not a hang: the waiter needed 35 s to get there, the late rank gets 35 s too
-    slow_start = dataclasses.replace(waiting, age_s=40)
+    # start-up skew is not a hang: the waiter needed 12 s to get there, the late rank gets 36 s
+    slow_start = dataclasses.replace(waiting, age_s=13)
     assert find_trigger([slow_start, blocked], POLICY, 0.0, {}) is None
-    assert find_trigger([slow_start, dataclasses.replace(blocked, since_progress_s=36)], POLICY, 0.0, {}) is not None
+    assert find_trigger([slow_start, dataclasses.replace(blocked, since_progress_s=37)], POLICY, 0.0, {}) is not None
     # a waiter whose start is not known (another node's view): the start-up budget, as before
     assert find_trigger([dataclasses.replace(waiting, age_s=None), blocked], POLICY, 0.0, {}) is None
     # a rank inside a declared phase within budget excuses the others waiting for it

@@ -24,14 +24,14 @@ def first_step_s(views: Sequence[RankView], policy: StallPolicy, longest_step_s:
     """How long a rank that has not completed a step may go without progress once some rank of the job waits
     in a collective (``live_facts.is_waiting``: a Python-level collective, a stack in a wait, DDP's gradient
     sync): start-up is over for the waiters and they can only go on once the others arrive, so a rank blocked
-    before its first step is a hang like any other, not a slow start. It gets the waiters' own start-up again
-    (``StallPolicy.first_step_skew``), at least the stall timeout, at most the start-up budget. None: nobody
+    before its first step is a hang like any other, not a slow start. It gets the waiters' own start-up times
+    1 + ``StallPolicy.first_step_skew``, at least the stall timeout, at most the start-up budget. None: nobody
     waits yet, or a waiter's start-up is not known (the start-up budget applies)."""
     waiters = [v for v in views if v.state == RUNNING and is_waiting(v)]
     if not waiters or any(v.age_s is None for v in waiters):
         return None
     reached = max(max(0.0, (v.age_s or 0.0) - v.since_progress_s) for v in waiters)
-    return min(policy.startup_for(), max(policy.timeout_for(longest_step_s), policy.first_step_skew * reached))
+    return min(policy.startup_for(), max(policy.timeout_for(longest_step_s), (1 + policy.first_step_skew) * reached))
 
 
 def allowance_s(

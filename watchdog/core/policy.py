@@ -18,12 +18,14 @@ class StallPolicy:
     # Before the first step completes (imports, compile, data warm-up, NCCL init) nothing is learned
     # yet and first steps are often 10-100× slower.
     startup_s: float = 300.0
-    # Before the first step, once some ranks wait in a collective, a rank that has not arrived gets as long
-    # again as the waiting ranks needed to get there (their start-up: imports, model build, rendezvous) times
-    # this, at least the stall timeout and at most the start-up budget. Ranks of one job start alike, so a rank
-    # later than twice its peers' start-up is blocked, not slow; the bare stall timeout (seconds) misread
-    # ordinary start-up skew on a busy host as hangs (pipeline and TP x DP jobs: ranks 4.6-9.8 s apart).
-    first_step_skew: float = 1.0
+    # Before the first step, once some ranks wait in a collective, a rank that has not arrived may go without
+    # progress for the waiting ranks' own start-up (imports, model build, rendezvous) times 1 + this, at least
+    # the stall timeout and at most the start-up budget. Ranks of one job start alike, but not equally fast on
+    # a busy host: a rank 2x slower than its peers to start is seen (a DataLoader's workers forked while the
+    # host is loaded); one 3x slower while its peers wait is blocked. The bare stall timeout (seconds) misread
+    # ordinary start-up skew as hangs (pipeline and TP x DP jobs, ranks 4.6-9.8 s apart), and so did 1x
+    # (a 4-rank job beside a CI run starting: one rank 5.9 s behind a peer that needed 5.8 s).
+    first_step_skew: float = 2.0
     # A stopped process (SIGSTOP, state T) is reported once it stays stopped this long: short enough to
     # beat the stall timeout, long enough to skip a debugger's momentary stop.
     stopped_grace_s: float = 1.0
