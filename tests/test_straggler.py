@@ -670,6 +670,19 @@ def test_a_rank_slower_in_every_phase_is_rank_wide_even_when_one_phase_clears_th
     d = diagnose_stragglers(job(2, 40, one))
     assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [1], "backward"), d.why
 
+    # extra work in one phase beside host load: every other phase of the rank is 30-50 % slower too (its
+    # extra CPU work competes with them), but not by a like factor: still that phase's straggler (the ddp
+    # slow-rank run beside a CI run read RANK-WIDE before ``rank_wide_like_factor``)
+    def loaded(r, s, p, rng):
+        p["forward"] += rng.uniform(-0.3, 0.3)
+        if r == 1:
+            p["optimizer"] += 30 * BASE["optimizer"]
+            for other in ("dataloader", "forward", "backward"):
+                p[other] += 0.45 * BASE[other]
+
+    d = diagnose_stragglers(job(2, 40, loaded))
+    assert (d.label, d.straggler_ranks, d.phase) == ("COMPUTE STRAGGLER", [1], "optimizer"), d.why
+
 
 def test_a_few_noisy_steps_do_not_name_a_straggler():
     # the case: 7 steps before a hang, every rank noisy, one with a few large hiccups: not evidence

@@ -101,6 +101,12 @@ class StragglerPolicy:
     # ... counting only phases of at least this many ms on its peers: a 0.2 ms phase's relative noise on a
     # busy host is larger than any slowdown
     rank_wide_min_phase_ms: float = 0.5
+    # ... and only by a like factor: its largest relative slowdown among those phases at most this many times
+    # its smallest. A whole-process slowdown stretches every phase alike (x2-x4 each with two busy processes on
+    # its CPU); extra work of its own beside host load stretches its own phase tens of times and the others by
+    # the load's share (measured, ddp slow-rank beside a CI run: optimizer +48 ms on ~1.5 ms, forward +2 ms on
+    # ~5 ms: read as rank-wide at 0.3 alone)
+    rank_wide_like_factor: float = 4.0
     # no rank is named unless its per-step excess beats the run's own noise: its mean excess must be at
     # least this many standard errors (its per-step excesses' standard deviation / sqrt(steps)) above zero.
     # One-sided, about 1 % of a noise-only rank passing on 7 steps (Student's t, 6 degrees of freedom:
@@ -496,6 +502,7 @@ def _slower_everywhere(
     phases = [p for p in own if p in compared and p != "idle"]
     peers = [q for q in w.ranks if q != rank]
     by_phase: dict[str, float] = {}
+    relative: list[float] = []
     for p in phases:
         base = _median([_mean(compared[p][q]) for q in peers])
         if base < policy.rank_wide_min_phase_ms:
@@ -504,7 +511,8 @@ def _slower_everywhere(
         if e < policy.rank_wide_rel_share * base:
             return None
         by_phase[p] = e
-    if len(by_phase) < 2:
+        relative.append(e / base)
+    if len(by_phase) < 2 or max(relative) > policy.rank_wide_like_factor * min(relative):
         return None
     n = len(w.steps)
     summed = [math.fsum(per_step_excess[(rank, p)][i] for p in phases) for i in range(n)]
