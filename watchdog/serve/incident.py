@@ -469,6 +469,8 @@ def correlate_and_decide(
     if res.verdict is not None:
         return res.verdict, res.how, LEADER
     verdict = decide_over(res.views, res.notes, res.how, res.remote_fr)
+    if res.exchange is not None:  # what this node held of every node's evidence, authenticated or not
+        verdict = {**verdict, "exchange": res.exchange}
     if res.refused is not None and confirms_refused(verdict, res.refused):
         return res.refused, res.how, CONFIRMED
     if res.publish:
