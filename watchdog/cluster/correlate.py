@@ -119,8 +119,12 @@ class Correlator:
         nnodes: int | None = None,
         policy: CorrelationPolicy | None = None,
         secret: bytes | None = None,
+        host_server: bool | None = None,
     ) -> None:
         self.job_id = job_id
+        # whether this process hosts the store (None: the leader does, as `rankwatch run` on node 0); a root
+        # daemon never does (``cluster.store_host`` runs its store in a process of its own)
+        self.hosts = (node_rank == 0) if host_server is None else host_server
         self.secret = secret
         self.node_rank = node_rank
         self.leader = node_rank == 0
@@ -164,7 +168,7 @@ class Correlator:
                     self.host,
                     self.port,
                     self.job_id,
-                    host_server=self.leader,
+                    host_server=self.hosts,
                     timeout_s=self.policy.connect_timeout_s,
                     secret=self.secret,
                 )
@@ -200,7 +204,7 @@ class Correlator:
     def _lost(self, exc: StoreError) -> None:
         log.warning("store_failed", job=self.job_id, error=str(exc))
         self.error = str(exc)
-        if not self.leader:  # the leader keeps its server; a client reconnects in the background
+        if not self.hosts:  # a host keeps its server; a client reconnects in the background
             if self.store is not None:
                 self.store.close()
             self.store = None

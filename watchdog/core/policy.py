@@ -152,6 +152,11 @@ class ServePolicy:
     # drops it and detects afresh: the stall is in the records at the first poll, unless the stall timeout
     # is still being learnt from the step history
     resume_polls: int = 10
+    # multi-node jobs one daemon correlates at once (each: two store connections, two threads), and per job
+    # owner: a node runs a handful of jobs; a user's hundreds of job dirs claiming "node 0 of 2" must not
+    # take the daemon's fds and threads, nor other users' correlation
+    correlated_jobs: int = 64
+    correlated_jobs_per_owner: int = 8
 
 
 @dataclass(frozen=True)

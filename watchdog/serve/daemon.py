@@ -253,6 +253,15 @@ class Daemon:
         factory = self.correlator_factory
         if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
             self._factory_tried.add(job_id)
+            # every correlated job holds two store connections and two threads: bounded in all and per owner,
+            # however many job dirs claiming several nodes a user makes
+            policy = self.config.serve
+            mine = sum(1 for j in self.correlators if (e := self.jobs.get(j)) and e.watch.owner_uid == watch.owner_uid)
+            if len(self.correlators) >= policy.correlated_jobs or mine >= policy.correlated_jobs_per_owner:
+                log.warning("correlation_refused", job=job_id, owner_uid=watch.owner_uid,
+                            correlated=len(self.correlators), of_owner=mine, why="this daemon correlates at most "
+                            f"{policy.correlated_jobs} jobs, {policy.correlated_jobs_per_owner} per user")
+                return None
             correlator = factory(watch)
             if correlator is not None:
                 self.correlators[job_id] = correlator
