@@ -43,7 +43,12 @@ def build_parser() -> Parser:
         help="incident bundles go to OUT/<job-id>/incidents/ (default: %(default)s)",
     )
     p.add_argument(
-        "--store-port", type=port, default=None, metavar="PORT", help="host the TCPStore on this port (leader node)"
+        "--store-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="run a job store on this port, in a separate unprivileged process with its own limits, and "
+        "correlate multi-node jobs through the store on their MASTER_ADDR at this port",
     )
     p.add_argument("--once", action="store_true", help="poll once and exit (for checks)")
     p.add_argument(
@@ -101,8 +106,9 @@ def env_defaults(env: dict[str, str] | None = None) -> list[str]:
 def correlator_factory(
     store: tuple[str, int] | None, store_port: int | None, secret: bytes | None = None
 ) -> Callable[[JobWatch], Correlator | None]:
-    """Multi-node jobs (job.json: world size above the local one) get a correlator; node 0 hosts the store
-    at MASTER_ADDR:store_port unless --store names one. One multi-node job per store port at a time."""
+    """Multi-node jobs (job.json: world size above the local one) get a correlator, a client of the store at
+    MASTER_ADDR:store_port (or --store). The daemon never hosts a store in its own process, whatever a job's
+    job.json says (it is the user's file): ``--store-port`` runs ``cluster.store_host`` beside it instead."""
     from ..cluster.correlate import Correlator
     from ..cluster.store import DEFAULT_STORE_PORT
 
@@ -121,7 +127,8 @@ def correlator_factory(
             store_port or DEFAULT_STORE_PORT,
         )
         log.info("correlating", job=watch.job_id, node_rank=node_rank, store=f"{host}:{port}")
-        return Correlator(watch.job_id, node_rank, host, port, nnodes=-(-world // max(1, local)), secret=secret)
+        return Correlator(watch.job_id, node_rank, host, port, nnodes=-(-world // max(1, local)), secret=secret,
+                          host_server=False)
 
     return build
 
@@ -243,9 +250,15 @@ def main(argv: list[str]) -> int:
     if args.store_port is not None or args.store is not None:
         factory = correlator_factory(args.store, args.store_port, secret)
     daemon = Daemon(config, correlator_factory=factory, alerts=alerts)
+    extras: list[Any] = []
+    if args.store_port is not None and not args.once:
+        from ..cluster.store_host import StoreHost  # decided by this daemon's configuration, never by a job
+
+        host = StoreHost(args.store_port)
+        host.start()
+        extras.append(host)
     daemon.clean_leftovers()
     notifier = Notifier()
-    extras: list[Any] = []
     if args.metrics_port is not None:
         from ..serve.metrics import serve_metrics
 

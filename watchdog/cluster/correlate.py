@@ -12,7 +12,9 @@ Protocol under ``rankwatch/<job-id>/`` in a TCPStore hosted by the leader (the n
 
 Only durations, step counts and collective sequence numbers cross nodes, never clock readings. A node
 that cannot reach the store, or gets no verdict from the leader, decides over what it has and says so
-in the verdict's ``correlation`` field; a node that sends no evidence is named as missing.
+in the verdict's ``correlation`` field; a node that sends no evidence and shows no sign of life is named as
+missing, while a node whose evidence was tampered with (rejected, deleted) is never: tampering is evidence
+about the store, not about ranks (``_gather``), and every node keeps the verdict over its own ranks.
 
 Trust: with a store secret every value is sealed with an HMAC bound to its key and job (``cluster.auth``)
 and an unsealed or forged one is rejected like a malformed one. Without a secret anyone who reaches the
@@ -44,21 +46,30 @@ from ..core.steps import StepTiming
 from .store import (
     MAX_RANKS_PER_NODE,
     JobStore,
+    Snapshot,
     StoreError,
     ValueRejected,
+    Vanished,
     binding,
     check_binding,
     fr_share,
     node_doc,
     parse_evidence_doc,
     parse_json,
-    parse_node_doc,
+    parse_snapshot,
     v_float,
     v_int,
     v_str,
 )
 
 log = structlog.get_logger("rankwatch.correlate")
+
+# what the leader holds of each node's evidence for one incident (the verdict's ``exchange.nodes``)
+HEARD = "heard"  # a valid value: its ranks are judged on it
+TAMPERED = "tampered"  # a value that failed authentication, its shape or its binding: evidence of tampering only
+UNAVAILABLE = "unavailable"  # gone after it was seen, or its node alive but its key empty: deleted
+SILENT = "silent"  # nothing, and no sign of the node since: the node (or its daemon) is down
+MAX_NODES = 4096  # keys read per node and incident: a job.json claiming more nodes is read as this many
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,9 @@ class Resolution:
     # stall of its own: the caller may still adopt it when its own verdict names the very same ranks — then it
     # blames no rank this node would not
     refused: dict[str, Any] | None = None
+    # how the exchange went, for the verdict (``exchange`` in verdict.json): authenticated or not, and what
+    # the deciding node held of each node's evidence
+    exchange: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +119,12 @@ class Correlator:
         nnodes: int | None = None,
         policy: CorrelationPolicy | None = None,
         secret: bytes | None = None,
+        host_server: bool | None = None,
     ) -> None:
         self.job_id = job_id
+        # whether this process hosts the store (None: the leader does, as `rankwatch run` on node 0); a root
+        # daemon never does (``cluster.store_host`` runs its store in a process of its own)
+        self.hosts = (node_rank == 0) if host_server is None else host_server
         self.secret = secret
         self.node_rank = node_rank
         self.leader = node_rank == 0
@@ -118,6 +136,8 @@ class Correlator:
         self.handled_gen = 0
         self._heard = 0
         self._seq = 0
+        self._published = 0  # the newest incident generation this node published its evidence for
+        self._snap_order: dict[int, tuple[float, int]] = {}  # newest (boot, seq) seen per node: no replays
         self._stop = threading.Event()
         self._rejected_logged: set[str] = set()
         # unauthenticated remote claims not (yet) confirmed by this node's ranks: (gen, id) → first seen
@@ -148,7 +168,7 @@ class Correlator:
                     self.host,
                     self.port,
                     self.job_id,
-                    host_server=self.leader,
+                    host_server=self.hosts,
                     timeout_s=self.policy.connect_timeout_s,
                     secret=self.secret,
                 )
@@ -184,7 +204,7 @@ class Correlator:
     def _lost(self, exc: StoreError) -> None:
         log.warning("store_failed", job=self.job_id, error=str(exc))
         self.error = str(exc)
-        if not self.leader:  # the leader keeps its server; a client reconnects in the background
+        if not self.hosts:  # a host keeps its server; a client reconnects in the background
             if self.store is not None:
                 self.store.close()
             self.store = None
@@ -209,8 +229,12 @@ class Correlator:
         if store is None:
             return
         self._seq += 1
+        # the per-node sequence (with this daemon's start) lets the leader tell a live node whose evidence was
+        # deleted from a node that went down, and an old snapshot replayed from a fresh one
+        extra = {"boot": round(self.started_unix, 3), "published": self._published}
         try:  # handed to the store's own thread: the poll loop never waits on the network
-            store.set_json_nowait(f"node/{self.node_rank}", node_doc(self.node_rank, node, self._seq, views))
+            store.set_json_nowait(f"node/{self.node_rank}",
+                                  node_doc(self.node_rank, node, self._seq, views, extra=extra))
         except StoreError as exc:
             self._lost(exc)
 
@@ -434,13 +458,24 @@ class Correlator:
             self._lost(exc)
             why = f"local only: could not publish evidence ({exc})"
             return Resolution(why, views=local_views, notes=[why])
+        self._published = max(self._published, inc.gen)
         if self.leader:
-            views, notes, remote_fr = self._gather(
+            views, notes, remote_fr, nodes = self._gather(
                 store, inc, local_views, world_size, self.policy.evidence_timeout_s
             )
             how = f"leader node {self.node_rank} over {self._heard} node(s)"
-            return Resolution(how, views=views, notes=notes, remote_fr=remote_fr, publish=True)
+            return Resolution(how, views=views, notes=[*notes, *self._auth_note()], remote_fr=remote_fr,
+                              publish=True, exchange=self._exchange(nodes))
         return self._follow(store, inc, local_views, world_size, stall_timeout_s)
+
+    def _auth_note(self) -> list[str]:
+        if self.authenticated:
+            return []
+        return ["the nodes' exchange was unauthenticated (no --store-secret-file): any process that reaches the "
+                "store could have written or removed what other nodes said"]
+
+    def _exchange(self, nodes: Mapping[int, str]) -> dict[str, Any]:
+        return {"authenticated": self.authenticated, "nodes": {str(k): v for k, v in sorted(nodes.items())}}
 
     def _follow(
         self,
@@ -473,23 +508,48 @@ class Correlator:
                 # the key exists, so waiting for it returns at once: poll, until the leader replaces it
                 time.sleep(self.policy.rejected_value_retry_s)
                 continue
-            return self._accept(key, verdict, local_views, stall_timeout_s)
+            return self._accept(key, inc, verdict, local_views, world_size, stall_timeout_s)
         why = (
             "local: no valid verdict from the leader in time (the value under verdict/ was rejected)"
             if rejected
             else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
         )
+        return self._local(inc, local_views, world_size, why)
+
+    def _local(
+        self, inc: SharedIncident, local_views: list[RankView], world_size: int, why: str,
+        refused: dict[str, Any] | None = None,
+    ) -> Resolution:
+        """This node decides: its own ranks as it holds them, the other nodes' as their evidence in the store
+        (read once) says."""
         remote_fr: dict[int, RankTrace] = {}
         views, notes = local_views, [why]
+        nodes: dict[int, str] = {self.node_rank: HEARD}
         if self.store is not None:
-            views, more, remote_fr = self._gather(self.store, inc, local_views, world_size, 0.0)
+            views, more, remote_fr, nodes = self._gather(self.store, inc, local_views, world_size, 0.0)
             notes += more
-        return Resolution(why, views=views, notes=notes, remote_fr=remote_fr)
+        return Resolution(why, views=views, notes=[*notes, *self._auth_note()], remote_fr=remote_fr,
+                          refused=refused, exchange=self._exchange(nodes))
 
     def _accept(
-        self, key: str, verdict: dict[str, Any], local_views: list[RankView], stall_timeout_s: float | None
+        self,
+        key: str,
+        inc: SharedIncident,
+        verdict: dict[str, Any],
+        local_views: list[RankView],
+        world_size: int,
+        stall_timeout_s: float | None,
     ) -> Resolution:
-        """The leader's verdict, unless it is unauthenticated and names a rank this node sees progressing."""
+        """The leader's verdict, unless it speaks of this node's ranks without this node's evidence (its
+        evidence reached the leader tampered, deleted or not at all: the leader judged them from elsewhere),
+        or it is unauthenticated and names a rank this node sees progressing. Each node keeps the right to the
+        verdict over its own ranks; the leader's is still adopted when this node's own names the same ranks."""
+        about_me = self._without_my_evidence(verdict, local_views)
+        if about_me is not None:
+            why = f"local: the leader decided without this node's evidence ({about_me}); this node holds its own ranks"
+            log.warning("remote_verdict_refused", job=self.job_id, key=key, why=about_me,
+                        initiating_ranks=verdict["initiating_ranks"][:16])
+            return self._local(inc, local_views, world_size, why, refused=verdict)
         healthy = (
             progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
             if not self.authenticated and stall_timeout_s is not None
@@ -513,6 +573,21 @@ class Correlator:
         stalled_here = stall_timeout_s is not None and any(v.since_progress_s >= stall_timeout_s for v in local_views)
         return Resolution(why, views=local_views, notes=[why], refused=verdict if stalled_here else None)
 
+    def _without_my_evidence(self, verdict: Mapping[str, Any], local_views: Sequence[RankView]) -> str | None:
+        """What in the leader's verdict says it did not judge this node's ranks on this node's evidence."""
+        exchange = verdict.get("exchange")
+        nodes = exchange.get("nodes") if isinstance(exchange, dict) else None
+        mine = nodes.get(str(self.node_rank)) if isinstance(nodes, dict) else None
+        if isinstance(mine, str) and mine != HEARD:
+            return f"it holds this node's evidence as {mine[:32]}"
+        entries = verdict.get("ranks")
+        if isinstance(entries, dict):
+            gone = [v.rank for v in local_views
+                    if isinstance(entries.get(str(v.rank)), dict) and entries[str(v.rank)].get("state") == MISSING]
+            if gone:
+                return f"it holds {fmt_ranks(gone)} as never answered"
+        return None
+
     def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
         """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""
         if self.store is None:
@@ -525,57 +600,108 @@ class Correlator:
 
     def _gather(
         self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float
-    ) -> tuple[list[RankView], list[str], dict[int, RankTrace]]:
+    ) -> tuple[list[RankView], list[str], dict[int, RankTrace], dict[int, str]]:
         """Every node's evidence for this incident, waiting up to ``wait_s`` for all ranks to be covered;
-        and the other nodes' flight-recorder traces of their own ranks."""
+        the other nodes' flight-recorder traces of their own ranks; and what was held of each node
+        (``HEARD``, ``TAMPERED``, ``UNAVAILABLE``, ``SILENT``).
+
+        Only a ``SILENT`` node — nothing under its key and no snapshot of it since the incident began — is
+        taken as down: its ranks become ``missing`` (the ``missing_node`` rung may name them). A node whose
+        value failed its checks, or vanished, or whose daemon goes on publishing snapshots while its evidence
+        key is empty, was tampered with: that is evidence about the store, never about its ranks. They are
+        judged on the node's newest authenticated snapshot when there is one, else not at all (left out of
+        the decision, and then no rank nobody heard from is named as missing either: which node it ran on is
+        not known)."""
         by_rank = {v.rank: v for v in local_views}
         remote_fr: dict[int, RankTrace] = {}
         fr_notes: list[str] = []
-        heard = {self.node_rank}
-        expected = self.nnodes or 0
+        nodes = list(self._candidate_nodes(world_size, len(local_views)))
+        held: dict[int, str] = {self.node_rank: HEARD}
+        why: dict[int, str] = {}
+        seen: set[int] = set()  # nodes with a value under their key at some read
+        before = self._snapshots(store, [k for k in nodes if k != self.node_rank])
         deadline = time.monotonic() + wait_s
         while True:
-            pending = [k for k in self._candidate_nodes(world_size, len(local_views)) if k not in heard]
+            pending = [k for k in nodes if held.get(k) != HEARD]
             keys = [f"evidence/{inc.gen}/{k}" for k in pending]
+            vanished: set[str] = set()
             try:
-                raws = self._read_evidence(store, keys, deadline - time.monotonic())
+                raws, vanished = self._read_evidence(store, keys, deadline - time.monotonic())
             except StoreError as exc:
                 self._lost(exc)
                 raws = {}
             for k, key in zip(pending, keys, strict=True):
                 raw = raws.get(key)
+                if key in vanished or (raw is None and k in seen):
+                    held[k], why[k] = UNAVAILABLE, "its evidence was deleted after it was seen"
+                    continue
                 if raw is None:
                     continue
+                seen.add(k)
                 try:
                     answer = parse_evidence_doc(store.unseal(key, raw))
                     check_binding(answer.bound, inc.incident_id, self.not_before(inc))
-                except ValueRejected as exc:  # not heard: the node's own evidence may still replace it
+                    if answer.node_rank != k:
+                        raise ValueRejected(f"evidence of node {answer.node_rank} under node {k}'s key")
+                except ValueRejected as exc:  # the node's own evidence may still replace it
                     self._reject(key, exc)
+                    held[k], why[k] = TAMPERED, str(exc)[:160]
                     continue
-                heard.add(k)
+                held[k] = HEARD
+                why.pop(k, None)
                 fr_notes.extend(answer.notes[:8])
                 for v in answer.views:
                     if v.rank not in by_rank:
                         by_rank[v.rank] = v
                         if v.rank in answer.fr:
                             remote_fr[v.rank] = answer.fr[v.rank]
+            heard = [k for k, h in held.items() if h == HEARD]
             self._heard = len(heard)
-            covered = all(r in by_rank for r in range(world_size)) and len(heard) >= expected
+            covered = all(r in by_rank for r in range(world_size)) and len(heard) >= (self.nnodes or 0)
             if covered or time.monotonic() >= deadline:
                 break
             # every key there but not every rank covered (a rejected value, or fewer nodes than guessed):
             # the store cannot wake us for a replaced value, so poll until the deadline
             time.sleep(self.policy.rejected_value_retry_s)
         notes = [f"flight recorder: {n}" for n in fr_notes[:16]]
-        missing = [r for r in range(world_size) if r not in by_rank]
+        unheard = [k for k in nodes if held.get(k) != HEARD]
+        after = self._snapshots(store, unheard) if unheard else {}
+        for k in unheard:
+            snap = after.get(k)
+            if held.get(k) is None:
+                # nothing ever under its key: down, unless its daemon shows it is alive and has answered
+                alive = snap is not None and (
+                    snap.published >= inc.gen or (k in before and snap.order > before[k].order)
+                )
+                held[k] = UNAVAILABLE if alive else SILENT
+                if alive:
+                    why[k] = "its daemon publishes on but its evidence is not in the store (deleted)"
+        tampered = sorted(k for k in unheard if held[k] != SILENT)
+        unplaced = False  # a tampered node whose ranks are not known: no unheard rank can be called missing
+        for k in tampered:
+            snap = after.get(k)
+            judged = [v for v in snap.views if v.rank not in by_rank] if snap is not None else []
+            for v in judged:
+                by_rank[v.rank] = v
+            what = f"node {k}: evidence {held[k]} ({why.get(k, '?')})"
+            if judged:
+                notes.append(f"{what}; its ranks {fmt_ranks([v.rank for v in judged])} judged on its last "
+                             f"authenticated snapshot" if self.authenticated else
+                             f"{what}; its ranks {fmt_ranks([v.rank for v in judged])} judged on its last snapshot")
+            else:
+                unplaced = unplaced or snap is None
+                notes.append(f"{what}; its ranks are not judged here (tampering is no evidence about them)")
+            log.warning("store_evidence_" + held[k], job=self.job_id, gen=inc.gen, node=k, why=why.get(k))
+        uncovered = [r for r in range(world_size) if r not in by_rank]
+        silent_ranks = {v.rank: v for k in unheard if held[k] == SILENT and (s := after.get(k)) for v in s.views}
+        missing = [r for r in uncovered if r in silent_ranks or not (tampered and unplaced)]
         if missing:
-            last = self._last_snapshots(store, world_size, len(local_views))
-            silent_nodes = sorted({last[r].node for r in missing if r in last})
+            silent_nodes = sorted({silent_ranks[r].node for r in missing if r in silent_ranks})
             for r in missing:
-                seen = last.get(r)
+                seen_view = silent_ranks.get(r)
                 by_rank[r] = (
-                    dataclasses.replace(seen, state=MISSING, stack_top=(), stack_signature=None, waiting=None)
-                    if seen is not None
+                    dataclasses.replace(seen_view, state=MISSING, stack_top=(), stack_signature=None, waiting=None)
+                    if seen_view is not None
                     else RankView(
                         rank=r,
                         node="?",
@@ -591,39 +717,60 @@ class Correlator:
                 f"no evidence from {fmt_ranks(missing)}"
                 + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
             )
-        return [by_rank[r] for r in sorted(by_rank)], notes, remote_fr
+        if len(missing) < len(uncovered):
+            notes.append(f"{fmt_ranks([r for r in uncovered if r not in missing])} not judged: the store was "
+                         "tampered with, so silence is no evidence about them")
+        return [by_rank[r] for r in sorted(by_rank)], notes, remote_fr, held
 
     @staticmethod
-    def _read_evidence(store: JobStore, keys: list[str], wait_s: float) -> dict[str, bytes]:
-        """The values under ``keys`` that exist: waits up to ``wait_s`` for all of them (the store wakes
-        the leader when the last one is set), then reads them in one round trip; after a timeout, the
-        ones there, one by one."""
+    def _read_evidence(store: JobStore, keys: list[str], wait_s: float) -> tuple[dict[str, bytes], set[str]]:
+        """The values under ``keys`` that exist, and the keys that vanished between the store saying they
+        exist and their read: waits up to ``wait_s`` for all of them (the store wakes the leader when the
+        last one is set), then reads them in one round trip; after a timeout, the ones there, one by one."""
         if not keys:
-            return {}
+            return {}, set()
         if wait_s > 0 and store.wait_for(keys, wait_s):
-            return dict(zip(keys, store.get_many(keys), strict=True))
-        return {key: raw for key in keys if (raw := store.get_raw(key)) is not None}
+            try:
+                return dict(zip(keys, store.get_many(keys), strict=True)), set()
+            except StoreError:
+                pass  # one was deleted between the wait and the read: one by one tells which
+        out: dict[str, bytes] = {}
+        vanished: set[str] = set()
+        for key in keys:
+            try:
+                raw = store.get_raw(key)
+            except Vanished:
+                vanished.add(key)
+                continue
+            if raw is not None:
+                out[key] = raw
+        return out, vanished
 
     def _candidate_nodes(self, world_size: int, local_ranks: int) -> range:
         n = self.nnodes or max(1, -(-world_size // max(1, local_ranks)))
-        return range(n)
+        return range(min(n, MAX_NODES))
 
-    def _last_snapshots(self, store: JobStore, world_size: int, local_ranks: int) -> dict[int, RankView]:
-        out: dict[int, RankView] = {}
-        for k in self._candidate_nodes(world_size, local_ranks):
+    def _snapshots(self, store: JobStore, nodes: Sequence[int]) -> dict[int, Snapshot]:
+        """Each node's newest valid snapshot; one older than one seen before (a replay) is not taken."""
+        out: dict[int, Snapshot] = {}
+        for k in nodes:
             key = f"node/{k}"
             try:
                 raw = store.get_raw(key)
                 if raw is None:
                     continue
-                _, _, _, views = parse_node_doc(store.unseal(key, raw))
+                snap = parse_snapshot(store.unseal(key, raw))
+                if snap.node_rank != k:
+                    raise ValueRejected(f"snapshot of node {snap.node_rank} under node {k}'s key")
+                if snap.order < self._snap_order.get(k, (0.0, 0)):
+                    raise ValueRejected("snapshot older than one already seen (replayed)")
             except StoreError:
                 continue
             except ValueRejected as exc:
                 self._reject(key, exc)
                 continue
-            for v in views:
-                out[v.rank] = v
+            self._snap_order[k] = snap.order
+            out[k] = snap
         return out
 
 

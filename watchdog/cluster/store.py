@@ -48,6 +48,10 @@ class ValueRejected(Exception):
     """A value in the store is malformed, oversized or of the wrong schema."""
 
 
+class Vanished(StoreError):
+    """A key the store said exists was gone when its value was read: deleted in between (a hostile client)."""
+
+
 def v_str(value: Any, field: str, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
@@ -142,8 +146,10 @@ def node_doc(
     kind: str = "snapshot",
     flight_recorder: Mapping[str, Any] | None = None,
     bound: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     doc = {
+        **(extra or {}),
         "schema": NODE_SCHEMA,
         "kind": kind,
         "node_rank": node_rank,
@@ -204,6 +210,26 @@ def _node_fields(doc: dict[str, Any]) -> tuple[int, str, int, list[RankView]]:
 
 def parse_node_doc(raw: bytes) -> tuple[int, str, int, list[RankView]]:
     return _node_fields(parse_json(raw, NODE_SCHEMA))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A node's per-poll snapshot as the leader reads it: its ranks, and the per-node sequence that says
+    whether its daemon is alive (``order`` grows with every poll of one daemon, and with a restarted one)
+    and which incident it last published evidence for (``published``)."""
+
+    node_rank: int
+    views: list[RankView]
+    order: tuple[float, int]  # (the publishing daemon's start, its poll sequence)
+    published: int  # the newest incident generation this node published evidence for (0: none)
+
+
+def parse_snapshot(raw: bytes) -> Snapshot:
+    doc = parse_json(raw, NODE_SCHEMA)
+    node_rank, _, seq, views = _node_fields(doc)
+    boot = v_float(doc.get("boot", 0.0), "boot") or 0.0
+    published = v_int(doc.get("published", 0), "published", lo=0, hi=10**9) or 0
+    return Snapshot(node_rank, views, (boot, seq), published)
 
 
 def parse_evidence_doc(raw: bytes) -> NodeEvidence:
@@ -327,6 +353,7 @@ class JobStore:
         host_server: bool,
         timeout_s: float = 5.0,
         secret: bytes | None = None,
+        op_timeout_s: float = 2.0,
     ) -> None:
         import torch.distributed as dist
 
@@ -353,6 +380,10 @@ class JobStore:
         except Exception as exc:  # RuntimeError, DistNetworkError, StoreError (no answer in time)…
             self._io.close()
             raise StoreError(f"cannot {'host' if host_server else 'reach'} store {self.address}: {exc}") from exc
+        # a get of a key deleted after ``check`` saw it waits for the key to come back up to this long (a
+        # healthy store answers in a millisecond; the connect above needed the longer timeout for DNS)
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
         self.hosting = host_server
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -417,13 +448,19 @@ class JobStore:
     def _get(self, full: str) -> bytes | None:
         if not self._store.check([full]):
             return None
-        return bytes(self._store.get(full))
+        try:
+            return bytes(self._store.get(full))
+        except Exception as exc:  # there a moment ago: deleted in between (or the connection went)
+            raise Vanished(f"{full}: gone after the store said it exists ({str(exc)[:120]})") from None
 
     def get_raw(self, key: str) -> bytes | None:
-        """The value, or None when the key does not exist (never blocks waiting for it)."""
+        """The value, or None when the key does not exist (never blocks waiting for it); Vanished when it was
+        deleted between the existence check and the read."""
         full = self._k(key)
         try:
             return cast("bytes | None", self._io.call(lambda: self._get(full), f"store get {key}"))
+        except Vanished:
+            raise
         except Exception as exc:
             raise StoreError(f"store get {key} failed: {exc}") from exc
 

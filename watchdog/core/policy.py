@@ -152,6 +152,19 @@ class ServePolicy:
     state_stale_after_s: float = 15.0
     # incidents listed in the state file (the newest; the bundles hold the rest)
     state_incidents: int = 20
+    # a restarted daemon resumes the incident its predecessor left open only for the same run of the job:
+    # the run's start is derived from the records' monotonic start and the wall clock at each look, which
+    # agree to milliseconds unless the clock was stepped; a reused job id starts seconds (a restart) apart
+    resume_generation_tolerance_s: float = 1.0
+    # polls a restarted daemon looks for the left-open incident's stall (or the job's recovery) before it
+    # drops it and detects afresh: the stall is in the records at the first poll, unless the stall timeout
+    # is still being learnt from the step history
+    resume_polls: int = 10
+    # multi-node jobs one daemon correlates at once (each: two store connections, two threads), and per job
+    # owner: a node runs a handful of jobs; a user's hundreds of job dirs claiming "node 0 of 2" must not
+    # take the daemon's fds and threads, nor other users' correlation
+    correlated_jobs: int = 64
+    correlated_jobs_per_owner: int = 8
 
 
 @dataclass(frozen=True)

@@ -395,6 +395,18 @@ class Alerter:
         if command and self._command is not None:
             self._command.put(n)
 
+    def adopt(self, verdict: dict[str, Any], bundle: str | None, starts_unix: float, owner: int = -1) -> None:
+        """An incident a previous daemon already alerted on (read back at start): nothing is sent now, but its
+        resolved notice is owed when it ends, with the start time of the alert that fired."""
+        if not self._hooks:
+            return
+        n = dataclasses.replace(incident_notice(verdict, bundle, starts_unix), owner=owner)
+        with self._lock:
+            self._owners[n.job_id] = owner
+            self._notified[n.key] = n
+            while len(self._notified) > self.policy.max_remembered:
+                self._notified.popitem(last=False)
+
     def resolve(self, job_id: str, incident_id: str, why: str) -> None:
         """The incident is over (the job recovered, was killed or ended): tell the webhooks that heard of it."""
         with self._lock:

@@ -46,7 +46,7 @@ from ..report import bundle
 from .act import Killer
 from .alerts import Alerter
 from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentRequest, IncidentResult
-from .state import StatePublisher, incident_ref, state_doc
+from .state import Resumable, StatePublisher, incident_ref, read_resumable, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -76,6 +76,8 @@ class OpenIncident:
     bundle_path: str | None
     verdict: dict[str, Any]
     pending: bool = False  # handed to the pipeline, verdict not yet decided
+    notified: bool = False  # the webhooks heard of it (a restarted daemon owes them its resolved notice)
+    opened_unix: float = 0.0
 
 
 @dataclass
@@ -93,6 +95,11 @@ class JobEntry:
     live_stragglers: dict[tuple[int, str], LiveStraggler] = field(default_factory=dict)
     live_at: float = 0.0  # monotonic time of the last live diagnosis
     live_key: tuple[tuple[int, int], ...] = ()  # (rank, last step) it saw: no new step, no new diagnosis
+    # the incident a previous daemon left open for this job (its state file under --out), until this daemon
+    # has seen whether the hang still holds (resumed: same id, no second bundle or alert) or is over
+    resume: Resumable | None = None
+    resume_polls: int = 0
+    gen_start: float | None = None  # wall-clock start of the run watched (once known; reset on a new run)
 
 
 def remote_trigger(
@@ -207,8 +214,12 @@ class Daemon:
                         log.info("job_dir_skipped", job=name, error=str(exc)[:200])
                     continue
                 self._undiscoverable.discard(name)
-                self.jobs[name] = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
-                log.info("job_discovered", job=name, owner_uid=job.uid)
+                entry = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
+                if not self.config.job_filter and not self.config.incidents_dir:
+                    entry.resume = read_resumable(self.config.out_dir, name, self.incidents_dir(name))
+                self.jobs[name] = entry
+                log.info("job_discovered", job=name, owner_uid=job.uid,
+                         **({"open_incident": entry.resume.incident_id} if entry.resume else {}))
         finally:
             os.close(base)
 
@@ -242,6 +253,7 @@ class Daemon:
             entry.incident = None
             entry.gone_since = None
             entry.live_stragglers, entry.live_key = {}, ()
+            entry.resume, entry.gen_start = None, None
             watch.longest_step_s = 0.0
             log.info("job_restarted", job=job_id, ranks=len(watch.ranks))
 
@@ -250,6 +262,15 @@ class Daemon:
         factory = self.correlator_factory
         if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
             self._factory_tried.add(job_id)
+            # every correlated job holds two store connections and two threads: bounded in all and per owner,
+            # however many job dirs claiming several nodes a user makes
+            policy = self.config.serve
+            mine = sum(1 for j in self.correlators if (e := self.jobs.get(j)) and e.watch.owner_uid == watch.owner_uid)
+            if len(self.correlators) >= policy.correlated_jobs or mine >= policy.correlated_jobs_per_owner:
+                log.warning("correlation_refused", job=job_id, owner_uid=watch.owner_uid,
+                            correlated=len(self.correlators), of_owner=mine, why="this daemon correlates at most "
+                            f"{policy.correlated_jobs} jobs, {policy.correlated_jobs_per_owner} per user")
+                return None
             correlator = factory(watch)
             if correlator is not None:
                 self.correlators[job_id] = correlator
@@ -274,6 +295,8 @@ class Daemon:
             log.exception("signals_sample_failed", job=job_id)
         if not views:
             return
+        if entry.gen_start is None:
+            entry.gen_start = watch.generation_start_unix()
         if watch.all_gone(views):
             entry.gone_since = entry.gone_since or time.monotonic()
         else:
@@ -284,7 +307,9 @@ class Daemon:
             correlator.fresh_after_unix = watch.generation_start_unix()
             correlator.publish_snapshot(watch.node, views)
         incident = entry.incident
-        if incident is None and self._quiet:
+        if incident is None and entry.resume is not None and self._resume(job_id, entry, views):
+            pass  # an incident a previous daemon reported: resumed, closed, or still being looked at
+        elif incident is None and self._quiet:
             pass  # the job is being shut down on purpose: deaths now are not incidents
         elif incident is None:
             trigger = find_trigger(views, self.config.stall, watch.longest_step_s, watch.stopped_for_s())
@@ -320,6 +345,46 @@ class Daemon:
             log.info("job_retired", job=job_id, incidents=len(entry.incidents))
             self._resolved(job_id, "job killed by --on-stall kill" if self.killed(job_id) else "job ended")
 
+    def _resume(self, job_id: str, entry: JobEntry, views: list[RankView]) -> bool:
+        """Whether the incident a previous daemon left open (``entry.resume``) decides this poll: still hung
+        (the trigger holds) — resumed under its id, bundle and alert, nothing written or sent again; the job
+        recovered meanwhile — closed, with the resolved notice its alert is owed; another run of the job id,
+        or neither within ``ServePolicy.resume_polls`` — dropped, and detection goes on as for any job."""
+        r, watch, stall = entry.resume, entry.watch, self.config.stall
+        assert r is not None
+        tolerance = self.config.serve.resume_generation_tolerance_s
+        if r.generation_start_unix is None or entry.gen_start is None or (
+            abs(entry.gen_start - r.generation_start_unix) > tolerance
+        ):
+            entry.resume = None
+            log.info("incident_not_resumed", job=job_id, incident=r.incident_id, why="another run of the job")
+            return False
+        trigger = find_trigger(views, stall, watch.longest_step_s, watch.stopped_for_s())
+        over = trigger is None and recovered(views, stall, watch.longest_step_s)
+        entry.resume_polls += 1
+        if trigger is None and not over:
+            if entry.resume_polls < self.config.serve.resume_polls:
+                return True
+            entry.resume = None
+            log.info("incident_not_resumed", job=job_id, incident=r.incident_id, why="no stall and no recovery seen")
+            return False
+        entry.resume = None
+        with self._lock:
+            entry.incidents.append(r.incident_id)
+            entry.verdicts.append(r.verdict)
+            entry.bundles[r.incident_id] = r.bundle
+        if r.notified and self.alerts is not None:
+            self.alerts.adopt(r.verdict, r.bundle, r.opened_unix, owner=watch.owner_uid)
+        if trigger is not None:
+            entry.incident = OpenIncident(r.incident_id, trigger, r.bundle, r.verdict, notified=r.notified,
+                                          opened_unix=r.opened_unix)
+            log.warning("incident_resumed", job=job_id, incident=r.incident_id, bundle=r.bundle,
+                        kind=r.verdict.get("kind"), initiating_ranks=r.verdict.get("initiating_ranks"))
+        else:
+            log.info("incident_closed", job=job_id, incident=r.incident_id, why="recovered while no daemon watched")
+            self._resolved(job_id, "job recovered", r.incident_id)
+        return True
+
     def publish_state(self, job_id: str, entry: JobEntry, *, force: bool = False) -> None:
         """The job's state file for ``rankwatch status`` (never fatal: status falls back to the records)."""
         watch, stall = entry.watch, self.config.stall
@@ -328,6 +393,7 @@ class Daemon:
         open_doc = None
         if incident is not None and incident.verdict:
             open_doc = incident_ref(incident.verdict, bundle=incident.bundle_path)
+            open_doc.update(notified=incident.notified, opened_unix=round(incident.opened_unix, 3))
         elif incident is not None:  # handed to the pipeline, not decided yet: what the trigger said
             trigger = incident.trigger
             open_doc = incident_ref(
@@ -338,6 +404,7 @@ class Daemon:
         keep = self.config.serve.state_incidents
         doc = state_doc(
             job_id=job_id,
+            generation_start_unix=entry.gen_start,
             mode="run" if self.config.job_filter else "daemon",
             on_stall=self.config.on_stall,
             stall_timeout_s=stall.timeout_for(watch.longest_step_s),
@@ -447,13 +514,15 @@ class Daemon:
             prior=prior_verdict(entry.verdicts[-1:], killed=self.config.on_stall == "kill"),
             owner_uid=watch.owner_uid,
         )
-        entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True)
+        opened = time.time()
+        entry.incident = OpenIncident(incident_id, trigger, None, {}, pending=True, opened_unix=opened)
         self._mark_owner(job_id, watch.owner_uid)
 
         def done(result: IncidentResult) -> None:
             with self._lock:
                 self._in_flight[owner] = max(0, self._in_flight.get(owner, 0) - 1)
-                entry.incident = OpenIncident(result.incident_id, trigger, result.bundle_path, result.verdict)
+                entry.incident = OpenIncident(result.incident_id, trigger, result.bundle_path, result.verdict,
+                                              notified=result.notified, opened_unix=opened)
                 entry.incidents.append(result.incident_id)
                 entry.verdicts.append(result.verdict)
                 if result.bundle_path is not None:

@@ -84,6 +84,7 @@ class IncidentResult:
     verdict: dict[str, Any]
     bundle_path: str | None
     views: list[RankView] = field(default_factory=list)
+    notified: bool = False  # the webhooks were told (a resolved notice is owed when it ends)
 
 
 @dataclass(frozen=True)
@@ -212,9 +213,10 @@ class IncidentPipeline:
         ev = self.evidence(req, self.capture(req))
         verdict, decided_here = self.decide(req, ev)
         # exits that follow rankwatch's own kill are that incident's consequences: no second alert
-        path = self.publish(req, verdict, ev, notify=decided_here and not verdict.get("follows_incident"))
+        notify = decided_here and not verdict.get("follows_incident")
+        path = self.publish(req, verdict, ev, notify=notify)
         self.act(req)
-        return IncidentResult(incident_id, verdict, path, ev.views)
+        return IncidentResult(incident_id, verdict, path, ev.views, notified=notify and self.alerts is not None)
 
     def open(self, req: IncidentRequest) -> tuple[SharedIncident | None, str]:
         """Claim the incident for every node (multi-node jobs), so all nodes share one id."""
@@ -451,7 +453,7 @@ class IncidentPipeline:
             path = self.publish(req, verdict, IncidentEvidence(list(req.views), {}, FrFindings((), None, ()), []))
         except Exception:
             log.exception("incident_publish_failed", job=req.job_id, incident=req.incident_id)
-        return IncidentResult(req.incident_id, verdict, path, list(req.views))
+        return IncidentResult(req.incident_id, verdict, path, list(req.views), notified=self.alerts is not None)
 
 
 DECIDED_HERE, LEADER, CONFIRMED = "here", "leader", "confirmed"
@@ -471,6 +473,8 @@ def correlate_and_decide(
     if res.verdict is not None:
         return res.verdict, res.how, LEADER
     verdict = decide_over(res.views, res.notes, res.how, res.remote_fr)
+    if res.exchange is not None:  # what this node held of every node's evidence, authenticated or not
+        verdict = {**verdict, "exchange": res.exchange}
     if res.refused is not None and confirms_refused(verdict, res.refused):
         return res.refused, res.how, CONFIRMED
     if res.publish:

@@ -16,10 +16,11 @@ import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from rankwatch.hooks.files import atomic_write_in
+from rankwatch.hooks.files import atomic_write_in, read_in
 
 from ..core.schema import STATE_SCHEMA
 from ..core.text import NAME, PROSE, clean
@@ -29,6 +30,7 @@ log = structlog.get_logger("rankwatch.state")
 STATE_FILE = "watchdog.json"  # in the job's shm dir
 OUT_STATE_FILE = "state.json"  # in <daemon out>/<job>/
 MAX_STATE_BYTES = 256 * 1024
+MAX_VERDICT_BYTES = 64 << 20  # a verdict of 8,192 ranks is a few MiB
 
 
 def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool = True) -> dict[str, Any]:
@@ -51,6 +53,7 @@ def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool
 def state_doc(
     *,
     job_id: str,
+    generation_start_unix: float | None = None,
     mode: str,
     on_stall: str,
     stall_timeout_s: float,
@@ -72,7 +75,59 @@ def state_doc(
         "open_incident": open_incident,
         "incidents": list(incidents),
         "stragglers": list(stragglers),
+        # which run of the job the open incident belongs to (a daemon restarted later resumes it only for
+        # the same run: a reused job id is a new run)
+        "generation_start_unix": None if generation_start_unix is None else round(generation_start_unix, 3),
     }
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """An incident a previous daemon reported for a job and had not closed when it stopped: what a restarted
+    daemon needs to carry it on (same id, same bundle; its alert already sent) instead of opening it again."""
+
+    incident_id: str
+    verdict: dict[str, Any]
+    bundle: str
+    notified: bool  # the webhooks heard of it: a resolved notice is owed when it ends
+    opened_unix: float
+    generation_start_unix: float | None
+
+
+def read_resumable(out_dir: str, job_id: str, incidents_dir: str) -> Resumable | None:
+    """The open incident in ``<out>/<job>/state.json`` (this daemon's own directory, never the job dir a user
+    writes), if its bundle exists under ``incidents_dir`` and its verdict reads back; None otherwise. Every
+    field is re-typed: a file is not trusted because the daemon once wrote it."""
+    try:
+        raw = read_in(os.path.join(out_dir, job_id), OUT_STATE_FILE, MAX_STATE_BYTES)
+        doc = json.loads(raw) if len(raw) <= MAX_STATE_BYTES else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA or doc.get("job_id") != job_id:
+        return None
+    inc = doc.get("open_incident")
+    if not isinstance(inc, dict) or inc.get("decided") is not True:
+        return None
+    incident_id, path = inc.get("incident_id"), inc.get("bundle")
+    if not isinstance(incident_id, str) or not isinstance(path, str):
+        return None
+    if os.path.normpath(path) != os.path.join(os.path.normpath(incidents_dir), incident_id):
+        return None  # a bundle this daemon writes is <incidents dir>/<incident id>, nowhere else
+    try:
+        verdict = json.loads(read_in(path, "verdict.json", MAX_VERDICT_BYTES))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(verdict, dict) or verdict.get("incident_id") != incident_id:
+        return None
+    gen, opened = doc.get("generation_start_unix"), inc.get("opened_unix")
+    return Resumable(
+        incident_id=incident_id,
+        verdict=verdict,
+        bundle=path,
+        notified=inc.get("notified") is True,
+        opened_unix=float(opened) if isinstance(opened, (int, float)) and not isinstance(opened, bool) else time.time(),
+        generation_start_unix=float(gen) if isinstance(gen, (int, float)) and not isinstance(gen, bool) else None,
+    )
 
 
 class StatePublisher:
