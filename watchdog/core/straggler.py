@@ -506,6 +506,11 @@ def _slower_everywhere(
     for p in phases:
         base = _median([_mean(compared[p][q]) for q in peers])
         if base < policy.rank_wide_min_phase_ms:
+            e = trimmed_mean(per_step_excess[(rank, p)], policy.trim_share)
+            if base > 0 and e >= policy.rank_wide_min_phase_ms:
+                # a short phase is no evidence of a slowdown everywhere, but a large excess in it is evidence
+                # against one: extra work of its own in a phase its peers pass in 0.3 ms (``like_factor``)
+                relative.append(e / base)
             continue
         e = trimmed_mean(per_step_excess[(rank, p)], policy.trim_share)
         if e < policy.rank_wide_rel_share * base:
