@@ -400,7 +400,7 @@ def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdi
     the claim (issued before this daemon started), not a node's evidence or the leader's verdict of an earlier
     incident under the same ``evidence/<gen>``/``verdict/<gen>`` keys (bound to their incident and time)."""
     from conftest import free_port, resolve_and_decide
-    from rankwatch.watchdog.cluster.correlate import Correlator, SharedIncident
+    from rankwatch.watchdog.cluster.correlate import HEARD, Correlator, SharedIncident
     from rankwatch.watchdog.core.policy import CorrelationPolicy
     from rankwatch.watchdog.core.snapshot import RankView
     from rankwatch.watchdog.verdict import decide
@@ -454,8 +454,10 @@ def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdi
         fresh = SharedIncident(gen=1, incident_id="20260101T000000Z-001-stall", by_node=0, trigger={},
                                issued=time.time())
         # the leader, gathering for it before node 1 answered, does not take node 1's old evidence
-        views, notes, _ = leader._gather(leader.store, fresh, [view(0, "backward", 9.0)], 2, 0.5)
-        assert [v.state for v in views if v.rank == 1] == ["missing"], (views, notes)
+        # (a replayed value is tampering: node 1 is not heard, and its old evidence is not rank 1's state now)
+        views, notes, _, held = leader._gather(leader.store, fresh, [view(0, "backward", 9.0)], 2, 0.5)
+        assert held.get(1) != HEARD, (held, notes)
+        assert not [v for v in views if v.rank == 1 and v.phase == "dataloader"], (views, notes)
         # nor does node 1 adopt the old verdict
         adopted, how, decided_here = resolve_and_decide(new, fresh, [view(1, "forward", 0.2)], "n1", 2,
                                                     decide_fn(fresh.incident_id))
