@@ -149,6 +149,15 @@ def rankwatch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rankwatch.watchdog.cli", *args]
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: it waits only for whoever reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, rankwatch_cmd, wait_for
+from conftest import REPO, alive, free_port, rankwatch_cmd, wait_for
 from test_alerts import Receiver, Trickler
 
 AM_BIN = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -98,14 +98,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_hang_fires_in_alertmanager_and_resolves_when_the_job_recovers(tmp_path, alertmanager):
     base, notified = alertmanager
     plain, trickler = Receiver(), Trickler()
@@ -149,7 +141,7 @@ def test_hang_fires_in_alertmanager_and_resolves_when_the_job_recovers(tmp_path,
         assert env["RANKWATCH_CONFIDENCE"] == verdict["confidence"] and env["RANKWATCH_REASON"]
         assert "\n" not in env["RANKWATCH_REASON"] and env["RANKWATCH_BUNDLE"] == alert["annotations"]["bundle"]
         child = int(wait_for(lambda: child_pid.exists() and child_pid.read_text().strip(), 30))
-        assert wait_for(lambda: not _alive(child), 30), "the command's setsid child outlived it"
+        assert wait_for(lambda: not alive(child), 30), "the command's setsid child outlived it"
 
         job.send_signal(signal.SIGUSR1)  # rank 1 goes on: the job recovers
         assert wait_for(lambda: ("resolved", labels) in am_notifications(notified), 90), log.read_text()[-3000:]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import alive, wait_for
 from rankwatch.hooks.responder import DumpResponder, ctl_path
 from rankwatch.watchdog.evidence import capture
 from rankwatch.watchdog.evidence.capture import DumpRequest, RankCapture, collect_dump, request_dump
@@ -216,15 +216,6 @@ HANGS = "sleep 300"
 ANSWERS = "echo '[]'; exit 0"
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie is dead: it waits only for whoever reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _fake_pyspy_on_path(tmp_path: Path, monkeypatch, last: str) -> Path:
     """The wrapper as `py-spy` on PATH, nothing beside this Python: where the capture code looks it up."""
     d = tmp_path / "pids"
@@ -270,8 +261,8 @@ def test_a_capture_that_times_out_leaves_no_process_it_started(tmp_path, monkeyp
             threads, err = answer["threads"], answer["error"]
         assert (threads, err) == (None, "py-spy timed out after 3.0s")
         pids = _started(d)
-        assert wait_for(lambda: not any(_alive(p) for p in pids.values()), 10), \
-            {name: pid for name, pid in pids.items() if _alive(pid)}
+        assert wait_for(lambda: not any(alive(p) for p in pids.values()), 10), \
+            {name: pid for name, pid in pids.items() if alive(pid)}
     finally:
         _kill_leftovers(d)
 
@@ -284,7 +275,7 @@ def test_a_capture_that_answers_leaves_no_process_it_started_and_does_not_wait_f
     try:
         assert capture.pyspy_dump(os.getpid(), 60.0, nonblocking=False, include_locals=False) == ([], None)
         pids = _started(d)
-        assert wait_for(lambda: not any(_alive(p) for p in pids.values()), 10), \
-            {name: pid for name, pid in pids.items() if _alive(pid)}
+        assert wait_for(lambda: not any(alive(p) for p in pids.values()), 10), \
+            {name: pid for name, pid in pids.items() if alive(pid)}
     finally:
         _kill_leftovers(d)
