@@ -140,8 +140,10 @@ def test_v3_class_right_today_stays_right(procs, tmp_path, name):
         assert set(v["initiating_ranks"]) <= set(plan.truth), v["reason"]
     if name == "helper-thread-dies":  # the dead thread's exception is the cause the verdict carries
         assert "thread prefetch: RuntimeError: corrupt record in shard" in first["reason"], why
-    if name == "first-step-hang":  # decided after the stall timeout, not after the start-up budget (300 s)
-        assert first["trigger"]["kind"] == "stall" and first["detected_after_s"] < 60, first["trigger"]
+    if name == "first-step-hang":
+        # a stall of the late rank once the others wait (3x their start-up: tens of seconds on a loaded host),
+        # never the 300 s start-up budget it waited for before
+        assert first["trigger"]["kind"] == "stall" and first["detected_after_s"] < 300, first["trigger"]
 
 
 @pytest.mark.slow
