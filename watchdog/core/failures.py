@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .ranks import rank_list
+
 INITIATING = "initiating"
 CONSEQUENCE = "consequence"
 
@@ -45,27 +47,14 @@ MAX_NAMED = 4096
 """At most this many ranks are read from one message (a garbled or hostile line cannot make millions)."""
 
 
-def _ranks(spec: str) -> frozenset[int]:
-    out: set[int] = set()
-    for part in re.split(r"[,\s]+", spec.strip()):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            continue
-        a, b = int(lo), int(hi) if hi else int(lo)
-        out.update(range(a, min(b, a + MAX_NAMED - len(out)) + 1))
-        if len(out) >= MAX_NAMED:
-            break
-    return frozenset(out)
-
-
 def waited_for(message: str | None) -> frozenset[int] | None:
     """The ranks a message says its printer waited for (``NAMED_WAITS``); None when it names nobody."""
     if not message or "monitoredBarrier" not in message:  # every row's message names it: a cheap gate
         return None
     for row in NAMED_WAITS:
         m = row.regex.search(message)
-        if m is not None and (ranks := _ranks(m.group(1))):
-            return ranks
+        if m is not None and (ranks := rank_list(m.group(1), limit=MAX_NAMED)):
+            return frozenset(ranks)
     return None
 
 

@@ -15,6 +15,9 @@ from typing import TypeVar
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
+MAX_RANK = 10_000_000
+"""A rank number above this in text is no rank (a stray number, not a job's)."""
+
 NO_RANK = "no rank"
 """What ``fmt_ranks`` writes for an empty set."""
 
@@ -121,3 +124,17 @@ def fold_rank_lines(lines: Sequence[str]) -> list[str]:
             order.append(("group", text))
         groups[text].append(int(m.group(1)))
     return [item if kind == "line" else f"{fmt_ranks(groups[item])}: {item}" for kind, item in order]
+
+
+def rank_list(text: str, limit: int = 65_536) -> list[int]:
+    """"0, 2-4" or "ranks 0–2, 5" (the desync report's and ``fmt_ranks``' forms) as ranks, bounded."""
+    out: list[int] = []
+    for part in text.replace("ranks", "").replace("rank", "").replace("–", "-").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            continue
+        start, end = int(lo), int(hi) if hi else int(lo)
+        if end < start or end > MAX_RANK or end - start + len(out) > limit:
+            continue
+        out.extend(range(start, end + 1))
+    return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.phases import COLLECTIVE, IDLE
+from ..core.ranks import rank_list
 from ..core.schema import HEADLINES
 from ..core.stack_phase import phase_from_frames
 from ..core.stacks import Frame
@@ -304,7 +305,7 @@ def _rankwatch(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: 
     m = _m(m)
     kind = _KIND_OF_HEADLINE.get(m.group(1).strip(), "unknown")
     detail = f"{kind}|{m.group(4)}|{m.group(3) or ''}"
-    named = [] if m.group(2) == "no single rank" else pt.rank_list(m.group(2), limit=4096)
+    named = [] if m.group(2) == "no single rank" else rank_list(m.group(2), limit=4096)
     if not named:
         return [mk(ev.RANKWATCH, rank=None, local_rank=None, pid=None, detail=detail)]
     return [mk(ev.RANKWATCH, rank=r, local_rank=None, pid=None, detail=detail) for r in named]
@@ -312,7 +313,7 @@ def _rankwatch(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: 
 
 def _desync(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     m = _m(m)
-    lagging = pt.rank_list(m.group(1), limit=4096)
+    lagging = rank_list(m.group(1), limit=4096)
     seq = int(m.group(3) or m.group(5) or 0) or None
     how = ("finished collective #{0}, but didn't join the next" if m.group(2) else
            "joined but didn't finish collective #{0}" if m.group(4) else "never joined any collective")

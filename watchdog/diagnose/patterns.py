@@ -13,6 +13,7 @@ import signal as _signal
 from dataclasses import dataclass
 
 from ..core.failures import COMMUNICATION, WATCHDOG_ABORT
+from ..core.ranks import MAX_RANK
 
 # --- cheap prefilter ----------------------------------------------------------------------------
 # A line can only matter if it contains one of these literals, so only such lines reach Python.
@@ -88,7 +89,6 @@ _TS_PREFIX = re.compile(
 _PYLOG_PREFIX = re.compile(_LEVEL + r":[\w.\-]{1,80}:")
 MAX_PREFIXES = 8  # prefixes stripped from one line (timestamp, pid, [defaultN]:, [rankN]:, …)
 
-MAX_RANK = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,18 +285,6 @@ RANKWATCH_HEADLINE = re.compile(
 )
 
 
-def rank_list(text: str, limit: int = 65_536) -> list[int]:
-    """"0, 2-4" or "ranks 0–2, 5" (the desync report's and ``fmt_ranks``' forms) as ranks, bounded."""
-    out: list[int] = []
-    for part in text.replace("ranks", "").replace("rank", "").replace("–", "-").split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            continue
-        start, end = int(lo), int(hi) if hi else int(lo)
-        if end < start or end > MAX_RANK or end - start + len(out) > limit:
-            continue
-        out.extend(range(start, end + 1))
-    return out
 
 # --- NCCL (src/debug.cc ncclDebugLogV): "[ts] host:pid:tid [dev] file:line (func) NCCL WARN msg" ---
 NCCL_WARN = re.compile(
