@@ -70,6 +70,8 @@ def test_two_runs_with_one_metrics_port_both_run_and_the_second_says_where_it_se
     first = Run(procs, tmp_path, "job-a", "--quiet", "--metrics-port", str(port))
     assert wait_for(lambda: healthz_polls(port) is not None or first.proc.poll() is not None, 120)
     assert first.proc.poll() is None, first.finish()
+    # the server answers as soon as it is bound; the file naming it is written right after
+    assert wait_for(lambda: (first.out / "metrics-target.json").exists(), 30)
     assert json.loads((first.out / "metrics-target.json").read_text()) == [
         {"targets": [f"127.0.0.1:{port}"], "labels": {"rankwatch_run": "job-a"}}]
 
