@@ -480,8 +480,9 @@ def pytest_collection_modifyitems(config, items):
 
 def resolve_and_decide(corr, inc, views, node: str, world: int, decide, **kw):
     """A correlator used as the incident pipeline uses it (``serve.incident.correlate_and_decide``, ``decide``
-    as ``(views, notes, how, remote_fr) -> verdict``). (verdict, how, decided here)."""
+    as ``(views, notes, how, remote_fr) -> VerdictDocument``). (the verdict as sinks get it: its JSON, how,
+    decided here)."""
     from rankwatch.watchdog.serve.incident import DECIDED_HERE, correlate_and_decide
 
     verdict, how, source = correlate_and_decide(corr, inc, views, node, world, decide, **kw)
-    return verdict, how, source == DECIDED_HERE
+    return verdict.to_json(), how, source == DECIDED_HERE

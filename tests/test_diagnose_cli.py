@@ -25,7 +25,8 @@ def test_text_names_the_initiator() -> None:
     p = run(str(LOGS / "torchrun_tee/dead_rank_r2.log"))
     assert p.returncode == 0, p.stderr
     first = p.stdout.splitlines()[0]
-    assert first.startswith("INITIATOR: rank 2") and "dead_rank" in first
+    # the live verdict's headline (one renderer for live and offline)
+    assert first.startswith("DEAD RANK — initiating rank 2"), first
     assert "dead_rank_r2.log:87:" in p.stdout  # evidence as file:line
     assert "next:" in p.stdout and "other ranks:" in p.stdout
 
@@ -56,7 +57,7 @@ def test_stdin() -> None:
 def test_directory_argument() -> None:
     p = run(str(LOGS / "logdir_input_hang_r3"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("INITIATOR: rank 3 — hang")
+    assert p.stdout.startswith("HANG — initiating rank 3")
     assert "read 9 source(s)" in p.stdout
 
 
@@ -113,7 +114,7 @@ def test_a_log_with_a_few_odd_bytes_is_still_read(tmp_path: Path) -> None:
     for log in (odd, holed):
         p = run(str(log))
         assert p.returncode == 0, p.stderr
-        assert p.stdout.startswith("INITIATOR: rank 2"), p.stdout[:300]
+        assert p.stdout.startswith("DEAD RANK — initiating rank 2"), p.stdout[:300]
 
 
 def test_a_binary_file_in_a_log_directory_is_skipped(tmp_path: Path) -> None:
@@ -122,12 +123,12 @@ def test_a_binary_file_in_a_log_directory_is_skipped(tmp_path: Path) -> None:
     shutil.copyfile("/bin/true", logs / "core")  # a core file, no telling extension
     p = run(str(logs))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("INITIATOR: rank 3 — hang") and "read 9 source(s)" in p.stdout
+    assert p.stdout.startswith("HANG — initiating rank 3") and "read 9 source(s)" in p.stdout
 
 
 def test_several_sources_at_once() -> None:
     p = run(str(LOGS / "templated/ecc_r1/slurm-771.out"), str(LOGS / "templated/ecc_r1/dmesg.txt"))
-    assert p.returncode == 0 and p.stdout.startswith("INITIATOR: rank 1")
+    assert p.returncode == 0 and "— initiating rank 1" in p.stdout.splitlines()[0]
     assert "Xid 48" in p.stdout or "Xid (PCI" in p.stdout
 
 
@@ -142,4 +143,4 @@ def test_a_whole_node_lost_at_once_is_undecided() -> None:
     assert doc["finding"]["data"]["unseen"] == [4, 5]  # never printed a line, yet they exist
     assert doc["finding"]["data"]["silent"] == [4, 5, 7]
     text = run(str(LOGS / "console/node_lost_4n")).stdout
-    assert text.startswith("NO SINGLE INITIATOR") and "rank 7" in text.splitlines()[1]
+    assert "— initiating no single rank" in text.splitlines()[0] and "rank 7" in text.splitlines()[1]

@@ -296,7 +296,7 @@ def test_several_jobs_cli_text_and_json() -> None:
     p = run(str(REAL / "several_jobs"))
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("4 jobs in these logs")
-    assert p.stdout.count("=== job ") == 4 and p.stdout.count("INITIATOR: ") == 4
+    assert p.stdout.count("=== job ") == 4 and p.stdout.count(" — initiating ") == 4
     assert "Slurm job 48811" in p.stdout and "torchrun run pretrain-7b" in p.stdout
     assert "not assigned to any job:" in p.stdout and "notes.txt" in p.stdout
     p = run("--json", str(REAL / "several_jobs"))

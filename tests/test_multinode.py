@@ -190,7 +190,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
         4,
         lambda vs, notes, how, remote_fr: decide(
             vs, job_id="g", incident_id="inc", detected_after_s=1.0, extra_evidence=notes
-        ).to_json(),
+        ).document(),
     )
     assert decided_here
     assert how.startswith("local")
@@ -200,7 +200,7 @@ def test_garbage_in_the_store_is_rejected_with_a_log_line(procs, tmp_path):
 
 
 def test_published_verdict_is_slim_for_very_large_jobs():
-    from rankwatch.watchdog.cluster.correlate import slim_verdict
+    from rankwatch.watchdog.core.policy import CorrelationPolicy
     from rankwatch.watchdog.core.snapshot import RankView
     from rankwatch.watchdog.verdict import decide
 
@@ -220,10 +220,11 @@ def test_published_verdict_is_slim_for_very_large_jobs():
     views[1234] = RankView(
         rank=1234, node="n154", pid=9, state="running", step=5, phase="dataloader", in_phase_s=9.0, since_progress_s=9.0
     )
-    full = decide(views, job_id="big", incident_id="i", detected_after_s=9.0).to_json()
+    doc = decide(views, job_id="big", incident_id="i", detected_after_s=9.0).document()
+    full = doc.to_json()
     assert full["initiating_ranks"] == [1234]
     assert "ranks 0–1233, 1235–4095 wait" in full["reason"]
-    slim = slim_verdict(full)
+    slim = doc.slimmed(CorrelationPolicy().slim_verdict_above_ranks).to_json()
     assert list(slim["ranks"]) == ["1234"] and slim["ranks_slimmed"]
     assert len(json.dumps(slim)) < 100_000 < len(json.dumps(full))
 

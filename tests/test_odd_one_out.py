@@ -151,9 +151,9 @@ def test_every_path_names_the_same_odd_ranks_in_the_same_words(name: str) -> Non
         assert d.reason.startswith(f"{who} called ")
         assert f"initiating {who} in phase" in headline(v)
         assert f"initiating {who} in phase" in headline(vf)
-        assert render_text(d, evidence).startswith(f"INITIATOR: {who} — collective_mismatch")
+        assert render_text(d, evidence).startswith(f"COLLECTIVE MISMATCH — initiating {who}")
     else:
         assert "no majority" in v["reason"] and "no majority" in vf["reason"] and "no majority" in fr_line
         assert "no group is a minority" in d.reason
         assert "initiating no single rank" in headline(v)
-        assert render_text(d, evidence).startswith("NO SINGLE INITIATOR — collective_mismatch")
+        assert render_text(d, evidence).startswith("COLLECTIVE MISMATCH — initiating no single rank")

@@ -7,6 +7,7 @@ ptys, fd limits and a store that never answers. The daemon is a real ``rankwatch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -412,9 +413,8 @@ def test_a_restarted_daemon_never_replays_the_stores_old_claim_evidence_or_verdi
     def decide_fn(incident_id: str):
         def fn(views, notes, how, remote_fr):
             doc = decide(views, job_id="job", incident_id=incident_id, detected_after_s=1.0,
-                         extra_evidence=list(notes)).to_json()
-            doc["correlation"] = how
-            return doc
+                         extra_evidence=list(notes)).document()
+            return dataclasses.replace(doc, correlation=how)
         return fn
 
     port = free_port()

@@ -9,6 +9,7 @@ healthy two-node torchrun job for the end-to-end check.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -49,9 +50,8 @@ def view(rank: int, *, phase: str = "forward", since: float = 0.2, state: str = 
 
 def decide_fn(job: str):
     def fn(views, notes, how, remote_fr):
-        doc = decide(views, job_id=job, incident_id="inc", detected_after_s=1.0, extra_evidence=list(notes)).to_json()
-        doc["correlation"] = how
-        return doc
+        doc = decide(views, job_id=job, incident_id="inc", detected_after_s=1.0, extra_evidence=list(notes))
+        return dataclasses.replace(doc.document(), correlation=how)
 
     return fn
 

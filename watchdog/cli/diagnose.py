@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
+from ..core.document import VerdictDocument
 from ..diagnose import Job, JobsResult, diagnose_jobs
 from ..diagnose.render import render_jobs, ungrouped_note
 from .argparser import Parser
@@ -29,14 +31,12 @@ def build_parser() -> Parser:
     return p
 
 
-def _doc(job: Job, result: JobsResult, several: bool) -> dict[str, Any]:
-    doc = job.diagnosis.to_json()
+def _doc(job: Job, result: JobsResult, several: bool) -> VerdictDocument:
+    doc = job.diagnosis.document()
     if several:  # one job keeps the single document exactly as before
-        doc["job_id"] = job.job_id
-        doc["job"] = job.label
-        doc["sources"] = job.files[:1000]
-        if result.ungrouped:
-            doc["notes"] = [*doc["notes"], ungrouped_note(result.ungrouped)]
+        doc = replace(doc, job_id=job.job_id, job=job.label, sources=tuple(job.files[:1000]))
+    if result.ungrouped and doc.offline is not None:
+        doc = replace(doc, offline=replace(doc.offline, notes=(*doc.offline.notes, ungrouped_note(result.ungrouped))))
     return doc
 
 
@@ -45,10 +45,8 @@ def main(argv: list[str]) -> int:
     result = diagnose_jobs(args.logs)
     several = len(result.jobs) > 1
     if args.json:
-        docs = [_doc(j, result, several) for j in result.jobs]
+        docs = [_doc(j, result, several).to_json() for j in result.jobs]
         out: Any = docs if several else docs[0]
-        if not several and result.ungrouped:
-            out["notes"] = [*out["notes"], ungrouped_note(result.ungrouped)]
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         sys.stdout.write(render_jobs(result))

@@ -19,16 +19,17 @@ import stat
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.document import VerdictDocument
 from ..core.fr_trace import RankTrace
 from ..core.inspect_facts import Progress, RankFact, RankLook, judge_progress, views_from_facts
 from ..core.policy import CapturePolicy, InspectPolicy
 from ..core.schema import RUNNING_SCHEMA
 from ..core.snapshot import RankView
 from ..core.stacks import Frame
-from ..core.text import NAME, clean, clean_doc
+from ..core.text import NAME, clean
 from ..errors import UserError
 from ..observe.discover import Job, discover, read_proc, select
 from ..observe.process import protected_pids
@@ -114,7 +115,7 @@ def facts_of(job: Job, captures: Mapping[int, Any], cpu: Mapping[int, float], no
 def _decide(
     job: Job, incident_id: str, views: Sequence[RankView], captures: Mapping[int, Any],
     remote_fr: Mapping[int, RankTrace], notes: Sequence[str],
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[VerdictDocument, Any]:
     from ..evidence.flight_recorder import fr_evidence, with_remote
 
     fr = with_remote(fr_evidence({r: c for r, c in captures.items() if c.fr_trace is not None}), remote_fr)
@@ -122,10 +123,9 @@ def _decide(
         views, job_id=job.job_id, incident_id=incident_id, detected_after_s=0.0,
         extra_evidence=[*fr.lines, *notes], fr_hints=fr.hints,
         steps_known=False,  # no record: step counters and phase timers are unknown, the reason names none
-    ).to_json()
-    verdict["source"] = "inspect"
+    ).document()
     # the job's strings cleaned before the verdict goes anywhere: with --store the leader publishes this one
-    return clean_doc(verdict), fr
+    return replace(verdict, source="inspect").cleaned(), fr
 
 
 @dataclass
@@ -229,18 +229,20 @@ def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str
         verdict = _shared_verdict(job, args, node, views, captures, fr.traces, notes, incident_id)
     # where this node's flight-recorder dumps came from, by rank: {"from": "debug_server", "address": ...}
     # or {"from": "file", "path": ...}; only the ones that parsed
-    verdict["flight_recorder_sources"] = {str(r): fr_sources[r] for r in sorted(fr.traces) if r in fr_sources}
+    verdict = replace(
+        verdict, flight_recorder_sources={str(r): fr_sources[r] for r in sorted(fr.traces) if r in fr_sources}
+    )
     # once more over the whole: a leader's verdict read from the store (anyone reaching it could write one)
     # and the dump paths the job's environment named; the bundle and the terminal get the same safe text
-    verdict = clean_doc(verdict)
-    path = _write_bundle(args.out, job, verdict, views, captures)
-    return verdict, path
+    doc = verdict.cleaned().to_json()
+    path = _write_bundle(args.out, job, doc, views, captures)
+    return doc, path
 
 
 def _shared_verdict(
     job: Job, args: argparse.Namespace, node: str, views: Sequence[RankView], captures: Mapping[int, Any],
     fr_traces: Mapping[int, RankTrace], notes: Sequence[str], incident_id: str,
-) -> dict[str, Any]:
+) -> VerdictDocument:
     from ..cluster.auth import load_secret
     from ..cluster.inspect_exchange import exchange
     from ..cluster.store import JobStore, StoreError
@@ -269,8 +271,7 @@ def _shared_verdict(
         )
     except StoreError as exc:
         verdict, _ = _decide(job, incident_id, views, captures, {}, [*notes, f"store: {exc}; this node's ranks only"])
-        verdict["correlation"] = f"local only ({exc})"
-        return verdict
+        return replace(verdict, correlation=f"local only ({exc})")
     return shared.verdict
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from ..core.detect import progressing_here
-from ..core.doc_checks import store_verdict_problems
+from ..core.document import DocumentError, VerdictDocument
 from ..core.fr_trace import RankTrace
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
@@ -78,7 +78,7 @@ class Resolution:
     over itself — as the leader (``publish``: hand the verdict to ``publish_verdict``) or alone."""
 
     how: str  # how the nodes agreed (or why this node decides alone)
-    verdict: dict[str, Any] | None = None
+    verdict: VerdictDocument | None = None
     views: Sequence[RankView] = ()
     notes: Sequence[str] = ()
     remote_fr: Mapping[int, RankTrace] = field(default_factory=dict)
@@ -86,7 +86,7 @@ class Resolution:
     # the leader's verdict this node refused (it names a rank this node saw progressing) while this node sees a
     # stall of its own: the caller may still adopt it when its own verdict names the very same ranks — then it
     # blames no rank this node would not
-    refused: dict[str, Any] | None = None
+    refused: VerdictDocument | None = None
     # how the exchange went, for the verdict (``exchange`` in verdict.json): authenticated or not, and what
     # the deciding node held of each node's evidence
     exchange: dict[str, Any] | None = None
@@ -101,11 +101,15 @@ class SharedIncident:
     issued: float = 0.0  # when the claim was made (sealed in it); 0 for a local-only incident
 
 
-def validate_verdict(raw: bytes) -> dict[str, Any]:
+def validate_verdict(raw: bytes) -> tuple[VerdictDocument, object]:
+    """The leader's verdict as read from the store (the one verdict spec, ``core.document``, read as acted
+    on) and the binding it was published with (``bound``: the incident and time it belongs to)."""
     doc = parse_json(raw, VERDICT_SCHEMA)
-    if problems := store_verdict_problems(doc):  # the one verdict spec (core.doc_checks), store-strict
-        raise ValueRejected("verdict: " + "; ".join(problems[:3]))
-    return doc
+    bound = doc.pop("bound", None)
+    try:
+        return VerdictDocument.from_json(doc, acted_on=True), bound
+    except DocumentError as exc:
+        raise ValueRejected("verdict: " + "; ".join(exc.problems[:3])) from None
 
 
 class Correlator:
@@ -499,9 +503,8 @@ class Correlator:
             if raw is None:
                 continue
             try:
-                verdict = validate_verdict(store.unseal(key, raw))
-                check_binding(verdict.get("bound"), inc.incident_id, self.not_before(inc))
-                verdict.pop("bound", None)
+                verdict, bound = validate_verdict(store.unseal(key, raw))
+                check_binding(bound, inc.incident_id, self.not_before(inc))
             except ValueRejected as exc:
                 self._reject(key, exc)
                 rejected = True
@@ -518,7 +521,7 @@ class Correlator:
 
     def _local(
         self, inc: SharedIncident, local_views: list[RankView], world_size: int, why: str,
-        refused: dict[str, Any] | None = None,
+        refused: VerdictDocument | None = None,
     ) -> Resolution:
         """This node decides: its own ranks as it holds them, the other nodes' as their evidence in the store
         (read once) says."""
@@ -535,7 +538,7 @@ class Correlator:
         self,
         key: str,
         inc: SharedIncident,
-        verdict: dict[str, Any],
+        verdict: VerdictDocument,
         local_views: list[RankView],
         world_size: int,
         stall_timeout_s: float | None,
@@ -548,15 +551,15 @@ class Correlator:
         if about_me is not None:
             why = f"local: the leader decided without this node's evidence ({about_me}); this node holds its own ranks"
             log.warning("remote_verdict_refused", job=self.job_id, key=key, why=about_me,
-                        initiating_ranks=verdict["initiating_ranks"][:16])
+                        initiating_ranks=list(verdict.initiating_ranks[:16]))
             return self._local(inc, local_views, world_size, why, refused=verdict)
         healthy = (
-            progressing_here(local_views, verdict["initiating_ranks"], stall_timeout_s)
+            progressing_here(local_views, list(verdict.initiating_ranks), stall_timeout_s)
             if not self.authenticated and stall_timeout_s is not None
             else []
         )
         if not healthy:
-            return Resolution(str(verdict.get("correlation", "leader")), verdict=verdict)
+            return Resolution(verdict.correlation or "leader", verdict=verdict)
         why = (
             f"local: refused the leader's unauthenticated verdict, it names {fmt_ranks(healthy)} "
             f"as initiating but this node sees it making progress"
@@ -565,7 +568,7 @@ class Correlator:
             "remote_verdict_refused",
             job=self.job_id,
             key=key,
-            initiating_ranks=verdict["initiating_ranks"][:16],
+            initiating_ranks=list(verdict.initiating_ranks[:16]),
             progressing_here=healthy[:16],
             stall_timeout_s=stall_timeout_s,
         )
@@ -573,28 +576,25 @@ class Correlator:
         stalled_here = stall_timeout_s is not None and any(v.since_progress_s >= stall_timeout_s for v in local_views)
         return Resolution(why, views=local_views, notes=[why], refused=verdict if stalled_here else None)
 
-    def _without_my_evidence(self, verdict: Mapping[str, Any], local_views: Sequence[RankView]) -> str | None:
+    def _without_my_evidence(self, verdict: VerdictDocument, local_views: Sequence[RankView]) -> str | None:
         """What in the leader's verdict says it did not judge this node's ranks on this node's evidence."""
-        exchange = verdict.get("exchange")
-        nodes = exchange.get("nodes") if isinstance(exchange, dict) else None
+        nodes = (verdict.exchange or {}).get("nodes")
         mine = nodes.get(str(self.node_rank)) if isinstance(nodes, dict) else None
         if isinstance(mine, str) and mine != HEARD:
             return f"it holds this node's evidence as {mine[:32]}"
-        entries = verdict.get("ranks")
-        if isinstance(entries, dict):
-            gone = [v.rank for v in local_views
-                    if isinstance(entries.get(str(v.rank)), dict) and entries[str(v.rank)].get("state") == MISSING]
-            if gone:
-                return f"it holds {fmt_ranks(gone)} as never answered"
+        gone = [v.rank for v in local_views
+                if (e := verdict.ranks.get(str(v.rank))) is not None and e.state == MISSING]
+        if gone:
+            return f"it holds {fmt_ranks(gone)} as never answered"
         return None
 
-    def publish_verdict(self, inc: SharedIncident, verdict: dict[str, Any]) -> None:
+    def publish_verdict(self, inc: SharedIncident, verdict: VerdictDocument) -> None:
         """The leader's verdict for every node (slimmed for large jobs); a store error only logs."""
         if self.store is None:
             return
         try:
-            slim = slim_verdict(verdict, self.policy.slim_verdict_above_ranks)
-            self.store.set_json(f"verdict/{inc.gen}", {**slim, "bound": binding(inc.incident_id)})
+            slim = verdict.slimmed(self.policy.slim_verdict_above_ranks)
+            self.store.set_json(f"verdict/{inc.gen}", {**slim.to_json(), "bound": binding(inc.incident_id)})
         except StoreError as exc:
             self._lost(exc)
 
@@ -772,21 +772,6 @@ class Correlator:
             self._snap_order[k] = snap.order
             out[k] = snap
         return out
-
-
-def slim_verdict(
-    verdict: dict[str, Any], above_ranks: int = CorrelationPolicy.slim_verdict_above_ranks
-) -> dict[str, Any]:
-    """What the leader publishes: whole for ordinary jobs; for very large ones only the initiating ranks'
-    entries (every node adds its own ranks), so the value stays far below the store limit and 256 nodes
-    do not each download megabytes."""
-    if len(verdict.get("ranks", {})) <= above_ranks:
-        return verdict
-    keep = {str(r) for r in verdict.get("initiating_ranks", [])}
-    slim = dict(verdict)
-    slim["ranks"] = {k: v for k, v in verdict["ranks"].items() if k in keep}
-    slim["ranks_slimmed"] = True
-    return slim
 
 
 def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:

@@ -10,15 +10,13 @@ untrusted: bounded, schema-checked, and with ``--store-secret-file`` sealed and 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import structlog
 
-from ..core.doc_checks import store_verdict_problems
+from ..core.document import DocumentError, VerdictDocument
 from ..core.fr_trace import RankTrace
 from ..core.schema import VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
@@ -30,12 +28,12 @@ POLL_S = 0.1  # how often a waiting node looks for the others' keys (a local TCP
 FR_SHARE_BYTES = 2 << 20  # this node's flight-recorder share in its evidence document
 FR_PER_PG = 64  # newest entries per process group in that share
 
-Decide = Callable[[Sequence[RankView], Mapping[int, RankTrace], Sequence[str]], dict[str, Any]]
+Decide = Callable[[Sequence[RankView], Mapping[int, RankTrace], Sequence[str]], VerdictDocument]
 
 
 @dataclass(frozen=True)
 class Shared:
-    verdict: dict[str, Any]
+    verdict: VerdictDocument
     how: str  # how the nodes agreed, for the verdict's "correlation"
 
 
@@ -60,11 +58,12 @@ def _missing_views(world_size: int, have: Sequence[RankView], nnodes: int) -> li
     ]
 
 
-def parse_verdict(raw: bytes) -> dict[str, Any]:
-    doc = parse_json(raw, VERDICT_SCHEMA)
-    if problems := store_verdict_problems(doc):  # the one verdict spec (core.doc_checks), store-strict
-        raise ValueRejected("; ".join(problems[:3]))
-    return doc
+def parse_verdict(raw: bytes) -> VerdictDocument:
+    """Node 0's verdict, read as one that is acted on (the one verdict spec, ``core.document``)."""
+    try:
+        return VerdictDocument.from_json(parse_json(raw, VERDICT_SCHEMA), acted_on=True)
+    except DocumentError as exc:
+        raise ValueRejected("; ".join(exc.problems[:3])) from None
 
 
 def exchange(
@@ -92,7 +91,7 @@ def exchange(
         except ValueRejected as exc:
             raise StoreError(f"node 0's verdict rejected: {exc}") from None
         store.add("inspect/read", 1)
-        return Shared(verdict, str(verdict.get("correlation") or "decided by node 0"))
+        return Shared(verdict, verdict.correlation or "decided by node 0")
     keys = [f"inspect/node-{n}" for n in range(nnodes)]
     have = set(_wait(store, keys, deadline))
     all_views: dict[int, RankView] = {v.rank: v for v in views}
@@ -116,12 +115,11 @@ def exchange(
     merged += _missing_views(world_size, merged, nnodes)
     answered = len(have)  # node 0's own key is among them
     how = f"decided by node 0 over {answered} of {nnodes} node(s)"
-    verdict = decide(merged, remote_fr, notes)
-    verdict["correlation"] = how
-    store.set_json("inspect/verdict", verdict)
+    verdict = replace(decide(merged, remote_fr, notes), correlation=how)
+    store.set_json("inspect/verdict", verdict.to_json())
     # the store lives in this process: keep it up until every other node has read the verdict
     while time.monotonic() < deadline + 5.0:
         if store.add("inspect/read", 0) >= answered - 1:
             break
         time.sleep(POLL_S)
-    return Shared(json.loads(json.dumps(verdict)), how)
+    return Shared(verdict, how)

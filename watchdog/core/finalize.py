@@ -2,8 +2,8 @@
 
 Everything a bundle, a callback, the store or the terminal shows beyond ``decide()``'s own keys — the
 trigger that opened the incident, the stall timeout in force, how the nodes agreed, and this node's own
-ranks when the leader sent a slimmed verdict — is added here and nowhere else, so every consumer of an
-incident sees the same document.
+ranks when the leader sent a slimmed verdict — is added here and nowhere else
+(``VerdictDocument.finalized``), so every consumer of an incident sees the same document.
 
 It is also where the job's own strings are made safe, once for every sink: a host name, phase or op name,
 exception text or stack frame a job chose can hold escape sequences, line breaks or markup, and
@@ -13,17 +13,17 @@ carry this document (``text.clean_doc``). Only the bundle's stack files keep wha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .detect import Trigger
+from .document import TriggerRef, VerdictDocument
 from .snapshot import RankView
-from .text import clean_doc
 from .verdict import rank_entry
 
 
 def trigger_doc(trigger: Trigger) -> dict[str, Any]:
-    """The trigger as it is shared with other nodes and stored in the verdict."""
+    """The trigger as it is shared with other nodes in the incident claim."""
     return {
         "kind": trigger.kind,
         "ranks": list(trigger.ranks),
@@ -33,26 +33,18 @@ def trigger_doc(trigger: Trigger) -> dict[str, Any]:
 
 
 def finalize_verdict(
-    verdict: Mapping[str, Any],
+    verdict: VerdictDocument,
     *,
     trigger: Trigger,
     correlation: str | None,
     local_views: Sequence[RankView] = (),
-) -> dict[str, Any]:
+) -> VerdictDocument:
     """A new document: ``verdict`` plus trigger, timeout, correlation and any missing local rank entries,
-    every string in it cleaned (``clean_doc``).
-
-    Idempotent, so a verdict finalized by the leader can be finalized again by each follower with its own
-    trigger and ranks.
-    """
-    doc = dict(verdict)
-    ranks = dict(doc.get("ranks") or {})
-    for v in local_views:
-        ranks.setdefault(str(v.rank), rank_entry(v))
-    doc["ranks"] = ranks
-    doc["trigger"] = {k: v for k, v in trigger_doc(trigger).items() if k != "detected_after_s"}
-    doc["stall_timeout_s"] = round(trigger.timeout_s, 3)
-    if correlation is not None:
-        doc["correlation"] = correlation
-    cleaned: dict[str, Any] = clean_doc(doc)
-    return cleaned
+    every string in it cleaned (``clean_doc``). Idempotent, so a verdict finalized by the leader can be
+    finalized again by each follower with its own trigger and ranks."""
+    return verdict.finalized(
+        trigger=TriggerRef(trigger.kind, tuple(trigger.ranks), trigger.reason),
+        timeout_s=trigger.timeout_s,
+        correlation=correlation,
+        local={str(v.rank): rank_entry(v) for v in local_views},
+    )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import engine
+from .document import Collective, RankEntry, VerdictDocument
 from .engine import Finding
 from .facts import PriorVerdict
 from .facts import Rung as FactRung
@@ -34,7 +35,7 @@ from .ranks import fmt_ranks, fold_rank_lines
 from .rules import names as n
 from .rules.ladder import EDGE_LABEL, LADDER, LIVE_LADDER, REFINEMENTS, LadderRung, LiveCase
 from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
-from .schema import UNKNOWN, VERDICT_SCHEMA, lower_confidence, raise_confidence
+from .schema import UNKNOWN, lower_confidence, raise_confidence
 from .snapshot import MISSING, RUNNING, RankView
 
 DEFAULT_VERDICT_POLICY = VerdictPolicy()
@@ -54,8 +55,11 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
+    """The live decision as data: what the document is made of before its words are written
+    (``verdict.stage.fill_words`` returns a copy with ``reason`` and ``evidence``)."""
+
     job_id: str
     incident_id: str
     kind: str
@@ -64,7 +68,7 @@ class Verdict:
     confidence: str
     reason: str
     detected_after_s: float
-    ranks: dict[str, dict[str, Any]]
+    ranks: dict[str, RankEntry]
     evidence: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     # what the words are made of (``verdict.stage`` fills ``reason`` and ``evidence``); not in the JSON
@@ -72,36 +76,44 @@ class Verdict:
     found: dict[str, Finding | None] = field(default_factory=dict)  # every rung's, by rung name
     notes: list[Note] = field(default_factory=list)  # the evidence after the finding's own, as data
 
+    def document(self) -> VerdictDocument:
+        """The typed ``rankwatch.verdict/1`` document every sink carries."""
+        x = self.extra
+        missing = x.get("missing_ranks")
+        return VerdictDocument(
+            kind=self.kind,
+            initiating_ranks=tuple(self.initiating_ranks),
+            confidence=self.confidence,
+            reason=self.reason,
+            job_id=self.job_id,
+            incident_id=self.incident_id,
+            phase=self.phase,
+            detected_after_s=self.detected_after_s,
+            ranks=dict(self.ranks),
+            evidence=tuple(self.evidence),
+            decided_by=x.get("decided_by"),
+            finding=x.get("finding"),
+            missing_ranks=tuple(missing) if missing is not None else None,
+            follows_incident=x.get("follows_incident"),
+            flight_recorder=x.get("flight_recorder"),
+        )
+
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "schema": VERDICT_SCHEMA,
-            "job_id": self.job_id,
-            "incident_id": self.incident_id,
-            "kind": self.kind,
-            "initiating_ranks": self.initiating_ranks,
-            "phase": self.phase,
-            "confidence": self.confidence,
-            "reason": self.reason,
-            "detected_after_s": round(self.detected_after_s, 3),
-            "ranks": self.ranks,
-            "evidence": self.evidence,
-        }
-        doc.update(self.extra)
-        return doc
+        return self.document().to_json()
 
 
-def rank_entry(v: RankView) -> dict[str, Any]:
-    return {
-        "node": v.node,
-        "pid": v.pid,
-        "state": v.state,
-        "step": v.step,
-        "phase": v.phase or "idle",
-        "in_phase_s": round(v.in_phase_s, 3),
-        "collective": {"seq": v.coll_seq, "op": v.coll_op or ""} if v.coll_seq else None,
-        "gpu_util": v.gpu_util,
-        "stack_top": list(v.stack_top),
-    }
+def rank_entry(v: RankView) -> RankEntry:
+    return RankEntry(
+        node=v.node,
+        pid=v.pid,
+        state=v.state,
+        step=v.step,
+        phase=v.phase or "idle",
+        in_phase_s=round(v.in_phase_s, 3),
+        collective=Collective(v.coll_seq, v.coll_op or "") if v.coll_seq else None,
+        gpu_util=v.gpu_util,
+        stack_top=tuple(v.stack_top),
+    )
 
 
 def _phase_of(views: Sequence[RankView]) -> str | None:

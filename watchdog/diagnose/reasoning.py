@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.document import Collective, Offline, RankEntry, VerdictDocument
 from ..core.engine import Finding
 from ..core.policy import OfflinePolicy
 from ..core.ranks import fmt_ranks
-from ..core.schema import VERDICT_SCHEMA
 from ..report.findings import words
 from ..verdict import decide_facts
 from . import events as ev
@@ -45,34 +45,31 @@ class Diagnosis:
     decided: bool = True
     would_decide: str = ""  # when undecided: what evidence would decide
     notes: list[str] = field(default_factory=list)
-    ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ranks: dict[str, RankEntry] = field(default_factory=dict)
     rule: str = "none"  # which rule decided (the document's ``finding``)
     finding: Finding | None = None  # the rule's structured conclusion (what tests assert on)
 
-    def to_json(self) -> dict[str, Any]:
+    def document(self) -> VerdictDocument:
+        """The typed ``rankwatch.verdict/1`` document (``source: logs``: no job, incident or detection delay)."""
         found: dict[str, Any] = {"rule": self.rule, "ranks": list(self.initiating_ranks), "data": {}}
         if self.finding is not None:
             found = self.finding.to_json()
         found["data"]["decided"] = self.decided
-        return {
-            "schema": VERDICT_SCHEMA,
-            "job_id": None,
-            "incident_id": None,
-            "kind": self.kind,
-            "initiating_ranks": self.initiating_ranks,
-            "phase": self.phase,
-            "confidence": self.confidence,
-            "reason": self.reason,
-            "detected_after_s": None,
-            "ranks": self.ranks,
-            "evidence": self.evidence,
-            "source": "logs",
-            "decided": self.decided,
-            "next_action": self.next_action,
-            "would_decide": self.would_decide or None,
-            "notes": self.notes,
-            "finding": found,
-        }
+        return VerdictDocument(
+            kind=self.kind,
+            initiating_ranks=tuple(self.initiating_ranks),
+            confidence=self.confidence,
+            reason=self.reason,
+            phase=self.phase,
+            ranks=dict(self.ranks),
+            evidence=tuple(self.evidence),
+            finding=found,
+            source="logs",
+            offline=Offline(self.decided, self.next_action, self.would_decide or None, tuple(self.notes)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return self.document().to_json()
 
 
 def quote(e: ev.Event) -> str:
@@ -188,7 +185,7 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
     return d
 
 
-def _rank_doc(f: RankFacts) -> dict[str, Any]:
+def _rank_doc(f: RankFacts) -> RankEntry:
     e = f.exit
     state = "unknown"
     if f.has(ev.PRIMARY):
@@ -203,19 +200,15 @@ def _rank_doc(f: RankFacts) -> dict[str, Any]:
         state = "exited"
     coll = None
     if f.nccl_timeout is not None:
-        coll = {"seq": f.nccl_timeout.seq, "op": f.nccl_timeout.op}
+        coll = Collective(f.nccl_timeout.seq, f.nccl_timeout.op or "")
     elif f.traceback is not None and f.traceback.op:
-        coll = {"seq": None, "op": f.traceback.op}
+        coll = Collective(None, f.traceback.op)
     host = next((x.host for x in f.first.values() if x.host), None)
-    pid = e.pid if e is not None else None
-    return {
-        "node": host,
-        "pid": pid,
-        "state": state,
-        "step": None,
-        "phase": f.traceback.phase if f.traceback is not None else None,
-        "in_phase_s": None,
-        "collective": coll,
-        "gpu_util": None,
-        "stack_top": [f.traceback.detail] if f.traceback is not None and f.traceback.detail else [],
-    }
+    return RankEntry(
+        node=host,
+        pid=e.pid if e is not None else None,
+        state=state,
+        phase=f.traceback.phase if f.traceback is not None else None,
+        collective=coll,
+        stack_top=(f.traceback.detail,) if f.traceback is not None and f.traceback.detail else (),
+    )

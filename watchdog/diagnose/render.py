@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..core.ranks import fmt_ranks
 from ..core.text import NAME, PROSE, clean
+from ..report.text import headline
 from .facts import Evidence
 
 if TYPE_CHECKING:
@@ -20,14 +20,7 @@ MAX_FILES_SHOWN = 8  # source names listed per job header
 
 
 def render_text(d: Diagnosis, E: Evidence) -> str:
-    lines: list[str] = []
-    kind = clean(d.kind, NAME)
-    if d.initiating_ranks:
-        head = f"INITIATOR: {fmt_ranks(d.initiating_ranks)} — {kind}"
-    else:
-        head = f"NO SINGLE INITIATOR — {kind}"
-    phase = f", phase {clean(d.phase, NAME)}" if d.phase else ""
-    lines.append(f"{head} (confidence {clean(d.confidence, NAME)}{phase})")
+    lines: list[str] = [headline(d.to_json())]  # the live verdict's headline: one renderer for both
     lines.append(f"why: {clean(d.reason, PROSE)}")
     if not d.decided:
         lines.append("the logs cannot decide this on their own.")

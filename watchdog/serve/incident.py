@@ -24,6 +24,7 @@ import structlog
 
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
+from ..core.document import VerdictDocument
 from ..core.facts import PriorVerdict
 from ..core.finalize import finalize_verdict, trigger_doc
 from ..core.fr_trace import RankTrace
@@ -38,7 +39,7 @@ from ..evidence.gpu import GpuWatch
 from ..evidence.ras_watch import RasWatch
 from ..observe.process import Identity
 from ..report import bundle
-from ..report.text import int_ranks, verdict_text
+from ..report.text import verdict_text
 from ..verdict import decide
 from .act import Killer
 from .alerts import Alerter
@@ -123,7 +124,7 @@ def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]
         "job": verdict.get("job"),
         "ranks": [
             {
-                **rank_entry(v),
+                **rank_entry(v).to_json(),
                 "rank": v.rank,
                 "since_progress_s": round(v.since_progress_s, 3),
                 "collective_done": v.coll_done,
@@ -211,9 +212,10 @@ class IncidentPipeline:
         shared, incident_id = self.open(req)
         req = dataclasses.replace(req, incident_id=incident_id, shared=shared)
         ev = self.evidence(req, self.capture(req))
-        verdict, decided_here = self.decide(req, ev)
+        decided, decided_here = self.decide(req, ev)
         # exits that follow rankwatch's own kill are that incident's consequences: no second alert
-        notify = decided_here and not verdict.get("follows_incident")
+        notify = decided_here and not decided.follows_incident
+        verdict = decided.to_json()  # what every sink gets: the document's JSON
         path = self.publish(req, verdict, ev, notify=notify)
         self.act(req)
         return IncidentResult(incident_id, verdict, path, ev.views, notified=notify and self.alerts is not None)
@@ -274,7 +276,7 @@ class IncidentPipeline:
             outside += self.ras.evidence(ras_first, self.ras.query())
         return IncidentEvidence(views, captures, fr, outside)
 
-    def decide(self, req: IncidentRequest, ev: IncidentEvidence) -> tuple[dict[str, Any], bool]:
+    def decide(self, req: IncidentRequest, ev: IncidentEvidence) -> tuple[VerdictDocument, bool]:
         """The verdict over this node's evidence, or over every node's through the leader; and whether this
         node decided it (the webhooks hear of a multi-node incident once, from the node that decided)."""
 
@@ -283,7 +285,7 @@ class IncidentPipeline:
             notes: Sequence[str],
             correlation: str | None,
             remote_fr: Mapping[int, RankTrace],
-        ) -> dict[str, Any]:
+        ) -> VerdictDocument:
             fr = with_remote(ev.fr, remote_fr)
             verdict = decide(
                 all_views,
@@ -294,7 +296,7 @@ class IncidentPipeline:
                 fr_hints=fr.hints,
                 prior=req.prior,
                 killed=req.prior.ranks if req.prior is not None else (),
-            ).to_json()
+            ).document()
             return finalize_verdict(verdict, trigger=req.trigger, correlation=correlation, local_views=ev.views)
 
         if req.correlator is None or req.shared is None:
@@ -308,10 +310,10 @@ class IncidentPipeline:
             return leader, True
         if source == CONFIRMED:
             log.info("remote_verdict_confirmed_locally", job=req.job_id, incident=req.incident_id,
-                     initiating_ranks=leader.get("initiating_ranks", [])[:16])
+                     initiating_ranks=list(leader.initiating_ranks[:16]))
         # the leader's verdict, completed with this node's trigger and ranks
         return finalize_verdict(
-            leader, trigger=req.trigger, correlation=str(leader.get("correlation") or how),
+            leader, trigger=req.trigger, correlation=leader.correlation or how,
             local_views=ev.views,
         ), False
 
@@ -440,14 +442,14 @@ class IncidentPipeline:
 
     def _fallback(self, req: IncidentRequest, exc: Exception) -> IncidentResult:
         """A stage raised: the incident is still decided over the detection-time views and published."""
-        verdict = decide(
+        decided = decide(
             req.views,
             job_id=req.job_id,
             incident_id=req.incident_id,
             detected_after_s=req.trigger.detected_after_s,
             extra_evidence=[f"incident pipeline failed: {type(exc).__name__}: {exc}"[:300]],
-        ).to_json()
-        verdict = finalize_verdict(verdict, trigger=req.trigger, correlation=None, local_views=req.views)
+        ).document()
+        verdict = finalize_verdict(decided, trigger=req.trigger, correlation=None, local_views=req.views).to_json()
         path = None
         try:
             path = self.publish(req, verdict, IncidentEvidence(list(req.views), {}, FrFindings((), None, ()), []))
@@ -461,9 +463,9 @@ DECIDED_HERE, LEADER, CONFIRMED = "here", "leader", "confirmed"
 
 def correlate_and_decide(
     correlator: Correlator, shared: SharedIncident, views: list[RankView], node: str, world: int,
-    decide_over: Callable[[Sequence[RankView], Sequence[str], str | None, Mapping[int, RankTrace]], dict[str, Any]],
+    decide_over: Callable[[Sequence[RankView], Sequence[str], str | None, Mapping[int, RankTrace]], VerdictDocument],
     **resolve_kw: Any,
-) -> tuple[dict[str, Any], str, str]:
+) -> tuple[VerdictDocument, str, str]:
     """The pipeline's decide step over several nodes: exchange evidence, decide where this node must
     (``decide_over(views, notes, how, remote_fr)``), publish as the leader. (verdict, how, whose: this
     node's ``DECIDED_HERE``, the ``LEADER``'s, or a refused leader's verdict this node ``CONFIRMED``: a
@@ -474,7 +476,7 @@ def correlate_and_decide(
         return res.verdict, res.how, LEADER
     verdict = decide_over(res.views, res.notes, res.how, res.remote_fr)
     if res.exchange is not None:  # what this node held of every node's evidence, authenticated or not
-        verdict = {**verdict, "exchange": res.exchange}
+        verdict = dataclasses.replace(verdict, exchange=res.exchange)
     if res.refused is not None and confirms_refused(verdict, res.refused):
         return res.refused, res.how, CONFIRMED
     if res.publish:
@@ -482,9 +484,9 @@ def correlate_and_decide(
     return verdict, res.how, DECIDED_HERE
 
 
-def confirms_refused(local: dict[str, Any], refused: dict[str, Any]) -> bool:
+def confirms_refused(local: VerdictDocument, refused: VerdictDocument) -> bool:
     """This node's own verdict names exactly the (non-empty) initiating ranks of the leader's verdict it
     refused: then adopting the leader's blames no rank this node would not, and the nodes write one verdict
     (a rank that ran on past its peers and then blocked looks "progressing" for a moment)."""
-    mine = sorted(int_ranks(local.get("initiating_ranks")))
-    return bool(mine) and mine == sorted(int_ranks(refused.get("initiating_ranks")))
+    mine = sorted(local.initiating_ranks)
+    return bool(mine) and mine == sorted(refused.initiating_ranks)

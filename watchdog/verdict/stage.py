@@ -8,6 +8,7 @@ the words come from ``report``; nothing decides anywhere else."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..core.engine import Finding
 from ..core.facts import FactSet, PriorVerdict
@@ -31,10 +32,8 @@ def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequ
         return verdict
     ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found, steps_known)
     said = words(verdict.finding, ctx)
-    verdict.reason = said.reason
     lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *extra_evidence]
-    verdict.evidence = fold_rank_lines(lines)
-    return verdict
+    return replace(verdict, reason=said.reason, evidence=fold_rank_lines(lines))
 
 
 def decide(
