@@ -33,6 +33,7 @@ from .live_facts import exit_facts, is_waiting, live_facts
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
 from .rules import names as n
+from .rules.counters import UNCOMPARED
 from .rules.ladder import EDGE_LABEL, LADDER, LIVE_LADDER, REFINEMENTS, LadderRung, LiveCase
 from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
 from .schema import UNKNOWN, lower_confidence, raise_confidence
@@ -334,8 +335,8 @@ def _weigh(
             continue
         if r.name in rung.subsumes and set(other.ranks) != chosen:
             continue
-        if other.data.get("shape") == "shared_cause":
-            continue  # "every live rank stuck alike" singles nobody out: not backing, even when one is live
+        if other.data.get("shape") in UNCOMPARED:
+            continue  # "every live rank stuck alike" (or the only one) singles nobody out: not backing
         about = {"rung": r.name, "ranks": list(other.ranks)}
         if (extra := set(other.ranks) - chosen) and extra <= named_waiters and chosen <= set(other.ranks):
             notes.append(("weighed", {**about, "how": "named_waiters", "waiters": sorted(extra)}))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.engine import Finding
 from ..core.facts import DESYNC_REPORT, NAMED_IN_MESSAGE, NCCL_OP_COUNTS, STORE_KEYS
-from ..core.ranks import fmt_ranks
+from ..core.ranks import fmt_ranks, ranks_verb
 from .live_words import LiveContext, live_words
 
 
@@ -98,7 +98,8 @@ def _exit_cause(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
             f"{who} ended ({failure_label(d)}, no message of its own) {late / 60:.0f} min after "
             f"{fmt_ranks(d.get('waiting') or ())} had already timed out waiting: its end cannot be what they waited "
             "for, and a rank that hung ends the same way when its own watchdog aborts it",
-            f"find what {who} was doing when the others timed out (its stack, its own stderr before the abort)",
+            f"find what {ranks_verb(f.ranks, 'was', 'were')} doing when the others timed out (its stack, its own "
+            "stderr before the abort)",
             "the rank's own stderr (a watchdog timeout line, or its own crash message), or a stack taken during "
             "the hang",
         )
@@ -163,8 +164,8 @@ _WAIT_SOURCE: dict[str, Callable[[str, Mapping[str, Any]], str]] = {
 
 def _wait_for(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     reason = _WAIT_SOURCE[d["source"]](who, d)
-    return Words(reason, f"find what {who} was doing instead of the next collective: a stack during the hang "
-                 "(rankwatch run captures it), data loading / I/O / rank-specific work")
+    return Words(reason, f"find what {ranks_verb(f.ranks, 'was', 'were')} doing instead of the next collective: "
+                 "a stack during the hang (rankwatch run captures it), data loading / I/O / rank-specific work")
 
 
 def _lone(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
@@ -216,9 +217,11 @@ def _behind(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
             f"find the collective {who} issues that the others do not (rank-dependent code)",
         )
     return Words(
-        f"{who} is behind: {how} {d.get('low')} while {fmt_ranks(d.get('ahead') or ())} reached {d.get('high')}; "
+        f"{ranks_verb(f.ranks, 'is', 'are')} behind: {how} {d.get('low')} while {fmt_ranks(d.get('ahead') or ())} "
+        f"reached {d.get('high')}; "
         "the others timed out waiting for it to join",
-        f"find what {who} was doing instead of collective #{(d.get('low') or 0) + 1}: a stack during the hang "
+        f"find what {ranks_verb(f.ranks, 'was', 'were')} doing instead of collective #{(d.get('low') or 0) + 1}: "
+        "a stack during the hang "
         "(py-spy dump, or rankwatch run which captures it), data loading / I/O / rank-specific work; "
         "flight-recorder dumps show the op it last issued",
     )
@@ -259,7 +262,7 @@ def _outside(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
     return Words(
         f"{waiting} {what}; {who} printed no such error: it never entered the collective the others waited in"
         + note,
-        f"find what {who} was doing: {look}",
+        f"find what {ranks_verb(f.ranks, 'was', 'were')} doing: {look}",
     )
 
 

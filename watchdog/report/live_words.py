@@ -73,7 +73,8 @@ def _coll_lines(c: LiveContext, *, waiting: bool = False) -> list[str]:
 def _finished_but_one(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     what = f"collective #{d['seq']} ({d['op']})" if d.get("op") else f"{d.get('phase')}"
     return (
-        f"{fmt_ranks(d['stuck'])} is still in {what}{c.at_step(d.get('step'))} after {fmt_ranks(d['finished'])} "
+        f"{ranks_verb(d['stuck'], 'is', 'are')} still in {what}{c.at_step(d.get('step'))} "
+        f"after {fmt_ranks(d['finished'])} "
         "finished and exited normally: it issued what no other rank did",
         [f"rank {v.rank}: {v.state} at step {v.step}, phase {v.phase or 'idle'}" for v in c.present],
     )
@@ -127,7 +128,7 @@ def _first_exit(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, 
 
 def _stopped(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     return (
-        f"{fmt_ranks(f.ranks)} is stopped (SIGSTOP or a debugger) in phase {d.get('phase') or 'idle'}"
+        f"{ranks_verb(f.ranks, 'is', 'are')} stopped (SIGSTOP or a debugger) in phase {d.get('phase') or 'idle'}"
         f"{c.at_step(d.get('step'))}; the others wait for it",
         [f"rank {r} process state T (stopped)" for r in f.ranks],
     )
@@ -193,7 +194,7 @@ def _fr_behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, l
             [f"flight recorder: {detail}; {behind} still in flight (waiting)", covers],
         )
     others = d.get("others") or ()
-    reason = (f"{fmt_ranks(f.ranks)} is behind in the flight recorder ({detail}); it is in "
+    reason = (f"{ranks_verb(f.ranks, 'is', 'are')} behind in the flight recorder ({detail}); it is in "
               f"{_in(d.get('phase'))}{c.at_step(d.get('step'))}"
               + (f" while {ranks_verb(others, 'waits', 'wait')} for it" if others else ""))
     return reason, [f"flight recorder: {detail}", *([] if d.get("covered") else [covers])]
@@ -202,12 +203,14 @@ def _fr_behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, l
 def _behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     if d.get("by") == "step":
         return (
-            f"{fmt_ranks(f.ranks)} is stuck{c.at_step(d['low'])} in {_in(d.get('phase'))} while the others reached "
+            f"{ranks_verb(f.ranks, 'is', 'are')} stuck{c.at_step(d['low'])} in {_in(d.get('phase'))} "
+            "while the others reached "
             f"step {d['high']}",
             [f"rank {v.rank}: step {v.step}, phase {v.phase or 'idle'}" for v in c.live],
         )
     return (
-        f"{fmt_ranks(f.ranks)} is stuck in {_in(d.get('phase'))} before collective #{d['high']} ({d.get('op')}) that "
+        f"{ranks_verb(f.ranks, 'is', 'are')} stuck in {_in(d.get('phase'))} "
+        f"before collective #{d['high']} ({d.get('op')}) that "
         f"{fmt_ranks(d['ahead'])} already entered",
         _coll_lines(c),
     )
@@ -236,10 +239,14 @@ def _earliest(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, li
         return (f"{fmt_ranks(f.ranks)} is the only rank still running, in {_in(d.get('phase'))}"
                 f"{c.at_step(d.get('step'))}, while {fmt_ranks(d.get('exited', ()))} exited normally: the job "
                 "cannot end before it does", [])
+    if d.get("shape") == "only_live":
+        return (f"{fmt_ranks(f.ranks)} is the only live rank, stuck in {_in(d.get('phase'))}{c.at_step(d.get('step'))} "
+                "without waiting on a peer; no other rank's evidence to compare it with", [])
     if d.get("shape") == "shared_cause":
-        return (f"every rank is stuck in {_in(d.get('phase'))}{c.at_step(d.get('step'))}: a shared cause (filesystem, "
-                "data service, host) rather than one rank", [])
-    return (f"{fmt_ranks(f.ranks)} is stuck earliest in the step, in {_in(d.get('phase'))}{c.at_step(d.get('step'))}",
+        return (f"every live rank ({fmt_ranks(f.ranks)}) is stuck in {_in(d.get('phase'))}{c.at_step(d.get('step'))}: "
+                "a shared cause (filesystem, data service, host) rather than one rank", [])
+    return (f"{ranks_verb(f.ranks, 'is', 'are')} stuck earliest in the step, "
+            f"in {_in(d.get('phase'))}{c.at_step(d.get('step'))}",
             [f"rank {v.rank}: phase {v.phase or 'idle'}" for v in c.live])
 
 
@@ -267,7 +274,8 @@ def _ops(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[st
 
 
 def _odd_stack(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
-    return f"{fmt_ranks(f.ranks)} has a stack the other ranks do not share; no other evidence singles a rank out", []
+    return (f"{ranks_verb(f.ranks, 'has', 'have')} a stack the other ranks do not share; no other evidence singles a "
+            "rank out", [])
 
 
 def _gpu(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
@@ -306,20 +314,20 @@ def _wait_for_reason(f: Finding, d: Mapping[str, Any], c: LiveContext) -> str:
         return (f"every rank that answered waits for {who}, on node(s) {nodes} that never answered: {who} are the "
                 "likeliest cause")
     if f.kind == "stopped_rank":
-        return f"{who} is stopped (SIGSTOP or a debugger); {wait} for it"
+        return f"{ranks_verb(f.ranks, 'is', 'are')} stopped (SIGSTOP or a debugger); {wait} for it"
     if f.kind == "dead_rank" and d.get("silent_nodes"):
         return (f"{who} on node(s) {', '.join(d['silent_nodes'])} never answered and "
                 f"{fmt_ranks(d.get('peer_ended', ()))} lost the connection to them (closed or reset by peer): their "
                 f"processes are gone; {wait} for them")
     if f.kind == "dead_rank":
-        return f"{who} ended by its own cause; {wait} for it"
+        return f"{ranks_verb(f.ranks, 'ended', 'ended')} by its own cause; {wait} for it"
     lead = c.by_rank.get(f.ranks[0]) if f.ranks else None
     where = f" in {_in(lead.phase)}{c.at_step(lead.step, lead.in_phase_s)}" if lead is not None else ""
     died = c.found.get(THREAD_DIED)
     cause = ""
     if died is not None and set(died.ranks) == set(f.ranks):  # the cause the sinks' own state does not show
         cause = "; its helper thread died: " + "; ".join(str(t) for t in (died.data.get("threads") or {}).values())
-    return f"{who} waits for nobody{where} while {wait} for it{cause}"
+    return f"{ranks_verb(f.ranks, 'waits', 'wait')} for nobody{where} while {wait} for it{cause}"
 
 
 def _engine(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
@@ -342,6 +350,7 @@ _LIVE: dict[str, Phrase] = {
     "fr_mismatch_tie": _fr_mismatch, "fr_behind": _fr_behind, "fr_behind_uncovered": _fr_behind,
     "behind": _behind, "extra_collective": _extra_collective, "skipped_collective": _skipped,
     "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest,
+    "only_live": _earliest,
     "thread_died": _thread_died, "op_tie": _ops, "odd_op": _ops,
     "odd_stack": _odd_stack, "no_gpu": _gpu, "same_collective": _gpu, "no_answer": _unknown, "nothing": _unknown,
 }
@@ -395,7 +404,7 @@ def note_words(note: tuple[str, Mapping[str, Any]], c: LiveContext) -> str:
     if what == "gpu_disagrees":
         return f"GPU does not back this: {fmt_ranks(d['chosen'])} busy on the GPU while {fmt_ranks(d['idle'])} idle"
     if what == "stacks_agree":
-        return f"stack grouping agrees: {fmt_ranks(d['ranks'])} has a stack no other rank shares"
+        return f"stack grouping agrees: {ranks_verb(d['ranks'], 'has', 'have')} a stack no other rank shares"
     if what == "stacks_disagree":
         return f"stack grouping disagrees: {fmt_ranks(d['ranks'])} share the majority stack"
     if what == "missing":

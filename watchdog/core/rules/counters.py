@@ -60,6 +60,10 @@ def rule_behind(live: Sequence[RankView]) -> Finding | None:
         **data, "shape": "behind", "low": behind[0].coll_seq, "high": top_seq, "phase": behind[0].phase})
 
 
+# shapes of ``rule_not_waiting`` that compare nobody with anybody: they never back another rung's finding
+UNCOMPARED = ("shared_cause", "only_live")
+
+
 def rule_not_waiting(live: Sequence[RankView], present: Sequence[RankView] = ()) -> Finding | None:
     """Nobody waits (the wait-for graph has no edge): the one rank still running while every other rank that
     answered has exited normally, else the ranks earliest in the step, else a shared cause (several ranks)."""
@@ -72,6 +76,12 @@ def rule_not_waiting(live: Sequence[RankView], present: Sequence[RankView] = ())
         lead = busy[0]
         return Finding(WAITING, HANG, [lead.rank], Rung.WAITING, "low",
                        {"shape": "last_running", "phase": lead.phase, "step": lead.step, "exited": exited})
+    if len(busy) == 1:
+        # one live rank, busy and waiting on nobody, nobody to compare it with (the others never answered or
+        # are not live): it is named, weakly — "every rank stuck alike" would describe one rank as a crowd
+        lead = busy[0]
+        return Finding(WAITING, HANG, [lead.rank], Rung.WAITING, "low",
+                       {"shape": "only_live", "phase": lead.phase, "step": lead.step})
     # the place in the step is one more counter: the ranks behind are those at its lowest (``rules.behind``)
     places = [Count(v.rank, "", STEP_PLACE, STEP_PHASE_ORDER.get(v.phase or "", 0)) for v in busy]
     earliest = set(behind_of(places, STEP_PLACE))
