@@ -495,7 +495,7 @@ def _host_oom(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: i
 
 def _slurm_task(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     m = _m(m)
-    tasks = pt.expand_tasks(m.group(2))
+    tasks = rank_list(m.group(2), limit=4096)  # srun task lists: "5", "0-3", "1,4-5"
     why = m.group(3).strip()
     cm = re.search(r"exit code (\d+)", why)
     sig = "SIGKILL" if why.startswith("Killed") else None

@@ -394,18 +394,3 @@ def report_time(m: re.Match[str]) -> float:
     """The failure report's wall time on the same month*31-day scale as ``glog_time``."""
     _, month, day, hh, mm, ss = (int(m.group(i)) for i in range(1, 7))
     return ((month * 31 + day) * 24 + hh) * 3600 + mm * 60 + ss
-
-
-def expand_tasks(spec: str) -> list[int]:
-    """srun task lists: "5", "0-3", "1,4-5" (bounded so a garbled line cannot explode)."""
-    out: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit():
-            continue
-        start = int(lo)
-        end = int(hi) if hi.isdigit() else start
-        if end < start or end - start > 4096:
-            continue
-        out.extend(range(start, end + 1))
-    return out
