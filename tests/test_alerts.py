@@ -13,9 +13,13 @@ from typing import Any
 
 import pytest
 import structlog
-from conftest import bundle_dirs, run_demo_job, wait_for
+from conftest import bundle_dirs, examples_module, run_demo_job, wait_for
 from rankwatch.watchdog.core.policy import AlertPolicy
+from rankwatch.watchdog.serve.alert_docs import incident_text
 from rankwatch.watchdog.serve.alerts import Alerter
+
+# the right answer of the job's fault: the catalogue's (examples/fault_catalogue.py)
+FAULTS = examples_module("fault_catalogue").FAULTS
 
 
 class Receiver:
@@ -113,8 +117,10 @@ def hook_script(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_incident_is_posted_once_and_the_command_gets_the_bundle(procs, tmp_path, receiver):
     script, log = hook_script(tmp_path)
+    scenario, fault_rank = "input-hang", 1
+    expect = FAULTS[scenario]
     result, out, _ = run_demo_job(
-        procs, tmp_path, "alerts", 2, "--scenario", "input-hang", "--fault-rank", "1", "--fault-step", "4",
+        procs, tmp_path, "alerts", 2, "--scenario", scenario, "--fault-rank", str(fault_rank), "--fault-step", "4",
         "--steps", "400",
         options=("--stall-timeout", "3", "--on-stall", "kill", "--notify", receiver.url,
                  "--on-incident", f"{script} --from-rankwatch"),
@@ -132,12 +138,15 @@ def test_incident_is_posted_once_and_the_command_gets_the_bundle(procs, tmp_path
     assert path == "/hooks/secret-token" and headers["Content-Type"] == "application/json"
     posted = json.loads(body)
     assert posted["schema"] == "rankwatch.verdict/1" and posted["status"] == "firing"
-    assert posted["incident_id"] == verdict["incident_id"] and posted["initiating_ranks"] == [1]
-    assert "HANG" in posted["text"] and "rank 1" in posted["text"] and "\n" not in posted["text"]
+    assert posted["incident_id"] == verdict["incident_id"]
+    assert posted["initiating_ranks"] == expect.ranks(fault_rank) and posted["kind"] in expect.kinds, posted
+    # the one line a chat message shows is the renderer's line for this verdict (its words: the renderer tests)
+    assert posted["text"] == incident_text(verdict) and "\n" not in posted["text"]
     assert posted["bundle"] == str(found[0])
     # the command ran once, without a shell, with its own words first and the bundle path last
     lines = log.read_text().splitlines()
-    assert lines == [f"--from-rankwatch|{found[0]}|{verdict['incident_id']}|1|2"], lines
+    ranks = ",".join(map(str, expect.ranks(fault_rank)))
+    assert lines == [f"--from-rankwatch|{found[0]}|{verdict['incident_id']}|{ranks}|2"], lines
     # the URL's secret path is never logged
     assert "secret-token" not in result.stderr
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import DEMO, Procs, torchrun_args, wait_for
+from conftest import DEMO, Procs, examples_module, torchrun_args, wait_for
 from rankwatch.hooks.record import RecordFormatError, RecordReader
 from rankwatch.watchdog.core.policy import StallPolicy
 from rankwatch.watchdog.evidence.gpu import GpuWatch
@@ -31,7 +31,10 @@ from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
 from test_nvml_probe import FakeNvml
 from test_nvml_probe import script as nvml_script
 
-CULPRIT = 1
+SCENARIO, FAULT_RANK = "input-hang", 1
+# the right answer: the catalogue's (examples/fault_catalogue.py); the stand-in NVML idles the rank it names
+EXPECT = examples_module("fault_catalogue").FAULTS[SCENARIO]
+(CULPRIT,) = EXPECT.ranks(FAULT_RANK)
 
 
 class LiveNvml(FakeNvml):
@@ -69,9 +72,9 @@ def start_job(procs, shm: Path, job: str):
                 "rankwatch.hooks",
                 DEMO,
                 "--scenario",
-                "input-hang",
+                SCENARIO,
                 "--fault-rank",
-                str(CULPRIT),
+                str(FAULT_RANK),
                 "--fault-step",
                 "3",
                 "--steps",
@@ -148,11 +151,13 @@ def test_cpu_stuck_culprit_at_zero_percent_is_named_with_gpu_evidence(hung_job, 
     assert gpu.available
     verdict = run_daemon_until_bundle(shm, out, job, gpu)
     assert verdict["schema"] == "rankwatch.verdict/1"
-    assert (verdict["kind"], verdict["initiating_ranks"], verdict["phase"]) == ("hang", [CULPRIT], "dataloader")
+    assert verdict["kind"] in EXPECT.kinds and verdict["phase"] == EXPECT.phase, verdict
+    assert verdict["initiating_ranks"] == [CULPRIT]
     assert verdict["confidence"] == "high"
     assert verdict["ranks"][str(CULPRIT)]["gpu_util"] == 0.0
     assert verdict["ranks"][str(1 - CULPRIT)]["gpu_util"] == 100.0
-    assert any(e.startswith(f"GPU agrees: rank {CULPRIT} 0 %") for e in verdict["evidence"]), verdict["evidence"]
+    # the GPU reading backs the finding (its words: the renderer tests)
+    assert verdict["finding"]["data"].get("gpu") == "agrees", verdict["finding"]
 
 
 def test_without_nvml_the_verdict_stands_on_the_other_signals(hung_job, tmp_path):
@@ -161,6 +166,7 @@ def test_without_nvml_the_verdict_stands_on_the_other_signals(hung_job, tmp_path
     gpu = GpuWatch()  # real pynvml, no driver here
     assert not gpu.available
     verdict = run_daemon_until_bundle(shm, out, job, gpu)
-    assert (verdict["kind"], verdict["initiating_ranks"], verdict["phase"]) == ("hang", [CULPRIT], "dataloader")
+    assert verdict["kind"] in EXPECT.kinds and verdict["phase"] == EXPECT.phase, verdict
+    assert verdict["initiating_ranks"] == [CULPRIT]
     assert all(r["gpu_util"] is None for r in verdict["ranks"].values())
-    assert not any(e.startswith("GPU ") for e in verdict["evidence"])
+    assert "gpu" not in verdict["finding"]["data"], verdict["finding"]

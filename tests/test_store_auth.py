@@ -22,6 +22,7 @@ import structlog
 from conftest import (
     DEMO,
     LineReader,
+    examples_module,
     free_port,
     new_tracker,
     rankwatch_cmd,
@@ -529,12 +530,15 @@ def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
     node: the signed exchange between the nodes is the point (the hung rank is node 1's). This is also the suite's
     systemd-style pair (two `rankwatch daemon` sidecars over plain `torchrun -m rankwatch.hooks`, no `rankwatch
     run`) on a real hang; the unsigned exchange of a real hang is test_multinode.py's, under `rankwatch run`."""
+    scenario, fault_rank = "compute-hang", 1  # node 1's rank
+    expect = examples_module("fault_catalogue").FAULTS[scenario]  # the right answer: the catalogue's
     secret = secret_file(tmp_path, 0o600)
     os.environ["RANKWATCH_STORE_SECRET_FILE"] = str(secret)
     try:
         daemons, jobs, _ = start_two_nodes(
             procs, tmp_path,
-            ["--scenario", "compute-hang", "--fault-rank", "1", "--fault-step", "4", "--steps", "400"], [], nproc=1,
+            ["--scenario", scenario, "--fault-rank", str(fault_rank), "--fault-step", "4", "--steps", "400"], [],
+            nproc=1,
         )
     finally:
         del os.environ["RANKWATCH_STORE_SECRET_FILE"]
@@ -545,8 +549,9 @@ def test_signed_daemons_still_agree_on_a_real_hang(procs, tmp_path):
 
     found = wait_for(all_verdicts, timeout=150)
     assert found, [d.stderr for d, _, _ in daemons]
-    assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == [1]
+    assert found[0]["initiating_ranks"] == found[1]["initiating_ranks"] == expect.ranks(fault_rank)
     assert found[0]["incident_id"] == found[1]["incident_id"]
-    assert found[0]["phase"] == found[1]["phase"] == "forward"
+    assert found[0]["phase"] == found[1]["phase"] == expect.phase
+    assert found[0]["kind"] == found[1]["kind"] and found[0]["kind"] in expect.kinds
     assert all(v["correlation"].startswith("leader node 0 over 2 node(s)") for v in found), found
     assert all(j.poll() is None for j in jobs), "daemons must not kill without --on-stall kill"
