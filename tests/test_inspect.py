@@ -25,6 +25,7 @@ from rankwatch.watchdog.core.policy import InspectPolicy
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
 from rankwatch.watchdog.core.stacks import Frame
 from rankwatch.watchdog.observe.discover import MAX_ENV_VALUE, discover, parse_environ, select
+from rankwatch.watchdog.report.text import headline
 from rankwatch.watchdog.verdict import decide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
@@ -466,7 +467,7 @@ def test_input_hang_in_a_dataloader_worker(plain_job, tmp_path):
     # the bundle is an incident's: rankwatch report renders it
     shown = subprocess.run([sys.executable, "-m", "rankwatch.watchdog.cli", "report", str(bundle)],
                            capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "initiating rank 1 in phase 'dataloader'" in shown.stdout
+    assert shown.returncode == 0 and headline(json.loads((bundle / "verdict.json").read_text())) in shown.stdout
 
 
 @pytest.mark.slow

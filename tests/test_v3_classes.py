@@ -139,6 +139,9 @@ def test_v3_class_right_today_stays_right(procs, tmp_path, name):
     for v in verdicts[1:]:  # a later incident may repeat the truth, never blame another rank
         assert set(v["initiating_ranks"]) <= set(plan.truth), v["reason"]
     if name == "helper-thread-dies":  # the dead thread's exception is the cause the verdict carries
+        f = first["finding"]
+        assert f["rule"] == "thread_died" or "thread_died" in f["data"].get("backed_by", []), f
+        # the exception's own text (the job's words, quoted; how rankwatch says it: test_verdict_words.py)
         assert "thread prefetch: RuntimeError: corrupt record in shard" in first["reason"], why
     if name == "first-step-hang":
         # a stall of the late rank once the others wait (3x their start-up: tens of seconds on a loaded host),
