@@ -1,4 +1,5 @@
-"""The layout's promises: the pure core imports nothing that does I/O, and every module is in docs/design.md."""
+"""The layout's promises: the pure core imports nothing that does I/O, every module is in docs/design.md, and the
+test tree mirrors the source (docs/CONTRIBUTING.md "Where tests go")."""
 
 from __future__ import annotations
 
@@ -51,3 +52,32 @@ def test_collecting_the_suite_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300).stdout
     assert out.splitlines()[-1] == "NO-TORCH 0", out[-3000:]
+
+
+TESTS = REPO / "tests"
+TEST_TOPS = {"unit", "e2e", "architecture"}
+HELPERS = {"procs", "jobs", "fixtures", "child_site", "__pycache__"}  # not tests: what tests start and read
+
+
+def test_the_test_tree_mirrors_the_source():
+    """Tests live in tests/unit/<package>/ (a package of watchdog/, or hooks), tests/e2e/ or
+    tests/architecture/, never at tests/ itself; unit folders are packages that exist."""
+    packages = {p.name for p in (REPO / "watchdog").iterdir() if (p / "__init__.py").exists()} | {"hooks"}
+    modules = [p for p in TESTS.rglob("test_*.py") if not HELPERS & set(p.relative_to(TESTS).parts)]
+    assert len(modules) > 50
+    for p in modules:
+        where = p.relative_to(TESTS).parts[:-1]
+        assert where and where[0] in TEST_TOPS, f"{p.relative_to(REPO)}: not under tests/unit, e2e or architecture"
+        if where[0] == "unit":
+            assert len(where) == 2 and where[1] in packages, f"{p.relative_to(REPO)}: not under a package's folder"
+        else:
+            assert len(where) == 1, p.relative_to(REPO)
+    assert {d.name for d in TESTS.iterdir() if d.is_dir() and not d.name.startswith(".")} - HELPERS <= TEST_TOPS
+
+
+def test_test_module_names_are_unique_and_no_folder_is_a_package():
+    # pytest's default import mode imports a test module by its file name (the folders are no packages), and
+    # tests import each other's helpers by that name (tests/conftest.py TEST_DIRS): one name, one file
+    names = [p.name for p in TESTS.rglob("test_*.py") if "fixtures" not in p.parts]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert not [p for p in TESTS.rglob("__init__.py") if "fixtures" not in p.parts]
