@@ -19,7 +19,7 @@ to both ranks once the loop runs (``--settle`` seconds after they start) and sam
 
 Needs ``perf`` (linux-perf) with permission to attach (root, or ``perf_event_paranoid`` ≤ 1). Not part of
 the CI smoke runs: what it measures is checked there by bench_hook.py's (a2) and (c); its attribution is
-tested on recorded ``perf script`` output (tests/test_hook_perf.py).
+tested on recorded ``perf script`` output (tests/unit/hooks/test_hook_perf.py).
 
     python benchmarks/hook_perf.py --rounds 3            # ~2 min on 2 cores
 """

@@ -10,7 +10,7 @@ Three tables:
 
 ``SCENARIOS``
     one entry per ``--scenario`` a program accepts: the program that runs it, where it fires, what it does.
-    ``tests/test_fault_catalogue.py`` holds it equal to the scenarios each program's code acts on.
+    ``tests/architecture/test_fault_catalogue.py`` holds it equal to the scenarios each program's code acts on.
 ``FAULTS`` (and ``DDP_DEMO_FAULTS``)
     the right answer for a scenario of the example models, wherever the fault is put: ``FAULTS`` for the
     injector's scenarios, which both models run (the accuracy suite's ``--faults``), ``DDP_DEMO_FAULTS`` for

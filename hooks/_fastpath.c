@@ -2,7 +2,7 @@
  *
  * ``Core`` is the base class of ``tracker.CTracker``; ``tracker.PyCore`` is the same code in Python, the
  * fallback where this module was not built, and the reference the tests compare this one against
- * (tests/test_record_ring.py runs every case on both; test_fastpath_equivalence.py replays random
+ * (tests/unit/hooks/test_record_ring.py runs every case on both; test_fastpath_equivalence.py replays random
  * call sequences on both and compares the records byte for byte). Only the common path lives here:
  * the event word, the count, the open-phase stack, the step's end. Everything rare (budgets, folds,
  * unbalanced exits, a phase an exception left, op names, the GPU harvest) calls back into the Python

@@ -19,7 +19,17 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
 DEMO = str(REPO / "examples" / "ddp_demo.py")
+
+# The test tree mirrors the source (docs/CONTRIBUTING.md "Where tests go"): tests/unit/<package>/, tests/e2e/,
+# tests/architecture/; helpers stay here (procs/, jobs/, fixtures/, child_site/). No __init__.py anywhere: pytest's
+# default import mode imports each test module by its file name, so every name is unique in the whole tree
+# (tests/architecture/test_layout.py holds it), and tests import each other's helpers by that name
+# (``from test_safety import start_rank``). Each folder goes on sys.path here, before any test module is
+# imported, so such an import works whichever folder pytest collected first.
+TEST_DIRS = (TESTS / "architecture", TESTS / "e2e", *sorted(p for p in (TESTS / "unit").glob("*") if p.is_dir()))
+sys.path[1:1] = [str(d) for d in TEST_DIRS if str(d) not in sys.path]
 
 
 _PORT_BLOCK = 1000  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
@@ -375,7 +385,7 @@ def _shares_module_fixture(item) -> bool:
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (addopts): three workers per core. Most slow tests wait rather than compute (torchrun
     start-up, stall timeouts, py-spy, daemons' polls), so more jobs than cores overlap each other's waits:
-    measured on 2 cores at load 17-25, tests/test_watchdog_e2e.py took 283-384 s with 4 workers against 433 s
+    measured on 2 cores at load 17-25, tests/e2e/test_watchdog_e2e.py took 283-384 s with 4 workers against 433 s
     with 2. Beside other busy processes a third per core matters more: each job runs in its own session, so
     each is one more scheduling group against the other load (the full suite beside two CPU hogs on 2 cores,
     2026-12-04, the same commit: 16 min 46 s with 4 workers, 15 min 04 s with 6). Not more: memory (a
@@ -424,7 +434,7 @@ def _rewrite_tests_once(config) -> None:  # type: ignore[no-untyped-def]
         from _pytest.assertion import rewrite
 
         state = config.stash[rewrite.assertstate_key]
-        files = {*state.hook._rewritten_names.values(), *(REPO / "tests").glob("test_*.py")}
+        files = {*state.hook._rewritten_names.values(), *(f for d in TEST_DIRS for f in d.glob("test_*.py"))}
         for fn in sorted(files):
             cache = rewrite.get_cache_dir(fn)
             pyc = cache / (fn.name[:-3] + rewrite.PYC_TAIL)

@@ -29,7 +29,7 @@ drifts silently when torch adds or changes options. The hybrid is exact whenever
 for the command lines it knows; every one of its own answers is a plain exact-match reading that every
 argparse version agrees on (abbreviations, whose rules and ambiguity errors differ between Python
 versions, are left to argparse). What remains is a known option changing its arity or type in a
-future torch: tests/test_torchrun_args.py compares the table with the installed torch's parser option by
+future torch: tests/unit/cli/test_torchrun_args.py compares the table with the installed torch's parser option by
 option (and fails on options the table lacks, which cost only the child's start-up), and the hand
 parser with torch's on many realistic and generated command lines, so such drift fails the tests on the
 torch upgrade instead of misplacing the script at run time. Errors torch's parser certainly gives — under

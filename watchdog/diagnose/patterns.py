@@ -21,7 +21,7 @@ from ..core.ranks import MAX_RANK
 # (E, F, K, N, R, T), which ordinary log text rarely has, so the regex engine's first-character skip
 # does almost all the work in C (~300 MB/s, against ~55 MB/s for an alternation led by lowercase
 # letters). The few keywords that start in lowercase are found with bytes.find (≥1 GB/s each).
-# Coverage, checked by tests/test_diagnose_parsing.py on every fixture: Python exceptions ("Error",
+# Coverage, checked by tests/unit/diagnose/test_diagnose_parsing.py on every fixture: Python exceptions ("Error",
 # "Exception", "Traceback", 'File "'), all of ProcessGroupNCCL's messages (glog header
 # "ProcessGroupNCCL.cpp") and NCCL's own lines, gloo/CUDA errors (printed as RuntimeError/…Error),
 # dmesg (Xid, OOM killer), Slurm (": error"), torchrun's agent ("exitcode", "closing signal") and its

@@ -66,7 +66,7 @@ WINDOW_STEPS = StragglerPolicy().window_steps
 # ``WINDOW_STEPS`` common steps.
 DIAGNOSIS_COPY_STEPS = 2 * WINDOW_STEPS
 RANK_STATES = (RUNNING, STOPPED, DEAD, CRASHED, ZOMBIE, EXITED, UNKNOWN)
-# default series per rank must stay at or below this (tests/test_metrics.py, benchmarks/bench_series.py)
+# default series per rank must stay at or below this (tests/unit/serve/test_metrics.py, benchmarks/bench_series.py)
 SERIES_PER_RANK_BUDGET = 60
 DETAIL_LEVELS = ("aggregate", "jobs")
 
