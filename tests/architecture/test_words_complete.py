@@ -123,7 +123,7 @@ def test_the_one_live_rank_beside_a_silent_node_is_not_a_crowd() -> None:
 
 
 def test_offline_words_name_the_ranks_they_decide() -> None:
-    logs = Path(__file__).resolve().parent / "fixtures" / "logs"
+    logs = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
     seen = 0
     for path in sorted(logs.rglob("*")):
         if not path.is_file() or path.suffix in (".py", ".sh", ".md", ".json"):
