@@ -138,3 +138,49 @@ def test_a_job_json_makes_the_daemon_connect_only_where_its_configuration_says(p
     finally:
         configured.close()
         named.close()
+
+
+# -- a real two-node job (two `rankwatch run` agents, one store), as tests/test_store_tamper.py ------------
+
+BLOATER = str(Path(__file__).resolve().parent / "procs" / "store_bloater.py")
+
+
+def test_values_over_the_cap_in_a_real_job_are_refused_and_the_hung_rank_is_still_named(procs, tmp_path):
+    """Rank 2 (node 1's local rank 0) hangs in its dataloader; a hostile local client keeps writing 16 MiB
+    values into the keys the nodes read during the exchange (node 1's evidence, the leader's verdict). Node 1
+    — a client of the store node 0 hosts — refuses them unread: its peak memory stays that of a process that
+    never read one, and no node names an innocent rank."""
+    from test_multinode import one_verdict_each, start_node
+
+    master, store = free_port(), free_port()
+    args = ["--scenario", "input-hang", "--fault-rank", "2", "--fault-step", "6", "--steps", "400"]
+    nodes = [start_node(procs, tmp_path, k, master, store, args, ("--on-stall", "kill")) for k in (0, 1)]
+    keys = [f"rankwatch/mn/{k}" for k in ("evidence/1/1", "verdict/1", "evidence/2/1", "verdict/2")]
+    bloater = procs.start([sys.executable, BLOATER, "127.0.0.1", str(store), "16", *keys], text=True)
+    rounds = LineReader(bloater.stdout)
+    assert rounds.wait_for("round 1", timeout=120)
+    node1 = nodes[1][0].pid
+    peaks: list[int] = []
+
+    def sample() -> None:  # node 1's high-water mark, while it lives
+        while nodes[1][0].poll() is None:
+            try:
+                peaks.append(peak_rss(node1))
+            except (OSError, AssertionError):
+                return
+            threading.Event().wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    logs = [LineReader(p.stderr) for p, _ in nodes]
+    v0, v1 = one_verdict_each(nodes, timeout=240)
+    sampler.join(timeout=10)
+    bloater.kill()
+    assert int(rounds.lines[-1].split()[1]) > 5  # it went on writing all along
+    for v in (v0, v1):
+        assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "dataloader"), (
+            "\n".join([v["reason"], *v["evidence"]]))
+    refused = [line for log in logs for line in log.lines if '"store_value_rejected"' in line and "refused" in line]
+    assert refused, [log.lines[-20:] for log in logs]
+    assert peaks and max(peaks) < 256 << 20, f"node 1's peak RSS {max(peaks or [0]) >> 20} MiB"
+    print(f"node 1 peak RSS {max(peaks) >> 20} MiB; refused: {len(refused)} line(s); v0 {v0['initiating_ranks']}")

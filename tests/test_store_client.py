@@ -15,7 +15,6 @@ import time
 
 import psutil
 import pytest
-
 from rankwatch.watchdog.cluster.store_client import (
     KeyVanished,
     StoreClient,
