@@ -399,6 +399,8 @@ class JobStore:
         self._waiter: StoreClient | None = None  # the second connection ``wait_for`` blocks on (prepare_waits)
         try:
             if host_server:
+                import torch.distributed  # noqa: F401  (imported before the deadline: seconds on a loaded node)
+
                 self._server, port = self._io.call(lambda: _host(host, port, timeout_s), "host")
                 self.address = f"{host}:{port}"
             self._store = StoreClient(host, port, self.policy)

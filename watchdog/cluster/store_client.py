@@ -97,14 +97,26 @@ class StoreClient:
 
     # -- connection ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Open and validate the connection now (the first call would otherwise do it)."""
+        """Open and validate the connection now, trying again until ``connect_timeout_s`` as torch's client
+        does: the node that hosts the store may start after the others (``rankwatch inspect`` on every node)."""
+        deadline = time.monotonic() + self.policy.connect_timeout_s
+        pause = 0.1
         with self._lock:
-            self._ensure()
+            while True:
+                try:
+                    self._ensure(max(0.1, deadline - time.monotonic()))
+                    return
+                except StoreClientError:
+                    left = deadline - time.monotonic()
+                    if left <= pause:
+                        raise
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
-    def _ensure(self) -> socket.socket:
+    def _ensure(self, timeout: float | None = None) -> socket.socket:
         if self._sock is not None:
             return self._sock
-        timeout = self.policy.connect_timeout_s
+        timeout = self.policy.connect_timeout_s if timeout is None else timeout
         try:
             sock = socket.create_connection((self.host, self.port), timeout=timeout)
         except OSError as exc:
