@@ -15,7 +15,7 @@
 (3) Does the daemon's import path load torch? A child process imports every module ``rankwatch daemon``
     loads (cli, cmd_daemon, daemon, its probes), builds a Daemon and polls a fake job once, with an
     import tracer that records the rankwatch frames importing ``torch``; same with ``--store-port``'s
-    module (``correlate``), and a ``JobStore`` construction, which needs TCPStore.
+    module (``correlate``), and a client ``JobStore`` construction (the daemon's: pure Python, no TCPStore).
 
     python benchmarks/bench_daemon.py            # 60 s at 50 ms steps + 30 s at 5 ms steps (~2.5 min)
     python benchmarks/bench_daemon.py --quick    # 6 s each after a 1 s warm-up, 2 import reps
@@ -274,8 +274,8 @@ if step == "store":
     import rankwatch.watchdog.cluster.correlate
     out["correlate_import"] = "torch" in sys.modules
     from rankwatch.watchdog.cluster.store import JobStore
-    try:
-        JobStore("127.0.0.1", 0, "job", host_server=True, timeout_s=2.0)
+    try:  # a daemon is only ever a client (cluster.store_host hosts): its bounded client needs no torch
+        JobStore("127.0.0.1", 1, "job", host_server=False, timeout_s=2.0)
     except Exception as exc:
         out["store_error"] = repr(exc)[:200]
     out["jobstore"] = "torch" in sys.modules
@@ -357,7 +357,7 @@ def main() -> int:
         f"{'NO' if plain.get('daemon_path') else 'yes'} |"
     )
     rows.append(
-        f"| … with `--store-port`/`--store` (cross-node): importing correlate → torch? / building its TCPStore → "
+        f"| … with `--store-port`/`--store` (cross-node): importing correlate → torch? / building its store client → "
         f"torch? | {'yes' if store.get('correlate_import') else 'no'} / "
         f"{'yes' if store.get('jobstore') else 'no'} (first import: `{chain}`) | — | — |"
     )

@@ -736,7 +736,11 @@ class Correlator:
                 pass  # one was deleted between the wait and the read: one by one tells which
         out: dict[str, bytes] = {}
         vanished: set[str] = set()
+        left = store.read_budget_bytes  # what one exchange may read, key by key as in one round trip
         for key in keys:
+            if left <= 0:  # the values read so far filled the budget: the rest count as not available
+                vanished.add(key)
+                continue
             try:
                 raw = store.get_raw(key)
             except Vanished:
@@ -744,6 +748,7 @@ class Correlator:
                 continue
             if raw is not None:
                 out[key] = raw
+                left -= len(raw)
         return out, vanished
 
     def _candidate_nodes(self, world_size: int, local_ranks: int) -> range:

@@ -4,8 +4,10 @@
 Everything read from the store is untrusted: a value is size-bounded, parsed as JSON (never unpickled,
 never evaluated), checked against its schema, and dropped with one log line when it does not fit. With a
 store secret every value is also sealed on write and its MAC checked on read (``cluster.auth``).
-torch is imported only here and only when cross-node correlation is on, so a single-node daemon never
-pays for it.
+Every store is read through ``store_client``, rankwatch's own bounded TCPStore client (pure Python: a value
+over MAX_VALUE_BYTES is refused before it is allocated, every call has a deadline), so the daemon never
+imports torch for it; torch is imported only where a process hosts the store itself (``_host``: `rankwatch
+run`'s and `inspect`'s node 0).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..core.fr_trace import FlightRecorderFormatError, RankTrace, compact_dump, 
 from ..core.schema import NODE_SCHEMA
 from ..core.snapshot import RankView
 from . import auth
+from .store_client import KeyVanished, StoreClient, StoreClientError, StoreClientPolicy, ValueTooLarge
 
 log = structlog.get_logger("rankwatch.store")
 
@@ -46,6 +49,31 @@ class StoreError(Exception):
 
 class ValueRejected(Exception):
     """A value in the store is malformed, oversized or of the wrong schema."""
+
+
+class Refused(bytes):
+    """What a read returns for a value the client refused unread (over MAX_VALUE_BYTES): empty bytes that
+    ``JobStore.unseal`` turns into ValueRejected with the reason, so a caller treats the key as tampered
+    with, as it does a malformed value."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> Refused:
+        self = super().__new__(cls, b"")
+        self.reason = reason
+        return self
+
+
+def _host(host: str, port: int, timeout_s: float) -> tuple[Any, int]:
+    """torch's TCPStore server in this process (``rankwatch run``'s node 0, ``inspect``'s node 0: the job
+    owner's own processes; the root daemon never hosts, ``store_host``). It is only served here: this process
+    reads it through the bounded client like any other store."""
+    import torch.distributed as dist
+
+    # it listens on every interface, as torchrun's store does; ``host`` is only what its own client dials
+    server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+    return server, int(server.port)
 
 
 class Vanished(StoreError):
@@ -355,35 +383,31 @@ class JobStore:
         secret: bytes | None = None,
         op_timeout_s: float = 2.0,
     ) -> None:
-        import torch.distributed as dist
-
         self.job_id = job_id
         self.secret = secret  # None: values are written and read unauthenticated
         self.prefix = f"rankwatch/{job_id}/"
         self.address = f"{host}:{port}"
         self._io = _StoreThread(f"rankwatch-store-{job_id[:16]}", timeout_s)
         self._polled: dict[str, Future[Any]] = {}
-        self._waiter: Any = None  # the second connection ``wait_for`` blocks on (prepare_waits)
         self._last: dict[str, bytes | None] = {}
+        # every store is read through the bounded client (``store_client``): a value over MAX_VALUE_BYTES is
+        # refused unread, each call has a deadline of ``op_timeout_s``, a multi-key read a byte budget
+        self.policy = StoreClientPolicy(max_value_bytes=MAX_VALUE_BYTES, op_timeout_s=op_timeout_s,
+                                        connect_timeout_s=timeout_s)
+        self.read_budget_bytes = self.policy.max_read_bytes
+        self._server: Any = None  # torch's TCPStore server, only where this process hosts (never a daemon)
+        self._waiter: StoreClient | None = None  # the second connection ``wait_for`` blocks on (prepare_waits)
         try:
-            self._store = self._io.call(
-                lambda: dist.TCPStore(
-                    host,
-                    port,
-                    is_master=host_server,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                    use_libuv=True,
-                ),
-                "connect",
-            )
-        except Exception as exc:  # RuntimeError, DistNetworkError, StoreError (no answer in time)…
+            if host_server:
+                import torch.distributed  # noqa: F401  (imported before the deadline: seconds on a loaded node)
+
+                self._server, port = self._io.call(lambda: _host(host, port, timeout_s), "host")
+                self.address = f"{host}:{port}"
+            self._store = StoreClient(host, port, self.policy)
+            self._io.call(self._store.connect, "connect")
+        except Exception as exc:  # StoreClientError, RuntimeError (torch's server), StoreError (no answer in time)
             self._io.close()
             raise StoreError(f"cannot {'host' if host_server else 'reach'} store {self.address}: {exc}") from exc
-        # a get of a key deleted after ``check`` saw it waits for the key to come back up to this long (a
-        # healthy store answers in a millisecond; the connect above needed the longer timeout for DNS)
-        with contextlib.suppress(Exception):
-            self._store.set_timeout(datetime.timedelta(seconds=op_timeout_s))
         self.hosting = host_server
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -392,8 +416,10 @@ class JobStore:
         threads still inside it."""
 
         def release() -> None:
-            self._store = None  # a call in flight holds its own reference: it finishes first
-            self._waiter = None
+            self._store.close()
+            if self._waiter is not None:
+                self._waiter.close()
+            self._server = None  # torch's server stops with its last reference
 
         fut = self._io.submit(release)
         if fut is not None:
@@ -412,6 +438,8 @@ class JobStore:
         """The JSON document in a value read from ``key``: with a secret only if its MAC is valid for this
         key and job; without one only if it is not sealed (nodes must agree on having a secret).
         ValueRejected otherwise."""
+        if isinstance(raw, Refused):
+            raise ValueRejected(raw.reason)
         if len(raw) > MAX_VALUE_BYTES:
             raise ValueRejected(f"value of {len(raw)} bytes exceeds {MAX_VALUE_BYTES}")
         if self.secret is None:
@@ -428,7 +456,7 @@ class JobStore:
         if len(text) > MAX_VALUE_BYTES:
             raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         try:
-            self._io.call(lambda: self._store.set(self._k(key), text), f"store set {key}")
+            self._io.call(lambda: self._store.set(self._k(key), text.encode()), f"store set {key}")
         except Exception as exc:
             raise StoreError(f"store set {key} failed: {exc}") from exc
 
@@ -440,7 +468,7 @@ class JobStore:
             raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
         if self._io.wedged:
             raise StoreError(f"store set {key}: the store has not answered for over {self._io.deadline_s:.0f}s")
-        fut = self._io.submit(lambda: self._store.set(self._k(key), text))
+        fut = self._io.submit(lambda: self._store.set(self._k(key), text.encode()))
         if fut is not None:
             with contextlib.suppress(FutureTimeout):
                 fut.exception(timeout=NOWAIT_S)  # a healthy store has answered by then: the value is there
@@ -449,9 +477,11 @@ class JobStore:
         if not self._store.check([full]):
             return None
         try:
-            return bytes(self._store.get(full))
-        except Exception as exc:  # there a moment ago: deleted in between (or the connection went)
+            return self._store.get(full)
+        except KeyVanished as exc:  # there a moment ago: deleted in between
             raise Vanished(f"{full}: gone after the store said it exists ({str(exc)[:120]})") from None
+        except ValueTooLarge as exc:  # never read, never allocated: the key holds no rankwatch value
+            return Refused(str(exc))
 
     def get_raw(self, key: str) -> bytes | None:
         """The value, or None when the key does not exist (never blocks waiting for it); Vanished when it was
@@ -497,11 +527,10 @@ class JobStore:
         """Set ``key`` only if absent (or still holding exactly ``replacing``); returns the value now stored
         (ours, or the earlier claimant's), still sealed: read it through ``unseal``."""
         text = self._encode(key, doc)
-        # compared byte for byte: the binding takes bytes too (a std::string), and what is replaced need not
-        # be UTF-8
-        expected: Any = replacing
+        # compared byte for byte: what is replaced need not be UTF-8
         try:
-            return bytes(self._io.call(lambda: self._store.compare_set(self._k(key), expected, text), f"claim {key}"))
+            return cast(bytes, self._io.call(lambda: self._store.compare_set(self._k(key), replacing, text.encode()),
+                                             f"claim {key}"))
         except Exception as exc:
             raise StoreError(f"store claim {key} failed: {exc}") from exc
 
@@ -518,16 +547,13 @@ class JobStore:
         Called once from the connecting thread; ``wait_for`` falls back to the shared one without it."""
         if self._waiter is not None:
             return
-        import torch.distributed as dist
-
         host, _, port = self.address.rpartition(":")
+        waiter = StoreClient(host, int(port), self.policy)
         try:
-            self._waiter = dist.TCPStore(
-                host, int(port), is_master=False, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=10.0), use_libuv=True,
-            )
-        except Exception as exc:
+            waiter.connect()
+        except StoreClientError as exc:
             raise StoreError(f"cannot open a waiting connection to {self.address}: {exc}") from exc
+        self._waiter = waiter
 
     def wait_for(self, keys: Sequence[str], timeout_s: float) -> bool:
         """True once every key exists, False when ``timeout_s`` passed first: the server wakes the caller
@@ -537,8 +563,9 @@ class JobStore:
         full = [self._k(k) for k in keys]
         waiter = self._waiter or self._store
         try:
-            waiter.wait(full, datetime.timedelta(seconds=max(0.001, timeout_s)))
-            return True
+            if waiter.wait(full, max(0.001, timeout_s)):
+                return True
+            raise StoreClientError("not there yet")
         except Exception as wait_exc:
             try:  # a timeout, or the connection: tell them apart with one bounded call
                 return bool(self._io.call(lambda: self._store.check(full), "store check"))
@@ -549,6 +576,6 @@ class JobStore:
         """The values of keys that all exist (``wait_for`` returned True), in one round trip."""
         try:
             full = [self._k(k) for k in keys]
-            return [bytes(v) for v in self._io.call(lambda: self._store.multi_get(full), "store multi_get")]
+            return cast("list[bytes]", self._io.call(lambda: self._store.multi_get(full), "store multi_get"))
         except Exception as exc:
             raise StoreError(f"store multi_get of {len(keys)} keys failed: {exc}") from exc
