@@ -17,8 +17,8 @@ import psutil
 from conftest import LineReader, free_port, start_daemon, stop_daemon, wait_for, wait_polls
 from test_safety import start_rank
 
-HOSTILE = str(Path(__file__).resolve().parent / "procs" / "hostile_store.py")
-RANK_PY = str(Path(__file__).resolve().parent / "procs" / "rank.py")
+HOSTILE = str(Path(__file__).resolve().parents[2] / "procs" / "hostile_store.py")
+RANK_PY = str(Path(__file__).resolve().parents[2] / "procs" / "rank.py")
 
 
 def peak_rss(pid: int) -> int:
@@ -142,7 +142,7 @@ def test_a_job_json_makes_the_daemon_connect_only_where_its_configuration_says(p
 
 # -- a real two-node job (two `rankwatch run` agents, one store), as tests/test_store_tamper.py ------------
 
-BLOATER = str(Path(__file__).resolve().parent / "procs" / "store_bloater.py")
+BLOATER = str(Path(__file__).resolve().parents[2] / "procs" / "store_bloater.py")
 
 
 def test_values_over_the_cap_in_a_real_job_are_refused_and_the_hung_rank_is_still_named(procs, tmp_path):
