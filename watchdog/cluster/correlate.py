@@ -619,7 +619,7 @@ class Correlator:
         held: dict[int, str] = {self.node_rank: HEARD}
         why: dict[int, str] = {}
         seen: set[int] = set()  # nodes with a value under their key at some read
-        before = self._snapshots(store, [k for k in nodes if k != self.node_rank])
+        before, _ = self._snapshots(store, [k for k in nodes if k != self.node_rank])
         deadline = time.monotonic() + wait_s
         while True:
             pending = [k for k in nodes if held.get(k) != HEARD]
@@ -665,10 +665,12 @@ class Correlator:
             time.sleep(self.policy.rejected_value_retry_s)
         notes = [f"flight recorder: {n}" for n in fr_notes[:16]]
         unheard = [k for k in nodes if held.get(k) != HEARD]
-        after = self._snapshots(store, unheard) if unheard else {}
+        after, unread = self._snapshots(store, unheard) if unheard else ({}, set())
         for k in unheard:
             snap = after.get(k)
-            if held.get(k) is None:
+            if held.get(k) is None and k in unread:
+                held[k], why[k] = UNAVAILABLE, "the store held more than one look may read before its snapshot"
+            elif held.get(k) is None:
                 # nothing ever under its key: down, unless its daemon shows it is alive and has answered
                 alive = snap is not None and (
                     snap.published >= inc.gen or (k in before and snap.order > before[k].order)
@@ -755,15 +757,23 @@ class Correlator:
         n = self.nnodes or max(1, -(-world_size // max(1, local_ranks)))
         return range(min(n, MAX_NODES))
 
-    def _snapshots(self, store: JobStore, nodes: Sequence[int]) -> dict[int, Snapshot]:
-        """Each node's newest valid snapshot; one older than one seen before (a replay) is not taken."""
+    def _snapshots(self, store: JobStore, nodes: Sequence[int]) -> tuple[dict[int, Snapshot], set[int]]:
+        """Each node's newest valid snapshot (one older than one seen before, a replay, is not taken), and the
+        nodes not read because the values before them filled one look's read budget (a store stuffed with
+        big values): those are unknown, never silent."""
         out: dict[int, Snapshot] = {}
+        unread: set[int] = set()
+        left = store.read_budget_bytes  # one look reads at most this much, whatever a job.json says of its nodes
         for k in nodes:
             key = f"node/{k}"
+            if left <= 0:
+                unread.add(k)
+                continue
             try:
                 raw = store.get_raw(key)
                 if raw is None:
                     continue
+                left -= len(raw)
                 snap = parse_snapshot(store.unseal(key, raw))
                 if snap.node_rank != k:
                     raise ValueRejected(f"snapshot of node {snap.node_rank} under node {k}'s key")
@@ -776,7 +786,7 @@ class Correlator:
                 continue
             self._snap_order[k] = snap.order
             out[k] = snap
-        return out
+        return out, unread
 
 
 def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:

@@ -139,3 +139,24 @@ def test_a_deleted_evidence_key_of_a_live_node_is_unavailable_and_judged_on_its_
         assert any("judged on its last authenticated snapshot" in e for e in verdict["evidence"]), verdict["evidence"]
     finally:
         s.close()
+
+
+def test_a_node_whose_snapshot_is_past_the_read_budget_is_unknown_not_silent():
+    """A store stuffed with big values fills what one look may read before node 1's snapshot is reached: node 1
+    (its evidence deleted too) is then unknown, never "silent", so its ranks are not named as a lost node."""
+    from conftest import resolve_and_decide
+    from rankwatch.watchdog.core.policy import CorrelationPolicy
+    from test_store_auth import SECRET, Stores, decide_fn
+
+    s = Stores("b", secret=SECRET, policy=CorrelationPolicy(evidence_timeout_s=1.0))
+    try:
+        node0, node1 = _stuck_views()
+        s.follower.publish_snapshot("n1", node1)  # alive: its daemon published, then its evidence vanished
+        assert s.leader.store is not None
+        s.leader.store.read_budget_bytes = 0  # as after a look that read its budget of stuffed values
+        claim = s.leader.claim("inc", {"kind": "stall", "ranks": [2], "reason": "no progress"})
+        verdict, _, _ = resolve_and_decide(s.leader, claim, node0, "n0", 4, decide_fn("b"))
+        assert verdict["exchange"]["nodes"]["1"] == "unavailable", verdict["exchange"]
+        assert verdict.get("decided_by") != "missing_node" and not {2, 3} & set(verdict["initiating_ranks"]), verdict
+    finally:
+        s.close()
