@@ -328,3 +328,22 @@ class GroupingPolicy:
     # How much of each source is searched for its job keys: launch config, rendezvous result, environment
     # dumps and Slurm's job lines come first.
     head_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReaderPolicy:
+    """What one owner's reader (``privsep``: a worker running as the job's owner) may cost the daemon."""
+
+    # a reader answers in microseconds; one that does not within this is stopped or wedged (its user can
+    # SIGSTOP it): that owner's poll loses at most this much before the reader is written off
+    request_timeout_s: float = 1.0
+    # a written-off reader is respawned no sooner than this, so a user killing theirs in a loop costs the
+    # daemon one deadline per period, not per poll
+    respawn_backoff_s: float = 10.0
+    # records open per reader (each holds an fd in the reader): a job has one per local rank, a node a few
+    # hundred at most; more is a flood, refused with one log line
+    max_records: int = 512
+    # torn reads retried per record per poll (no sleeps): a record held odd costs microseconds, not 60 ms
+    torn_retries: int = 32
+    # the most a py-spy dump may print (a real one of a rank is tens of KB; 100 MB would cost GBs to parse)
+    pyspy_max_bytes: int = 8 << 20  # = capture.MAX_PYSPY_BYTES

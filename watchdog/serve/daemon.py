@@ -41,7 +41,8 @@ from ..evidence.ras_watch import RasWatch
 from ..observe import jobdir
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
-from ..observe.reader import ReaderError, Readers, default_readers
+from ..observe.reader import open_job
+from ..privsep.readers import ReaderError, Readers, default_readers
 from ..report import bundle
 from .act import Killer
 from .alerts import Alerter
@@ -207,7 +208,7 @@ class Daemon:
             for name in new:
                 # opened once, never through a symlink, and held: a name swapped later is never followed
                 try:
-                    job = self.readers.open_job(base, name)
+                    job = open_job(self.readers, base, name)
                 except (OSError, ReaderError) as exc:
                     if name not in self._undiscoverable:
                         self._undiscoverable.add(name)
