@@ -368,9 +368,24 @@ class IncidentPipeline:
     def _keep_unwritten(self, req: IncidentRequest, verdict: dict[str, Any], ev: IncidentEvidence) -> None:
         with self._unwritten_lock:
             self._unwritten.append((req, verdict, ev))
-            while len(self._unwritten) > self.serve_policy.max_unwritten_bundles:
-                lost, _, _ = self._unwritten.pop(0)
-                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, why="retry queue full")
+            policy = self.serve_policy
+            mine = [i for i, (r, _, _) in enumerate(self._unwritten) if r.owner_uid == req.owner_uid]
+            while len(mine) > policy.max_unwritten_bundles_per_owner:
+                # over this owner's share: their own oldest goes, never another user's
+                lost, _, _ = self._unwritten.pop(mine.pop(0))
+                mine = [i - 1 for i in mine]
+                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, owner_uid=lost.owner_uid,
+                          why="this user's share of the retry queue is full")
+            while len(self._unwritten) > policy.max_unwritten_bundles:
+                # the whole queue full (many users at once): the oldest of whoever holds the most goes
+                counts: dict[int, int] = {}
+                for r, _, _ in self._unwritten:
+                    counts[r.owner_uid] = counts.get(r.owner_uid, 0) + 1
+                top = max(counts, key=lambda uid: counts[uid])
+                at = next(i for i, (r, _, _) in enumerate(self._unwritten) if r.owner_uid == top)
+                lost, _, _ = self._unwritten.pop(at)
+                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, owner_uid=lost.owner_uid,
+                          why="retry queue full")
             self._retry_at = time.monotonic() + self.serve_policy.bundle_retry_every_s
 
     @property
