@@ -19,27 +19,31 @@ from pathlib import Path
 import pytest
 from conftest import bundle_dirs, new_tracker
 from test_multiuser import User, users, world  # noqa: F401  (fixtures: throwaway users, a world for them)
-from test_privsep import RANK, DaemonProc, daemons, discovered, fresh_shm, move_in, ranks, staged  # noqa: F401
+from test_privsep import daemons, discovered, fresh_shm, move_in, ranks, staged  # noqa: F401
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="real users and a root daemon need root"),
 ]
 
-FLOOD_DIRS = 400  # job dirs A renames in at once (4 records each)
+FLOOD_DIRS = 400  # job dirs A renames in at once (4 records each, of a process that is gone)
 FLOOD_RECORDS = 1000  # records in one job of A's
 
-TORN_WRITER = """
+# A's process writes ``count`` records in its job dir and maps every one (so each verifies as a live rank of
+# A's); "torn": each held mid-update (its seqlock odd), so every read of it is torn
+FLOODER = """
 import os, sys, time
 from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, write_identity
-job, count = sys.argv[1], int(sys.argv[2])
+job, count, torn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "torn"
+os.makedirs(job, mode=0o700, exist_ok=True)
 writers = []
 for r in range(count):
     w = RecordWriter(os.path.join(job, f"rank-{r}.hb"))
     write_identity(w, RankIdentity(pid=os.getpid(), global_rank=r, local_rank=r, world_size=count,
                                local_world_size=count, node_rank=0, device=-1, hostname="flood", job_id="torn",
                                start_ns=time.monotonic_ns()), list(CANONICAL_PHASES))
-    w.begin()  # the seqlock held odd from now on: a writer stuck mid-update, every read of it torn
+    if torn:
+        w.begin()  # the seqlock held odd from now on: a writer stuck mid-update
     writers.append(w)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -80,8 +84,7 @@ def test_another_users_flood_never_hides_a_hang_nor_loses_its_bundle(users, worl
     hook = tmp_path / "mark.sh"
     hook.write_text(f'#!/bin/sh\ntouch "{marks}/$(basename "$1")"\n')
     hook.chmod(0o755)
-    d = daemons(tmp_path, shm, "--on-incident", f"{hook} {{bundle}}", stall="2", on_stall="report",
-                counted=True)
+    d = daemons(tmp_path, shm, "--on-incident", str(hook), stall="2", on_stall="report", counted=True)
     held: list[subprocess.Popen] = []
     try:
         # A's job first: the daemon has taken it in (and A's reader runs) before the flood starts
@@ -89,20 +92,13 @@ def test_another_users_flood_never_hides_a_hang_nor_loses_its_bundle(users, worl
         assert discovered(d, "a-healthy", verified=True, pid=first.pid)
         if flood == "dirs":
             _flood_dirs(world, shm, a)
-        elif flood == "records":
-            job = staged(world) / "a-records"
-            job.mkdir(mode=0o700)
-            _records(job, FLOOD_RECORDS)
-            move_in(job, shm, a)
-        elif flood == "torn":
-            job = staged(world) / "a-torn"
-            job.mkdir(mode=0o700)
-            job = move_in(job, shm, a)
-            script = world["dir"] / f"torn-{time.monotonic_ns()}.py"
-            script.write_text(TORN_WRITER)
+        elif flood in ("records", "torn"):
+            script = world["dir"] / f"flooder-{time.monotonic_ns()}.py"
+            script.write_text(FLOODER)
             script.chmod(0o644)
-            writer = a.popen([world["python"], str(script), str(job), "99"], world["env"], stdin=subprocess.PIPE,
-                             cwd=str(world["dir"]), start_new_session=True)
+            count = str(FLOOD_RECORDS if flood == "records" else 99)
+            writer = a.popen([world["python"], str(script), str(shm / f"a-{flood}"), count, flood], world["env"],
+                             stdin=subprocess.PIPE, cwd=str(world["dir"]), start_new_session=True)
             held.append(writer)
             assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
         else:  # A stops their own reader (it is theirs): every request to it waits out its deadline
@@ -124,9 +120,18 @@ def test_another_users_flood_never_hides_a_hang_nor_loses_its_bundle(users, worl
         dead = [e for e in d.events() if e.get("event") == "incident_detected" and str(e.get("job")).startswith("a-")
                 and e.get("kind") == "dead"]
         assert not dead, dead
-        if flood == "stopped-reader":
-            # A's healthy rank is unreadable (never dead) while its reader is stopped
-            assert d.wait(lambda e: e.get("event") == "record_unreadable" and e.get("job") == "a-healthy")
+        # the flood was there while B hung: A's volume reached the daemon
+        before = d.events()[: d.events().index(got)]
+        if flood == "dirs":
+            assert any(e.get("event") == "job_discovered" and str(e.get("job")).startswith("flood-") for e in before)
+        elif flood == "records":
+            assert sum(e.get("event") == "rank_discovered" and e.get("job") == "a-records" for e in before) >= 100
+        elif flood == "torn":
+            assert any(e.get("event") == "record_rejected" and e.get("job") == "a-torn" for e in before)
+        else:  # A's healthy rank is unreadable (never dead) while its reader is stopped
+            assert any(e.get("event") == "record_unreadable" and e.get("job") == "a-healthy" for e in before)
+        code, health = _healthz(d.port)
+        assert code == 200 and health["owners"] == 2, health  # /healthz is the loop's, whatever A does
     finally:
         if flood == "stopped-reader":
             started = next((e for e in d.events() if e.get("event") == "reader_started" and e.get("uid") == a.uid),
@@ -136,6 +141,18 @@ def test_another_users_flood_never_hides_a_hang_nor_loses_its_bundle(users, worl
         for p in held:
             p.kill()
             p.wait()
+
+
+def _healthz(port: int | None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def _wait_file(path: Path, timeout: float = 60) -> bool:
