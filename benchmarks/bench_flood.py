@@ -13,6 +13,8 @@ user, whose own volume then holds the victim back too — the figures mean somet
   their incidents are being captured and parsed (in that user's readers) while the victim stalls;
 * ``stopped``: that user's reader stopped with SIGSTOP (it is theirs) while their job is watched: every
   request to it waits out its deadline, then it is written off and respawned, stopped again, ...
+* ``stop-cont``: that user, with 64 jobs, stops their reader for 0.9 s and lets it run for 0.05 s, over and
+  over: requests answer just under their 1 s deadline, so the reader is never written off.
 
 Latency is stall onset to detection: the ``incident_detected`` log line's time minus the victim's last
 progress (on this host's clocks), the 2 s stall timeout included. Medians over ``--repeats``.
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,13 +43,16 @@ REPO = Path(__file__).resolve().parent.parent
 RANK = str(REPO / "tests" / "procs" / "rank.py")
 STALL_S = 2.0
 
+# ``jobs`` job dirs (``base``, or ``base-0`` ... when several) of ``count`` records each, every record mapped by
+# this live process (so each verifies as a rank of its user's); "torn": each held mid-update
 FLOODER = """
 import mmap, os, sys, time
 from rankwatch.hooks.record import CANONICAL_PHASES, RankIdentity, RecordWriter, write_identity
-job, count, torn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "torn"
-os.makedirs(job, mode=0o700, exist_ok=True)
+base, count, torn, jobs = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "torn", int(sys.argv[4])
 writers = []
-for r in range(count):
+for j, r in ((j, r) for j in range(jobs) for r in range(count)):
+    job = base if jobs == 1 else f"{base}-{j}"
+    os.makedirs(job, mode=0o700, exist_ok=True)
     w = RecordWriter(os.path.join(job, f"rank-{r}.hb"))
     write_identity(w, RankIdentity(pid=os.getpid(), global_rank=r, local_rank=r, world_size=count,
                                local_world_size=count, node_rank=0, device=-1, hostname="flood", job_id="flood",
@@ -102,7 +108,7 @@ print("ready", len(body), flush=True)
 with rw.phase("forward"):
     time.sleep(3600)
 """
-MODES = ("quiet", "dirs", "records", "torn", "incidents", "stopped")
+MODES = ("quiet", "dirs", "records", "torn", "incidents", "stopped", "stop-cont")
 INCIDENT_JOBS = 4
 FR_ENTRIES = 40_000
 
@@ -124,6 +130,16 @@ def _other_user(tmp: Path, env: dict[str, str]) -> tuple[str, dict, dict[str, st
     kw = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
     return "/usr/bin/python3", kw, {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(stage), "HOME": str(tmp),
                                     "PYTHONDONTWRITEBYTECODE": "1", "RANKWATCH_SHM_DIR": env["RANKWATCH_SHM_DIR"]}
+
+
+def _stop_cont(pid: int, done: threading.Event) -> None:
+    """Stopped 0.9 s, running 0.05 s, until ``done``: each request answered just before its deadline."""
+    with contextlib.suppress(ProcessLookupError):
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            done.wait(0.9)
+            os.kill(pid, signal.SIGCONT)
+            done.wait(0.05)
 
 
 def _events(path: Path) -> list[dict]:
@@ -152,6 +168,7 @@ def one_run(mode: str, tmp: Path, dirs: int = FLOOD_DIRS) -> float | None:
     env = dict(os.environ, RANKWATCH_SHM_DIR=str(shm))
     python, as_user, other_env = _other_user(tmp, env)
     stopped_reader: int | None = None
+    done = threading.Event()
     try:
         if mode == "incidents":
             hung_env = other_env
@@ -169,8 +186,9 @@ def one_run(mode: str, tmp: Path, dirs: int = FLOOD_DIRS) -> float | None:
             procs.append(flood)
             assert flood.stdout is not None and flood.stdout.readline().strip() == "ready"
         elif mode != "quiet":
-            count = {"records": 1100, "torn": 99, "stopped": 1}[mode]
-            flood = subprocess.Popen([python, "-c", FLOODER, str(shm / "flood"), str(count), mode],
+            count = {"records": 1100, "torn": 99, "stopped": 1, "stop-cont": 1}[mode]
+            jobs = 64 if mode == "stop-cont" else 1
+            flood = subprocess.Popen([python, "-c", FLOODER, str(shm / "flood"), str(count), mode, str(jobs)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=other_env,
                                      **as_user)
             procs.append(flood)
@@ -181,14 +199,16 @@ def one_run(mode: str, tmp: Path, dirs: int = FLOOD_DIRS) -> float | None:
                  "--stall-timeout", str(STALL_S), "--poll-interval", "0.2", "--json-logs"],
                 stdout=subprocess.DEVNULL, stderr=err, env=env)
         procs.append(daemon)
-        if mode == "stopped":  # the other user stops their own reader the moment it is there
+        if mode in ("stopped", "stop-cont"):  # the other user stops their own reader the moment it is there
             uid = as_user.get("user", os.geteuid())
             deadline = time.monotonic() + 60
             while stopped_reader is None and time.monotonic() < deadline:
                 stopped_reader = next((e["pid"] for e in _events(log) if e.get("event") == "reader_started"
                                        and e.get("uid") == uid), None)
                 time.sleep(0.05)
-            if stopped_reader is not None:
+            if stopped_reader is not None and mode == "stop-cont":
+                threading.Thread(target=_stop_cont, args=(stopped_reader, done), daemon=True).start()
+            elif stopped_reader is not None:
                 os.kill(stopped_reader, signal.SIGSTOP)
             else:
                 print("stopped: no reader of the other user (not root?): nothing to stop", file=sys.stderr)
@@ -216,6 +236,7 @@ def one_run(mode: str, tmp: Path, dirs: int = FLOOD_DIRS) -> float | None:
         offset = time.time() - time.monotonic()
         return _wall(got["timestamp"]) - (rec.last_progress_ns / 1e9 + offset)
     finally:
+        done.set()
         if stopped_reader is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped_reader, signal.SIGCONT)
@@ -229,6 +250,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one repeat per mode, 200 dirs in ``dirs`` (a smoke run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="floods to measure (quiet is always measured: the ratios are to it)")
     args = p.parse_args()
     repeats = 1 if args.quick else args.repeats
     raw: dict[str, list[float | None]] = {}
@@ -236,7 +259,7 @@ def main() -> None:
     base = "/tmp" if os.geteuid() == 0 and os.path.isdir("/tmp") else None
     with tempfile.TemporaryDirectory(prefix="rw-flood-", dir=base) as d:
         for i in range(repeats):
-            for mode in MODES:  # interleaved: load drifts alike over the modes
+            for mode in ["quiet", *(m for m in args.modes if m != "quiet")]:  # interleaved: load drifts alike
                 raw.setdefault(mode, []).append(one_run(mode, Path(d) / f"{mode}-{i}",
                                                         200 if args.quick else FLOOD_DIRS))
     if args.json:

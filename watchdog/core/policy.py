@@ -371,6 +371,9 @@ class FairnessPolicy:
     # start-up (and an explicit ``Daemon.discover``) waits this long for every owner's first look, so the
     # first poll sees every job already there; a stopped reader costs at most this, once
     discover_wait_s: float = 5.0
+    # while the loop waits for its only owner's round (nobody else to be fair to), it lists the shared dir
+    # this often for a second owner's job: a new user's first look then waits at most this (half a poll)
+    new_owner_look_s: float = 0.1
     # job dirs an owner's round looks at for the first time (each: a dir handed to the reader, its names,
     # job.json, and one exchange per record): 5,000 planted dirs are taken in over many rounds of *that
     # owner's* lane, while anyone else's new job is looked at in its own owner's next round

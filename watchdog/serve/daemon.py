@@ -280,13 +280,22 @@ class Daemon:
     def _run_lanes(self, work: Callable[[OwnerLane], None], wait_s: float) -> None:
         """One round of ``work`` in every lane that is not still busy with its last one, all at once; wait
         for them until ``wait_s`` has passed. A lane still busy then is lagging: nobody waits for it (its
-        jobs keep their last state). With one owner there is nobody to be fair to: its round is waited for."""
+        jobs keep their last state). With one owner there is nobody to be fair to: its round is waited for,
+        until a second owner's job dir appears."""
         with self._jobs_lock:
             lanes = list(self.lanes.values())
         kicked = [lane for lane in lanes if lane.kick(work)]
-        deadline = time.monotonic() + (wait_s if len(lanes) > 1 else float("inf"))
+        if len(lanes) == 1 and kicked:
+            # one owner so far: its round is the poll, waited for — while the shared dir is looked at for a
+            # new owner, whose first look must not wait behind this one's round
+            while not kicked[0].wait(time.monotonic() + self.config.fairness.new_owner_look_s):
+                self._route()
+                if len(self.lanes) > 1:
+                    return
+            return
+        deadline = time.monotonic() + wait_s
         for lane in kicked:
-            if not lane.wait(min(deadline, time.monotonic() + 3600.0)):
+            if not lane.wait(deadline):
                 log.debug("owner_lagging", owner_uid=lane.uid, round_s=round(lane.lag_s(), 3))
 
     def _adopt(self, lane: OwnerLane) -> None:
