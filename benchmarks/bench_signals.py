@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 
-from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
+from rankwatch.watchdog.core.policy import ReaderPolicy
 from rankwatch.watchdog.observe.signals import read_host
+from rankwatch.watchdog.privsep.registry import Worker
 
 CHILD = """
 import sys, threading, time
@@ -49,7 +50,7 @@ def main() -> int:
     try:
         for k in kids:
             assert k.stdout is not None and k.stdout.readline().strip() == "ready"
-        core = ReaderCore(ReaderPolicy(), None)
+        core = Worker(ReaderPolicy(), None)
         pids = [k.pid for k in kids]
         costs = []
         for _ in range(args.polls):

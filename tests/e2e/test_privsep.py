@@ -788,8 +788,9 @@ cap = capture_job(job, timeout_s=20)
 sources = {}
 notes = attach_debug_server_dumps(job, cap.ranks, sources)
 from rankwatch.watchdog.observe.discover import read_environ
-from rankwatch.watchdog.observe.reader import default_readers
-by_owner = default_readers().environs(uid, pids)  # what discovery as root uses
+from rankwatch.watchdog.observe.discover import environs_as
+from rankwatch.watchdog.privsep.readers import default_readers
+by_owner = environs_as(default_readers(), uid, pids)  # what discovery as root uses
 env = {r: {"owner": by_owner[p] is not None, "root": read_environ(p) is not None} for r, p in enumerate(pids)}
 ranks = {r: {"stacks": c.pyspy_threads is not None, "error": c.pyspy_error,
              "fr": len(getattr(c, "fr_trace", None) and c.fr_trace.entries or ())} for r, c in cap.ranks.items()}

@@ -370,9 +370,10 @@ def main(argv: list[str]) -> int:
     # as root, each user's environments are read and parsed by that user's reader, never by root
     env_reader = None
     if os.geteuid() == 0:
-        from ..observe.reader import default_readers
+        from ..observe.discover import env_reader_of
+        from ..privsep.readers import default_readers
 
-        env_reader = default_readers().environs
+        env_reader = env_reader_of(default_readers())
     found = discover(protected=protected_pids(), env_reader=env_reader)
     jobs, err = select(found, pids=args.pid, job_id=args.job)
     if err is not None:

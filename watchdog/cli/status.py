@@ -116,6 +116,7 @@ def job_status(
                 "pid": state["watchdog_pid"],
                 "mode": clean(state.get("mode"), NAME),
                 "on_stall": clean(state.get("on_stall"), NAME),
+                "owner_lag_s": lag if isinstance(lag := state.get("owner_lag_s"), int | float) and lag > 0 else 0,
             }
             if state
             else {"state": "none"}
@@ -198,6 +199,9 @@ def _job_head(job: dict[str, Any]) -> list[Any]:
                      style="yellow")
     else:
         title.append(f"  · watched by {wd['mode']} (pid {wd['pid']}, on stall: {wd['on_stall']})", style="dim")
+        if wd.get("owner_lag_s"):
+            title.append(f"  · this user's jobs are looked at {wd['owner_lag_s']:.0f}s late (their own volume)",
+                         style="yellow")
     parts: list[Any] = [title]
     if inc and not inc["decided"]:
         parts.append(Text(f"OPEN INCIDENT {inc['incident_id']}: deciding… (evidence being captured; "

@@ -124,9 +124,12 @@ class ServePolicy:
     # cross-node verdict wait ≤ CorrelationPolicy.verdict_timeout_s)
     drain_timeout_s: float = 30.0
     # a bundle that still could not be written (full or read-only disk) is retried this often until it is;
-    # its verdict is in the log meanwhile. At most this many wait in memory (captures can be MBs each).
+    # its verdict is in the log meanwhile. At most this many wait in memory (captures can be MBs each)...
     bundle_retry_every_s: float = 5.0
-    max_unwritten_bundles: int = 16
+    max_unwritten_bundles: int = 32
+    # ...and at most this many of one job owner's: one user's quick incidents on a full disk push out only
+    # that user's oldest, never another user's (issue 42: 18 of them took the one shared queue of 16)
+    max_unwritten_bundles_per_owner: int = 8
     # records of finished jobs are removed this long after the job was retired (None: never): long enough
     # for `rankwatch status --all` and a post-mortem look, short enough that /dev/shm does not fill up
     retain_finished_s: float | None = 3600.0
@@ -215,6 +218,10 @@ class AlertPolicy:
     am_hold_s: float = 300.0
     # incidents remembered for their resolved notice (a bounded map: the oldest expire in Alertmanager)
     max_remembered: int = 1024
+    # a job pages the webhooks at most once this often: the first incident at once, the rest of the window
+    # held and sent as one summary at its end (the newest, with how many it stands for) — a job crash-looping
+    # 25 times a minute pages once, then once a minute, not 7 times a minute (issue 42); 0: every incident
+    job_page_every_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -328,3 +335,62 @@ class GroupingPolicy:
     # How much of each source is searched for its job keys: launch config, rendezvous result, environment
     # dumps and Slurm's job lines come first.
     head_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReaderPolicy:
+    """What one owner's reader (``privsep``: a worker running as the job's owner) may cost the daemon."""
+
+    # a reader answers in microseconds; one that does not within this is stopped or wedged (its user can
+    # SIGSTOP it): that owner's poll loses at most this much before the reader is written off
+    request_timeout_s: float = 1.0
+    # a written-off reader is respawned no sooner than this, so a user killing theirs in a loop costs the
+    # daemon one deadline per period, not per poll
+    respawn_backoff_s: float = 10.0
+    # records open per reader (each holds an fd in the reader): a job has one per local rank, a node a few
+    # hundred at most; more is a flood, refused with one log line
+    max_records: int = 512
+    # torn reads retried per record per poll (no sleeps): a record held odd costs microseconds, not 60 ms
+    torn_retries: int = 32
+    # the most a py-spy dump may print (a real one of a rank is tens of KB; 100 MB would cost GBs to parse)
+    pyspy_max_bytes: int = 8 << 20  # = capture.MAX_PYSPY_BYTES
+
+
+@dataclass(frozen=True)
+class FairnessPolicy:
+    """Each job owner's share of the daemon (issue 42): one user's volume — job dirs, records, torn records,
+    a stopped reader, children, incidents, bundles, alerts — slows or drops only that user's own."""
+
+    # the loop waits this long at most for the owners' rounds of one poll (they run in parallel, one thread
+    # per owner): a healthy round takes milliseconds (a few exchanges per job with the owner's reader), a
+    # reader's request deadline is 1 s (``ReaderPolicy``). An owner still busy after it is *lagging*: its
+    # jobs keep their last state, the loop and every other owner's next round go on, and a lagging owner is
+    # not waited for again until its round is done — so a stopped reader costs the loop this once, not per
+    # poll, and another user's hang is seen at most this much later (the 2x target: 0.25 s of a 2 s timeout)
+    round_wait_s: float = 0.25
+    # start-up (and an explicit ``Daemon.discover``) waits this long for every owner's first look, so the
+    # first poll sees every job already there; a stopped reader costs at most this, once
+    discover_wait_s: float = 5.0
+    # while the loop waits for its only owner's round (nobody else to be fair to), it lists the shared dir
+    # this often for a second owner's job: a new user's first look then waits at most this (half a poll)
+    new_owner_look_s: float = 0.1
+    # job dirs an owner's round looks at for the first time (each: a dir handed to the reader, its names,
+    # job.json, and one exchange per record): 5,000 planted dirs are taken in over many rounds of *that
+    # owner's* lane, while anyone else's new job is looked at in its own owner's next round
+    new_jobs_per_round: int = 16
+    # job dirs held per owner (an fd in root and one in the reader each, records' fds besides): a user runs
+    # a handful of jobs on a node, a few dozen at most; beyond this their new dirs wait (logged once) until
+    # one of theirs is retired, so one user cannot take the fds every other user's jobs need
+    jobs_per_owner: int = 64
+    # names of the shared dir looked at (one lstat, no open) for the first time per poll: a rename of 5,000
+    # dirs costs ~10 ms of lstats once, then nothing; a name already seen is not examined again until it
+    # changes (its inode or ctime: a re-check of this many remembered names per poll, in turn)
+    examine_per_poll: int = 8192
+    recheck_per_poll: int = 512
+    # owners listed with their lag on /metrics, laggiest first (the series budget: one series per owner;
+    # a node has a handful of users, a shared login node a few dozen)
+    owner_series: int = 16
+    # pidfds of descendants (DataLoader workers, subprocesses) held for ``--on-stall kill`` per job owner:
+    # 1,024 per rank already (``process.MAX_DESCENDANTS``); 4,096 per user covers 8 ranks with 16 workers
+    # each many times over, and leaves the daemon's other 60,000 fds (LimitNOFILE=65536) to everyone else
+    descendant_pidfds_per_owner: int = 4096

@@ -12,12 +12,10 @@ import errno
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +31,11 @@ from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
 from ..core.text import FIELD, NAME, PROSE, clean
 from ..observe.process import read_stat, session_members
+from ..privsep.frames import w_float, w_int, w_str
+from ..privsep.readers import ReaderError, default_readers, pyspy_available
+from ..privsep.registry import Worker, handler
+
+__all__ = ["pyspy_available"]  # where py-spy is looked up (``privsep``: a reader runs it as the owner)
 
 log = structlog.get_logger("rankwatch.capture")
 
@@ -80,14 +83,6 @@ def _frames(thread: dict[str, Any]) -> list[Frame]:
             out.append(Frame(str(f.get("name"))[:256], str(f.get("filename"))[:1024],
                              line if isinstance(line, int) and not isinstance(line, bool) else 0))
     return out
-
-
-def pyspy_available() -> str | None:
-    """py-spy next to this Python first (a venv's bin is not on systemd's PATH), then on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if sys.executable and os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("py-spy")
 
 
 MAX_THREADS = 4096
@@ -264,13 +259,36 @@ def _fd_of(exe: str) -> tuple[int, ...]:
 def pyspy_dump(pid: int, timeout_s: float, nonblocking: bool, include_locals: bool, native: bool = False,
                owner: tuple[int, int] | None = None) -> tuple[Any, str | None]:
     """py-spy for ``pid``. With ``owner`` (the daemon's captures: the job dir's uid and gid) it runs as that
-    user in their reader (``observe.reader``), so the daemon neither ptraces with its own rights nor parses
+    user in a reader of theirs (``privsep``), so the daemon neither ptraces with its own rights nor parses
     py-spy's output itself; without, in this process (``rankwatch inspect``: no job dir, no owner to trust)."""
     if owner is None:
         return run_pyspy(pyspy_available(), pid, timeout_s, nonblocking, include_locals, MAX_PYSPY_BYTES, native)
-    from ..observe.reader import default_readers
+    if owner[0] < 0:
+        return None, "the job dir is gone: no owner to run py-spy as"
+    req = {"op": "pyspy", "pid": pid, "timeout_s": timeout_s, "nonblocking": nonblocking,
+           "locals": include_locals, "native": native}
+    try:
+        out = default_readers().ask(owner[0], owner[1], req, timeout_s=timeout_s + 5.0)
+    except ReaderError as exc:
+        return None, str(exc)
+    err = out.get("error")
+    threads = shape_threads(out.get("threads")) if out.get("threads") is not None else None
+    return threads, err if isinstance(err, str) else None
 
-    return default_readers().pyspy(owner[0], owner[1], pid, timeout_s, nonblocking, include_locals, native)
+
+def _run_pyspy_as(w: Worker, pid: int, timeout_s: float, nonblocking: bool, include_locals: bool,
+                  native: bool = False) -> tuple[Any, str | None]:
+    return run_pyspy(w.pyspy_exe(), pid, timeout_s, nonblocking, include_locals, w.policy.pyspy_max_bytes,
+                     native=native)
+
+
+@handler("pyspy")
+def _pyspy_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    """py-spy of one process, run as the reader's user (the kernel's ptrace check is theirs)."""
+    threads, err = _run_pyspy_as(w, w_int(req.get("pid"), 1, 1 << 22), w_float(req.get("timeout_s", 5.0)),
+                                 bool(req.get("nonblocking")), bool(req.get("locals")),
+                                 native=bool(req.get("native")))
+    return {"threads": threads, "error": err}
 
 
 MAX_PYSPY_BYTES = 8 << 20  # a real dump of a rank is tens of KB; 100 MB would cost gigabytes to parse
@@ -432,7 +450,7 @@ def capture_as_owner(
     rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy,
     pyspy: Callable[[bool], tuple[Any, str | None]],
 ) -> dict[str, Any]:
-    """One rank's capture, run by its owner's reader (``observe.reader``: the owner's uid, or in-process in
+    """One rank's capture, run by its owner's reader (the ``capture`` request: the owner's uid, or in-process in
     an unprivileged daemon): asks the responder, reads its answer while py-spy runs, parses the stacks and
     the flight-recorder dump, and returns them as a bounded, typed document (``capture_from_doc`` checks it
     again on the root side). ``pyspy(nonblocking)`` runs py-spy as this process."""
@@ -473,7 +491,7 @@ def capture_as_owner(
 
 
 MAX_NOTES = 16
-# what one rank's capture may put on the wire (``observe.wire.MAX_FRAME`` is 24 MiB): a trace beyond its
+# what one rank's capture may put on the wire (``privsep.frames.MAX_FRAME`` is 24 MiB): a trace beyond its
 # share is cut to its newest entries per process group, stacks beyond theirs are dropped with a note
 FR_WIRE_BYTES = 8 << 20
 PARSE_MARGIN_S = 15.0  # a 64 MiB dump parses in about a second; ten times that on an overloaded host
@@ -482,7 +500,7 @@ CAPTURE_WIRE_BYTES = 20 << 20
 
 def capture_to_doc(cap: RankCapture) -> dict[str, Any]:
     """A capture as the reader sends it: stacks shape-checked, the dump parsed and compacted (owner side)."""
-    from .flight_recorder import fr_wire_doc
+    from .flight_recorder import fr_wire_doc  # flight_recorder imports this module (its RankCapture)
 
     notes = list(cap.notes)
     fr_doc = None
@@ -535,11 +553,34 @@ def capture_from_doc(doc: dict[str, Any], rank: int, pid: int) -> RankCapture:
     return cap
 
 
+@handler("capture")
+def _capture_request(w: Worker, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    """One rank's whole capture as its owner: responder asked and its answer parsed, py-spy run; the job
+    dir comes as an fd (the one root opened), its socket reached through it."""
+    if len(fds) != 1:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise ValueError("capture needs exactly one dir fd")
+    try:
+        pid = w_int(req.get("pid"), 1, 1 << 22)
+        policy = CapturePolicy(pyspy_timeout_s=w_float(req.get("pyspy_timeout_s")),
+                               responder_timeout_s=w_float(req.get("responder_timeout_s")),
+                               include_locals=req.get("locals") is True)
+        stopped = req.get("stopped") is True
+        return capture_as_owner(
+            w_int(req.get("rank"), 0, 1 << 31), pid, stopped, f"/proc/self/fd/{fds[0]}",
+            w_str(req.get("token"), 128), policy,
+            lambda nonblocking: _run_pyspy_as(w, pid, policy.pyspy_timeout_s, nonblocking, policy.include_locals),
+        )
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fds[0])
+
+
 def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     """Root's part of one rank's capture: hand the job dir (an fd: whatever its name points at by now is not
     followed) to a one-shot reader of its owner, which does all the reading and parsing; check its answer."""
-    from ..observe.reader import ReaderError, default_readers
-
     try:
         dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:

@@ -8,7 +8,7 @@ the process itself instead: the listening TCP sockets whose inodes are among the
 any-address only, owned by the job's owner, in this process's network namespace. Each such port gets one
 ``POST /handler/fr_trace_json`` (the handler torch's frontend fetches) under one total deadline and a size
 cap; the first HTTP 200 answer is the dump. A process without a ``pt_workerserver`` thread is never
-contacted. This runs in the job owner's reader (``observe.reader``: its uid, never root's), which also
+contacted. This runs in the job owner's reader (``privsep``: its uid, never root's), which also
 parses the answer (``flight_recorder.fr_wire_doc``, bounded, never unpickled); root gets a typed trace.
 """
 

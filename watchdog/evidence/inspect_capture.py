@@ -13,7 +13,7 @@ only a stalled one has its DataLoader workers and dump files read.
 
 Run as root, nothing of a job is read or parsed with root's authority: py-spy runs, the debug server is
 asked and the dump files are read — and everything they return parsed — by a one-shot reader running as
-the job's owner (``observe.reader``, the daemon's); root only checks the typed answers. Run as a user,
+the job's owner (``privsep``, the daemon's); root only checks the typed answers. Run as a user,
 the same code runs in-process (that user's authority is all it has).
 """
 
@@ -34,9 +34,12 @@ from ..core.stack_phase import phase_from_frames
 from ..core.stacks import signature
 from ..core.text import FIELD, clean
 from ..observe.discover import Job, Proc, RankProc, read_proc
-from ..observe.reader import ReaderError, default_readers
-from .capture import RankCapture, pyspy_dump
-from .debug_server import DebugServerPolicy
+from ..privsep.frames import w_int, w_str
+from ..privsep.readers import ReaderError, default_readers
+from ..privsep.registry import Worker, handler
+from .capture import FR_WIRE_BYTES, RankCapture, pyspy_dump
+from .debug_server import DebugServerPolicy, fr_from_debug_server
+from .flight_recorder import fr_wire_doc
 
 MAX_WORKERS_PER_RANK = 4
 """DataLoader workers read per rank: one stuck worker shows the cause, eight identical ones add nothing."""
@@ -307,3 +310,28 @@ def worker_lines(workers: Mapping[int, list[RankCapture]]) -> list[str]:
                 top = " < ".join(f.short() for f in frames[:3])
                 lines.append(f"rank {rank}'s worker pid {cap.pid}: {top}")
     return lines
+
+
+# -- the requests a reader of the job's owner answers (``privsep``) -----------------------------------------
+@handler("fr_debug_server")
+def _fr_debug_server_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    """The rank's flight recorder from its torch debug server, asked and parsed as its owner."""
+    dump = fr_from_debug_server(w_int(req.get("pid"), 1, 1 << 22), os.geteuid())
+    if dump is None:
+        return {"none": True}
+    if dump.body is None:
+        return {"why": dump.source}
+    doc, note = fr_wire_doc(dump.body, FR_WIRE_BYTES)
+    return {"fr": doc, "note": note, "source": dump.source}
+
+
+@handler("fr_file")
+def _fr_file_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    """A flight-recorder file the job's environment names, read and parsed as its owner."""
+    got = read_owned_file(w_str(req.get("path"), 4096), os.geteuid(), MAX_FR_FILE_BYTES)
+    if isinstance(got, str):
+        return {"why": got}
+    if got[:1] == b"\x80":
+        return {"why": "pickled (not read: unpickling runs code); analyse it with torch's fr_trace"}
+    doc, note = fr_wire_doc(got, FR_WIRE_BYTES)
+    return {"fr": doc, "note": note}

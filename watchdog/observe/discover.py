@@ -31,6 +31,11 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from ..privsep.frames import w_int
+from ..privsep.readers import ReaderError, Readers
+from ..privsep.registry import Worker, handler
 
 MAX_ENVIRON_BYTES = 1 << 20
 """A real environment is a few KiB (CUDA, Slurm and conda add up to tens); past 1 MiB we stop reading."""
@@ -449,3 +454,32 @@ def select(
             "inspect"
         )
     return out, None
+
+
+# -- environments read as their owner (``rankwatch inspect`` as root) ------------------------------------
+@handler("environ")
+def _environ_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    """The kept rank keys of each process's environment, read and parsed as their owner (the kernel's
+    ptrace read check applies to this uid: another user's process answers None)."""
+    pids = req.get("pids")
+    if not isinstance(pids, list) or len(pids) > 4096:
+        raise ValueError("pids: a list of at most 4096")
+    return {"envs": {str(pid): read_environ(pid) for pid in (w_int(x, 1, 1 << 22) for x in pids)}}
+
+
+def environs_as(readers: Readers, uid: int, pids: list[int]) -> dict[int, dict[str, str] | None]:
+    """Each process's kept environment read by ``uid``'s reader and checked here (discovery as root);
+    unreadable (no reader, late, malformed) is None for all: those processes are simply not found."""
+    try:
+        out = readers.ask(uid, uid, {"op": "environ", "pids": pids}, timeout_s=10.0)
+    except ReaderError:
+        return {}
+    envs = out.get("envs")
+    if not isinstance(envs, dict):
+        return {}
+    return {pid: checked_env(envs.get(str(pid))) for pid in pids}
+
+
+def env_reader_of(readers: Readers) -> EnvReader:
+    """``discover``'s ``env_reader`` as root: every user's environments read by that user's reader."""
+    return lambda uid, pids: environs_as(readers, uid, pids)

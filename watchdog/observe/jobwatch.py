@@ -21,9 +21,10 @@ from ..core.host_signals import HostPressure, RankCounters
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
 from ..core.steps import StepTiming
+from ..privsep.readers import ReaderError, Readers, default_readers
 from . import jobdir
 from .process import NO_PROCESS, Identity, ProcessTable, Unverified
-from .reader import JobDir, ReaderError, Readers, RecordInfo, default_readers
+from .reader import JobDir, RecordInfo, open_job
 from .signals import read_host
 
 log = structlog.get_logger("rankwatch.jobwatch")
@@ -101,7 +102,7 @@ def open_job_dir(shm_dir: str, job_id: str, readers: Readers | None = None) -> J
     """The job dir under ``shm_dir``, opened once (never through a symlink) and handed to its owner's reader."""
     base = jobdir.open_dir(shm_dir)
     try:
-        return (readers or default_readers()).open_job(base, job_id)
+        return open_job(readers or default_readers(), base, job_id)
     finally:
         os.close(base)
 

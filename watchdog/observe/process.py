@@ -194,6 +194,11 @@ class ProcessTable:
         self._wake_r, self._wake_w = os.pipe()
         self._poller.register(self._wake_r, select.POLLIN)
         self._stop = False
+        # descendants pinned per uid at most (None: no cap; the daemon sets
+        # ``FairnessPolicy.descendant_pidfds_per_owner``): one user's thousand children never take the fds
+        # another user's jobs need
+        self.descendants_per_owner: int | None = None
+        self._over_cap_logged: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="rankwatch-exit-watcher", daemon=True)
         self._thread.start()
 
@@ -285,9 +290,18 @@ class ProcessTable:
             todo.extend(kids.get(pid, ()))
         with self._lock:
             family = {rank.pid} | {i.pid for i in self._children.setdefault(rank, set())}
+            held = sum(len(c) for r, c in self._children.items() if r.uid == rank.uid)
+        cap = self.descendants_per_owner
         for pid in found:
             if pid in family or pid in self._protected:
                 continue
+            if cap is not None and held >= cap:
+                if rank.uid not in self._over_cap_logged:
+                    self._over_cap_logged.add(rank.uid)
+                    log.warning("descendants_over_budget", owner_uid=rank.uid, budget=cap,
+                                detail="this user's processes hold their share of the daemon's pidfds: "
+                                       "the rest of their descendants are not tracked for --on-stall kill")
+                break
             pinned = self._pin(pid)
             if isinstance(pinned, Unverified):
                 continue
@@ -304,6 +318,7 @@ class ProcessTable:
             with self._lock:
                 self._children.setdefault(rank, set()).add(child)
             family.add(pid)
+            held += 1
 
     def descendants(self, ident: Identity) -> list[Identity]:
         """Live tracked descendants (an exited one is dropped the moment it exits)."""

@@ -1,6 +1,6 @@
 """Reading a rank's host signals: the kernel's per-process and per-cgroup counters (``core.host_signals``).
 
-Run where the job owner's reader runs (``ReaderCore.op_signals``): the files are the kernel's, but which
+Run where the job owner's reader runs (the ``signals`` request registered here): the files are the kernel's, but which
 cgroup a rank is in is the job's choice, so they are read with the owner's authority, like everything of
 the job's. Each rank costs a handful of small reads (its threads' schedstat, status, stat, /proc/<pid>/cgroup
 and three or four cgroup files); ``benchmarks/bench_signals.py`` measures the cost per poll. The host's own
@@ -25,7 +25,8 @@ from ..core.host_signals import (
     parse_stat_counters,
     parse_status_switches,
 )
-from .wire import WireError, w_int, w_str
+from ..privsep.frames import WireError, w_int, w_str
+from ..privsep.registry import Worker, handler
 
 MAX_THREADS = 4096  # threads read per rank: a rank has tens; a thread bomb is not read to the end
 
@@ -132,3 +133,17 @@ def counters_from_doc(d: Any) -> RankCounters:
         raise WireError("signals: expected an object")
     vals = {k: w_int(d.get(k), MISSING) for k in _FIELDS}
     return RankCounters(**vals, cgroup=w_str(d.get("cgroup"), 256))
+
+
+@handler("signals")
+def _signals_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
+    """The kernel's counters of each rank process and its cgroup, read as its owner: which cgroup a rank is
+    in is the job's choice."""
+    pids = req.get("pids")
+    if not isinstance(pids, list) or len(pids) > w.policy.max_records:
+        raise ValueError(f"pids: a list of at most {w.policy.max_records}")
+    out: dict[str, Any] = {}
+    for pid in (w_int(x, 1, 1 << 22) for x in pids):
+        c = read_rank(pid)
+        out[str(pid)] = counters_to_doc(c) if c is not None else None
+    return {"ranks": out}

@@ -365,6 +365,8 @@ class Alerter:
         self._notified: collections.OrderedDict[tuple[str, ...], Notice] = collections.OrderedDict()
         self._straggling: dict[tuple[str, ...], Notice] = {}
         self._owners: dict[str, int] = {}  # job id -> its owner's uid (from the incidents submitted)
+        # job id -> its page window: (end, monotonic; the newest incident held; how many were held; its timer)
+        self._pages: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         for t in self._targets:
             t.start()
 
@@ -385,15 +387,57 @@ class Alerter:
             self._owners[n.job_id] = owner
             while len(self._owners) > self.policy.max_remembered:
                 self._owners.pop(next(iter(self._owners)))
-        if notify and self._hooks:
-            with self._lock:
-                self._notified[n.key] = n
-                while len(self._notified) > self.policy.max_remembered:
-                    self._notified.popitem(last=False)
-            for t in self._hooks:
-                t.put(n)
+        if notify and self._hooks and self._page_now(n):
+            self._page(n)
         if command and self._command is not None:
             self._command.put(n)
+
+    def _page(self, n: Notice) -> None:
+        with self._lock:
+            self._notified[n.key] = n
+            while len(self._notified) > self.policy.max_remembered:
+                self._notified.popitem(last=False)
+        for t in self._hooks:
+            t.put(n)
+
+    def _page_now(self, n: Notice) -> bool:
+        """Whether ``n`` pages now: the first of its job's window does; the rest are held, and the newest
+        goes out as the window's summary when it ends (``AlertPolicy.job_page_every_s``)."""
+        every = self.policy.job_page_every_s
+        if every <= 0:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            w = self._pages.get(n.job_id)
+            if w is None or (now >= w[0] and w[1] is None):
+                self._pages[n.job_id] = [now + every, None, 0, None]
+                self._pages.move_to_end(n.job_id)
+                while len(self._pages) > self.policy.max_remembered:
+                    _, old = self._pages.popitem(last=False)
+                    if old[3] is not None:
+                        old[3].cancel()
+                return True
+            w[1], w[2] = n, w[2] + 1
+            if w[3] is None:
+                timer = threading.Timer(max(0.0, w[0] - now), self._flush, (n.job_id,))
+                timer.daemon = True
+                timer.start()
+                w[3] = timer
+        log.info("alert_held", job=n.job_id, incident=n.key[-1], held=w[2],
+                 why=f"this job paged less than {every:.0f} s ago: summarised at the window's end")
+        return False
+
+    def _flush(self, job_id: str) -> None:
+        """The window's summary: its newest held incident, saying how many it stands for."""
+        with self._lock:
+            w = self._pages.get(job_id)
+            if w is None or w[1] is None:
+                return
+            n, held = w[1], w[2]
+            w[:] = [time.monotonic() + self.policy.job_page_every_s, None, 0, None]
+        more = f" (+{held - 1} more of this job since its last alert)" if held > 1 else ""
+        doc = {**n.doc, "summarised": held, "text": f"{n.doc.get('text', '')}{more}"}
+        self._page(dataclasses.replace(n, doc=doc, annotations={**n.annotations, "summarised": str(held)}))
 
     def adopt(self, verdict: dict[str, Any], bundle: str | None, starts_unix: float, owner: int = -1) -> None:
         """An incident a previous daemon already alerted on (read back at start): nothing is sent now, but its
@@ -448,6 +492,13 @@ class Alerter:
         """Send what is queued within ``min(timeout_s, policy.close_timeout_s)``, then cut what is still
         in flight (a trickling webhook, a command still running: the reaper takes its descendants)."""
         end = time.monotonic() + min(timeout_s, self.policy.close_timeout_s)
+        with self._lock:
+            held = [job for job, w in self._pages.items() if w[1] is not None]
+            for w in self._pages.values():
+                if w[3] is not None:
+                    w[3].cancel()
+        for job in held:  # what the windows held goes out now, summarised
+            self._flush(job)
         for t in self._targets:
             t.queue.put(None)
         for t in self._targets:

@@ -7,9 +7,11 @@ The loop survives any single failing probe or job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,7 +32,7 @@ from ..core.detect import (
     stalled_ranks,
 )
 from ..core.engine import prior_verdict
-from ..core.policy import CapturePolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
+from ..core.policy import CapturePolicy, FairnessPolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
 from ..core.straggler import StragglerPolicy, diagnose_stragglers
 from ..core.straggler_cause import explain
@@ -41,11 +43,13 @@ from ..evidence.ras_watch import RasWatch
 from ..observe import jobdir
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
-from ..observe.reader import ReaderError, Readers, default_readers
+from ..observe.reader import open_job
+from ..privsep.readers import ReaderError, Readers, default_readers
 from ..report import bundle
 from .act import Killer
 from .alerts import Alerter
 from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentRequest, IncidentResult
+from .lanes import OwnerLane
 from .state import Resumable, StatePublisher, incident_ref, read_resumable, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
@@ -63,6 +67,7 @@ class DaemonConfig:
     kill: KillPolicy = field(default_factory=KillPolicy)
     serve: ServePolicy = field(default_factory=ServePolicy)
     observe: ObservePolicy = field(default_factory=ObservePolicy)
+    fairness: FairnessPolicy = field(default_factory=FairnessPolicy)
     live: LiveStragglerPolicy = field(default_factory=LiveStragglerPolicy)
     on_stall: str = "report"  # "report" | "kill"
     job_filter: str | None = None  # watch only this job (rankwatch run)
@@ -158,12 +163,21 @@ class Daemon:
         self.correlators: dict[str, Correlator] = dict(correlators or {})
         self.correlator_factory = correlator_factory
         self._factory_tried: set[str] = set()
-        self._undiscoverable: set[str] = set()
+        # discovery: every name of the shared dir is looked at (one lstat) once, and again only when it changed
+        self._seen: dict[str, tuple[int, int]] = {}  # name -> (inode, ctime ns) when examined
+        self._rejected: set[str] = set()  # examined and refused (not a dir, no reader took it): re-checked in turn
+        self._recheck_at = 0
+        self._present: frozenset[str] = frozenset()  # the shared dir's names at the last listing
+        self._jobs_lock = threading.Lock()  # self.jobs, the lanes and the discovery state: loop vs lanes
+        self._shared_lock = threading.Lock()  # what the owners' lanes share: NVML, correlators, incident ids
+        self.lanes: dict[int, OwnerLane] = {}  # job owner uid -> the thread that polls that owner's jobs
+        self._clean_dumps = False  # remove dump dirs a killed daemon left, at each job's first look
         self._in_flight: dict[int, int] = {}  # job owner uid -> incidents in the pipeline (under self._lock)
         self._deferred_logged: set[str] = set()
         killer = Killer(self.procs, config.kill) if config.on_stall == "kill" else None
         # descendants are pinned only when they may have to be killed
         self._observe = dataclasses.replace(config.observe, track_descendants=killer is not None)
+        self.procs.descendants_per_owner = config.fairness.descendant_pidfds_per_owner
         self._quiet = False  # no new incidents (``rankwatch run`` shutting the job down on purpose)
         self.pipeline = IncidentPipeline(
             capture_policy=config.capture,
@@ -180,56 +194,218 @@ class Daemon:
         # what `rankwatch status` reads: beside the records, and (daemon) under --out
         self.state = StatePublisher(config.serve.state_refresh_s, None if config.job_filter else config.out_dir)
 
-    # -- discovery --------------------------------------------------------------------------------
-    def discover(self) -> None:
+    # -- discovery ----------------------------------------------------------------------------------
+    def discover(self, wait_s: float | None = None) -> None:
+        """Route the shared dir's new names to their owners' lanes and let each lane take its first look
+        (waiting ``wait_s``, default ``FairnessPolicy.discover_wait_s``): what start-up and tests call; the
+        loop routes and polls in one go (``poll_once``)."""
+        self._route()
+        self._run_lanes(self._adopt, self.config.fairness.discover_wait_s if wait_s is None else wait_s)
+
+    def _route(self) -> None:
+        """List the shared dir and hand each new name that is a dir to its owner's lane (one lstat per name,
+        never an open here: the lane opens it, in that owner's round). A name already examined is not looked
+        at again until it changes; a flood of names costs its lstats once."""
+        fair = self.config.fairness
         try:
             names = [self.config.job_filter] if self.config.job_filter else os.listdir(self.config.shm_dir)
         except OSError as exc:
-            if self.polls == 0:
+            if self.polls <= 1:
                 log.warning("shm_dir_unreadable", shm_dir=self.config.shm_dir, error=str(exc))
             return
-        present = set(names)
-        for gone in [j for j, e in self.jobs.items() if e.watch.retired and j not in present]:
-            # a finished job whose directory was removed: forget it, so a long-lived daemon stays small
-            self.jobs.pop(gone).watch.close()
-            corr = self.correlators.pop(gone, None)
-            if corr is not None:
-                corr.close()
-            self._factory_tried.discard(gone)
-        new = [n for n in names if n not in self.jobs and not n.startswith(".") and jobdir.SAFE_NAME.match(n)]
-        if not new:
+        present = frozenset(names)
+        self._present = present
+        with self._jobs_lock:
+            for gone in [n for n in self._seen if n not in present]:
+                del self._seen[gone]
+                self._rejected.discard(gone)
+            fresh = [n for n in names if n not in self._seen and n not in self.jobs][: fair.examine_per_poll]
+            rejected = sorted(self._rejected)
+        recheck: list[str] = []
+        if rejected:
+            at = self._recheck_at % len(rejected)
+            recheck = (rejected[at:] + rejected[:at])[: fair.recheck_per_poll]
+            self._recheck_at = at + len(recheck)
+        if not fresh and not recheck:
             return
         try:
             base = jobdir.open_dir(self.config.shm_dir)
         except OSError:
             return
         try:
-            for name in new:
-                # opened once, never through a symlink, and held: a name swapped later is never followed
-                try:
-                    job = self.readers.open_job(base, name)
-                except (OSError, ReaderError) as exc:
-                    if name not in self._undiscoverable:
-                        self._undiscoverable.add(name)
-                        log.info("job_dir_skipped", job=name, error=str(exc)[:200])
-                    continue
-                self._undiscoverable.discard(name)
-                entry = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
-                if not self.config.job_filter and not self.config.incidents_dir:
-                    entry.resume = read_resumable(self.config.out_dir, name, self.incidents_dir(name))
-                self.jobs[name] = entry
-                log.info("job_discovered", job=name, owner_uid=job.uid,
-                         **({"open_incident": entry.resume.incident_id} if entry.resume else {}))
+            for name in recheck:
+                if self._key(base, name) != self._seen.get(name):
+                    with self._jobs_lock:
+                        self._seen.pop(name, None)
+                        self._rejected.discard(name)
+                    self._examine(base, name)
+            for name in fresh:
+                self._examine(base, name)
         finally:
             os.close(base)
 
+    @staticmethod
+    def _key(base: int, name: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(name, dir_fd=base, follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_ino, st.st_ctime_ns
+
+    def _examine(self, base: int, name: str) -> None:
+        if name.startswith(".") or not jobdir.SAFE_NAME.match(name):
+            with self._jobs_lock:
+                self._seen[name] = (0, 0)  # a name is never anything else: not looked at again
+            return
+        try:
+            st = os.stat(name, dir_fd=base, follow_symlinks=False)
+        except OSError:
+            return  # gone already (or not yet there: `rankwatch run` before its ranks start)
+        with self._jobs_lock:
+            self._seen[name] = (st.st_ino, st.st_ctime_ns)
+            if not stat.S_ISDIR(st.st_mode):
+                self._rejected.add(name)
+        if not stat.S_ISDIR(st.st_mode):
+            log.info("job_dir_skipped", job=name, error="not a directory")
+            return
+        self._lane(st.st_uid).pending.append(name)
+
+    def _lane(self, uid: int) -> OwnerLane:
+        with self._jobs_lock:
+            lane = self.lanes.get(uid)
+            if lane is None:
+                lane = self.lanes[uid] = OwnerLane(uid)
+            return lane
+
+    def _run_lanes(self, work: Callable[[OwnerLane], None], wait_s: float) -> None:
+        """One round of ``work`` in every lane that is not still busy with its last one, all at once; wait
+        for them until ``wait_s`` has passed. A lane still busy then is lagging: nobody waits for it (its
+        jobs keep their last state). With one owner there is nobody to be fair to: its round is waited for,
+        until a second owner's job dir appears."""
+        with self._jobs_lock:
+            lanes = list(self.lanes.values())
+        kicked = [lane for lane in lanes if lane.kick(work)]
+        if len(lanes) == 1 and kicked:
+            # one owner so far: its round is the poll, waited for — while the shared dir is looked at for a
+            # new owner, whose first look must not wait behind this one's round
+            while not kicked[0].wait(time.monotonic() + self.config.fairness.new_owner_look_s):
+                self._route()
+                if len(self.lanes) > 1:
+                    return
+            return
+        deadline = time.monotonic() + wait_s
+        for lane in kicked:
+            if not lane.wait(deadline):
+                log.debug("owner_lagging", owner_uid=lane.uid, round_s=round(lane.lag_s(), 3))
+
+    def _adopt(self, lane: OwnerLane) -> None:
+        """The lane's first look at a few of its owner's new job dirs (``new_jobs_per_round``), while the
+        owner holds fewer than ``jobs_per_owner``: opened once, never through a symlink, and held."""
+        fair = self.config.fairness
+        base: int | None = None
+        taken = 0
+        try:
+            while lane.pending and taken < fair.new_jobs_per_round:
+                if len(lane.jobs) >= fair.jobs_per_owner:
+                    self._evict_retired(lane)
+                if len(lane.jobs) >= fair.jobs_per_owner:
+                    if not lane.over_budget_logged:
+                        lane.over_budget_logged = True
+                        log.warning("job_dirs_over_budget", owner_uid=lane.uid, budget=fair.jobs_per_owner,
+                                    waiting=len(lane.pending),
+                                    detail="this user's new job dirs wait until one of their jobs is retired")
+                    return
+                lane.over_budget_logged = False
+                name = lane.pending.popleft()
+                if name in self.jobs or name not in self._present:
+                    continue
+                taken += 1
+                if base is None:
+                    try:
+                        base = jobdir.open_dir(self.config.shm_dir)
+                    except OSError:
+                        lane.pending.appendleft(name)
+                        return
+                try:
+                    job = open_job(self.readers, base, name)
+                except (OSError, ReaderError) as exc:
+                    with self._jobs_lock:
+                        self._rejected.add(name)
+                    log.info("job_dir_skipped", job=name, error=str(exc)[:200])
+                    continue
+                if job.uid != lane.uid:  # swapped since its lstat: examined afresh next poll
+                    job.close()
+                    with self._jobs_lock:
+                        self._seen.pop(name, None)
+                    continue
+                entry = JobEntry(JobWatch(self.config.shm_dir, name, self.procs, self._observe, job=job))
+                if not self.config.job_filter and not self.config.incidents_dir:
+                    entry.resume = read_resumable(self.config.out_dir, name, self.incidents_dir(name))
+                if self._clean_dumps:
+                    n = entry.watch.remove_stale_dumps(self.config.serve.stale_dump_age_s)
+                    if n:
+                        log.info("stale_dumps_removed", job=name, files=n)
+                with self._jobs_lock:
+                    self.jobs[name] = entry
+                    lane.jobs = [*lane.jobs, name]
+                log.info("job_discovered", job=name, owner_uid=job.uid,
+                         **({"open_incident": entry.resume.incident_id} if entry.resume else {}))
+        finally:
+            if base is not None:
+                os.close(base)
+
+    def _evict_retired(self, lane: OwnerLane) -> None:
+        """Make room in a full lane: the owner's longest-retired job is let go (its dir and the reader's
+        handles closed). Its name is looked at again once the dir changes (a new run's records)."""
+        retired = [(e.retired_at, j) for j in lane.jobs if (e := self.jobs.get(j)) and e.retired_at is not None]
+        if retired:
+            _, job_id = min(retired)
+            self._forget(lane, job_id, watch_again=True)
+            log.info("job_let_go", job=job_id, owner_uid=lane.uid, why="the owner's share of job dirs is full")
+
+    def _forget(self, lane: OwnerLane, job_id: str, *, watch_again: bool = False) -> None:
+        """A finished job whose directory was removed: forgotten, so a long-lived daemon stays small
+        (``watch_again``: its dir is still there, re-examined when it changes)."""
+        with self._jobs_lock:
+            entry = self.jobs.pop(job_id, None)
+            lane.jobs = [j for j in lane.jobs if j != job_id]
+            if watch_again and job_id in self._seen:
+                self._rejected.add(job_id)
+                with contextlib.suppress(OSError):  # as it is now: looked at again only once it changes
+                    st = os.stat(os.path.join(self.config.shm_dir, job_id), follow_symlinks=False)
+                    self._seen[job_id] = (st.st_ino, st.st_ctime_ns)
+            else:
+                self._seen.pop(job_id, None)
+        if entry is not None:
+            entry.watch.close()
+        with self._shared_lock:
+            corr = self.correlators.pop(job_id, None)
+            self._factory_tried.discard(job_id)
+        if corr is not None:
+            corr.close()
+
     # -- one poll ---------------------------------------------------------------------------------
     def poll_once(self) -> None:
+        """One poll: route new names, then every owner's round in that owner's lane, in parallel, waited
+        for at most ``FairnessPolicy.round_wait_s`` (``/healthz`` counts these: the loop, not one owner)."""
         self.polls += 1
-        self.discover()
+        self._route()
         self.pipeline.retry_unwritten()
-        for job_id, entry in list(self.jobs.items()):
+        self._run_lanes(self._owner_round, self.config.fairness.round_wait_s)
+        self.last_poll_ns = time.monotonic_ns()
+
+    def _owner_round(self, lane: OwnerLane) -> None:
+        """Everything of one owner's jobs this poll: the first look at new dirs, then each job polled,
+        detected and (off this thread) handed to the incident pipeline."""
+        self._adopt(lane)
+        for job_id in lane.jobs:
+            entry = self.jobs.get(job_id)
+            if entry is None:
+                continue
             if entry.watch.retired:
+                if job_id not in self._present:
+                    self._forget(lane, job_id)
+                    continue
                 self._maybe_revive(job_id, entry)
                 self._maybe_remove_files(job_id, entry)
                 continue
@@ -237,7 +413,27 @@ class Daemon:
                 self._poll_job(job_id, entry)
             except Exception:  # one bad job never stops the daemon
                 log.exception("job_poll_failed", job=job_id)
-        self.last_poll_ns = time.monotonic_ns()
+
+    def _owner_lag(self, uid: int) -> float:
+        """How late this owner's previous look came beyond one poll and the loop's wait (0: on time)."""
+        lane = self.lanes.get(uid)
+        if lane is None or lane.done_ns is None:
+            return 0.0
+        late = lane.age_s() - self.config.poll_interval_s - self.config.fairness.round_wait_s
+        return late if late > 0.5 else 0.0
+
+    def owner_lags(self) -> dict[int, dict[str, float | int | bool]]:
+        """Per job owner: how old their newest complete look is, how long the round in progress has run,
+        whether they lag (for ``/metrics``, ``/healthz`` and the state files)."""
+        now = time.monotonic_ns()
+        wait = self.config.fairness.round_wait_s
+        with self._jobs_lock:
+            lanes = list(self.lanes.values())
+            jobs = {lane.uid: len(lane.jobs) for lane in lanes}
+        return {lane.uid: {"age_s": round(lane.age_s(now), 3), "round_s": round(lane.lag_s(now), 3),
+                           "lagging": lane.lag_s(now) > wait, "jobs": jobs[lane.uid],
+                           "waiting_dirs": len(lane.pending)}
+                for lane in lanes}
 
     def _maybe_revive(self, job_id: str, entry: JobEntry) -> None:
         """A retired job id that gets fresh records is a new run (torchrun restart, reused run name)."""
@@ -261,19 +457,23 @@ class Daemon:
         correlator = self.correlators.get(job_id)
         factory = self.correlator_factory
         if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
-            self._factory_tried.add(job_id)
             # every correlated job holds two store connections and two threads: bounded in all and per owner,
-            # however many job dirs claiming several nodes a user makes
+            # however many job dirs claiming several nodes a user makes (the owners' lanes count together)
             policy = self.config.serve
-            mine = sum(1 for j in self.correlators if (e := self.jobs.get(j)) and e.watch.owner_uid == watch.owner_uid)
-            if len(self.correlators) >= policy.correlated_jobs or mine >= policy.correlated_jobs_per_owner:
+            with self._shared_lock:
+                self._factory_tried.add(job_id)
+                mine = sum(1 for j in self.correlators
+                           if (e := self.jobs.get(j)) and e.watch.owner_uid == watch.owner_uid)
+                total = len(self.correlators)
+            if total >= policy.correlated_jobs or mine >= policy.correlated_jobs_per_owner:
                 log.warning("correlation_refused", job=job_id, owner_uid=watch.owner_uid,
-                            correlated=len(self.correlators), of_owner=mine, why="this daemon correlates at most "
+                            correlated=total, of_owner=mine, why="this daemon correlates at most "
                             f"{policy.correlated_jobs} jobs, {policy.correlated_jobs_per_owner} per user")
                 return None
             correlator = factory(watch)
             if correlator is not None:
-                self.correlators[job_id] = correlator
+                with self._shared_lock:
+                    self.correlators[job_id] = correlator
         return correlator
 
     def _poll_job(self, job_id: str, entry: JobEntry) -> None:
@@ -287,7 +487,9 @@ class Daemon:
             entry.retired_at = time.monotonic()
             log.info("job_stale", job=job_id)
             return
-        views = self.gpu.apply(watch.poll())
+        polled = watch.poll()
+        with self._shared_lock:  # one NVML sample at a time (its device maps are the node's)
+            views = self.gpu.apply(polled)
         entry.last_views = views
         try:
             watch.sample_signals()
@@ -414,6 +616,7 @@ class Daemon:
                 incident_ref(v, bundle=bundles.get(str(v.get("incident_id")))) for v in verdicts[-keep:]
             ],
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
+            owner_lag_s=self._owner_lag(watch.owner_uid),
         )
         try:
             self.state.publish(job_id, watch.dir_path, doc, force=force)
@@ -491,8 +694,9 @@ class Daemon:
                             why="this user already has the most incidents in flight one user may have")
             return
         self._deferred_logged.discard(job_id)
-        self._incident_seq += 1
-        incident_id = new_incident_id(trigger.kind, self._incident_seq)
+        with self._shared_lock:
+            self._incident_seq += 1
+            incident_id = new_incident_id(trigger.kind, self._incident_seq)
         watch = entry.watch
         world = max((st.last.world_size for st in watch.ranks.values()), default=len(views))
         req = IncidentRequest(
@@ -593,12 +797,10 @@ class Daemon:
             n = bundle.remove_partial_bundles(d)
             if n:
                 log.info("partial_bundles_removed", dir=d, count=n)
-        self.discover()  # every job dir is opened (never through a symlink) and handed to its owner's reader
-        for job_id, entry in self.jobs.items():
-            # by the owner's reader, through dir fds: a symlinked dumps dir is never followed
-            n = entry.watch.remove_stale_dumps(self.config.serve.stale_dump_age_s)
-            if n:
-                log.info("stale_dumps_removed", job=job_id, files=n)
+        # every job dir's stale dumps go at its first look, by the owner's reader in that owner's lane, through
+        # dir fds (a symlinked dumps dir is never followed)
+        self._clean_dumps = True
+        self.discover()
 
     def killed(self, job_id: str) -> bool:
         """Whether ``--on-stall kill`` signalled this job's ranks."""
@@ -636,6 +838,8 @@ class Daemon:
             self.alerts.resolve(job_id, incident_id, why)
 
     def close(self) -> None:
+        for lane in list(self.lanes.values()):
+            lane.close()
         self.pipeline.close()
         job = self.config.job_filter
         if job:  # rankwatch run: the job has ended with the run

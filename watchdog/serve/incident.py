@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -135,6 +135,27 @@ def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]
         ],
     })
     return doc
+
+
+T = TypeVar("T")
+
+
+def admit(queue: list[T], item: T, owner_of: Callable[[T], int], per_owner: int, total: int) -> list[T]:
+    """Append ``item`` to ``queue`` within the shares; returns what was pushed out, oldest first. Over its
+    owner's share, that owner's own oldest goes (never another user's); over the whole queue (many users at
+    once), the oldest of whoever holds the most."""
+    queue.append(item)
+    lost: list[T] = []
+    owner = owner_of(item)
+    while sum(1 for q in queue if owner_of(q) == owner) > per_owner:
+        lost.append(queue.pop(next(i for i, q in enumerate(queue) if owner_of(q) == owner)))
+    while len(queue) > total:
+        counts: dict[int, int] = {}
+        for q in queue:
+            counts[owner_of(q)] = counts.get(owner_of(q), 0) + 1
+        top = max(counts, key=lambda uid: counts[uid])
+        lost.append(queue.pop(next(i for i, q in enumerate(queue) if owner_of(q) == top)))
+    return lost
 
 
 class IncidentPipeline:
@@ -369,10 +390,11 @@ class IncidentPipeline:
     # -- bundles that could not be written ----------------------------------------------------------
     def _keep_unwritten(self, req: IncidentRequest, verdict: dict[str, Any], ev: IncidentEvidence) -> None:
         with self._unwritten_lock:
-            self._unwritten.append((req, verdict, ev))
-            while len(self._unwritten) > self.serve_policy.max_unwritten_bundles:
-                lost, _, _ = self._unwritten.pop(0)
-                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, why="retry queue full")
+            policy = self.serve_policy
+            for lost, _, _ in admit(self._unwritten, (req, verdict, ev), lambda item: item[0].owner_uid,
+                                    policy.max_unwritten_bundles_per_owner, policy.max_unwritten_bundles):
+                log.error("bundle_abandoned", job=lost.job_id, incident=lost.incident_id, owner_uid=lost.owner_uid,
+                          why="retry queue full (this user's share, or the whole queue)")
             self._retry_at = time.monotonic() + self.serve_policy.bundle_retry_every_s
 
     @property

@@ -126,6 +126,14 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "Live stragglers on this node"),
     ("poll_age", "gauge", "rankwatch_last_poll_age_seconds", (),
      "Time since the poll loop last completed a poll (a wedged loop still answers scrapes)"),
+    ("owner_age", "gauge", "rankwatch_owner_last_look_age_seconds", ("uid",),
+     "Per job owner (uid): time since that owner's jobs were last completely polled, in that owner's own lane "
+     "(about one poll interval while it keeps up; the laggiest owners only, FairnessPolicy.owner_series)"),
+    ("owner_lagging", "gauge", "rankwatch_owner_lagging", ("uid",),
+     "1 while that owner's round has run past the loop's wait (a stopped reader, a flood of their own): "
+     "their jobs keep their last state, nobody else waits for them"),
+    ("owners_lagging", "gauge", "rankwatch_owners_lagging", (),
+     "Job owners whose round runs past the loop's wait, all of them (beyond the per-owner series too)"),
     ("diagnosis", "gauge", "rankwatch_diagnosis", (*_J, "label", "phase"),
      f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
     ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label", "cause"),
@@ -172,7 +180,8 @@ _HIST_SPEC: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "Time per step in each phase, over every step that spent time in it"),
 )
 # the families every scraper sees (no job, rank or pid in them)
-NODE_TOTALS = frozenset({"jobs", "polls", "errors", "open", "node_incidents", "ranks", "node_stragglers", "poll_age"})
+NODE_TOTALS = frozenset({"jobs", "polls", "errors", "open", "node_incidents", "ranks", "node_stragglers", "poll_age",
+                         "owner_age", "owner_lagging", "owners_lagging"})
 METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind, name, _, _ in _SPEC) + tuple(
     name + "_count" for _, name, _, _ in _HIST_SPEC
 )
@@ -229,6 +238,12 @@ class DaemonCollector(Collector):
         last = self.daemon.last_poll_ns
         if last is not None:
             m["poll_age"].add_metric([], (time.monotonic_ns() - last) / 1e9)
+        lags = self.daemon.owner_lags()
+        m["owners_lagging"].add_metric([], sum(1 for lag in lags.values() if lag["lagging"]))
+        worst = sorted(lags.items(), key=lambda kv: -float(kv[1]["age_s"]))[: self.daemon.config.fairness.owner_series]
+        for uid, lag in worst:
+            m["owner_age"].add_metric([str(uid)], float(lag["age_s"]))
+            m["owner_lagging"].add_metric([str(uid)], 1.0 if lag["lagging"] else 0.0)
         n_jobs = n_open = n_incidents = n_live = 0
         states = dict.fromkeys(RANK_STATES, 0)
         for job_id, entry in list(self.daemon.jobs.items()):
@@ -402,8 +417,12 @@ def health(daemon: Daemon, now_ns: int | None = None) -> tuple[bool, dict[str, A
     age_s = None if last is None else round((now_ns - last) / 1e9, 3)
     ok = age_s is not None and age_s <= limit_s
     status = "ok" if ok else "starting" if last is None else "stale"
+    lags = daemon.owner_lags()
+    # the loop decides; owners that lag are said, never counted against it (one user's stopped reader
+    # must not have systemd restart the daemon everyone relies on)
     return ok, {"status": status, "polls": daemon.polls, "last_poll_age_s": age_s,
-                "limit_s": limit_s}
+                "limit_s": limit_s, "owners": len(lags),
+                "owners_lagging": sorted(uid for uid, lag in lags.items() if lag["lagging"])}
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def state_doc(
     open_incident: dict[str, Any] | None,
     incidents: Sequence[dict[str, Any]],
     stragglers: Sequence[dict[str, Any]] = (),
+    owner_lag_s: float = 0.0,
 ) -> dict[str, Any]:
     """The state document, without the time it is written (so two polls' documents compare equal)."""
     return {
@@ -75,6 +76,9 @@ def state_doc(
         "open_incident": open_incident,
         "incidents": list(incidents),
         "stragglers": list(stragglers),
+        # how late this job's owner's previous look came (0 while the owner's lane keeps up): a user's own
+        # flood or stopped reader slows only their jobs, and status says so
+        "owner_lag_s": round(owner_lag_s, 1),
         # which run of the job the open incident belongs to (a daemon restarted later resumes it only for
         # the same run: a reused job id is a new run)
         "generation_start_unix": None if generation_start_unix is None else round(generation_start_unix, 3),

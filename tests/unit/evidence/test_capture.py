@@ -254,10 +254,9 @@ def test_a_capture_that_times_out_leaves_no_process_it_started(tmp_path, monkeyp
         if path == "inspect":  # `rankwatch inspect`: py-spy run in this process
             threads, err = capture.pyspy_dump(os.getpid(), 3.0, nonblocking=False, include_locals=False)
         else:  # the daemon's reader (in-process where the daemon is not root), as a capture asks it
-            from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
+            from rankwatch.watchdog.privsep.readers import local_worker
 
-            answer = ReaderCore(ReaderPolicy(), None, fixed_pyspy=False).op_pyspy(
-                {"pid": os.getpid(), "timeout_s": 3.0}, [])
+            answer = local_worker().handle({"op": "pyspy", "pid": os.getpid(), "timeout_s": 3.0}, [])
             threads, err = answer["threads"], answer["error"]
         assert (threads, err) == (None, "py-spy timed out after 3.0s")
         pids = _started(d)

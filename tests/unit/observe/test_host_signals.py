@@ -26,11 +26,12 @@ from rankwatch.watchdog.core.host_signals import (
     parse_stat_counters,
     parse_status_switches,
 )
+from rankwatch.watchdog.core.policy import ReaderPolicy
 from rankwatch.watchdog.core.straggler import StragglerDiagnosis
 from rankwatch.watchdog.core.straggler_cause import CausePolicy, Window, attribute_cause, explain
-from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
 from rankwatch.watchdog.observe.signals import counters_from_doc, read_host, read_rank
-from rankwatch.watchdog.observe.wire import WireError
+from rankwatch.watchdog.privsep.frames import WireError
+from rankwatch.watchdog.privsep.registry import Worker
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "proc"
 
@@ -95,7 +96,7 @@ def test_a_live_process_is_read_and_its_counters_grow():
 
 
 def test_the_reader_answers_signals_and_the_daemon_checks_them():
-    core = ReaderCore(ReaderPolicy(), None)
+    core = Worker(ReaderPolicy(), None)  # the signals request is registered by observe.signals
     out = core.handle({"op": "signals", "pids": [os.getpid(), 1 << 22]}, [])
     mine = counters_from_doc(out["ranks"][str(os.getpid())])
     assert mine.run_ns > 0 and out["ranks"][str(1 << 22)] is None

@@ -200,7 +200,8 @@ def test_alert_queue_is_bounded():
         sent.append(json.loads(body)["incident_id"])
         return 200
 
-    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=3), post=post)
+    # every incident pages here (no per-job summary): the queue's bound is what is tested
+    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=3, job_page_every_s=0), post=post)
     alerts.submit({"incident_id": "i-0", "kind": "hang", "initiating_ranks": []}, None)
     assert entered.wait(30)
     for i in range(1, 10):
@@ -215,7 +216,7 @@ def test_a_trickling_webhook_holds_only_itself_and_not_the_shutdown():
     """4 incidents: the healthy webhook gets all 4 while the trickling one still holds its first POST, and
     close() returns while it is still trickling (each POST has a total deadline, each target its thread)."""
     trickler, healthy = Trickler(), Receiver()
-    alerts = Alerter([trickler.url, healthy.url], None)
+    alerts = Alerter([trickler.url, healthy.url], None, AlertPolicy(job_page_every_s=0))
     try:
         with structlog.testing.capture_logs() as logs:
             for i in range(4):
@@ -252,7 +253,8 @@ def gated_webhook() -> tuple[threading.Event, threading.Event, list[tuple[str, s
 def test_one_jobs_alert_storm_never_drops_another_jobs_alert():
     gate, entered, sent, post = gated_webhook()
 
-    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(max_queued=8, max_queued_per_job=4), post=post)
+    alerts = Alerter(["http://127.0.0.1:9/x"], None,
+                     AlertPolicy(max_queued=8, max_queued_per_job=4, job_page_every_s=0), post=post)
     alerts.submit({"incident_id": "first", "job_id": "quiet", "kind": "hang", "initiating_ranks": []}, None)
     assert entered.wait(30)
     alerts.submit({"incident_id": "q-1", "job_id": "quiet", "kind": "hang", "initiating_ranks": []}, None)
@@ -269,7 +271,7 @@ def test_one_users_many_jobs_never_starve_another_users_alert():
     alert is sent next all the same, and user 1001 keeps only their own share of the queue."""
     gate, entered, sent, post = gated_webhook()
 
-    policy = AlertPolicy(max_queued=16, max_queued_per_job=4, max_queued_per_owner=8)
+    policy = AlertPolicy(max_queued=16, max_queued_per_job=4, max_queued_per_owner=8, job_page_every_s=0)
     alerts = Alerter(["http://127.0.0.1:9/x"], None, policy, post=post)
     alerts.submit({"incident_id": "a-first", "job_id": "a-0", "kind": "hang", "initiating_ranks": []}, None,
                   owner=1001)
@@ -288,6 +290,31 @@ def test_one_users_many_jobs_never_starve_another_users_alert():
     assert [i for j, i in sent[2:]] == [f"a-{j}-{i}" for j in range(7, 10) for i in range(3)][-8:]
     dropped = [e for e in logs if e["event"] == "alert_dropped"]
     assert len(dropped) == 22 and {e["owner_uid"] for e in dropped} == {1001}
+
+
+def test_a_crash_looping_job_pages_once_then_summarises_and_never_holds_another_jobs_page():
+    """25 incidents of one job within its page window: the first pages at once, the other 24 are held and go
+    out as one summary (the newest, saying how many it stands for) when the window ends; another job's
+    incident meanwhile pages at once."""
+    gate, _, sent, post = gated_webhook()
+    gate.set()
+    bodies: list[dict[str, Any]] = []
+
+    def keep(url: str, body: bytes, timeout_s: float) -> int:
+        bodies.append(json.loads(body))
+        return post(url, body, timeout_s)
+
+    alerts = Alerter(["http://127.0.0.1:9/x"], None, AlertPolicy(job_page_every_s=1.0), post=keep)
+    for i in range(25):
+        alerts.submit({"incident_id": f"loop-{i}", "job_id": "loop", "kind": "dead_rank", "initiating_ranks": [0]},
+                      None, owner=1001)
+    alerts.submit({"incident_id": "other-0", "job_id": "other", "kind": "hang", "initiating_ranks": [1]}, None,
+                  owner=1002)
+    assert wait_for(lambda: len(sent) >= 3, 30), sent  # the window's end sends the summary by itself
+    alerts.close(timeout_s=30)
+    assert sent == [("loop", "loop-0"), ("other", "other-0"), ("loop", "loop-24")], sent
+    summary = bodies[-1]
+    assert summary["summarised"] == 24 and "+23 more of this job" in summary["text"], summary
 
 
 KILLED_OWNER = """
