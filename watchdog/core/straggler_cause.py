@@ -10,8 +10,13 @@ host-wide load that slows every rank alike is nobody's cause. The signal whose e
 the time lost per step is the cause; none is ``own_work``.
 
 Precedence: a throttled cgroup's tasks stay runnable while the quota is spent, so CPU throttling also shows
-as run-queue wait; it is checked first. GPU and network causes (``gpu_throttled``, ``gpu_link_degraded``,
-``network_path``) are in the vocabulary but not measured yet: no signal here gives them.
+as run-queue wait; it is checked first. The host's counters are time and are set against the time lost; the
+GPU's and the network's are states (a clock, a throttle reason, a link's width, a connection's round trip) and
+are read only when no host counter explains the loss: a rank whose GPU ran slower clocks than its peers' for
+most of the window (``gpu_throttled``), whose PCIe link ran narrower or older than its peers' or replayed
+transfers (``gpu_link_degraded``), whose best connection to another node had a far longer round trip or
+retransmitted (``network_path``). Each is read against the rank's peers, never alone: a busy GPU under its
+power cap, an idle link at Gen1 and a host's own round trips are everybody's.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .host_signals import MISSING, HostPressure, RankCounters
+from .host_signals import MISSING, GpuState, HostPressure, NetCounters, RankCounters, link_degraded, slowing_reasons
 from .ranks import fmt_ranks
 from .straggler import StragglerDiagnosis
 
@@ -59,6 +64,30 @@ class CausePolicy:
     # at once and wait for a CPU, so a throttled rank's loss splits between the two (measured on this host
     # beside other load: 25 % quota, throttled 30-45 % of the loss, the rest run-queue wait)
     throttled_min_share: float = 0.2
+    # -- states (GPU, network): read over the polls inside the rank's window, against its peers' median --
+    # a GPU is throttled when its SM clock ran at most this share of its peers' (median over the window): a
+    # GPU that HW slowdown hits is cut by 2x or more (nvmlClocksThrottleReasonHwSlowdown), a power or thermal
+    # cap by 10-30 %; boost clocks of healthy GPUs of one model under one load differ by a few % only
+    gpu_clock_ratio: float = 0.9
+    # ... or a slowing clock-event reason (power cap, thermal, HW slowdown) was set on this share of its polls
+    # more than on its peers' (a busy GPU at its power cap sets SwPowerCap often: its peers' share is the base)
+    gpu_reason_excess: float = 0.5
+    # its PCIe link ran below its maximum (generation or lanes) on this share of its polls more than its
+    # peers' (an idle GPU drops to Gen1 to save power: its peers, as busy as it, are the base)
+    link_excess: float = 0.5
+    # ... or the link replayed at least this many transfers per step more than its peers' (a healthy link
+    # replays none: a replay is a transfer that failed its CRC and was sent again)
+    link_replays_per_step: float = 1.0
+    # the rank's best connection to another node (the smoothed RTT of the fastest of its busy TCP paths) is at
+    # least this factor above its peers' median, and at least ``net_min_rtt_ms`` above it: every path of the
+    # rank is slow, which a slow peer of its would not do (a slow peer slows one path, not the fastest)
+    net_rtt_factor: float = 4.0
+    net_min_rtt_ms: float = 1.0
+    # ... or its sockets retransmitted at least this many segments per step more than its peers' (a healthy
+    # path between two nodes of one cluster retransmits none)
+    net_retrans_per_step: float = 1.0
+    # polls inside the window needed to read a state at all (the window's shorter than two polls says nothing)
+    min_state_polls: int = 4
 
 
 @dataclass(frozen=True)
@@ -214,7 +243,8 @@ def attribute_cause(
             and quota[0] >= policy.throttled_min_share * lost_ms
             and quota[0] + (wait[0] if wait is not None else 0.0) >= policy.min_share * lost_ms):
         found.append((quota[0] / lost_ms, quota[1], quota[2], quota[3]))
-    if not measured:
+    if not measured and not any(c.gpu is not None or c.net is not None for _, by in samples
+                                for c in by.values()):
         return None
     names = fmt_ranks(list(who) or [rank])
     doc: dict[str, Any] = {"rank": rank, "lost_ms": round(lost_ms, 3), "signals": figures}
@@ -238,6 +268,12 @@ def attribute_cause(
             if faults is not None:
                 doc["text"] += f" ({faults[0]:.0f} major faults/step, its peers {faults[1]:.0f})"
         return doc
+    for state in (_gpu_cause, _net_cause):
+        got = state(samples, windows, rank, peers, policy)
+        if got is not None:
+            doc["signals"][got["signal"]] = got.pop("figures")
+            doc.update(got, share=None, next=STATE_NEXT[got["cause"]].format(who=names))
+            return doc
     parts = ", ".join(f"{k} {v['excess_ms']:+.1f}" for k, v in figures.items())
     doc.update(
         cause="own_work",
@@ -248,6 +284,214 @@ def attribute_cause(
         next=OWN_WORK_NEXT.format(who=names),
     )
     return doc
+
+
+@dataclass(frozen=True)
+class _GpuFigures:
+    polls: int
+    clock_mhz: float | None  # mean SM clock
+    clock_max_mhz: int | None
+    reasons_share: float  # polls with a slowing clock-event reason
+    reasons: tuple[str, ...]  # which, over the window
+    link_share: float | None  # polls whose link ran below its maximum
+    link: str  # the link as last seen ("Gen4 x8 of Gen5 x16")
+    replays_per_step: float | None
+    temperature_c: int | None  # the hottest poll
+    slowdown_c: int | None
+    health: tuple[str, ...]  # new uncorrected ECC errors or XIDs inside the window
+    device: int
+
+
+def _in_window(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int,
+               win: Window) -> list[tuple[int, RankCounters]]:
+    return [(t, by[rank]) for t, by in samples if win.start_ns <= t <= win.end_ns and rank in by]
+
+
+def _delta(seq: Sequence[int | None]) -> int | None:
+    """The growth of a cumulative counter over the polls (decreases count nothing), None when unknown."""
+    vals = [v for v in seq if v is not None and v != MISSING]
+    if len(vals) < 2:
+        return None
+    return sum(max(0, b - a) for a, b in itertools.pairwise(vals))
+
+
+def gpu_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int, win: Window,
+                policy: CausePolicy) -> _GpuFigures | None:
+    """The state of ``rank``'s GPU over the polls inside its window; None with too few polls of it."""
+    got = [c.gpu for _, c in _in_window(samples, rank, win) if c.gpu is not None]
+    if len(got) < policy.min_state_polls:
+        return None
+    clocks = [g.sm_clock_mhz for g in got if g.sm_clock_mhz is not None]
+    reasons = [slowing_reasons(g.reasons) for g in got if g.reasons is not None]
+    links = [x for x in (link_degraded(g) for g in got) if x is not None]
+    replays = _delta([g.pcie_replay for g in got])
+    last: GpuState = got[-1]
+    health = []
+    ecc = _delta([g.ecc_volatile for g in got])
+    if ecc:
+        health.append(f"{ecc} new uncorrected ECC error(s)")
+    xids = _delta([g.xids for g in got])
+    if xids:
+        health.append(f"{xids} critical XID event(s)")
+    temps = [g.temperature_c for g in got if g.temperature_c is not None]
+    link = ""
+    if last.pcie_gen is not None and last.pcie_width is not None:
+        link = f"Gen{last.pcie_gen} x{last.pcie_width}"
+        if last.pcie_gen_max is not None and last.pcie_width_max is not None:
+            link += f" (its maximum Gen{last.pcie_gen_max} x{last.pcie_width_max})"
+    return _GpuFigures(
+        polls=len(got),
+        clock_mhz=statistics.fmean(clocks) if clocks else None,
+        clock_max_mhz=last.sm_clock_max_mhz,
+        reasons_share=sum(1 for r in reasons if r) / len(reasons) if reasons else 0.0,
+        reasons=tuple(sorted({n for r in reasons for n in r})),
+        link_share=sum(links) / len(links) if links else None,
+        link=link,
+        replays_per_step=replays * len(got) / (win.steps * max(1, len(got) - 1)) if replays is not None else None,
+        temperature_c=max(temps) if temps else None,
+        slowdown_c=last.slowdown_c,
+        health=tuple(health),
+        device=last.device,
+    )
+
+
+def _gpu_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
+               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
+    """``gpu_throttled`` or ``gpu_link_degraded`` with its figures, or None when the rank's GPU ran as its
+    peers' did (or was not seen)."""
+    mine = gpu_figures(samples, rank, windows[rank], policy)
+    theirs = [f for f in (gpu_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+    if mine is None or not theirs:
+        return None
+    med = statistics.median
+    clocks = [f.clock_mhz for f in theirs if f.clock_mhz is not None]
+    peer_clock = med(clocks) if clocks else None
+    peer_reasons = med(f.reasons_share for f in theirs)
+    figures: dict[str, Any] = {"device": mine.device, "polls": mine.polls,
+                               "sm_clock_mhz": _r(mine.clock_mhz), "peers_sm_clock_mhz": _r(peer_clock),
+                               "sm_clock_max_mhz": mine.clock_max_mhz,
+                               "slowing_share": round(mine.reasons_share, 3),
+                               "peers_slowing_share": round(peer_reasons, 3), "reasons": list(mine.reasons),
+                               "temperature_c": mine.temperature_c, "slowdown_c": mine.slowdown_c,
+                               "link": mine.link, "link_degraded_share": _r(mine.link_share),
+                               "replays_per_step": _r(mine.replays_per_step)}
+    if mine.health:
+        figures["health"] = list(mine.health)
+    slow_clock = (mine.clock_mhz is not None and peer_clock is not None and peer_clock > 0
+                  and mine.clock_mhz <= policy.gpu_clock_ratio * peer_clock)
+    slow_reason = mine.reasons_share - peer_reasons >= policy.gpu_reason_excess
+    health = f"; {', '.join(mine.health)} in the window" if mine.health else ""
+    if slow_clock or slow_reason:
+        clock = ""
+        if mine.clock_mhz is not None and peer_clock is not None:
+            of_max = f" ({100 * mine.clock_mhz / mine.clock_max_mhz:.0f} % of its {mine.clock_max_mhz} MHz maximum)" \
+                if mine.clock_max_mhz else ""
+            clock = f"ran its SM clock at {mine.clock_mhz:.0f} MHz{of_max}, its peers' at {peer_clock:.0f} MHz"
+        why = ""
+        if mine.reasons:
+            theirs_by = sorted({n for f in theirs for n in f.reasons})
+            why = (f"slowed by {'/'.join(mine.reasons)} on {100 * mine.reasons_share:.0f} % of polls, its peers "
+                   + (f"by {'/'.join(theirs_by)} on {100 * peer_reasons:.0f} %" if theirs_by else "never"))
+        temp = ""
+        if mine.temperature_c is not None:
+            temp = f", {mine.temperature_c} °C" + (f" (slowdown at {mine.slowdown_c} °C)" if mine.slowdown_c else "")
+        parts = "; ".join(p for p in (clock, why) if p)
+        return {"cause": "gpu_throttled", "signal": "gpu_clock", "figures": figures,
+                "text": f"rank {rank}'s GPU {mine.device} {parts}{temp}{health}"}
+    peer_link = [f.link_share for f in theirs if f.link_share is not None]
+    peer_replays = [f.replays_per_step for f in theirs if f.replays_per_step is not None]
+    base_link = med(peer_link) if peer_link else None
+    base_replays = med(peer_replays) if peer_replays else None
+    narrow = mine.link_share is not None and base_link is not None and mine.link_share - base_link >= policy.link_excess
+    replaying = (mine.replays_per_step is not None and base_replays is not None
+                 and mine.replays_per_step - base_replays >= policy.link_replays_per_step)
+    if narrow or replaying:
+        bits = []
+        if narrow:
+            bits.append(f"its PCIe link ran at {mine.link} on {100 * (mine.link_share or 0):.0f} % of polls, its "
+                        f"peers' on {100 * (base_link or 0):.0f} %")
+        if replaying:
+            bits.append(f"replayed {mine.replays_per_step:.1f} PCIe transfers/step, its peers {base_replays:.1f}")
+        return {"cause": "gpu_link_degraded", "signal": "pcie_link", "figures": figures,
+                "text": f"rank {rank}'s GPU {mine.device}: {'; '.join(bits)}{health}"}
+    return None
+
+
+@dataclass(frozen=True)
+class _NetFigures:
+    polls: int
+    rtt_ms: float | None  # median over polls of the best busy path's srtt
+    retrans_per_step: float | None
+    delivery_bps: float | None  # median over polls of the slowest sending socket's delivery rate
+    sockets: int
+
+
+def net_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int, win: Window,
+                policy: CausePolicy) -> _NetFigures | None:
+    got: list[NetCounters] = [c.net for _, c in _in_window(samples, rank, win) if c.net is not None]
+    if len(got) < policy.min_state_polls:
+        return None
+    rtts = [n.rtt_us / 1000 for n in got if n.rtt_us != MISSING]
+    rates = [float(n.delivery_bps) for n in got if n.delivery_bps != MISSING]
+    retrans = _delta([n.retrans for n in got])
+    return _NetFigures(
+        polls=len(got), rtt_ms=statistics.median(rtts) if rtts else None,
+        retrans_per_step=retrans * len(got) / (win.steps * max(1, len(got) - 1)) if retrans is not None else None,
+        delivery_bps=statistics.median(rates) if rates else None, sockets=got[-1].sockets,
+    )
+
+
+def _net_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
+               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
+    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do."""
+    mine = net_figures(samples, rank, windows[rank], policy)
+    theirs = [f for f in (net_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+    if mine is None or not theirs:
+        return None
+    med = statistics.median
+    rtts = [f.rtt_ms for f in theirs if f.rtt_ms is not None]
+    rets = [f.retrans_per_step for f in theirs if f.retrans_per_step is not None]
+    rates = [f.delivery_bps for f in theirs if f.delivery_bps is not None]
+    base_rtt, base_ret, base_rate = (med(rtts) if rtts else None), (med(rets) if rets else None), \
+        (med(rates) if rates else None)
+    figures = {"rtt_ms": _r(mine.rtt_ms), "peers_rtt_ms": _r(base_rtt), "retrans_per_step": _r(mine.retrans_per_step),
+               "peers_retrans_per_step": _r(base_ret), "delivery_mbps": _r(_mbps(mine.delivery_bps)),
+               "peers_delivery_mbps": _r(_mbps(base_rate)), "sockets": mine.sockets, "polls": mine.polls}
+    slow = (mine.rtt_ms is not None and base_rtt is not None and mine.rtt_ms >= policy.net_rtt_factor * base_rtt
+            and mine.rtt_ms - base_rtt >= policy.net_min_rtt_ms)
+    lossy = (mine.retrans_per_step is not None and base_ret is not None
+             and mine.retrans_per_step - base_ret >= policy.net_retrans_per_step)
+    if not (slow or lossy):
+        return None
+    bits = []
+    if mine.rtt_ms is not None and base_rtt is not None:
+        bits.append(f"its best connection to another rank had a {mine.rtt_ms:.1f} ms round trip, its peers' "
+                    f"{base_rtt:.2f} ms")
+    if lossy:
+        bits.append(f"{mine.retrans_per_step:.1f} retransmits/step, its peers {base_ret:.1f}")
+    if mine.delivery_bps is not None and base_rate is not None:
+        bits.append(f"delivery {_mbps(mine.delivery_bps):.1f} Mbit/s, its peers' {_mbps(base_rate):.1f}")
+    return {"cause": "network_path", "signal": "tcp", "figures": figures,
+            "text": f"rank {rank}: {'; '.join(bits)}"}
+
+
+def _mbps(bps: float | None) -> float | None:
+    return bps * 8 / 1e6 if bps is not None else None
+
+
+def _r(v: float | None) -> float | None:
+    return round(v, 3) if v is not None else None
+
+
+STATE_NEXT = {
+    "gpu_throttled": "look at {who}'s GPU: `nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER` (the clock event "
+                     "reasons), its cooling and power limit (`nvidia-smi -q -d POWER`), and ask for the node to be "
+                     "drained if HW slowdown or XIDs persist",
+    "gpu_link_degraded": "look at {who}'s GPU link: `nvidia-smi -q -d PCIE` (current vs max generation and width, "
+                         "replay counter), reseat or service the GPU/riser, or drain the node",
+    "network_path": "look at the path of {who}'s node: `ss -ti` on it (rtt, retrans), its NIC's link speed and "
+                    "errors (`ethtool -S`), the switch port; run `iperf3` between its node and a peer's",
+}
 
 
 def _cgroup(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int) -> str:

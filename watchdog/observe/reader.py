@@ -270,16 +270,13 @@ class ReaderCore:
     def op_signals(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         """The kernel's counters of each rank process and its cgroup (``observe.signals``), read as its owner:
         which cgroup a rank is in is the job's choice."""
-        from .signals import counters_to_doc, read_rank
+        from .signals import counters_to_doc, read_ranks
 
         pids = req.get("pids")
         if not isinstance(pids, list) or len(pids) > self.policy.max_records:
             raise ValueError(f"pids: a list of at most {self.policy.max_records}")
-        out: dict[str, Any] = {}
-        for pid in (w_int(x, 1, 1 << 22) for x in pids):
-            c = read_rank(pid)
-            out[str(pid)] = counters_to_doc(c) if c is not None else None
-        return {"ranks": out}
+        got = read_ranks([w_int(x, 1, 1 << 22) for x in pids])
+        return {"ranks": {str(pid): counters_to_doc(c) if c is not None else None for pid, c in got.items()}}
 
     def op_fr_file(self, req: dict[str, Any], _fds: list[int]) -> dict[str, Any]:
         """A flight-recorder file the job's environment names, read and parsed as its owner."""
