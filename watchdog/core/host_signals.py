@@ -99,16 +99,20 @@ def link_degraded(g: GpuState) -> bool | None:
 class NetCounters:
     """A rank process's established TCP sockets summed at one instant: counters are cumulative over the
     sockets' lives (a socket that closes takes its share out of the sum: ``straggler_cause`` counts no
-    delta then), ``rtt_us`` the largest smoothed RTT among them and ``delivery_bps`` the lowest delivery
-    rate among those that sent data (a slow path is the worst of a rank's peers, not the average)."""
+    delta then). The path is to another host (a socket whose peer address is its own or loopback is another
+    rank of its node): the rate at which the data a rank sends is delivered is set by its own node's way out
+    (a capped or degraded link delivers the rank's share of every ring collective slower), and its peers'
+    sending to it go out through their own links."""
 
     sockets: int
     bytes_sent: int  # tcpi_bytes_sent (retransmissions included)
     bytes_acked: int
     retrans: int  # tcpi_total_retrans: segments retransmitted
     busy_us: int  # tcpi_busy_time: time with data in flight
-    rtt_us: int  # max tcpi_rtt (srtt)
-    delivery_bps: int  # min tcpi_delivery_rate (bytes/s), MISSING when no socket has sent data
+    # its busiest path: the socket to another host that has sent the most (where its share of the collectives
+    # goes; the rendezvous store's socket and a collective's control messages send little); MISSING without one
+    rtt_us: int  # that socket's smoothed RTT (tcpi_rtt)
+    delivery_bps: int  # that socket's delivery rate (tcpi_delivery_rate, bytes/s)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class TcpInfo:
     delivery_rate: int  # bytes/s
     busy_us: int
     remote: str
+    same_host: bool = False  # its peer's address is its own or loopback: a rank of the same node
 
 
 # struct inet_diag_msg: family, state, timer, retrans (4 x u8), inet_diag_sockid (sport, dport: be16;
@@ -154,7 +159,7 @@ def parse_inet_diag(data: bytes) -> tuple[list[TcpInfo], bool]:
         off += (length + 3) & ~3
         if len(body) < _DIAG_MSG.size:
             continue
-        fam, _state, _timer, _retr, _sport, dport, _src, dst, _if, _cookie, _exp, _rq, _wq, _uid, inode = \
+        fam, _state, _timer, _retr, _sport, dport, src, dst, _if, _cookie, _exp, _rq, _wq, _uid, inode = \
             _DIAG_MSG.unpack_from(body)
         info = b""
         a = _DIAG_MSG.size
@@ -172,7 +177,7 @@ def parse_inet_diag(data: bytes) -> tuple[list[TcpInfo], bool]:
             min_rtt_us=_u32(info, _TI_MIN_RTT), total_retrans=_u32(info, _TI_TOTAL_RETRANS),
             bytes_acked=_u64(info, _TI_BYTES_ACKED), bytes_sent=_u64(info, _TI_BYTES_SENT),
             delivery_rate=_u64(info, _TI_DELIVERY_RATE), busy_us=_u64(info, _TI_BUSY),
-            remote=_addr(fam, dst, dport),
+            remote=_addr(fam, dst, dport), same_host=src == dst or _loopback(fam, dst),
         ))
     return out, False
 
@@ -182,11 +187,13 @@ def net_counters(infos: list[TcpInfo], inodes: set[int]) -> NetCounters | None:
     mine = [i for i in infos if i.inode in inodes]
     if not mine:
         return None
-    senders = [i.delivery_rate for i in mine if i.bytes_sent > 0 and i.delivery_rate > 0]
+    paths = [i for i in mine if i.bytes_sent > 0 and not i.same_host]
+    busiest = max(paths, key=lambda i: i.bytes_sent) if paths else None
     return NetCounters(
         sockets=len(mine), bytes_sent=sum(i.bytes_sent for i in mine), bytes_acked=sum(i.bytes_acked for i in mine),
         retrans=sum(i.total_retrans for i in mine), busy_us=sum(i.busy_us for i in mine),
-        rtt_us=max(i.rtt_us for i in mine), delivery_bps=min(senders) if senders else MISSING,
+        rtt_us=busiest.rtt_us if busiest else MISSING,
+        delivery_bps=busiest.delivery_rate if busiest and busiest.delivery_rate > 0 else MISSING,
     )
 
 
@@ -195,6 +202,12 @@ def parse_socket_link(target: str) -> int | None:
     if target.startswith("socket:[") and target.endswith("]"):
         return _int(target[8:-1].encode())
     return None
+
+
+def _loopback(family: int, raw: bytes) -> bool:
+    if family == socket.AF_INET:
+        return raw[0] == 127
+    return raw == b"\x00" * 15 + b"\x01" or (raw[:12] == b"\x00" * 10 + b"\xff\xff" and raw[12] == 127)
 
 
 def _u32(b: bytes, off: int) -> int:

@@ -78,11 +78,16 @@ class CausePolicy:
     # ... or the link replayed at least this many transfers per step more than its peers' (a healthy link
     # replays none: a replay is a transfer that failed its CRC and was sent again)
     link_replays_per_step: float = 1.0
-    # the rank's best connection to another node (the smoothed RTT of the fastest of its busy TCP paths) is at
-    # least this factor above its peers' median, and at least ``net_min_rtt_ms`` above it: every path of the
-    # rank is slow, which a slow peer of its would not do (a slow peer slows one path, not the fastest)
+    # the data the rank sends to another node (its busiest TCP path) is delivered at most 1/this of its
+    # peers' median rate: its own node's way out is slow (a capped or degraded link). Healthy paths of one
+    # job differ by a few x (measured here: 0.3-8 GB/s between simulated nodes, as ACKs bunch); a link capped
+    # to a tenth of the others' or worse is not that
+    net_delivery_factor: float = 10.0
+    # ... or its busiest path's smoothed RTT is at least this factor above its peers' median, and at least
+    # ``net_min_rtt_ms`` above it: its data queues on the way out (a round trip between nodes of one cluster
+    # is tens to hundreds of µs; a few ms of CPU scheduling on a loaded host is not a path)
     net_rtt_factor: float = 4.0
-    net_min_rtt_ms: float = 1.0
+    net_min_rtt_ms: float = 5.0
     # ... or its sockets retransmitted at least this many segments per step more than its peers' (a healthy
     # path between two nodes of one cluster retransmits none)
     net_retrans_per_step: float = 1.0
@@ -458,19 +463,21 @@ def _net_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], window
                "peers_retrans_per_step": _r(base_ret), "delivery_mbps": _r(_mbps(mine.delivery_bps)),
                "peers_delivery_mbps": _r(_mbps(base_rate)), "sockets": mine.sockets, "polls": mine.polls}
     slow = (mine.rtt_ms is not None and base_rtt is not None and mine.rtt_ms >= policy.net_rtt_factor * base_rtt
-            and mine.rtt_ms - base_rtt >= policy.net_min_rtt_ms)
+            and mine.rtt_ms - base_rtt >= policy.net_min_rtt_ms) or (
+        mine.delivery_bps is not None and base_rate is not None
+        and mine.delivery_bps * policy.net_delivery_factor <= base_rate)
     lossy = (mine.retrans_per_step is not None and base_ret is not None
              and mine.retrans_per_step - base_ret >= policy.net_retrans_per_step)
     if not (slow or lossy):
         return None
     bits = []
+    if mine.delivery_bps is not None and base_rate is not None:
+        bits.append(f"the data it sends to another node was delivered at {_mbps(mine.delivery_bps):.1f} Mbit/s, "
+                    f"its peers' at {_mbps(base_rate):.1f} Mbit/s")
     if mine.rtt_ms is not None and base_rtt is not None:
-        bits.append(f"its best connection to another rank had a {mine.rtt_ms:.1f} ms round trip, its peers' "
-                    f"{base_rtt:.2f} ms")
+        bits.append(f"round trip {mine.rtt_ms:.2f} ms, its peers' {base_rtt:.2f} ms")
     if lossy:
         bits.append(f"{mine.retrans_per_step:.1f} retransmits/step, its peers {base_ret:.1f}")
-    if mine.delivery_bps is not None and base_rate is not None:
-        bits.append(f"delivery {_mbps(mine.delivery_bps):.1f} Mbit/s, its peers' {_mbps(base_rate):.1f}")
     return {"cause": "network_path", "signal": "tcp", "figures": figures,
             "text": f"rank {rank}: {'; '.join(bits)}"}
 
@@ -527,7 +534,8 @@ def rank_signals(
     policy: CausePolicy | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per rank, each signal in ms per compared step (what the summary shows beside the phases, straggler or
-    not: a job slowed alike on every rank shows here, not in the diagnosis)."""
+    not: a job slowed alike on every rank shows here, not in the diagnosis), with its busiest TCP path's
+    delivery rate (Mbit/s), round trip (ms) and retransmits per step, and its GPU's mean SM clock (MHz)."""
     policy = policy or CausePolicy()
     out: dict[str, dict[str, float]] = {}
     for r, win in sorted(windows.items()):
@@ -536,9 +544,44 @@ def rank_signals(
             got = per_step(samples, r, sig, win, policy)
             if got is not None:
                 row[sig.name] = round(got[0], 3)
+        net = net_figures(samples, r, win, policy)
+        if net is not None:  # the link signal, straggler or not: a capped link slows every rank's collectives
+            for k, v in (("tcp_delivery_mbps", _mbps(net.delivery_bps)), ("tcp_rtt_ms", net.rtt_ms),
+                         ("tcp_retrans_per_step", net.retrans_per_step)):
+                if v is not None:
+                    row[k] = round(v, 3)
+        gpu = gpu_figures(samples, r, win, policy)
+        if gpu is not None and gpu.clock_mhz is not None:
+            row["gpu_sm_clock_mhz"] = round(gpu.clock_mhz, 1)
         if row:
             out[str(r)] = row
     return out
+
+
+def path_cause(
+    samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
+    windows: Mapping[int, Window],
+    policy: CausePolicy | None = None,
+) -> dict[str, Any] | None:
+    """A job that spends its steps in communication, with no straggler in its own work: a rank whose best path
+    to another node is slower (or lossier) than its peers' names the path as the cause (``network_path``),
+    the rank it is on as ``rank``. Every rank waits alike in a collective a slow link holds up; what sets the
+    link's node apart is its connections, not its phases. None when no rank's connections stand out."""
+    policy = policy or CausePolicy()
+    best: tuple[float, dict[str, Any]] | None = None
+    for rank in sorted(windows):
+        peers = [r for r in windows if r != rank]
+        got = _net_cause(samples, windows, rank, peers, policy) if peers else None
+        if got is None:
+            continue
+        f = got["figures"]
+        score = ((f["peers_delivery_mbps"] or 0.0) / max(f["delivery_mbps"] or 0.0, 1e-6)
+                 + (f["rtt_ms"] or 0.0) / max(f["peers_rtt_ms"] or 0.0, 1e-3) + (f["retrans_per_step"] or 0.0))
+        if best is None or score > best[0]:
+            best = (score, {"rank": rank, "lost_ms": 0.0, "signals": {got["signal"]: got["figures"]},
+                            "cause": got["cause"], "signal": got["signal"], "share": None, "text": got["text"],
+                            "next": STATE_NEXT[got["cause"]].format(who=fmt_ranks([rank]))})
+    return best[1] if best else None
 
 
 def explain(
@@ -554,11 +597,12 @@ def explain(
     windows = {r: Window(*w) for r, w in diag.windows.items()}
     diag.signals = rank_signals(samples, windows, policy)
     if not diag.straggler_ranks or diag.excess_ms <= 0:
+        diag.cause = path_cause(samples, windows, policy) if diag.label == "COMMUNICATION-BOUND" else None
         return diag
     diag.cause = attribute_cause(samples, windows, diag.straggler_ranks[0], diag.excess_ms, host, policy,
                                  who=diag.straggler_ranks)
     return diag
 
 
-__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "per_step",
-           "rank_signals"]
+__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "gpu_figures",
+           "net_figures", "path_cause", "per_step", "rank_signals"]

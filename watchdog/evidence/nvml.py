@@ -180,7 +180,7 @@ class NvmlProbe:
 
     def _read_limits(self, h: Any) -> dict[str, int | None]:
         """The device's maxima (clocks, PCIe link, slowdown temperature): fixed while the driver runs."""
-        nv, no = self._nvml, []  # a maximum NVML will not give is simply unknown: nothing to note per poll
+        nv, no = self._nvml, list[str]()  # a maximum NVML will not give is simply unknown: nothing to note per poll
         get = getattr
         return {
             "sm_clock_max_mhz": _int(self._try(no, "", get(nv, "nvmlDeviceGetMaxClockInfo", None), h,
@@ -229,7 +229,7 @@ class NvmlProbe:
     def device_count(self) -> int:
         return len(self._handles)
 
-    def _try(self, skipped: list[str], what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _try(self, skipped: list[str], what: str, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """``fn(*args)``, or None with ``what`` noted in ``skipped`` when NVML refuses (or an older pynvml
         lacks the function: ``fn`` None)."""
         if fn is None:

@@ -14,6 +14,7 @@ import functools
 import os
 import socket
 import struct
+import threading
 from typing import Any
 
 from ..core.host_signals import (
@@ -163,14 +164,58 @@ def socket_inodes(pid: int, proc_root: str = "/proc") -> set[int]:
     return out
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def _netns(pid: int | str, proc_root: str = "/proc") -> int | None:
+    try:
+        return os.stat(f"{proc_root}/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def tcp_sockets_of_netns(pid: int, proc_root: str = "/proc") -> list[TcpInfo] | None:
+    """``tcp_sockets`` of the network namespace ``pid`` is in, when it is not this process's: asked from a
+    thread of its own that joins that namespace (``setns``; only that thread moves, and it ends after the
+    dump). Needs CAP_SYS_ADMIN over the namespace (a root reader: ranks in containers or in simulated nodes
+    of their own); None where that is refused."""
+    try:
+        fd = os.open(f"{proc_root}/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    got: list[list[TcpInfo] | None] = [None]
+
+    def dump() -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            return
+        got[0] = tcp_sockets()
+
+    try:
+        t = threading.Thread(target=dump, name="rankwatch-netns", daemon=True)
+        t.start()
+        t.join(2.0)
+    finally:
+        os.close(fd)
+    return got[0]
+
+
 def read_ranks(pids: list[int], proc_root: str = "/proc") -> dict[int, RankCounters | None]:
-    """``read_rank`` of each pid, with its TCP sockets from one sock_diag dump shared by all."""
-    infos = tcp_sockets()
+    """``read_rank`` of each pid, with its TCP sockets from one sock_diag dump per network namespace (one
+    for a node's ranks; one per simulated node or container where ranks have their own)."""
+    own = _netns("self", proc_root)
+    dumps: dict[int | None, list[TcpInfo] | None] = {}
     out: dict[int, RankCounters | None] = {}
     for pid in pids:
         c = read_rank(pid, proc_root)
-        if c is not None and infos:
-            net = net_counters(infos, socket_inodes(pid, proc_root))
+        if c is not None:
+            ns = _netns(pid, proc_root)
+            if ns not in dumps:
+                dumps[ns] = tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root)
+            infos = dumps[ns]
+            net = net_counters(infos, socket_inodes(pid, proc_root)) if infos else None
             if net is not None:
                 c = dataclasses.replace(c, net=net)
         out[pid] = c
@@ -208,7 +253,7 @@ def counters_from_doc(d: Any) -> RankCounters:
     """Back from a reader's answer, every field checked (WireError)."""
     if not isinstance(d, dict):
         raise WireError("signals: expected an object")
-    vals = {k: w_int(d.get(k), MISSING) for k in _FIELDS}
+    vals: dict[str, Any] = {k: w_int(d.get(k), MISSING) for k in _FIELDS}
     net = d.get("net")
     if net is not None and not isinstance(net, dict):
         raise WireError("signals: net: expected an object")
