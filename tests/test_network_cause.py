@@ -25,6 +25,7 @@ from conftest import DEMO, free_port, rankwatch_cmd
 from rankwatch.watchdog.core.host_signals import MISSING, NetCounters, RankCounters, net_counters, parse_inet_diag
 from rankwatch.watchdog.core.straggler import StragglerDiagnosis
 from rankwatch.watchdog.core.straggler_cause import Window, attribute_cause, explain
+from rankwatch.watchdog.observe import signals
 from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
 from rankwatch.watchdog.observe.signals import counters_from_doc, read_ranks, tcp_sockets
 
@@ -55,10 +56,14 @@ def test_a_live_process_sockets_are_read_and_a_path_to_itself_is_no_path():
         while got < 200_000:
             got += len(a.recv(1 << 20))
         assert tcp_sockets() is not None
+        signals._dumped_at.clear()
         net = read_ranks([os.getpid()])[os.getpid()].net
         assert net is not None and net.sockets >= 2 and net.bytes_sent >= 200_000
         assert net.rtt_us == MISSING and net.delivery_bps == MISSING  # loopback: another rank of its node
+        # the dump walks the kernel's whole socket hash: once per NET_EVERY_S, the polls between carry no net
+        assert read_ranks([os.getpid()])[os.getpid()].net is None
         # and through the owner's reader and back over the wire
+        signals._dumped_at.clear()
         out = ReaderCore(ReaderPolicy(), None).handle({"op": "signals", "pids": [os.getpid()]}, [])
         assert counters_from_doc(out["ranks"][str(os.getpid())]).net.bytes_sent >= 200_000
     finally:

@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from ..core.host_signals import (
@@ -165,6 +166,13 @@ def socket_inodes(pid: int, proc_root: str = "/proc") -> set[int]:
 
 
 CLONE_NEWNET = 0x40000000
+# a sock_diag dump walks the kernel's whole established-socket hash (262,144 buckets on a 24 GB host, more on
+# a GPU node): ~2 ms of CPU per address family whatever the sockets, 5x a poll's other reads for 8 ranks
+# (``benchmarks/bench_signals.py``). The TCP figures are states read as a median over the window and a
+# cumulative retransmit count, so one dump per network namespace every 2 s is enough (a 200-step window of
+# 50 ms steps holds 5 of them); the polls in between carry no ``net``
+NET_EVERY_S = 2.0
+_dumped_at: dict[int | None, float] = {}
 
 
 def _netns(pid: int | str, proc_root: str = "/proc") -> int | None:
@@ -206,6 +214,7 @@ def read_ranks(pids: list[int], proc_root: str = "/proc") -> dict[int, RankCount
     """``read_rank`` of each pid, with its TCP sockets from one sock_diag dump per network namespace (one
     for a node's ranks; one per simulated node or container where ranks have their own)."""
     own = _netns("self", proc_root)
+    now = time.monotonic()
     dumps: dict[int | None, list[TcpInfo] | None] = {}
     out: dict[int, RankCounters | None] = {}
     for pid in pids:
@@ -213,7 +222,13 @@ def read_ranks(pids: list[int], proc_root: str = "/proc") -> dict[int, RankCount
         if c is not None:
             ns = _netns(pid, proc_root)
             if ns not in dumps:
-                dumps[ns] = tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root)
+                due = now - _dumped_at.get(ns, -NET_EVERY_S) >= NET_EVERY_S
+                if due:
+                    _dumped_at[ns] = now
+                    if len(_dumped_at) > 1024:  # namespaces come and go with containers: forget old ones
+                        _dumped_at.clear()
+                dumps[ns] = None if not due else (
+                    tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root))
             infos = dumps[ns]
             net = net_counters(infos, socket_inodes(pid, proc_root)) if infos else None
             if net is not None:
