@@ -173,11 +173,12 @@ def two_nodes():
 def run_two_node_job(procs, tmp_path: Path, tag: str, net: str) -> dict:
     """The demo, 1 rank per node: node 1's rank under plain torchrun with the hook, node 0's under `rankwatch
     run`, whose watchdog reads both ranks' records (one host: one shm dir) and signals (its reader dumps each
-    rank's network namespace). Returns summary.json."""
+    rank's network namespace). 150 ms of sleep a step: the uncapped job's 100 steps still span 15 s, seven of
+    the reader's TCP dumps (one per 2 s). Returns summary.json."""
     shm, out = tmp_path / "shm", tmp_path / "out"
     port = free_port()
     demo = [DEMO, "--scenario", "balanced", "--steps", str(STEPS), "--hidden", "128", "--layers", "4",
-            "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "60"]
+            "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "150"]
 
     def torchrun(node: int) -> list[str]:
         return ["--nproc-per-node", "1", "--nnodes", "2", f"--node-rank={node}", f"--master-addr={net}.1",
