@@ -170,15 +170,14 @@ def two_nodes():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def run_two_node_job(procs, tmp_path: Path, tag: str, net: str) -> dict:
+def run_two_node_job(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS) -> dict:
     """The demo, 1 rank per node: node 1's rank under plain torchrun with the hook, node 0's under `rankwatch
     run`, whose watchdog reads both ranks' records (one host: one shm dir) and signals (its reader dumps each
-    rank's network namespace). 150 ms of sleep a step: the uncapped job's 100 steps still span 15 s, seven of
-    the reader's TCP dumps (one per 2 s). Returns summary.json."""
+    rank's network namespace). Returns summary.json."""
     shm, out = tmp_path / "shm", tmp_path / "out"
     port = free_port()
-    demo = [DEMO, "--scenario", "balanced", "--steps", str(STEPS), "--hidden", "128", "--layers", "4",
-            "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "150"]
+    demo = [DEMO, "--scenario", "balanced", "--steps", str(steps), "--hidden", "128", "--layers", "4",
+            "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "60"]
 
     def torchrun(node: int) -> list[str]:
         return ["--nproc-per-node", "1", "--nnodes", "2", f"--node-rank={node}", f"--master-addr={net}.1",
@@ -217,7 +216,8 @@ def test_a_capped_link_of_one_node_is_its_ranks_network_path(procs, tmp_path, tw
 @pytest.mark.slow
 def test_the_same_job_uncapped_names_no_path(procs, tmp_path, two_nodes):
     tag, net = two_nodes
-    control = run_two_node_job(procs, tmp_path, tag, net)
+    # 250 steps of ~70 ms: the 200 compared span 14 s, seven of the reader's TCP dumps (one per 2 s)
+    control = run_two_node_job(procs, tmp_path, tag, net, steps=250)
     assert not control["cause"] or control["cause"]["cause"] != "network_path", control["cause"]
     # the link signal was read on both ranks all the same
     assert all("tcp_delivery_mbps" in control["signals"][r] for r in ("0", "1")), control["signals"]

@@ -13,7 +13,7 @@ backwards (a restarted rank, a pid reused) gives no delta at all rather than a n
 
 from __future__ import annotations
 
-import socket
+import ipaddress
 import struct
 from dataclasses import dataclass
 
@@ -204,8 +204,11 @@ def parse_socket_link(target: str) -> int | None:
     return None
 
 
+AF_INET, AF_INET6 = 2, 10  # <linux/socket.h>: the core reads the kernel's answer, it opens no socket
+
+
 def _loopback(family: int, raw: bytes) -> bool:
-    if family == socket.AF_INET:
+    if family == AF_INET:
         return raw[0] == 127
     return raw == b"\x00" * 15 + b"\x01" or (raw[:12] == b"\x00" * 10 + b"\xff\xff" and raw[12] == 127)
 
@@ -220,12 +223,11 @@ def _u64(b: bytes, off: int) -> int:
 
 def _addr(family: int, raw: bytes, port: bytes) -> str:
     p = int.from_bytes(port, "big")
-    try:
-        if family == socket.AF_INET:
-            return f"{socket.inet_ntop(family, raw[:4])}:{p}"
-        return f"[{socket.inet_ntop(family, raw)}]:{p}"
-    except (ValueError, OSError):
-        return f"?:{p}"
+    if family == AF_INET:
+        return f"{ipaddress.IPv4Address(raw[:4])}:{p}"
+    if family == AF_INET6 and len(raw) == 16:
+        return f"[{ipaddress.IPv6Address(raw)}]:{p}"
+    return f"?:{p}"
 
 
 @dataclass(frozen=True)
