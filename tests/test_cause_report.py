@@ -65,3 +65,14 @@ def test_diagnose_reads_the_straggler_and_its_cause_back_from_rankwatchs_own_sum
     got = subprocess.run(rankwatch_cmd("diagnose", "--json", str(log)), capture_output=True, text=True, timeout=120)
     (note,) = [n for n in json.loads(got.stdout)["notes"] if "named a straggler" in n]
     assert note.endswith("named a straggler: RANK-WIDE STRAGGLER — rank 2"), note
+
+
+def test_the_accuracy_tables_have_a_cause_column_for_stragglers():
+    from test_v3_classes import SUITE
+
+    runs = [{"summary": {"cause": c}} for c in ("own_work", "own_work", "cpu_contention")]
+    assert SUITE.cause_cell(runs, "own_work", True) == "2/3 (own_work 2, cpu_contention 1)"
+    assert SUITE.cause_cell(runs, None, True) == "n/a" and SUITE.cause_cell(runs, "own_work", False) == "n/a"
+    # every straggler the catalogue names a rank for has its right cause; the rest have none
+    cat = [*SUITE.FAULTS.values(), *SUITE.CLASSES.values()]
+    assert all((e.cause == "own_work") == (e.straggler and e.culprit == "fault-rank") for e in cat)
