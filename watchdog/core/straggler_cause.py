@@ -123,6 +123,20 @@ SIGNALS = (
             "look at the storage {who} reads (its input files, checkpoints, swap): stage the data on local disk "
             "or spread the reads"),
 )
+ON_CPU = _Signal("on_cpu", "own_work", lambda c: c.run_ns, 1e-6, "", "")
+# the signals a rank's own CPU time brings with it on a busy host (see ``attribute_cause``)
+POLICED_BY_WORK = ("throttled", "run_queue_wait")
+
+
+def _base_at(i: int, theirs: Sequence[tuple[float, list[float]]], per_run: float | None,
+             my_run: tuple[float, list[float]] | None) -> float:
+    """The peers' figure in sampling interval ``i``, or what the rank's own CPU time in it brings, if more."""
+    base = statistics.median(t[1][i] for t in theirs)
+    if per_run is not None and my_run is not None and i < len(my_run[1]):
+        base = max(base, per_run * my_run[1][i])
+    return base
+
+
 OWN_WORK_NEXT = (
     "none of the host signals explains it: profile {who}'s step (py-spy record, torch.profiler) and look for work "
     "only it does (a bigger shard, extra logging or evaluation, another code path)"
@@ -225,20 +239,35 @@ def attribute_cause(
     found: list[tuple[float, _Signal, float, float]] = []
     held_excess: dict[str, tuple[float, _Signal, float, float]] = {}  # signals whose excess held, by name
     measured = False
+    my_run = per_step(samples, rank, ON_CPU, windows[rank], policy)
+    their_run = {q: per_step(samples, q, ON_CPU, windows[q], policy) for q in peers}
     for sig in SIGNALS:
         mine = per_step(samples, rank, sig, windows[rank], policy)
-        theirs = [x for x in (per_step(samples, q, sig, windows[q], policy) for q in peers) if x is not None]
+        got = {q: per_step(samples, q, sig, windows[q], policy) for q in peers}
+        theirs = [x for x in got.values() if x is not None]
         if mine is None or not theirs:
             continue
         measured = True
         base = statistics.median(t for t, _ in theirs)
+        # a wait for a CPU (or a quota) the rank's own CPU time brings: a rank that does more work on a host
+        # whose CPUs are oversubscribed (or under a quota every rank shares) waits more in proportion; what
+        # the rank waits beyond its peers' wait per ms on a CPU, times its own ms on a CPU, is what others did
+        per_run = None
+        if sig.name in POLICED_BY_WORK and my_run is not None and my_run[0] > 0:
+            ratios = [x[0] / r[0] for q, x in got.items() if x is not None and (r := their_run.get(q)) and r[0] > 0]
+            if ratios:
+                per_run = statistics.median(ratios)
+                base = max(base, per_run * my_run[0])
         excess = mine[0] - base
-        figures[sig.name] = {"rank_ms": round(mine[0], 3), "peers_ms": round(base, 3), "excess_ms": round(excess, 3)}
+        peers_ms = round(statistics.median(t for t, _ in theirs), 3)
+        figures[sig.name] = {"rank_ms": round(mine[0], 3), "peers_ms": peers_ms, "excess_ms": round(excess, 3)}
+        if per_run is not None and base > figures[sig.name]["peers_ms"]:
+            figures[sig.name]["for_its_cpu_time_ms"] = round(base, 3)
         # the same intervals of every rank are the same polls: compare them interval by interval
         n = min([len(mine[1]), *(len(t[1]) for t in theirs)])
         if n == 0:
             continue
-        held = sum(1 for i in range(n) if mine[1][i] - statistics.median(t[1][i] for t in theirs) > 0)
+        held = sum(1 for i in range(n) if mine[1][i] - _base_at(i, theirs, per_run, my_run) > 0)
         if excess >= policy.min_signal_ms and held >= policy.hold_share * n:
             held_excess[sig.name] = (excess, sig, mine[0], base)
             if excess >= policy.min_share * lost_ms:

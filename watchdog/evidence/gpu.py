@@ -129,7 +129,10 @@ class GpuWatch:
                     pid_devices[g.pid] = (str(g.devices[0]), uuids.get(g.devices[0], ""))
                 if g.devices and g.devices[0] in by_index:
                     dev = by_index[g.devices[0]]
-                    pid_state[g.pid] = gpu_state(dev, self._xid_counts.get(dev.index, 0))
+                    st = gpu_state(dev, self._xid_counts.get(dev.index, 0))
+                    # a steady GPU answers the same poll after poll: the job's signal history keeps one object
+                    prev = self._pid_state.get(g.pid)
+                    pid_state[g.pid] = prev if prev == st and prev is not None else st
             self._pid_devices = pid_devices
             self._pid_state = pid_state
             return [
