@@ -243,8 +243,8 @@ def attribute_cause(
     their_run = {q: per_step(samples, q, ON_CPU, windows[q], policy) for q in peers}
     for sig in SIGNALS:
         mine = per_step(samples, rank, sig, windows[rank], policy)
-        got = {q: per_step(samples, q, sig, windows[q], policy) for q in peers}
-        theirs = [x for x in got.values() if x is not None]
+        peer_sig = {q: per_step(samples, q, sig, windows[q], policy) for q in peers}
+        theirs = [x for x in peer_sig.values() if x is not None]
         if mine is None or not theirs:
             continue
         measured = True
@@ -254,7 +254,8 @@ def attribute_cause(
         # the rank waits beyond its peers' wait per ms on a CPU, times its own ms on a CPU, is what others did
         per_run = None
         if sig.name in POLICED_BY_WORK and my_run is not None and my_run[0] > 0:
-            ratios = [x[0] / r[0] for q, x in got.items() if x is not None and (r := their_run.get(q)) and r[0] > 0]
+            ratios = [x[0] / r[0] for q, x in peer_sig.items()
+                      if x is not None and (r := their_run.get(q)) is not None and r[0] > 0]
             if ratios:
                 per_run = statistics.median(ratios)
                 base = max(base, per_run * my_run[0])
