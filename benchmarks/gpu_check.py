@@ -5,10 +5,17 @@
 Checks (each bounded by a timeout; the whole run takes well under two minutes):
   nvml.open         NvmlProbe opens and samples every device
   nvml.process      a child CUDA matmul loop shows up in the per-process utilisation with util > 0
+  nvml.cause        the straggler cause's GPU state of every device while a child computes: SM/memory clocks
+                    and their maxima, clock-event reasons (decoded), temperature and slowdown threshold, PCIe
+                    link generation/width against the maximum, replays, ECC; and the cause rule over a real
+                    rank's GPU (idle peers are not compared: the check is that the state is read, real and
+                    consistent: clocks <= max, a busy link at its maximum unless the host says otherwise)
   cuda.events       EventPool times a matmul on real CUDA events, harvested by non-blocking poll()
   fr.gloo           2 gloo ranks, real _dump_fr_trace_json dumps → load_dump → analyze (runs on CPU too)
   fr.nccl           min(2, GPUs) NCCL ranks, _dump_nccl_trace_json → load_dump → analyze
   nccl.ras          RAS status queried by rank 0 while its communicator is alive (NCCL ≥ 2.24)
+``--record FILE`` writes the devices' real NVML answers as a fixture of ``tests/fixtures/nvml`` (the shape
+of ``four_gpus_one_hot_one_narrow.json``), to replace the documented values there with recorded ones.
 Exit status 0 when no check FAILed (SKIP is fine: e.g. no GPU, or NCCL older than 2.24).
 """
 
@@ -69,6 +76,85 @@ def check_nvml_open() -> tuple[str, str]:
     if not s.devices:
         return "FAIL", "NVML opened but reports no device"
     return "PASS", f"{len(s.devices)} device(s): {devs}; skipped={list(s.skipped)[:6]}"
+
+
+def check_nvml_cause(record: str | None) -> tuple[str, str]:
+    """Every device's cause state while a child computes on GPU 0 (a busy GPU's clocks and link, not an idle
+    one's: an idle GPU drops its link to Gen1 and its clocks to idle)."""
+    from rankwatch.watchdog.core.host_signals import link_degraded, slowing_reasons
+    from rankwatch.watchdog.evidence.gpu import gpu_state
+    from rankwatch.watchdog.evidence.nvml import NvmlProbe
+
+    if not cuda_available():
+        return "SKIP", "no CUDA"
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
+    try:
+        time.sleep(3)  # the clock is the point: the child's kernels must be running when the device is read
+        probe = NvmlProbe.open()
+        if probe is None:
+            return "FAIL", "NVML unavailable while CUDA is"
+        with probe:
+            s = probe.sample([child.pid])
+    finally:
+        child.wait(timeout=60)
+    bad, lines = [], []
+    for d in s.devices:
+        g = gpu_state(d, 0)
+        why = list(slowing_reasons(d.clock_reasons))
+        lines.append(f"gpu{d.index} sm={d.sm_clock_mhz}/{d.sm_clock_max_mhz}MHz mem={d.mem_clock_mhz}/"
+                     f"{d.mem_clock_max_mhz}MHz reasons=0x{(d.clock_reasons or 0):x}{why} "
+                     f"temp={d.temperature_c}C slowdown={d.slowdown_c}C pcie=Gen{d.pcie_gen}x{d.pcie_width}/"
+                     f"Gen{d.pcie_gen_max}x{d.pcie_width_max} replay={d.pcie_replay} degraded={link_degraded(g)}")
+        if d.sm_clock_mhz is None or d.sm_clock_max_mhz is None or d.pcie_gen is None or d.clock_reasons is None:
+            bad.append(f"gpu{d.index}: a cause field unread")
+        elif d.sm_clock_mhz > d.sm_clock_max_mhz:
+            bad.append(f"gpu{d.index}: SM clock above its maximum")
+    if record:
+        _record(record)
+    detail = "; ".join(lines) + (f"; skipped={[x for x in s.skipped if 'util' not in x][:8]}" if s.skipped else "")
+    return ("FAIL", "; ".join(bad) + " | " + detail) if bad else ("PASS", detail)
+
+
+def _record(path: str) -> None:
+    """The devices' raw NVML answers in the fixture shape of tests/fixtures/nvml (for the cause's tests)."""
+    import json
+
+    import pynvml as nv
+
+    def ask(fn, *a):
+        try:
+            return fn(*a)
+        except Exception:
+            return None
+
+    nv.nvmlInit()
+    devices = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        devices.append({
+            "uuid": ask(nv.nvmlDeviceGetUUID, h),
+            "clocks": {"sm": ask(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+                       "mem": ask(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)},
+            "max_clocks": {"sm": ask(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM),
+                           "mem": ask(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_MEM)},
+            "clock_event_reasons": ask(fn, h),
+            "temperature": ask(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+            "temperature_thresholds": {
+                "slowdown": ask(nv.nvmlDeviceGetTemperatureThreshold, h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                "shutdown": ask(nv.nvmlDeviceGetTemperatureThreshold, h, nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)},
+            "pcie": {"gen": ask(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                     "width": ask(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+                     "max_gen": ask(nv.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                     "max_width": ask(nv.nvmlDeviceGetMaxPcieLinkWidth, h),
+                     "replay": ask(nv.nvmlDeviceGetPcieReplayCounter, h)},
+            "name": ask(nv.nvmlDeviceGetName, h),
+            "driver": ask(nv.nvmlSystemGetDriverVersion),
+        })
+    nv.nvmlShutdown()
+    with open(path, "w") as f:
+        doc = {"_doc": "recorded by benchmarks/gpu_check.py --record", "devices": devices}
+        json.dump(doc, f, indent=2, default=str)
 
 
 CHILD = """
@@ -292,6 +378,7 @@ def main() -> int:
     ap.add_argument("--worker", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="accepted for symmetry with the benchmarks (one pass)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--record", default=None, help="write the devices' NVML answers (cause fields) as a fixture here")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.ras)
@@ -299,6 +386,7 @@ def main() -> int:
     keep = args.keep or tempfile.mkdtemp(prefix="gpu_check_")
     run_check("nvml.open", check_nvml_open)
     run_check("nvml.process", check_nvml_process)
+    run_check("nvml.cause", lambda: check_nvml_cause(args.record))
     run_check("cuda.events", check_events)
     run_check("fr.gloo", lambda: check_fr("gloo", args.ras, keep))
     run_check("fr.nccl", lambda: check_fr("nccl", args.ras, keep))

@@ -153,6 +153,9 @@ class Expect:
     # others failed); a rank still shutting down when torchrun's SIGTERM came is listed like the rest
     offline_if_unreported: bool = False
     culprit: Culprit = "fault-rank"
+    # a straggler's right cause (``core.straggler_cause.CAUSES``): the injected extra work, spin or sleep is the
+    # rank's own (``own_work``); None where no rank is slow
+    cause: str | None = None
 
     def ranks(self, fault_rank: int | None) -> list[int]:
         """The ranks the answer names with the fault at ``fault_rank`` (a straggler's: the summary's)."""
@@ -315,6 +318,7 @@ FAULTS: dict[str, Expect] = {
         False,
         "the job ends normally; there is nothing to diagnose",
         straggler=True,
+        cause="own_work",
     ),
 }
 
@@ -329,6 +333,7 @@ DDP_DEMO_FAULTS: dict[str, Expect] = {
         False,
         "the job ends normally; there is nothing to diagnose",
         straggler=True,
+        cause="own_work",
     ),
     "backward-straggler": Expect(
         "backward-straggler",
@@ -339,6 +344,7 @@ DDP_DEMO_FAULTS: dict[str, Expect] = {
         False,
         "the job ends normally; there is nothing to diagnose",
         straggler=True,
+        cause="own_work",
     ),
     "input-bound": Expect(
         "input-bound",
@@ -390,6 +396,7 @@ class Klass:
     # slow, not stuck: no incident is right and the run summary must name the faulting rank (``kinds``:
     # the summary's diagnosis, ``phase``: its phase)
     straggler: bool = False
+    cause: str | None = None  # a straggler's right cause, as ``Expect.cause``
     # the initiating ranks with the fault at fault_rank, from culprit; () = no incident is right
     truth: tuple[int, ...] = field(init=False)
 
@@ -833,6 +840,7 @@ CLASSES: dict[str, Klass] = {
         offline_why="the job ends normally; there is nothing to diagnose",
         steps=60,
         straggler=True,
+        cause="own_work",
     ),
 }
 

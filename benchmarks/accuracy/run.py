@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -549,6 +550,16 @@ def pr(runs: list[dict[str, Any]], offline: bool) -> tuple[str, str]:
     return pct(len(exact), len(naming)), pct(len(right), len(applicable))
 
 
+def cause_cell(runs: list[dict[str, Any]], right: str | None, straggler: bool) -> str:
+    """A straggler fault's cause column: the runs whose summary gave the right cause, then what each run's
+    summary said (issue 41); "n/a" for a fault that slows no rank, or no rank in particular."""
+    if not straggler or right is None:
+        return "n/a"
+    said = [(r.get("summary") or {}).get("cause") for r in runs]
+    counts = ", ".join(f"{c or 'none'} {n}" for c, n in sorted(Counter(said).items(), key=lambda x: -x[1]))
+    return f"{sum(c == right for c in said)}/{len(said)} ({counts})"
+
+
 def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     # a run whose fault never fired (the harness or the job failed before the fault step) measures nothing
     runs = [r for r in all_runs if r["fault_fired"] and r["model"] != "v3"]
@@ -593,8 +604,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"**{model}**",
             "",
             "| fault | runs | right rank | right kind | right phase | median detected_after_s "
-            "| median fault→verdict s | offline rank |",
-            "|---|---|---|---|---|---|---|---|",
+            "| median fault→verdict s | offline rank | right cause |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for fault in FAULTS:
             fr = [r for r in mr if r["fault"] == fault]
@@ -606,7 +617,8 @@ def report(all_runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ftv = [r["fault_to_verdict_s"] for r in fr]
             out.append(
                 f"| {fault} | {len(fr)} | {frac([s['rank'] for s in sc])} | {frac([s['kind'] for s in sc])} | "
-                f"{frac([s['phase'] for s in sc])} | {med(det)} | {med(ftv)} | {offline} |"
+                f"{frac([s['phase'] for s in sc])} | {med(det)} | {med(ftv)} | {offline} | "
+                f"{cause_cell(fr, FAULTS[fault].cause, FAULTS[fault].straggler)} |"
             )
         p, rc = pr(mr, offline=False)
         po, rco = pr(mr, offline=True)
@@ -712,8 +724,8 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
         "| class | runs | fault at ranks | truth | right rank | "
         + " | ".join(f"right, hogs {h}" for h in hogs)
         + " | wrong (confidence) | abstained | right kind | right phase | later incidents blaming others "
-        "| offline named | median fault→verdict s |",
-        "|---|---|---|---|---|" + "---|" * len(hogs) + "---|---|---|---|---|---|---|",
+        "| offline named | median fault→verdict s | right cause |",
+        "|---|---|---|---|---|" + "---|" * len(hogs) + "---|---|---|---|---|---|---|---|",
     ]
     for name in CLASSES:
         cr = [r for r in runs if r["fault"] == name]
@@ -736,7 +748,8 @@ def report_classes(runs: list[dict[str, Any]]) -> list[str]:
             f"{sum(class_outcome(r) == 'abstained' for r in cr)} | {frac([s['kind'] for s in sc])} | "
             f"{frac([s['phase'] for s in sc])} | {sum(s['later_wrong'] for s in sc)} | "
             f"{'; '.join(str(s['offline_named'] or 'none') for s in sc)} | "
-            f"{med([r['fault_to_verdict_s'] for r in cr])} |"
+            f"{med([r['fault_to_verdict_s'] for r in cr])} | "
+            f"{cause_cell(cr, CLASSES[name].cause, CLASSES[name].straggler)} |"
         )
     total = len(runs)
     right = sum(class_outcome(r) == "right" for r in runs)

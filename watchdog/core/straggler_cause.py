@@ -10,8 +10,13 @@ host-wide load that slows every rank alike is nobody's cause. The signal whose e
 the time lost per step is the cause; none is ``own_work``.
 
 Precedence: a throttled cgroup's tasks stay runnable while the quota is spent, so CPU throttling also shows
-as run-queue wait; it is checked first. GPU and network causes (``gpu_throttled``, ``gpu_link_degraded``,
-``network_path``) are in the vocabulary but not measured yet: no signal here gives them.
+as run-queue wait; it is checked first. The host's counters are time and are set against the time lost; the
+GPU's and the network's are states (a clock, a throttle reason, a link's width, a connection's round trip) and
+are read only when no host counter explains the loss: a rank whose GPU ran slower clocks than its peers' for
+most of the window (``gpu_throttled``), whose PCIe link ran narrower or older than its peers' or replayed
+transfers (``gpu_link_degraded``), whose best connection to another node had a far longer round trip or
+retransmitted (``network_path``). Each is read against the rank's peers, never alone: a busy GPU under its
+power cap, an idle link at Gen1 and a host's own round trips are everybody's.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .host_signals import MISSING, HostPressure, RankCounters
+from .host_signals import MISSING, GpuState, HostPressure, NetCounters, RankCounters, link_degraded, slowing_reasons
 from .ranks import fmt_ranks
 from .straggler import StragglerDiagnosis
 
@@ -59,6 +64,35 @@ class CausePolicy:
     # at once and wait for a CPU, so a throttled rank's loss splits between the two (measured on this host
     # beside other load: 25 % quota, throttled 30-45 % of the loss, the rest run-queue wait)
     throttled_min_share: float = 0.2
+    # -- states (GPU, network): read over the polls inside the rank's window, against its peers' median --
+    # a GPU is throttled when its SM clock ran at most this share of its peers' (median over the window): a
+    # GPU that HW slowdown hits is cut by 2x or more (nvmlClocksThrottleReasonHwSlowdown), a power or thermal
+    # cap by 10-30 %; boost clocks of healthy GPUs of one model under one load differ by a few % only
+    gpu_clock_ratio: float = 0.9
+    # ... or a slowing clock-event reason (power cap, thermal, HW slowdown) was set on this share of its polls
+    # more than on its peers' (a busy GPU at its power cap sets SwPowerCap often: its peers' share is the base)
+    gpu_reason_excess: float = 0.5
+    # its PCIe link ran below its maximum (generation or lanes) on this share of its polls more than its
+    # peers' (an idle GPU drops to Gen1 to save power: its peers, as busy as it, are the base)
+    link_excess: float = 0.5
+    # ... or the link replayed at least this many transfers per step more than its peers' (a healthy link
+    # replays none: a replay is a transfer that failed its CRC and was sent again)
+    link_replays_per_step: float = 1.0
+    # the data the rank sends to another node (its busiest TCP path) is delivered at most 1/this of its
+    # peers' median rate: its own node's way out is slow (a capped or degraded link). Healthy paths of one
+    # job differ by a few x (measured here: 0.3-8 GB/s between simulated nodes, as ACKs bunch); a link capped
+    # to a tenth of the others' or worse is not that
+    net_delivery_factor: float = 10.0
+    # ... or its busiest path's smoothed RTT is at least this factor above its peers' median, and at least
+    # ``net_min_rtt_ms`` above it: its data queues on the way out (a round trip between nodes of one cluster
+    # is tens to hundreds of µs; a few ms of CPU scheduling on a loaded host is not a path)
+    net_rtt_factor: float = 4.0
+    net_min_rtt_ms: float = 5.0
+    # ... or its sockets retransmitted at least this many segments per step more than its peers' (a healthy
+    # path between two nodes of one cluster retransmits none)
+    net_retrans_per_step: float = 1.0
+    # polls inside the window needed to read a state at all (the window's shorter than two polls says nothing)
+    min_state_polls: int = 4
 
 
 @dataclass(frozen=True)
@@ -89,6 +123,20 @@ SIGNALS = (
             "look at the storage {who} reads (its input files, checkpoints, swap): stage the data on local disk "
             "or spread the reads"),
 )
+ON_CPU = _Signal("on_cpu", "own_work", lambda c: c.run_ns, 1e-6, "", "")
+# the signals a rank's own CPU time brings with it on a busy host (see ``attribute_cause``)
+POLICED_BY_WORK = ("throttled", "run_queue_wait")
+
+
+def _base_at(i: int, theirs: Sequence[tuple[float, list[float]]], per_run: float | None,
+             my_run: tuple[float, list[float]] | None) -> float:
+    """The peers' figure in sampling interval ``i``, or what the rank's own CPU time in it brings, if more."""
+    base = statistics.median(t[1][i] for t in theirs)
+    if per_run is not None and my_run is not None and i < len(my_run[1]):
+        base = max(base, per_run * my_run[1][i])
+    return base
+
+
 OWN_WORK_NEXT = (
     "none of the host signals explains it: profile {who}'s step (py-spy record, torch.profiler) and look for work "
     "only it does (a bigger shard, extra logging or evaluation, another code path)"
@@ -191,20 +239,36 @@ def attribute_cause(
     found: list[tuple[float, _Signal, float, float]] = []
     held_excess: dict[str, tuple[float, _Signal, float, float]] = {}  # signals whose excess held, by name
     measured = False
+    my_run = per_step(samples, rank, ON_CPU, windows[rank], policy)
+    their_run = {q: per_step(samples, q, ON_CPU, windows[q], policy) for q in peers}
     for sig in SIGNALS:
         mine = per_step(samples, rank, sig, windows[rank], policy)
-        theirs = [x for x in (per_step(samples, q, sig, windows[q], policy) for q in peers) if x is not None]
+        peer_sig = {q: per_step(samples, q, sig, windows[q], policy) for q in peers}
+        theirs = [x for x in peer_sig.values() if x is not None]
         if mine is None or not theirs:
             continue
         measured = True
         base = statistics.median(t for t, _ in theirs)
+        # a wait for a CPU (or a quota) the rank's own CPU time brings: a rank that does more work on a host
+        # whose CPUs are oversubscribed (or under a quota every rank shares) waits more in proportion; what
+        # the rank waits beyond its peers' wait per ms on a CPU, times its own ms on a CPU, is what others did
+        per_run = None
+        if sig.name in POLICED_BY_WORK and my_run is not None and my_run[0] > 0:
+            ratios = [x[0] / r[0] for q, x in peer_sig.items()
+                      if x is not None and (r := their_run.get(q)) is not None and r[0] > 0]
+            if ratios:
+                per_run = statistics.median(ratios)
+                base = max(base, per_run * my_run[0])
         excess = mine[0] - base
-        figures[sig.name] = {"rank_ms": round(mine[0], 3), "peers_ms": round(base, 3), "excess_ms": round(excess, 3)}
+        peers_ms = round(statistics.median(t for t, _ in theirs), 3)
+        figures[sig.name] = {"rank_ms": round(mine[0], 3), "peers_ms": peers_ms, "excess_ms": round(excess, 3)}
+        if per_run is not None and base > figures[sig.name]["peers_ms"]:
+            figures[sig.name]["for_its_cpu_time_ms"] = round(base, 3)
         # the same intervals of every rank are the same polls: compare them interval by interval
         n = min([len(mine[1]), *(len(t[1]) for t in theirs)])
         if n == 0:
             continue
-        held = sum(1 for i in range(n) if mine[1][i] - statistics.median(t[1][i] for t in theirs) > 0)
+        held = sum(1 for i in range(n) if mine[1][i] - _base_at(i, theirs, per_run, my_run) > 0)
         if excess >= policy.min_signal_ms and held >= policy.hold_share * n:
             held_excess[sig.name] = (excess, sig, mine[0], base)
             if excess >= policy.min_share * lost_ms:
@@ -214,7 +278,8 @@ def attribute_cause(
             and quota[0] >= policy.throttled_min_share * lost_ms
             and quota[0] + (wait[0] if wait is not None else 0.0) >= policy.min_share * lost_ms):
         found.append((quota[0] / lost_ms, quota[1], quota[2], quota[3]))
-    if not measured:
+    if not measured and not any(c.gpu is not None or c.net is not None for _, by in samples
+                                for c in by.values()):
         return None
     names = fmt_ranks(list(who) or [rank])
     doc: dict[str, Any] = {"rank": rank, "lost_ms": round(lost_ms, 3), "signals": figures}
@@ -238,6 +303,12 @@ def attribute_cause(
             if faults is not None:
                 doc["text"] += f" ({faults[0]:.0f} major faults/step, its peers {faults[1]:.0f})"
         return doc
+    for state in (_gpu_cause, _net_cause):
+        got = state(samples, windows, rank, peers, policy)
+        if got is not None:
+            doc["signals"][got["signal"]] = got.pop("figures")
+            doc.update(got, share=None, next=STATE_NEXT[got["cause"]].format(who=names))
+            return doc
     parts = ", ".join(f"{k} {v['excess_ms']:+.1f}" for k, v in figures.items())
     doc.update(
         cause="own_work",
@@ -248,6 +319,216 @@ def attribute_cause(
         next=OWN_WORK_NEXT.format(who=names),
     )
     return doc
+
+
+@dataclass(frozen=True)
+class _GpuFigures:
+    polls: int
+    clock_mhz: float | None  # mean SM clock
+    clock_max_mhz: int | None
+    reasons_share: float  # polls with a slowing clock-event reason
+    reasons: tuple[str, ...]  # which, over the window
+    link_share: float | None  # polls whose link ran below its maximum
+    link: str  # the link as last seen ("Gen4 x8 of Gen5 x16")
+    replays_per_step: float | None
+    temperature_c: int | None  # the hottest poll
+    slowdown_c: int | None
+    health: tuple[str, ...]  # new uncorrected ECC errors or XIDs inside the window
+    device: int
+
+
+def _in_window(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int,
+               win: Window) -> list[tuple[int, RankCounters]]:
+    return [(t, by[rank]) for t, by in samples if win.start_ns <= t <= win.end_ns and rank in by]
+
+
+def _delta(seq: Sequence[int | None]) -> int | None:
+    """The growth of a cumulative counter over the polls (decreases count nothing), None when unknown."""
+    vals = [v for v in seq if v is not None and v != MISSING]
+    if len(vals) < 2:
+        return None
+    return sum(max(0, b - a) for a, b in itertools.pairwise(vals))
+
+
+def gpu_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int, win: Window,
+                policy: CausePolicy) -> _GpuFigures | None:
+    """The state of ``rank``'s GPU over the polls inside its window; None with too few polls of it."""
+    got = [c.gpu for _, c in _in_window(samples, rank, win) if c.gpu is not None]
+    if len(got) < policy.min_state_polls:
+        return None
+    clocks = [g.sm_clock_mhz for g in got if g.sm_clock_mhz is not None]
+    reasons = [slowing_reasons(g.reasons) for g in got if g.reasons is not None]
+    links = [x for x in (link_degraded(g) for g in got) if x is not None]
+    replays = _delta([g.pcie_replay for g in got])
+    last: GpuState = got[-1]
+    health = []
+    ecc = _delta([g.ecc_volatile for g in got])
+    if ecc:
+        health.append(f"{ecc} new uncorrected ECC error(s)")
+    xids = _delta([g.xids for g in got])
+    if xids:
+        health.append(f"{xids} critical XID event(s)")
+    temps = [g.temperature_c for g in got if g.temperature_c is not None]
+    link = ""
+    if last.pcie_gen is not None and last.pcie_width is not None:
+        link = f"Gen{last.pcie_gen} x{last.pcie_width}"
+        if last.pcie_gen_max is not None and last.pcie_width_max is not None:
+            link += f" (its maximum Gen{last.pcie_gen_max} x{last.pcie_width_max})"
+    return _GpuFigures(
+        polls=len(got),
+        clock_mhz=statistics.fmean(clocks) if clocks else None,
+        clock_max_mhz=last.sm_clock_max_mhz,
+        reasons_share=sum(1 for r in reasons if r) / len(reasons) if reasons else 0.0,
+        reasons=tuple(sorted({n for r in reasons for n in r})),
+        link_share=sum(links) / len(links) if links else None,
+        link=link,
+        replays_per_step=replays * len(got) / (win.steps * max(1, len(got) - 1)) if replays is not None else None,
+        temperature_c=max(temps) if temps else None,
+        slowdown_c=last.slowdown_c,
+        health=tuple(health),
+        device=last.device,
+    )
+
+
+def _gpu_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
+               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
+    """``gpu_throttled`` or ``gpu_link_degraded`` with its figures, or None when the rank's GPU ran as its
+    peers' did (or was not seen)."""
+    mine = gpu_figures(samples, rank, windows[rank], policy)
+    theirs = [f for f in (gpu_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+    if mine is None or not theirs:
+        return None
+    med = statistics.median
+    clocks = [f.clock_mhz for f in theirs if f.clock_mhz is not None]
+    peer_clock = med(clocks) if clocks else None
+    peer_reasons = med(f.reasons_share for f in theirs)
+    figures: dict[str, Any] = {"device": mine.device, "polls": mine.polls,
+                               "sm_clock_mhz": _r(mine.clock_mhz), "peers_sm_clock_mhz": _r(peer_clock),
+                               "sm_clock_max_mhz": mine.clock_max_mhz,
+                               "slowing_share": round(mine.reasons_share, 3),
+                               "peers_slowing_share": round(peer_reasons, 3), "reasons": list(mine.reasons),
+                               "temperature_c": mine.temperature_c, "slowdown_c": mine.slowdown_c,
+                               "link": mine.link, "link_degraded_share": _r(mine.link_share),
+                               "replays_per_step": _r(mine.replays_per_step)}
+    if mine.health:
+        figures["health"] = list(mine.health)
+    slow_clock = (mine.clock_mhz is not None and peer_clock is not None and peer_clock > 0
+                  and mine.clock_mhz <= policy.gpu_clock_ratio * peer_clock)
+    slow_reason = mine.reasons_share - peer_reasons >= policy.gpu_reason_excess
+    health = f"; {', '.join(mine.health)} in the window" if mine.health else ""
+    if slow_clock or slow_reason:
+        clock = ""
+        if mine.clock_mhz is not None and peer_clock is not None:
+            of_max = f" ({100 * mine.clock_mhz / mine.clock_max_mhz:.0f} % of its {mine.clock_max_mhz} MHz maximum)" \
+                if mine.clock_max_mhz else ""
+            clock = f"ran its SM clock at {mine.clock_mhz:.0f} MHz{of_max}, its peers' at {peer_clock:.0f} MHz"
+        why = ""
+        if mine.reasons:
+            theirs_by = sorted({n for f in theirs for n in f.reasons})
+            why = (f"slowed by {'/'.join(mine.reasons)} on {100 * mine.reasons_share:.0f} % of polls, its peers "
+                   + (f"by {'/'.join(theirs_by)} on {100 * peer_reasons:.0f} %" if theirs_by else "never"))
+        temp = ""
+        if mine.temperature_c is not None:
+            temp = f", {mine.temperature_c} °C" + (f" (slowdown at {mine.slowdown_c} °C)" if mine.slowdown_c else "")
+        parts = "; ".join(p for p in (clock, why) if p)
+        return {"cause": "gpu_throttled", "signal": "gpu_clock", "figures": figures,
+                "text": f"rank {rank}'s GPU {mine.device} {parts}{temp}{health}"}
+    peer_link = [f.link_share for f in theirs if f.link_share is not None]
+    peer_replays = [f.replays_per_step for f in theirs if f.replays_per_step is not None]
+    base_link = med(peer_link) if peer_link else None
+    base_replays = med(peer_replays) if peer_replays else None
+    narrow = mine.link_share is not None and base_link is not None and mine.link_share - base_link >= policy.link_excess
+    replaying = (mine.replays_per_step is not None and base_replays is not None
+                 and mine.replays_per_step - base_replays >= policy.link_replays_per_step)
+    if narrow or replaying:
+        bits = []
+        if narrow:
+            bits.append(f"its PCIe link ran at {mine.link} on {100 * (mine.link_share or 0):.0f} % of polls, its "
+                        f"peers' on {100 * (base_link or 0):.0f} %")
+        if replaying:
+            bits.append(f"replayed {mine.replays_per_step:.1f} PCIe transfers/step, its peers {base_replays:.1f}")
+        return {"cause": "gpu_link_degraded", "signal": "pcie_link", "figures": figures,
+                "text": f"rank {rank}'s GPU {mine.device}: {'; '.join(bits)}{health}"}
+    return None
+
+
+@dataclass(frozen=True)
+class _NetFigures:
+    polls: int
+    rtt_ms: float | None  # median over polls of the best busy path's srtt
+    retrans_per_step: float | None
+    delivery_bps: float | None  # median over polls of the slowest sending socket's delivery rate
+    sockets: int
+
+
+def net_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int, win: Window,
+                policy: CausePolicy) -> _NetFigures | None:
+    got: list[NetCounters] = [c.net for _, c in _in_window(samples, rank, win) if c.net is not None]
+    if len(got) < policy.min_state_polls:
+        return None
+    rtts = [n.rtt_us / 1000 for n in got if n.rtt_us != MISSING]
+    rates = [float(n.delivery_bps) for n in got if n.delivery_bps != MISSING]
+    retrans = _delta([n.retrans for n in got])
+    return _NetFigures(
+        polls=len(got), rtt_ms=statistics.median(rtts) if rtts else None,
+        retrans_per_step=retrans * len(got) / (win.steps * max(1, len(got) - 1)) if retrans is not None else None,
+        delivery_bps=statistics.median(rates) if rates else None, sockets=got[-1].sockets,
+    )
+
+
+def _net_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
+               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
+    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do."""
+    mine = net_figures(samples, rank, windows[rank], policy)
+    theirs = [f for f in (net_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+    if mine is None or not theirs:
+        return None
+    med = statistics.median
+    rtts = [f.rtt_ms for f in theirs if f.rtt_ms is not None]
+    rets = [f.retrans_per_step for f in theirs if f.retrans_per_step is not None]
+    rates = [f.delivery_bps for f in theirs if f.delivery_bps is not None]
+    base_rtt, base_ret, base_rate = (med(rtts) if rtts else None), (med(rets) if rets else None), \
+        (med(rates) if rates else None)
+    figures = {"rtt_ms": _r(mine.rtt_ms), "peers_rtt_ms": _r(base_rtt), "retrans_per_step": _r(mine.retrans_per_step),
+               "peers_retrans_per_step": _r(base_ret), "delivery_mbps": _r(_mbps(mine.delivery_bps)),
+               "peers_delivery_mbps": _r(_mbps(base_rate)), "sockets": mine.sockets, "polls": mine.polls}
+    slow = (mine.rtt_ms is not None and base_rtt is not None and mine.rtt_ms >= policy.net_rtt_factor * base_rtt
+            and mine.rtt_ms - base_rtt >= policy.net_min_rtt_ms) or (
+        mine.delivery_bps is not None and base_rate is not None
+        and mine.delivery_bps * policy.net_delivery_factor <= base_rate)
+    lossy = (mine.retrans_per_step is not None and base_ret is not None
+             and mine.retrans_per_step - base_ret >= policy.net_retrans_per_step)
+    if not (slow or lossy):
+        return None
+    bits = []
+    if mine.delivery_bps is not None and base_rate is not None:
+        bits.append(f"the data it sends to another node was delivered at {_mbps(mine.delivery_bps):.1f} Mbit/s, "
+                    f"its peers' at {_mbps(base_rate):.1f} Mbit/s")
+    if mine.rtt_ms is not None and base_rtt is not None:
+        bits.append(f"round trip {mine.rtt_ms:.2f} ms, its peers' {base_rtt:.2f} ms")
+    if lossy:
+        bits.append(f"{mine.retrans_per_step:.1f} retransmits/step, its peers {base_ret:.1f}")
+    return {"cause": "network_path", "signal": "tcp", "figures": figures,
+            "text": f"rank {rank}: {'; '.join(bits)}"}
+
+
+def _mbps(bps: float | None) -> float | None:
+    return bps * 8 / 1e6 if bps is not None else None
+
+
+def _r(v: float | None) -> float | None:
+    return round(v, 3) if v is not None else None
+
+
+STATE_NEXT = {
+    "gpu_throttled": "look at {who}'s GPU: `nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER` (the clock event "
+                     "reasons), its cooling and power limit (`nvidia-smi -q -d POWER`), and ask for the node to be "
+                     "drained if HW slowdown or XIDs persist",
+    "gpu_link_degraded": "look at {who}'s GPU link: `nvidia-smi -q -d PCIE` (current vs max generation and width, "
+                         "replay counter), reseat or service the GPU/riser, or drain the node",
+    "network_path": "look at the path of {who}'s node: `ss -ti` on it (rtt, retrans), its NIC's link speed and "
+                    "errors (`ethtool -S`), the switch port; run `iperf3` between its node and a peer's",
+}
 
 
 def _cgroup(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int) -> str:
@@ -283,7 +564,8 @@ def rank_signals(
     policy: CausePolicy | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per rank, each signal in ms per compared step (what the summary shows beside the phases, straggler or
-    not: a job slowed alike on every rank shows here, not in the diagnosis)."""
+    not: a job slowed alike on every rank shows here, not in the diagnosis), with its busiest TCP path's
+    delivery rate (Mbit/s), round trip (ms) and retransmits per step, and its GPU's mean SM clock (MHz)."""
     policy = policy or CausePolicy()
     out: dict[str, dict[str, float]] = {}
     for r, win in sorted(windows.items()):
@@ -292,9 +574,44 @@ def rank_signals(
             got = per_step(samples, r, sig, win, policy)
             if got is not None:
                 row[sig.name] = round(got[0], 3)
+        net = net_figures(samples, r, win, policy)
+        if net is not None:  # the link signal, straggler or not: a capped link slows every rank's collectives
+            for k, v in (("tcp_delivery_mbps", _mbps(net.delivery_bps)), ("tcp_rtt_ms", net.rtt_ms),
+                         ("tcp_retrans_per_step", net.retrans_per_step)):
+                if v is not None:
+                    row[k] = round(v, 3)
+        gpu = gpu_figures(samples, r, win, policy)
+        if gpu is not None and gpu.clock_mhz is not None:
+            row["gpu_sm_clock_mhz"] = round(gpu.clock_mhz, 1)
         if row:
             out[str(r)] = row
     return out
+
+
+def path_cause(
+    samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
+    windows: Mapping[int, Window],
+    policy: CausePolicy | None = None,
+) -> dict[str, Any] | None:
+    """A job that spends its steps in communication, with no straggler in its own work: a rank whose best path
+    to another node is slower (or lossier) than its peers' names the path as the cause (``network_path``),
+    the rank it is on as ``rank``. Every rank waits alike in a collective a slow link holds up; what sets the
+    link's node apart is its connections, not its phases. None when no rank's connections stand out."""
+    policy = policy or CausePolicy()
+    best: tuple[float, dict[str, Any]] | None = None
+    for rank in sorted(windows):
+        peers = [r for r in windows if r != rank]
+        got = _net_cause(samples, windows, rank, peers, policy) if peers else None
+        if got is None:
+            continue
+        f = got["figures"]
+        score = ((f["peers_delivery_mbps"] or 0.0) / max(f["delivery_mbps"] or 0.0, 1e-6)
+                 + (f["rtt_ms"] or 0.0) / max(f["peers_rtt_ms"] or 0.0, 1e-3) + (f["retrans_per_step"] or 0.0))
+        if best is None or score > best[0]:
+            best = (score, {"rank": rank, "lost_ms": 0.0, "signals": {got["signal"]: got["figures"]},
+                            "cause": got["cause"], "signal": got["signal"], "share": None, "text": got["text"],
+                            "next": STATE_NEXT[got["cause"]].format(who=fmt_ranks([rank]))})
+    return best[1] if best else None
 
 
 def explain(
@@ -310,11 +627,12 @@ def explain(
     windows = {r: Window(*w) for r, w in diag.windows.items()}
     diag.signals = rank_signals(samples, windows, policy)
     if not diag.straggler_ranks or diag.excess_ms <= 0:
+        diag.cause = path_cause(samples, windows, policy) if diag.label == "COMMUNICATION-BOUND" else None
         return diag
     diag.cause = attribute_cause(samples, windows, diag.straggler_ranks[0], diag.excess_ms, host, policy,
                                  who=diag.straggler_ranks)
     return diag
 
 
-__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "per_step",
-           "rank_signals"]
+__all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "gpu_figures",
+           "net_figures", "path_cause", "per_step", "rank_signals"]

@@ -41,6 +41,8 @@ DESYNC = "desync"  # PyTorch's desync report names this rank as lagging ("finish
 NCCL_OP = "nccl_op"  # NCCL INFO "<Op>: opCount N … count C … [nranks=K]": the last op the rank enqueued
 WORLD = "world_size"  # a launcher / torch / NCCL line stating how many ranks the job (or a communicator) has
 RANKWATCH = "rankwatch"  # rankwatch's own verdict line in a console log (detail: "kind|confidence|phase")
+STRAGGLER = "rankwatch_straggler"  # rankwatch's own straggler diagnosis in its summary (detail: "label|ranks|phase")
+STRAGGLER_CAUSE = "rankwatch_cause"  # the straggler's cause under it (detail: "cause|its figures")
 
 PEER_SIGNALLED = ("another rank", "rank ")  # DUMP_SIGNAL details that name a peer, not this rank
 

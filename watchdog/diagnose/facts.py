@@ -108,6 +108,10 @@ class Evidence:
     files: list[str] = field(default_factory=list)
     local_only: bool = False  # some ranks are local ranks that no report mapped to global ones
     slurm_cancel: ev.Event | None = None
+    # rankwatch's own summary in the log: its last straggler diagnosis and that one's cause (a later run's
+    # summary, or the end-of-run one after a live line, says the most)
+    straggler: ev.Event | None = None
+    straggler_cause: ev.Event | None = None
     world: int = 0  # the most ranks any line states the job (or one of its communicators) has
     bytes: int = 0
     lines: int = 0
@@ -161,6 +165,13 @@ class Collector:
         if e.family == ev.SLURM and e.rank is None:
             logs.slurm_cancel = logs.slurm_cancel or e
             return
+        if e.family == ev.STRAGGLER:
+            logs.straggler, logs.straggler_cause = e, None  # a cause belongs to the diagnosis above it
+            return
+        if e.family == ev.STRAGGLER_CAUSE:
+            if logs.straggler is not None and e.file == logs.straggler.file and e.line > logs.straggler.line:
+                logs.straggler_cause = logs.straggler_cause or e
+            return
         if e.rank is not None and e.local_rank is not None and len(self._local_any) < 100_000:
             # "[default3]:[rank11]:" prefixes, report entries and per-rank files with [rankN] lines
             # all teach which global rank a local rank is
@@ -195,6 +206,8 @@ class Collector:
         for name in theirs.files:
             self.note_file(name)
         logs.slurm_cancel = logs.slurm_cancel or theirs.slurm_cancel
+        if theirs.straggler is not None:
+            logs.straggler, logs.straggler_cause = theirs.straggler, theirs.straggler_cause
         logs.world = max(logs.world, theirs.world)
         logs.bytes += theirs.bytes
         logs.lines += theirs.lines

@@ -311,6 +311,22 @@ def _rankwatch(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: 
     return [mk(ev.RANKWATCH, rank=r, local_rank=None, pid=None, detail=detail) for r in named]
 
 
+def _straggler(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
+    m = _m(m)
+    return [mk(ev.STRAGGLER, rank=None, local_rank=None, pid=None,
+               detail=f"{m.group(1)}|{m.group(2)}|{m.group(3) or ''}")]
+
+
+def _straggler_cause(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any,
+                     rank: int | None) -> list[ev.Event]:
+    from ..core.straggler_cause import CAUSES
+
+    m = _m(m)
+    if m.group(1) not in CAUSES:
+        return []
+    return [mk(ev.STRAGGLER_CAUSE, rank=None, local_rank=None, pid=None, detail=f"{m.group(1)}|{m.group(2)}")]
+
+
 def _desync(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: int | None) -> list[ev.Event]:
     m = _m(m)
     lagging = rank_list(m.group(1), limit=4096)
@@ -550,6 +566,8 @@ _ENQUEUED = ("last enqueued", "Last enqueued")
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("rankwatch headline", ("rankwatch: ",), pt.RANKWATCH_HEADLINE, _rankwatch),
+    Pattern("rankwatch straggler", ("STRAGGLER — ",), pt.RANKWATCH_STRAGGLER, _straggler),
+    Pattern("rankwatch straggler cause", ("cause: ",), pt.RANKWATCH_CAUSE, _straggler_cause),
     Pattern("desync report", ("collective #", "lagging ranks"), pt.DESYNC, _desync),
     Pattern("NCCL INFO opCount", ("opCount",), pt.NCCL_OPCOUNT, _opcount),
     Pattern("mpirun noticed", ("pirun noticed",), pt.MPIRUN_NOTICED, _mpirun),

@@ -36,6 +36,8 @@ PREFILTER_EXTRA: tuple[bytes, ...] = (
     b"inished", b"omplete", b"raining done", b"one training",
     # PyTorch's desync report, NCCL's per-op INFO lines, mpirun's exit notice, rankwatch's own verdict
     b"didn't finish collective", b"lagging ranks", b"opCount", b"pirun noticed", b"rankwatch: ",
+    # rankwatch's own summary: its straggler diagnosis and the straggler's cause (RANKWATCH_STRAGGLER below)
+    b"STRAGGLER \xe2\x80\x94 ", b"cause: ",
     # DeepSpeed's launcher (deepspeed/launcher/launch.py sigkill_handler)
     b"exits with return code", b"Killing subprocess",
     # how many ranks the job has (WORLD_SIZE below): ranks that never printed a line are still ranks
@@ -284,6 +286,14 @@ RANKWATCH_HEADLINE = re.compile(
     r"(?: in phase '([^']{0,64})')? \(confidence (high|medium|low)\)"
 )
 
+
+# rankwatch's own run summary (report/text.py ``summary_text``): "diagnosis: RANK-WIDE STRAGGLER — rank 1",
+# "before the incident, diagnosis: COMPUTE STRAGGLER — rank 3 in backward", and the straggler's cause on a line
+# of its own after it: "cause: cpu_contention — rank 1 waited 52.0 ms/step for a CPU, …"
+RANKWATCH_STRAGGLER = re.compile(
+    r"diagnosis: ((?:[A-Z]{1,12}[ -]){0,3}STRAGGLER) — (ranks? [\d, –\-]{1,4000}?)(?: in ([\w.:/-]{1,64}))?\s*$"
+)
+RANKWATCH_CAUSE = re.compile(r"(?:^|\s)cause: ([a-z_]{1,32}) — (.{1,600})$")
 
 
 # --- NCCL (src/debug.cc ncclDebugLogV): "[ts] host:pid:tid [dev] file:line (func) NCCL WARN msg" ---

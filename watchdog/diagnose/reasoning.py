@@ -182,7 +182,20 @@ def diagnose_evidence(logs: Evidence, p: Policy = DEFAULT_POLICY) -> Diagnosis:
         d.notes.append(f"Slurm: {logs.slurm_cancel.detail} ({quote(logs.slurm_cancel)})")
     if logs.dump_paths:
         d.notes.append("flight-recorder dumps were written to: " + ", ".join(logs.dump_paths[:4]))
+    if logs.straggler is not None:
+        d.notes.append(straggler_note(logs.straggler, logs.straggler_cause))
     return d
+
+
+def straggler_note(diag: ev.Event, cause: ev.Event | None) -> str:
+    """rankwatch's own straggler diagnosis and its cause, read back from its summary in the log."""
+    label, who, phase = [*diag.detail.split("|"), "", ""][:3]
+    note = f"rankwatch's own summary ({diag.file}:{diag.line}) named a straggler: {label} — {who}"
+    note += f" in {phase}" if phase else ""
+    if cause is not None:
+        name, _, text = cause.detail.partition("|")
+        note += f"; cause: {name} — {text}"
+    return note
 
 
 def _rank_doc(f: RankFacts) -> RankEntry:

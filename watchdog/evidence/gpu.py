@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from ..core.host_signals import GpuState
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from .nvml import DeviceSample, NvmlProbe, gpu_evidence
 
@@ -48,6 +49,17 @@ class XidEvent:
     age_s: float  # seconds after the watch started (monotonic)
 
 
+def gpu_state(d: DeviceSample, xids: int) -> GpuState:
+    """A device sample as the per-rank state ``core.straggler_cause`` compares between ranks."""
+    return GpuState(
+        device=d.index, sm_clock_mhz=d.sm_clock_mhz, sm_clock_max_mhz=d.sm_clock_max_mhz,
+        mem_clock_mhz=d.mem_clock_mhz, mem_clock_max_mhz=d.mem_clock_max_mhz, reasons=d.clock_reasons,
+        temperature_c=d.temperature_c, slowdown_c=d.slowdown_c, pcie_gen=d.pcie_gen, pcie_gen_max=d.pcie_gen_max,
+        pcie_width=d.pcie_width, pcie_width_max=d.pcie_width_max, pcie_replay=d.pcie_replay,
+        ecc_volatile=d.ecc_uncorrected_volatile, xids=xids,
+    )
+
+
 class GpuWatch:
     """NVML opened once for the daemon's lifetime; fills GPU fields of rank views and keeps device health.
 
@@ -70,6 +82,9 @@ class GpuWatch:
         self._device_ranks: dict[int, set[int]] = {}
         # pid -> (NVML index, UUID) of the one GPU it has a context on (metrics' dcgm-exporter join labels)
         self._pid_devices: dict[int, tuple[str, str]] = {}
+        # pid -> the state of its GPU at the last sample (clocks, throttle reasons, link): a straggler's cause
+        self._pid_state: dict[int, GpuState] = {}
+        self._xid_counts: dict[int, int] = {}  # device -> critical XIDs since start
         self.probe: NvmlProbe | None = probe
         if probe is None and enabled:
             try:
@@ -105,12 +120,21 @@ class GpuWatch:
             someone_fresh = any(g.util is not None for g in ev.values())
             uuids = {d.index: d.uuid or "" for d in sample.devices}
             pid_devices = {}
+            pid_state = {}
+            by_index = {d.index: d for d in sample.devices}
             for g in ev.values():
                 for d in g.devices:
                     self._device_ranks.setdefault(d, set()).add(g.rank)
                 if len(g.devices) == 1:
                     pid_devices[g.pid] = (str(g.devices[0]), uuids.get(g.devices[0], ""))
+                if g.devices and g.devices[0] in by_index:
+                    dev = by_index[g.devices[0]]
+                    st = gpu_state(dev, self._xid_counts.get(dev.index, 0))
+                    # a steady GPU answers the same poll after poll: the job's signal history keeps one object
+                    prev = self._pid_state.get(g.pid)
+                    pid_state[g.pid] = prev if prev == st and prev is not None else st
             self._pid_devices = pid_devices
+            self._pid_state = pid_state
             return [
                 dataclasses.replace(v, gpu_util=ev[v.rank].util, gpu_missing=ev[v.rank].missing and someone_fresh)
                 if v.rank in ev
@@ -125,12 +149,17 @@ class GpuWatch:
         """pid -> (GPU index, UUID) as NVML saw it at the last sample, for ranks on exactly one GPU."""
         return dict(self._pid_devices)
 
+    def gpu_state(self, pid: int) -> GpuState | None:
+        """The state of ``pid``'s GPU at the last sample (its first device); None without NVML or a context."""
+        return self._pid_state.get(pid)
+
     def _note_devices(self, devices: Sequence[DeviceSample]) -> None:
         age = time.monotonic() - self._t0
         for d in devices:
             self._devices[d.index] = d
             for xid in d.xids:
                 self._xid_total += 1
+                self._xid_counts[d.index] = self._xid_counts.get(d.index, 0) + 1
                 self._xids.append(XidEvent(d.index, xid, age))
                 log.warning("gpu_xid", device=d.index, xid=xid, meaning=XID_MEANING.get(xid))
 

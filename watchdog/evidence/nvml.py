@@ -59,6 +59,20 @@ class DeviceSample:
     remap_pending: bool | None
     remap_failed: bool | None
     xids: tuple[int, ...]  # critical XID events seen since the previous sample
+    # why a rank's GPU may be slower than its peers' (``core.host_signals.GpuState``); None: NVML refused
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    clock_reasons: int | None = None  # nvmlClocksEventReasons bits
+    temperature_c: int | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_replay: int | None = None  # the link's replay counter (cumulative: retried transfers)
+    # the device's limits, read once at open
+    sm_clock_max_mhz: int | None = None
+    mem_clock_max_mhz: int | None = None
+    slowdown_c: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,10 +171,27 @@ class NvmlProbe:
         self._events: Any = None
         self._closed = False
         self._uuids: dict[int, str | None] = {}
+        self._limits: dict[int, dict[str, int | None]] = {}
         for i, h in enumerate(handles):
             uuid = self._try([], f"dev{i}.uuid", nvml.nvmlDeviceGetUUID, h)
             self._uuids[i] = _text(uuid) if uuid is not None else None
+            self._limits[i] = self._read_limits(h)
         self._setup_events()
+
+    def _read_limits(self, h: Any) -> dict[str, int | None]:
+        """The device's maxima (clocks, PCIe link, slowdown temperature): fixed while the driver runs."""
+        nv, no = self._nvml, list[str]()  # a maximum NVML will not give is simply unknown: nothing to note per poll
+        get = getattr
+        return {
+            "sm_clock_max_mhz": _int(self._try(no, "", get(nv, "nvmlDeviceGetMaxClockInfo", None), h,
+                                               get(nv, "NVML_CLOCK_SM", 1))),
+            "mem_clock_max_mhz": _int(self._try(no, "", get(nv, "nvmlDeviceGetMaxClockInfo", None), h,
+                                                get(nv, "NVML_CLOCK_MEM", 2))),
+            "slowdown_c": _int(self._try(no, "", get(nv, "nvmlDeviceGetTemperatureThreshold", None), h,
+                                         get(nv, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1))),
+            "pcie_gen_max": _int(self._try(no, "", get(nv, "nvmlDeviceGetMaxPcieLinkGeneration", None), h)),
+            "pcie_width_max": _int(self._try(no, "", get(nv, "nvmlDeviceGetMaxPcieLinkWidth", None), h)),
+        }
 
     @classmethod
     def open(
@@ -198,8 +229,12 @@ class NvmlProbe:
     def device_count(self) -> int:
         return len(self._handles)
 
-    def _try(self, skipped: list[str], what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, or None with ``what`` noted in ``skipped`` when NVML refuses."""
+    def _try(self, skipped: list[str], what: str, fn: Callable[..., Any] | None, *args: Any) -> Any:
+        """``fn(*args)``, or None with ``what`` noted in ``skipped`` when NVML refuses (or an older pynvml
+        lacks the function: ``fn`` None)."""
+        if fn is None:
+            skipped.append(f"{what}: not in this pynvml")
+            return None
         try:
             return fn(*args)
         except self._nvml.NVMLError as exc:
@@ -312,6 +347,19 @@ class NvmlProbe:
         retired = self._retired_pages(h, skipped, d)
         remap = self._try(skipped, f"{d}.remapped_rows", nv.nvmlDeviceGetRemappedRows, h)
         remap_t = tuple(remap) if isinstance(remap, list | tuple) and len(remap) >= 4 else None
+        g = getattr
+        sm = self._try(skipped, f"{d}.sm_clock", g(nv, "nvmlDeviceGetClockInfo", None), h, g(nv, "NVML_CLOCK_SM", 1))
+        mc = self._try(skipped, f"{d}.mem_clock", g(nv, "nvmlDeviceGetClockInfo", None), h, g(nv, "NVML_CLOCK_MEM", 2))
+        # the newer name first (R535+); drivers before it answer only to the older one (same bits)
+        reasons_fn = g(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or g(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        reasons = self._try(skipped, f"{d}.clock_reasons", reasons_fn, h)
+        temp = self._try(skipped, f"{d}.temperature", g(nv, "nvmlDeviceGetTemperature", None), h,
+                         g(nv, "NVML_TEMPERATURE_GPU", 0))
+        gen = self._try(skipped, f"{d}.pcie_gen", g(nv, "nvmlDeviceGetCurrPcieLinkGeneration", None), h)
+        width = self._try(skipped, f"{d}.pcie_width", g(nv, "nvmlDeviceGetCurrPcieLinkWidth", None), h)
+        replay = self._try(skipped, f"{d}.pcie_replay", g(nv, "nvmlDeviceGetPcieReplayCounter", None), h)
+        lim = self._limits.get(i, {})
         return DeviceSample(
             index=i,
             uuid=self._uuids.get(i),
@@ -327,6 +375,18 @@ class NvmlProbe:
             remap_pending=bool(remap_t[2]) if remap_t else None,
             remap_failed=bool(remap_t[3]) if remap_t else None,
             xids=xids,
+            sm_clock_mhz=_int(sm),
+            mem_clock_mhz=_int(mc),
+            clock_reasons=_int(reasons),
+            temperature_c=_int(temp),
+            pcie_gen=_int(gen),
+            pcie_width=_int(width),
+            pcie_replay=_int(replay),
+            sm_clock_max_mhz=lim.get("sm_clock_max_mhz"),
+            mem_clock_max_mhz=lim.get("mem_clock_max_mhz"),
+            slowdown_c=lim.get("slowdown_c"),
+            pcie_gen_max=lim.get("pcie_gen_max"),
+            pcie_width_max=lim.get("pcie_width_max"),
         )
 
     def _contexts(self, i: int, h: Any, skipped: list[str]) -> dict[int, int | None]:

@@ -7,17 +7,19 @@ a record that stops parsing is ``unreadable`` (its own state, never a stall by i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 from rankwatch.hooks.record import RecordFormatError, RecordSnapshot
 
 from ..core.histogram import RankHistograms
-from ..core.host_signals import HostPressure, RankCounters
+from ..core.host_signals import GpuState, HostPressure, RankCounters
 from ..core.policy import ObservePolicy
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNREADABLE, UNVERIFIED, ZOMBIE, RankView
 from ..core.steps import StepTiming
@@ -224,9 +226,10 @@ class JobWatch:
             )
         return found
 
-    def sample_signals(self) -> None:
+    def sample_signals(self, gpu_of: Callable[[int], GpuState | None] | None = None) -> None:
         """One sample of every live verified rank's host counters (through the owner's reader) and the host's
-        pressure; a rank whose start time changed (its pid reused) is left out."""
+        pressure; a rank whose start time changed (its pid reused) is left out. ``gpu_of(pid)``: the state of
+        the rank's GPU at this poll (the daemon's NVML watch), kept beside its counters."""
         if not self.policy.sample_signals:
             return
         live = {rank: st.ident for rank, st in self.ranks.items()
@@ -240,6 +243,11 @@ class JobWatch:
         now = time.monotonic_ns()
         sample = {rank: got[i.pid] for rank, i in live.items()
                   if i.pid in got and got[i.pid].start_ticks == i.start_ticks}
+        if gpu_of is not None:
+            for rank, i in live.items():
+                g = gpu_of(i.pid) if rank in sample else None
+                if g is not None:
+                    sample[rank] = dataclasses.replace(sample[rank], gpu=g)
         if sample:
             self.signals.append((now, sample))
         self.host = read_host()

@@ -9,19 +9,29 @@ pressure (``/proc/pressure``) is nobody's and is read by the daemon itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import socket
+import struct
+import threading
+import time
 from typing import Any
 
 from ..core.host_signals import (
     MISSING,
     HostPressure,
+    NetCounters,
     RankCounters,
+    TcpInfo,
+    net_counters,
     parse_cgroup_mounts,
     parse_cpu_stat,
+    parse_inet_diag,
     parse_pressure,
     parse_proc_cgroup,
     parse_schedstat,
+    parse_socket_link,
     parse_stat_counters,
     parse_status_switches,
 )
@@ -29,6 +39,11 @@ from ..privsep.frames import WireError, w_int, w_str
 from ..privsep.registry import Worker, handler
 
 MAX_THREADS = 4096  # threads read per rank: a rank has tens; a thread bomb is not read to the end
+MAX_FDS = 4096  # fds looked at per rank for its sockets: a rank has hundreds at most
+MAX_TCP_SOCKETS = 65536  # sockets read per dump: a node's own; beyond it the dump is cut short
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+_NLM_F_REQUEST_DUMP = 0x1 | 0x300
+TCP_STATES = 1 << 1  # TCP_ESTABLISHED: the connections that carry the job's traffic
 
 
 def _read(path: str, limit: int = 4096) -> bytes | None:
@@ -106,6 +121,123 @@ def read_rank(pid: int, proc_root: str = "/proc") -> RankCounters | None:
     )
 
 
+def tcp_sockets(timeout_s: float = 0.5) -> list[TcpInfo] | None:
+    """Every established TCP socket of this network namespace with its ``tcp_info``, from the kernel's
+    sock_diag netlink interface (what ``ss -ti`` reads: unprivileged, one dump per family, no process
+    started); None where netlink is not available."""
+    out: list[TcpInfo] = []
+    try:
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    except OSError:
+        return None
+    try:
+        nl.settimeout(timeout_s)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+            # struct inet_diag_req_v2: family, protocol, ext (1 << (INET_DIAG_INFO - 1)), pad, states, sockid
+            req = struct.pack("=BBBBI48s", family, socket.IPPROTO_TCP, 1 << 1, 0, TCP_STATES, b"")
+            nl.send(struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP, seq, 0) + req)
+            while len(out) < MAX_TCP_SOCKETS:
+                got, done = parse_inet_diag(nl.recv(1 << 16))
+                out.extend(got)
+                if done:
+                    break
+    except OSError:
+        return None
+    finally:
+        nl.close()
+    return out
+
+
+def socket_inodes(pid: int, proc_root: str = "/proc") -> set[int]:
+    """The inodes of the sockets ``pid`` holds (its ``/proc/<pid>/fd`` links; the owner's to read)."""
+    base = f"{proc_root}/{pid}/fd"
+    try:
+        fds = os.listdir(base)[:MAX_FDS]
+    except OSError:
+        return set()
+    out = set()
+    for fd in fds:
+        try:
+            ino = parse_socket_link(os.readlink(f"{base}/{fd}"))
+        except OSError:
+            continue
+        if ino is not None:
+            out.add(ino)
+    return out
+
+
+CLONE_NEWNET = 0x40000000
+# a sock_diag dump walks the kernel's whole established-socket hash (262,144 buckets on a 24 GB host, more on
+# a GPU node): ~2 ms of CPU per address family whatever the sockets, 5x a poll's other reads for 8 ranks
+# (``benchmarks/bench_signals.py``). The TCP figures are states read as a median over the window and a
+# cumulative retransmit count, so one dump per network namespace every 2 s is enough (a 200-step window of
+# 50 ms steps holds 5 of them); the polls in between carry no ``net``
+NET_EVERY_S = 2.0
+_dumped_at: dict[int | None, float] = {}
+
+
+def _netns(pid: int | str, proc_root: str = "/proc") -> int | None:
+    try:
+        return os.stat(f"{proc_root}/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def tcp_sockets_of_netns(pid: int, proc_root: str = "/proc") -> list[TcpInfo] | None:
+    """``tcp_sockets`` of the network namespace ``pid`` is in, when it is not this process's: asked from a
+    thread of its own that joins that namespace (``setns``; only that thread moves, and it ends after the
+    dump). Needs CAP_SYS_ADMIN over the namespace (a root reader: ranks in containers or in simulated nodes
+    of their own); None where that is refused."""
+    try:
+        fd = os.open(f"{proc_root}/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    got: list[list[TcpInfo] | None] = [None]
+
+    def dump() -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            return
+        got[0] = tcp_sockets()
+
+    try:
+        t = threading.Thread(target=dump, name="rankwatch-netns", daemon=True)
+        t.start()
+        t.join(2.0)
+    finally:
+        os.close(fd)
+    return got[0]
+
+
+def read_ranks(pids: list[int], proc_root: str = "/proc") -> dict[int, RankCounters | None]:
+    """``read_rank`` of each pid, with its TCP sockets from one sock_diag dump per network namespace (one
+    for a node's ranks; one per simulated node or container where ranks have their own)."""
+    own = _netns("self", proc_root)
+    now = time.monotonic()
+    dumps: dict[int | None, list[TcpInfo] | None] = {}
+    out: dict[int, RankCounters | None] = {}
+    for pid in pids:
+        c = read_rank(pid, proc_root)
+        if c is not None:
+            ns = _netns(pid, proc_root)
+            if ns not in dumps:
+                due = now - _dumped_at.get(ns, -NET_EVERY_S) >= NET_EVERY_S
+                if due:
+                    _dumped_at[ns] = now
+                    if len(_dumped_at) > 1024:  # namespaces come and go with containers: forget old ones
+                        _dumped_at.clear()
+                dumps[ns] = None if not due else (
+                    tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root))
+            infos = dumps[ns]
+            net = net_counters(infos, socket_inodes(pid, proc_root)) if infos else None
+            if net is not None:
+                c = dataclasses.replace(c, net=net)
+        out[pid] = c
+    return out
+
+
 def read_host(proc_root: str = "/proc") -> HostPressure:
     """The host's PSI (``/proc/pressure``); every field MISSING on a kernel without it."""
     got: dict[str, tuple[float, int]] = {}
@@ -123,16 +255,27 @@ _FIELDS = ("start_ticks", "run_ns", "wait_ns", "cpu_ticks", "majflt", "nvcsw", "
            "cpu_some_us", "mem_some_us", "io_some_us")
 
 
+_NET_FIELDS = tuple(f.name for f in dataclasses.fields(NetCounters))
+
+
 def counters_to_doc(c: RankCounters) -> dict[str, Any]:
-    return {**{k: getattr(c, k) for k in _FIELDS}, "cgroup": c.cgroup}
+    doc = {**{k: getattr(c, k) for k in _FIELDS}, "cgroup": c.cgroup}
+    if c.net is not None:
+        doc["net"] = {k: getattr(c.net, k) for k in _NET_FIELDS}
+    return doc
 
 
 def counters_from_doc(d: Any) -> RankCounters:
     """Back from a reader's answer, every field checked (WireError)."""
     if not isinstance(d, dict):
         raise WireError("signals: expected an object")
-    vals = {k: w_int(d.get(k), MISSING) for k in _FIELDS}
-    return RankCounters(**vals, cgroup=w_str(d.get("cgroup"), 256))
+    vals: dict[str, Any] = {k: w_int(d.get(k), MISSING) for k in _FIELDS}
+    net = d.get("net")
+    if net is not None and not isinstance(net, dict):
+        raise WireError("signals: net: expected an object")
+    return RankCounters(**vals, cgroup=w_str(d.get("cgroup"), 256),
+                        net=NetCounters(**{k: w_int(net.get(k), MISSING) for k in _NET_FIELDS}) if net else None)
+
 
 
 @handler("signals")
@@ -142,8 +285,5 @@ def _signals_request(w: Worker, req: dict[str, Any], _fds: list[int]) -> dict[st
     pids = req.get("pids")
     if not isinstance(pids, list) or len(pids) > w.policy.max_records:
         raise ValueError(f"pids: a list of at most {w.policy.max_records}")
-    out: dict[str, Any] = {}
-    for pid in (w_int(x, 1, 1 << 22) for x in pids):
-        c = read_rank(pid)
-        out[str(pid)] = counters_to_doc(c) if c is not None else None
-    return {"ranks": out}
+    got = read_ranks([w_int(x, 1, 1 << 22) for x in pids])
+    return {"ranks": {str(pid): counters_to_doc(c) if c is not None else None for pid, c in got.items()}}

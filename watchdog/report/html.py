@@ -344,6 +344,14 @@ def _summary_headlines(doc: Mapping[str, Any], who: list[int], incident_anchors:
     ]
     if doc.get("why"):
         out.append(f'<div class="why"><b>why:</b> {esc(doc["why"])}</div>')
+    cause = doc.get("cause")
+    if isinstance(cause, dict) and isinstance(cause.get("cause"), str):
+        # why the straggler (or, on a job held in communication, the rank whose path is slow) is slow, measured
+        # from outside it (core.straggler_cause): the same line as the text summary's, then what to do next
+        out.append(f'<div class="why cause"><b>cause:</b> <code>{esc(cause["cause"])}</code> — '
+                   f'{esc(cause.get("text", ""))}</div>')
+        if cause.get("next"):
+            out.append(f'<div class="why"><b>next:</b> {esc(cause["next"])}</div>')
     return out
 
 

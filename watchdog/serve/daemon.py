@@ -492,7 +492,7 @@ class Daemon:
             views = self.gpu.apply(polled)
         entry.last_views = views
         try:
-            watch.sample_signals()
+            watch.sample_signals(self.gpu.gpu_state)
         except Exception:  # a cause is a nicety: it never costs a poll
             log.exception("signals_sample_failed", job=job_id)
         if not views:

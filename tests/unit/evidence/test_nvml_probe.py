@@ -116,6 +116,45 @@ class FakeNvml:
             raise NVMLError_NotFound()
         return fresh
 
+    # the straggler cause's GPU state: absent keys answer NotSupported, as an older GPU does
+    def _get(self, h: Any, fn: str, key: str) -> Any:
+        d = self._dev(h, fn)
+        if key not in d:
+            raise NVMLError_NotSupported()
+        return d[key]
+
+    def nvmlDeviceGetClockInfo(self, h: Any, clock: int) -> int:
+        return self._get(h, "nvmlDeviceGetClockInfo", "clocks")[{1: "sm", 2: "mem"}[clock]]
+
+    def nvmlDeviceGetMaxClockInfo(self, h: Any, clock: int) -> int:
+        return self._get(h, "nvmlDeviceGetMaxClockInfo", "max_clocks")[{1: "sm", 2: "mem"}[clock]]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetCurrentClocksEventReasons", "clock_event_reasons")
+
+    def nvmlDeviceGetTemperature(self, h: Any, sensor: int) -> int:
+        assert sensor == 0  # NVML_TEMPERATURE_GPU
+        return self._get(h, "nvmlDeviceGetTemperature", "temperature")
+
+    def nvmlDeviceGetTemperatureThreshold(self, h: Any, which: int) -> int:
+        return self._get(h, "nvmlDeviceGetTemperatureThreshold", "temperature_thresholds")[
+            {0: "shutdown", 1: "slowdown"}[which]]
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetCurrPcieLinkGeneration", "pcie")["gen"]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetCurrPcieLinkWidth", "pcie")["width"]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetMaxPcieLinkGeneration", "pcie")["max_gen"]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetMaxPcieLinkWidth", "pcie")["max_width"]
+
+    def nvmlDeviceGetPcieReplayCounter(self, h: Any) -> int:
+        return self._get(h, "nvmlDeviceGetPcieReplayCounter", "pcie")["replay"]
+
     def nvmlEventSetCreate(self) -> Any:
         return SimpleNamespace(name="set")
 

@@ -208,3 +208,22 @@ def test_the_summary_text_shows_the_cause_and_the_next_step():
     d = StragglerDiagnosis("RANK-WIDE STRAGGLER", [1], None, "slow", 200, {}, {}, {}, excess_ms=52.0, windows=w)
     text = summary_text(explain(d, samples(2, 20, slow=1, wait_ms_per_s=500.0)).summary_doc("j", []))
     assert "cause: cpu_contention — rank 1 waited 50.0 ms/step for a CPU" in text and "\nnext: see what else" in text
+
+
+def test_the_wait_a_ranks_own_extra_work_brings_on_a_busy_host_is_its_own_work():
+    # 4 ranks on an oversubscribed host: every rank waits 2 ms for a CPU per ms on one; rank 1 does 50 % more
+    # work (750 vs 500 ms on a CPU per second), so it also waits 50 % more (1.5 vs 1.0 s/s): its extra wait
+    # is its own work's, not another process's (measured: the accuracy suite's slow-rank read cpu_contention)
+    def busy(t_ns: int, work: float) -> RankCounters:
+        s = t_ns / 1e9
+        return RankCounters(start_ticks=7, run_ns=int(work * 1e9 * s), wait_ns=int(2 * work * 1e9 * s), cpu_ticks=0,
+                            majflt=0, nvcsw=0, cgroup="/job")
+
+    got = [(t, {r: busy(t, 0.75 if r == 1 else 0.5) for r in range(4)}) for t, _ in samples(4, 20)]
+    doc = attribute_cause(got, windows(4, 20), 1, 75.0)
+    assert doc["cause"] == "own_work", doc
+    assert doc["signals"]["run_queue_wait"]["for_its_cpu_time_ms"] == 150.0
+    # the same host, rank 1 doing the same work as its peers but sharing its CPU: the wait is another's
+    shared = [(t, {**by, 1: RankCounters(**{**by[1].__dict__, "run_ns": by[0].run_ns,
+                                             "wait_ns": by[0].wait_ns + int(0.5 * t)})}) for t, by in got]
+    assert attribute_cause(shared, windows(4, 20), 1, 60.0)["cause"] == "cpu_contention"
