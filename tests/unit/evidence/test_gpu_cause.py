@@ -18,7 +18,7 @@ from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.evidence.nvml import NvmlProbe
 from test_nvml_probe import FakeNvml
 
-FIX = Path(__file__).parent / "fixtures" / "nvml" / "four_gpus_one_hot_one_narrow.json"
+FIX = Path(__file__).resolve().parents[2] / "fixtures" / "nvml" / "four_gpus_one_hot_one_narrow.json"
 PIDS = {0: 2001, 1: 2002, 2: 2003, 3: 2004}
 
 

@@ -29,7 +29,7 @@ from rankwatch.watchdog.observe import signals
 from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
 from rankwatch.watchdog.observe.signals import counters_from_doc, read_ranks, tcp_sockets
 
-FIX = Path(__file__).parent / "fixtures" / "proc"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 
 
 def test_the_recorded_dump_parses_as_ss_reads_it():
