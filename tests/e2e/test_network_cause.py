@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 from conftest import DEMO, free_port, rankwatch_cmd
 from rankwatch.watchdog.core.host_signals import MISSING, NetCounters, RankCounters, net_counters, parse_inet_diag
+from rankwatch.watchdog.core.policy import ReaderPolicy
 from rankwatch.watchdog.core.straggler import StragglerDiagnosis
 from rankwatch.watchdog.core.straggler_cause import Window, attribute_cause, explain
 from rankwatch.watchdog.observe import signals
-from rankwatch.watchdog.observe.reader import ReaderCore, ReaderPolicy
 from rankwatch.watchdog.observe.signals import counters_from_doc, read_ranks, tcp_sockets
+from rankwatch.watchdog.privsep.registry import Worker
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 
@@ -64,7 +65,7 @@ def test_a_live_process_sockets_are_read_and_a_path_to_itself_is_no_path():
         assert read_ranks([os.getpid()])[os.getpid()].net is None
         # and through the owner's reader and back over the wire
         signals._dumped_at.clear()
-        out = ReaderCore(ReaderPolicy(), None).handle({"op": "signals", "pids": [os.getpid()]}, [])
+        out = Worker(ReaderPolicy(), None).handle({"op": "signals", "pids": [os.getpid()]}, [])
         assert counters_from_doc(out["ranks"][str(os.getpid())]).net.bytes_sent >= 200_000
     finally:
         for s in (a, c, srv):
