@@ -107,6 +107,7 @@ STATE_FIELDS: Spec = {
     "open_incident": (False, _opt(_is_dict), "an object or null"),
     "incidents": (False, _list_of(_is_dict), "a list of incidents"),
     "stragglers": (False, _list_of(_is_dict), "a list of stragglers"),
+    "diagnosis": (False, _opt(_is_dict), "an object or null"),
 }
 
 INCIDENT_REF_FIELDS: Spec = {
