@@ -7,6 +7,7 @@ answering. Now the port is one event loop with a connection cap and deadlines (`
 
 from __future__ import annotations
 
+import html
 import os
 import resource
 import socket
@@ -200,5 +201,6 @@ def test_error_pages_are_the_ones_http_server_writes():
     # the endpoint keeps http.server's page as its own copy (importing http.server cost every watchdog ~1 MB)
     assert (ERROR_PAGE, ERROR_CONTENT_TYPE) == (BaseHTTPRequestHandler.error_message_format,
                                                 BaseHTTPRequestHandler.error_content_type)
-    page = error_response(404, "try <this>")
-    assert page.status == 404 and b"<p>Message: try &lt;this&gt;.</p>" in page.body
+    message = "try <this> & \"that\""
+    page = error_response(404, message)
+    assert page.status == 404 and f"<p>Message: {html.escape(message, quote=False)}.</p>".encode() in page.body
