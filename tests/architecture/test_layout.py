@@ -3,6 +3,7 @@ test tree mirrors the source (docs/CONTRIBUTING.md "Where tests go")."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -81,3 +82,90 @@ def test_test_module_names_are_unique_and_no_folder_is_a_package():
     names = [p.name for p in TESTS.rglob("test_*.py") if "fixtures" not in p.parts]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     assert not [p for p in TESTS.rglob("__init__.py") if "fixtures" not in p.parts]
+
+WATCHDOG = REPO / "watchdog"
+
+
+def _folder(module: str) -> str | None:
+    """The watchdog folder a module is in (``cli``, ``core``, …; "" for a module at the watchdog's top),
+    None when the module is not the watchdog's."""
+    parts = module.split(".")
+    if parts[:2] != ["rankwatch", "watchdog"]:
+        return None
+    return parts[2] if len(parts) > 2 and (WATCHDOG / parts[2]).is_dir() else ""
+
+
+def _imported(rel: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The absolute names of what an import statement of the module at ``rel`` (from the repo) loads."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not node.level:
+        return [node.module or ""]
+    package = ["rankwatch", *rel.parent.parts]
+    base = package[: len(package) - node.level + 1]
+    if node.module:
+        return [".".join([*base, node.module])]
+    return [".".join([*base, a.name]) for a in node.names]  # from .. import report
+
+
+def crossing_imports(code: str, rel: Path) -> list[str]:
+    """Every import inside a function (at any depth) of the module at ``rel`` that loads a module of another
+    watchdog folder, as ``path:line function() imports module``."""
+    own = rel.parts[1] if len(rel.parts) > 2 else ""
+    found = []
+    for fn in ast.walk(ast.parse(code)):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    found += [f"{rel}:{node.lineno} {fn.name}() imports {m}" for m in _imported(rel, node)
+                              if _folder(m) not in (None, own)]
+    return sorted(set(found))
+
+
+def test_no_function_imports_across_watchdog_folders():
+    # an import inside a function hides a dependency (and a cycle with it) from every reader and tool: a module
+    # imports what it uses at its top; a command's module is loaded by name in one place (cli/main.COMMANDS).
+    # A third-party dependency loaded where it is used (prometheus_client in serve/metrics) is not what this is
+    by_module = {str(p.relative_to(REPO)): crossing_imports(p.read_text(), p.relative_to(REPO))
+                 for p in sorted(WATCHDOG.rglob("*.py"))}
+    crossing = [line for lines in by_module.values() for line in lines]
+    assert not crossing, "imports inside functions across watchdog folders:\n" + "\n".join(crossing)
+
+
+def test_the_import_check_finds_a_crossing_import():
+    # the check itself, on a module of serve/ written for it: an import of another folder inside a function is
+    # found, at any depth; one of the same folder, of the standard library or at the module's top is not
+    code = ("from ..core import policy\n"
+            "def f():\n    from ..cluster import store\n    from . import state\n    import json\n"
+            "    def g():\n        from ..core.policy import ServePolicy\n")
+    assert crossing_imports(code, Path("watchdog/serve/probe.py")) == [
+        "watchdog/serve/probe.py:3 f() imports rankwatch.watchdog.cluster",
+        "watchdog/serve/probe.py:7 f() imports rankwatch.watchdog.core.policy",
+        "watchdog/serve/probe.py:7 g() imports rankwatch.watchdog.core.policy",
+    ]
+
+
+def test_a_module_is_loaded_by_name_only_by_the_command_table():
+    # cli/main.COMMANDS is the one place a module is imported by its name as a string
+    by_name = sorted(
+        str(p.relative_to(REPO)) for p in WATCHDOG.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+            or (isinstance(node.func, ast.Attribute) and node.func.attr in ("import_module", "__import__")))
+    )
+    # the CLI's command table, and the privsep zygote importing the modules whose handlers the root side
+    # registered (it forks readers that may not read this installation once they run as a job's owner)
+    assert by_name == ["watchdog/cli/main.py", "watchdog/privsep/readers.py"]
+
+
+def test_the_straggler_diagnosis_is_made_in_one_place_per_purpose():
+    # a job's live diagnosis is made once per poll by the daemon loop (JobEntry.straggler), and metrics, the state
+    # file (status) and the straggler alerts read that one; besides it only the end-of-run summary (over the whole
+    # run) and status without a watchdog (the records alone) diagnose
+    calls = sorted(
+        str(p.relative_to(REPO)) for p in WATCHDOG.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "diagnose_stragglers"
+    )
+    assert calls == ["watchdog/cli/run.py", "watchdog/cli/status.py", "watchdog/serve/daemon.py"]

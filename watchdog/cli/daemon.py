@@ -6,15 +6,20 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from .. import logs
 from ..cluster.auth import load_secret
+from ..cluster.correlate import Correlator
+from ..cluster.store import DEFAULT_STORE_PORT
+from ..cluster.store_host import StoreHost
 from ..core.policy import MetricsPolicy, ServePolicy
 from ..errors import UserError
+from ..observe.jobwatch import JobWatch
 from ..serve.daemon import Daemon, DaemonConfig
+from ..serve.metrics import Exposure, MetricsUnavailable, read_token, serve_metrics
 from ..serve.sdnotify import Notifier
 from .argparser import Parser
 from .options import (
@@ -26,10 +31,6 @@ from .options import (
     port,
     seconds_or_never,
 )
-
-if TYPE_CHECKING:
-    from ..cluster.correlate import Correlator
-    from ..observe.jobwatch import JobWatch
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -109,8 +110,6 @@ def correlator_factory(
     """Multi-node jobs (job.json: world size above the local one) get a correlator, a client of the store at
     MASTER_ADDR:store_port (or --store). The daemon never hosts a store in its own process, whatever a job's
     job.json says (it is the user's file): ``--store-port`` runs ``cluster.store_host`` beside it instead."""
-    from ..cluster.correlate import Correlator
-    from ..cluster.store import DEFAULT_STORE_PORT
 
     def build(watch: JobWatch) -> Correlator | None:
         info = watch.job_info
@@ -133,10 +132,8 @@ def correlator_factory(
     return build
 
 
-def metrics_exposure(args: Any) -> Any:
-    """Who sees per-job series on /metrics (``serve.metrics.Exposure``); a bad token file is a UserError here."""
-    from ..serve.metrics import Exposure, read_token
-
+def metrics_exposure(args: Any) -> Exposure:
+    """Who sees per-job series on /metrics; a bad token file is a UserError here, before the daemon starts."""
     token = read_token(args.metrics_token_file) if args.metrics_token_file is not None else None
     return Exposure(args.metrics_detail, token)
 
@@ -152,9 +149,7 @@ class DaemonMetrics:
     the target down (``RankwatchWatchdogDown``), which says where to look."""
 
     def __init__(self, open_server: Callable[[], Any], retry_s: float) -> None:
-        from ..serve.metrics import MetricsUnavailable
-
-        self._open, self._unavailable = open_server, MetricsUnavailable
+        self._open = open_server
         self.server: Any = None
         self._stop = threading.Event()
         self._retry: threading.Thread | None = None
@@ -166,7 +161,7 @@ class DaemonMetrics:
     def _try(self, *, first: bool, retry_s: float = 0.0) -> bool:
         try:
             self.server = self._open()
-        except self._unavailable as exc:
+        except MetricsUnavailable as exc:
             if first:
                 log.warning("metrics_unavailable", error=str(exc), retry_every_s=retry_s or None,
                             detail="watching on without /metrics and /healthz")
@@ -251,17 +246,13 @@ def main(argv: list[str]) -> int:
         factory = correlator_factory(args.store, args.store_port, secret)
     daemon = Daemon(config, correlator_factory=factory, alerts=alerts)
     extras: list[Any] = []
-    if args.store_port is not None and not args.once:
-        from ..cluster.store_host import StoreHost  # decided by this daemon's configuration, never by a job
-
+    if args.store_port is not None and not args.once:  # this daemon's configuration decides, never a job
         host = StoreHost(args.store_port)
         host.start()
         extras.append(host)
     daemon.clean_leftovers()
     notifier = Notifier()
     if args.metrics_port is not None:
-        from ..serve.metrics import serve_metrics
-
         def open_metrics() -> Any:
             return serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
                                  exposure=exposure, tries=MetricsPolicy().daemon_port_tries)

@@ -22,6 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..cluster.auth import load_secret
+from ..cluster.inspect_exchange import exchange
+from ..cluster.store import JobStore, StoreError
 from ..core.document import VerdictDocument
 from ..core.fr_trace import RankTrace
 from ..core.inspect_facts import Progress, RankFact, RankLook, judge_progress, views_from_facts
@@ -31,8 +34,24 @@ from ..core.snapshot import RankView
 from ..core.stacks import Frame
 from ..core.text import NAME, clean
 from ..errors import UserError
-from ..observe.discover import Job, discover, read_proc, select
+from ..evidence.capture import pyspy_available
+from ..evidence.flight_recorder import fr_evidence, with_remote
+from ..evidence.inspect_capture import (
+    attach_debug_server_dumps,
+    attach_fr_dumps,
+    capture_workers,
+    cpu_pct,
+    look_at,
+    rank_looks,
+    worker_lines,
+)
+from ..observe.discover import Job, discover, env_reader_of, read_proc, select
+from ..observe.jobdir import open_dir
 from ..observe.process import protected_pids
+from ..privsep.readers import default_readers
+from ..report import bundle
+from ..report.text import verdict_text
+from ..serve.incident import ranks_doc
 from ..verdict import decide
 from .argparser import Parser
 from .options import host_port, positive_float
@@ -116,8 +135,6 @@ def _decide(
     job: Job, incident_id: str, views: Sequence[RankView], captures: Mapping[int, Any],
     remote_fr: Mapping[int, RankTrace], notes: Sequence[str],
 ) -> tuple[VerdictDocument, Any]:
-    from ..evidence.flight_recorder import fr_evidence, with_remote
-
     fr = with_remote(fr_evidence({r: c for r, c in captures.items() if c.fr_trace is not None}), remote_fr)
     verdict = decide(
         views, job_id=job.job_id, incident_id=incident_id, detected_after_s=0.0,
@@ -152,8 +169,6 @@ def _wait_until(deadline: float) -> None:
 def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
     """Look at every rank, again ``look_interval_s`` later, and once more (``confirm_looks``) at the ranks
     whose CPU time advanced while their stack read the same, until the job is running or stalled."""
-    from ..evidence.inspect_capture import attach_debug_server_dumps, look_at, rank_looks
-
     ticks = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
     gone = [rank for rank, _ in job.missing_ranks()]
 
@@ -190,8 +205,6 @@ def watch(job: Job, args: argparse.Namespace, policy: InspectPolicy) -> Watched:
 
 def running_doc(job: Job, watched: Watched) -> dict[str, Any]:
     """What a running job gets instead of a verdict: the looks, one line, no bundle."""
-    from ..evidence.inspect_capture import cpu_pct
-
     p = watched.progress
     cpu = cpu_pct(watched.first, watched.latest)
     spread = sorted(round(v) for v in cpu.values())
@@ -207,8 +220,6 @@ def running_doc(job: Job, watched: Watched) -> dict[str, Any]:
 
 def inspect_job(job: Job, args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
     """The verdict and bundle of a stalled job, or a running job's document (no bundle)."""
-    from ..evidence.inspect_capture import attach_fr_dumps, capture_workers, cpu_pct, worker_lines
-
     node = clean(socket.gethostname(), NAME)
     agent = f"-a{job.launcher}" if job.launcher > 0 else ""
     incident_id = "inspect-" + time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}{agent}"
@@ -243,10 +254,6 @@ def _shared_verdict(
     job: Job, args: argparse.Namespace, node: str, views: Sequence[RankView], captures: Mapping[int, Any],
     fr_traces: Mapping[int, RankTrace], notes: Sequence[str], incident_id: str,
 ) -> VerdictDocument:
-    from ..cluster.auth import load_secret
-    from ..cluster.inspect_exchange import exchange
-    from ..cluster.store import JobStore, StoreError
-
     node_ranks = {r.node_rank for r in job.ranks}
     if len(node_ranks) != 1 or -1 in node_ranks:
         raise UserError(
@@ -296,8 +303,6 @@ def open_incidents_dir(out: str, job_dir: str) -> int:
     (``observe.jobdir.open_dir``: ``O_NOFOLLOW``), so a symlink at any of them is refused (ELOOP), never
     followed. The two levels inspect makes must be the caller's own and writable by no one else: entries
     in a directory another user may write can be swapped under the writer."""
-    from ..observe.jobdir import open_dir
-
     parent, leaf = os.path.split(os.path.abspath(out))
     os.makedirs(parent, mode=0o700, exist_ok=True)  # the path up to --out is the caller's to choose
     fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -329,9 +334,6 @@ def open_incidents_dir(out: str, job_dir: str) -> int:
 def _write_bundle(
     out: str, job: Job, verdict: dict[str, Any], views: Sequence[RankView], captures: Mapping[int, Any]
 ) -> str | None:
-    from ..report import bundle
-    from ..serve.incident import ranks_doc
-
     incidents = os.path.join(out, job.job_id, "incidents")
     try:
         fd = open_incidents_dir(out, job.job_id)
@@ -354,8 +356,6 @@ def _write_bundle(
 
 
 def _text(verdict: Mapping[str, Any]) -> str:
-    from ..report.text import verdict_text
-
     # no detection delay for a job found already hung: leave the "detected after" line out
     return verdict_text({k: v for k, v in verdict.items() if k != "detected_after_s"})
 
@@ -363,16 +363,11 @@ def _text(verdict: Mapping[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     check_out(args.out)
-    from ..evidence.capture import pyspy_available
-
     if pyspy_available() is None:
         raise UserError("py-spy not found (pip install py-spy): it reads the ranks' stacks")
     # as root, each user's environments are read and parsed by that user's reader, never by root
     env_reader = None
     if os.geteuid() == 0:
-        from ..observe.discover import env_reader_of
-        from ..privsep.readers import default_readers
-
         env_reader = env_reader_of(default_readers())
     found = discover(protected=protected_pids(), env_reader=env_reader)
     jobs, err = select(found, pids=args.pid, job_id=args.job)

@@ -11,6 +11,7 @@ from ..core.doc_checks import document_problems
 from ..core.schema import SUMMARY_SCHEMA, VERDICT_SCHEMA
 from ..core.text import PROSE, clean
 from ..errors import UserError
+from ..report.html import write_html
 from ..report.text import summary_text, verdict_text
 from .argparser import Parser
 
@@ -71,8 +72,6 @@ def main(argv: list[str]) -> int:
     paths = resolve(args.path)
     docs = [_load(p) for p in paths]
     if args.html:
-        from ..report.html import write_html
-
         write_html(args.html, docs, base_dir=args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
         sys.stdout.write(f"wrote {args.html}\n")
         return 0

@@ -17,6 +17,9 @@ from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs
 from ..cluster.auth import load_secret
+from ..cluster.correlate import Correlator
+from ..cluster.store import DEFAULT_STORE_PORT
+from ..core.policy import MetricsPolicy
 from ..core.ranks import fmt_ranks
 from ..core.steps import StepTiming
 from ..core.straggler import diagnose_stragglers
@@ -26,6 +29,7 @@ from ..report.bundle import atomic_json, atomic_text
 from ..report.text import final_block, int_ranks, summary_text, verdict_text
 from ..serve.daemon import Daemon, DaemonConfig
 from ..serve.job_files import remove_job_files
+from ..serve.metrics import MetricsUnavailable, file_sd_target, serve_metrics
 from .argparser import Parser
 from .launch import check_launch
 from .options import add_shm_dir, add_watch_options, alerter_from_args, policies_from_args
@@ -119,9 +123,6 @@ def main(argv: list[str]) -> int:
 
     correlator = None
     if args.store is not None or cmd.nnodes not in ("1", "1:1"):
-        from ..cluster.correlate import Correlator
-        from ..cluster.store import DEFAULT_STORE_PORT
-
         host, port = args.store or (cmd.master_addr or "127.0.0.1", DEFAULT_STORE_PORT)
         correlator = Correlator(job_id, cmd.node_rank, host, port, nnodes=_max_nodes(cmd.nnodes), secret=secret)
     daemon = Daemon(
@@ -227,9 +228,6 @@ def _serve_metrics(args: Any, daemon: Daemon, job_id: str, out: str) -> RunMetri
     """/metrics for this run, on the port asked for or the next free one (``MetricsPolicy``), written to
     ``out/metrics-target.json`` for Prometheus' file_sd; where no port can be bound, the job runs without
     metrics. Never a reason for the job not to start: a second job on the node holds the port as often as not."""
-    from ..core.policy import MetricsPolicy
-    from ..serve.metrics import MetricsUnavailable, file_sd_target, serve_metrics
-
     try:
         server = serve_metrics(daemon, args.metrics_addr, args.metrics_port, histograms=args.metrics_histograms,
                                tries=MetricsPolicy().run_port_tries)

@@ -3,7 +3,9 @@ table and the current straggler diagnosis; ``--watch`` keeps it on screen, refre
 
 The ranks' records say what each rank does; only the job's watchdog knows whether an incident is open,
 so status also reads the state file the watchdog publishes (``serve.state``), and says how old it is:
-a stale file means the watchdog is gone, and its last word is shown as such.
+a stale file means the watchdog is gone, and its last word is shown as such. The straggler diagnosis is the
+watchdog's own (computed once per poll, the one its metrics and alerts read) while its state is fresh;
+only without a watchdog does status diagnose the records itself (``diagnosis_from`` says which).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
-from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, incident_ref
+from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, diagnosis_ref, incident_ref
 from .argparser import Parser
 from .options import add_shm_dir, positive_float
 
@@ -105,7 +107,13 @@ def job_status(
     policy = StallPolicy(timeout_s=timeout) if isinstance(timeout, int | float) and timeout > 0 else StallPolicy()
     # the records' own view, by the rule detection uses (with the watchdog's timeout when it published one)
     stalled = stalled_ranks(views, policy, watch.longest_step_s)
-    diag = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
+    diag = diagnosis_ref(state.get("diagnosis")) if state is not None and state["age_s"] <= stale_after_s else None
+    source = "watchdog"
+    if diag is None:  # no watchdog (or a silent one, or none diagnosed yet): the records, as they are now
+        own = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
+        diag = {"label": own.label, "straggler_ranks": own.straggler_ranks,
+                "phase": clean(own.phase, NAME) if own.phase else None, "why": clean(own.why, PROSE)}
+        source = "records"
     stragglers = [s for s in (LiveStraggler.from_doc(d) for d in (state or {}).get("stragglers") or []) if s]
     return {
         "job_id": clean(watch.job_id, NAME),
@@ -127,10 +135,11 @@ def job_status(
         "stall_timeout_s": round(policy.timeout_for(watch.longest_step_s), 3),
         "stragglers": [s.doc() | {"line": straggler_line(s, time.time())} for s in stragglers],
         "ranks": rows,
-        "diagnosis": diag.label,
-        "straggler_ranks": diag.straggler_ranks,
-        "phase": clean(diag.phase, NAME) if diag.phase else None,
-        "why": clean(diag.why, PROSE),
+        "diagnosis": diag["label"],
+        "straggler_ranks": diag["straggler_ranks"],
+        "phase": diag["phase"],
+        "why": diag["why"],
+        "diagnosis_from": source,
     }
 
 

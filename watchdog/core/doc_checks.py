@@ -45,6 +45,7 @@ STATE_FIELDS: Spec = {
     "open_incident": (False, opt(is_dict), "an object or null"),
     "incidents": (False, list_of(is_dict), "a list of incidents"),
     "stragglers": (False, list_of(is_dict), "a list of stragglers"),
+    "diagnosis": (False, opt(is_dict), "an object or null"),
 }
 
 INCIDENT_REF_FIELDS: Spec = {

@@ -19,6 +19,7 @@ from ..core.ranks import rank_list
 from ..core.schema import HEADLINES
 from ..core.stack_phase import phase_from_frames
 from ..core.stacks import Frame
+from ..core.straggler_cause import CAUSES
 from . import events as ev
 from . import patterns as pt
 
@@ -319,8 +320,6 @@ def _straggler(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any, rank: 
 
 def _straggler_cause(p: SourceParser, s: str, m: re.Match[str] | None, mk: Any,
                      rank: int | None) -> list[ev.Event]:
-    from ..core.straggler_cause import CAUSES
-
     m = _m(m)
     if m.group(1) not in CAUSES:
         return []

@@ -34,7 +34,7 @@ from ..core.detect import (
 from ..core.engine import prior_verdict
 from ..core.policy import CapturePolicy, FairnessPolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
 from ..core.snapshot import RankView
-from ..core.straggler import StragglerPolicy, diagnose_stragglers
+from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
 from ..core.straggler_cause import explain
 from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
 from ..evidence.capture import capture_all
@@ -50,7 +50,7 @@ from .act import Killer
 from .alerts import Alerter
 from .incident import CaptureFn, IncidentCallback, IncidentPipeline, IncidentRequest, IncidentResult
 from .lanes import OwnerLane
-from .state import Resumable, StatePublisher, incident_ref, read_resumable, state_doc
+from .state import Resumable, StatePublisher, diagnosis_doc, incident_ref, read_resumable, state_doc
 
 log = structlog.get_logger("rankwatch.daemon")
 
@@ -96,6 +96,10 @@ class JobEntry:
     files_removed: bool = False
     bundles: dict[str, str] = field(default_factory=dict)  # incident id -> bundle path, once written
     last_views: list[RankView] = field(default_factory=list)  # replaced, never mutated: read by other threads
+    # the job's straggler diagnosis of its recent steps, computed once per poll that saw new steps (every
+    # ``live.every_s`` at most) and only here: metrics, the state file (status) and the live stragglers read it.
+    # Replaced wholesale, never mutated once set: read by other threads
+    straggler: StragglerDiagnosis | None = None
     # live stragglers by (rank, phase): replaced wholesale each diagnosis (read by metrics and status)
     live_stragglers: dict[tuple[int, str], LiveStraggler] = field(default_factory=dict)
     live_at: float = 0.0  # monotonic time of the last live diagnosis
@@ -448,7 +452,7 @@ class Daemon:
             entry.last_views = []
             entry.incident = None
             entry.gone_since = None
-            entry.live_stragglers, entry.live_key = {}, ()
+            entry.straggler, entry.live_stragglers, entry.live_key = None, {}, ()
             entry.resume, entry.gen_start = None, None
             watch.longest_step_s = 0.0
             log.info("job_restarted", job=job_id, ranks=len(watch.ranks))
@@ -617,6 +621,7 @@ class Daemon:
             ],
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
             owner_lag_s=self._owner_lag(watch.owner_uid),
+            diagnosis=diagnosis_doc(entry.straggler),
         )
         try:
             self.state.publish(job_id, watch.dir_path, doc, force=force)
@@ -624,7 +629,8 @@ class Daemon:
             log.exception("state_publish_failed", job=job_id)
 
     def _live_stragglers(self, job_id: str, entry: JobEntry) -> None:
-        """Diagnose the job's recent steps every ``live.every_s``; log stragglers that start or end."""
+        """Diagnose the job's recent steps every ``live.every_s`` — the job's one diagnosis, kept as
+        ``entry.straggler`` for metrics and status —; log stragglers that start or end."""
         policy = self.config.live
         now = time.monotonic()
         if now - entry.live_at < policy.every_s:
@@ -632,15 +638,16 @@ class Daemon:
         entry.live_at = now
         history = {r: h for r, h in entry.watch.history.items() if h}
         key = tuple(sorted((r, h[-1].step) for r, h in history.items()))
-        if len(history) < 2 or key == entry.live_key:
-            return  # one rank has no peers; no step since the last look says nothing new
+        if not history or key == entry.live_key:
+            return  # no step since the last look says nothing new
         entry.live_key = key
         keep = 2 * policy.window_steps  # ranks a few steps apart still share a full window
         per_rank = {r: list(itertools.islice(h, max(0, len(h) - keep), None)) for r, h in history.items()}
         diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=policy.window_steps))
-        if diag.steps < policy.min_steps:
-            return
         explain(diag, list(entry.watch.signals), entry.watch.host)
+        entry.straggler = diag  # whole before it is shared
+        if len(history) < 2 or diag.steps < policy.min_steps:
+            return  # one rank has no peers; too few steps to call a rank a straggler live
         state, events = update_live(entry.live_stragglers, diag, policy, time.time())
         entry.live_stragglers = state
         for kind, s in events:

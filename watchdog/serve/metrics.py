@@ -4,10 +4,15 @@ Every scrape builds fresh metric families from ``daemon.jobs``, so the values ar
 last poll; the only thing the poll path keeps for metrics is the step and phase histograms
 (``JobWatch.step_stats``, a few bucket increments per step read), since a histogram must count every
 step and a scrape only sees the recent ones. The poll loop runs in another thread; everything read here
-is either replaced wholesale by it (views, the incident, live stragglers) or copied in one C-level call
-(dicts, step deques, bucket counts), so a scrape never sees a half-updated structure. Scrape cost is
-bounded: at most ``WINDOW_STEPS`` steps per rank are read, and a job's straggler diagnosis is recomputed
-only when one of its ranks completed a step since the last scrape.
+is either replaced wholesale by it (views, the incident, the straggler diagnosis, live stragglers) or copied
+in one C-level call (dicts, step deques, bucket counts), so a scrape never sees a half-updated structure.
+Scrape cost is bounded: at most ``WINDOW_STEPS`` steps per rank are read, and nothing is diagnosed here: the
+straggler diagnosis is the job's one (``JobEntry.straggler``, computed by the poll loop, the one the live
+stragglers, their alerts and ``status`` read).
+
+``prometheus_client`` is imported where a registry is built or a scrape rendered, not at this module's top:
+the CLI imports this module with the rest of its command, and a watchdog that serves no metrics (the default)
+stays without it (~3 MB of RSS, ~25 ms of start-up; ``benchmarks/bench_footprint.py``).
 
 Names follow Prometheus conventions: base units (seconds), ``_total`` on counters, and labels
 ``job_id``/``rank``/``phase``. Label values are bounded: ranks and declared phases (at most 16 per
@@ -39,32 +44,30 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import Metric
-from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.registry import Collector, CollectorRegistry
 
 from ..core.snapshot import CRASHED, DEAD, EXITED, RUNNING, STOPPED, UNKNOWN, ZOMBIE
 from ..core.steps import StepTiming
-from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
-from ..core.straggler_cause import explain
-from ..core.straggler_live import reported
+from ..core.straggler import StragglerPolicy
+from ..core.straggler_live import LiveStragglerPolicy, reported
 from ..errors import UserError
 from .daemon import Daemon, JobEntry
 from .http_endpoint import BoundedHttpServer, EndpointPolicy, Request, Response, error_response
 
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector, CollectorRegistry
+
 log = structlog.get_logger("rankwatch.metrics")
 
-# Steps per rank that per-rank medians and the diagnosis look at: the straggler policy's own window,
-# so the exported diagnosis is the one the end-of-run summary would give for the same steps.
+# Steps per rank that per-rank medians look at: the straggler policy's own window, as the end-of-run
+# summary's per-rank figures.
 WINDOW_STEPS = StragglerPolicy().window_steps
-# Steps copied per rank for the diagnosis: twice the window so ranks a few steps apart still share
-# ``WINDOW_STEPS`` common steps.
-DIAGNOSIS_COPY_STEPS = 2 * WINDOW_STEPS
+# Steps the exported straggler diagnosis covers: the daemon's live diagnosis (``JobEntry.straggler``).
+DIAGNOSIS_STEPS = LiveStragglerPolicy().window_steps
 RANK_STATES = (RUNNING, STOPPED, DEAD, CRASHED, ZOMBIE, EXITED, UNKNOWN)
 # default series per rank must stay at or below this (tests/unit/serve/test_metrics.py, benchmarks/bench_series.py)
 SERIES_PER_RANK_BUDGET = 60
@@ -92,8 +95,8 @@ def _window(steps: list[StepTiming]) -> list[StepTiming]:
     return (later or steps)[-WINDOW_STEPS:]
 
 
-_Families = dict[str, GaugeMetricFamily | CounterMetricFamily]
-_Histograms = dict[str, HistogramMetricFamily]
+_Families: TypeAlias = "dict[str, GaugeMetricFamily | CounterMetricFamily]"
+_Histograms: TypeAlias = "dict[str, HistogramMetricFamily]"
 
 
 # key, kind, metric name (counters without "_total": the client adds it), labels, help
@@ -135,7 +138,7 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
     ("owners_lagging", "gauge", "rankwatch_owners_lagging", (),
      "Job owners whose round runs past the loop's wait, all of them (beyond the per-owner series too)"),
     ("diagnosis", "gauge", "rankwatch_diagnosis", (*_J, "label", "phase"),
-     f"1 for the job's straggler diagnosis over its last {WINDOW_STEPS} common steps"),
+     f"1 for the job's straggler diagnosis over its last {DIAGNOSIS_STEPS} common steps (the live one)"),
     ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label", "cause"),
      "1 for each rank the current straggler diagnosis names; cause: why (cpu_contention, cpu_throttled, "
      "memory_pressure, io_pressure, own_work; empty when not measured)"),
@@ -189,6 +192,8 @@ METRIC_NAMES = tuple(name + ("_total" if kind == "counter" else "") for _, kind,
 
 def _families() -> _Families:
     """Fresh, empty metric families for one scrape."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     out: _Families = {}
     for key, kind, name, labels, doc in _SPEC:
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -196,18 +201,15 @@ def _families() -> _Families:
     return out
 
 
-class DaemonCollector(Collector):
-    """Builds every rankwatch metric family from the daemon's current state, on each scrape."""
+class DaemonCollector:
+    """Builds every rankwatch metric family from the daemon's current state, on each scrape (a collector as
+    ``prometheus_client``'s registry takes one: ``describe`` and ``collect``)."""
 
-    def __init__(
-        self, daemon: Daemon, policy: StragglerPolicy | None = None, *, jobs: bool = True, histograms: bool = False
-    ) -> None:
+    def __init__(self, daemon: Daemon, *, jobs: bool = True, histograms: bool = False) -> None:
         self.daemon = daemon
-        self.policy = policy or StragglerPolicy()
         self.jobs = jobs  # per-job series (False: node totals only)
         self.histograms = histograms  # per-phase histograms (opt-in: 21 series per rank and phase)
-        self._cache: dict[str, tuple[tuple[tuple[int, int], ...], StragglerDiagnosis]] = {}
-        self._lock = threading.Lock()  # concurrent scrapes share the diagnosis cache
+        self._lock = threading.Lock()  # concurrent scrapes share the error count
         self._errors = 0
 
     def describe(self) -> Iterable[Metric]:
@@ -218,19 +220,9 @@ class DaemonCollector(Collector):
         with self._lock:
             return list(self._collect())
 
-    def _diagnosis(self, job_id: str, per_rank: dict[int, list[StepTiming]]) -> StragglerDiagnosis:
-        key = tuple(sorted((r, ts[-1].step) for r, ts in per_rank.items() if ts))
-        cached = self._cache.get(job_id)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        diag = diagnose_stragglers(per_rank, self.policy)
-        entry = self.daemon.jobs.get(job_id)
-        if entry is not None:  # the deque copied in one C-level call while the loop may append to it
-            explain(diag, list(entry.watch.signals), entry.watch.host)
-        self._cache[job_id] = (key, diag)
-        return diag
-
     def _collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import HistogramMetricFamily
+
         m = _families()
         hists: _Histograms = {key: HistogramMetricFamily(name, doc, labels=list(labels))
                               for key, name, labels, doc in _HIST_SPEC}
@@ -325,12 +317,10 @@ class DaemonCollector(Collector):
             m["live"].add_metric(labels, 1.0)
             m["live_since"].add_metric(labels, live.since_unix)
 
-        per_rank: dict[int, list[StepTiming]] = {}
         for rank, ring in list(watch.history.items()):
-            recent = _recent(ring, DIAGNOSIS_COPY_STEPS)
+            recent = _recent(ring, WINDOW_STEPS + 1)  # step 0 left out, still a whole window
             if not recent:
                 continue
-            per_rank[rank] = recent
             labels = [job_id, str(rank)]
             window = _window(recent)
             m["last"].add_metric(labels, recent[-1].duration_ms / 1e3)
@@ -338,8 +328,8 @@ class DaemonCollector(Collector):
             for p in sorted({p for t in window for p in t.phases_ms}):
                 per_step = [t.phases_ms.get(p, 0.0) for t in window]
                 m["phase_med"].add_metric([*labels, p], _median(per_step) / 1e3)
-        if per_rank:
-            diag = self._diagnosis(job_id, per_rank)
+        diag = entry.straggler  # the poll loop's, read once: it replaces it wholesale
+        if diag is not None:
             m["diagnosis"].add_metric([job_id, diag.label, diag.phase or ""], 1.0)
             for r in diag.straggler_ranks:
                 cause = str((diag.cause or {}).get("cause") or "")
@@ -448,6 +438,8 @@ class _Routes:
         return lambda: self._scrape(accept, full)
 
     def _scrape(self, accept: str, full: bool) -> Response:
+        from prometheus_client.exposition import choose_encoder
+
         try:
             encoder, content_type = choose_encoder(accept)
             body = encoder(self.registry if full else self.aggregate)
@@ -500,11 +492,15 @@ def serve_metrics(
     The registry is private (not prometheus_client's global one) so that two daemons in one process, or
     a library that registers its own metrics, never collide. Port 0 binds a free port (see ``.port``).
     """
+    from prometheus_client.process_collector import ProcessCollector
+    from prometheus_client.registry import CollectorRegistry
+
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(daemon, histograms=histograms))
+    # a collector by its methods: a subclass of ``Collector`` would load prometheus_client with this module
+    registry.register(cast("Collector", DaemonCollector(daemon, histograms=histograms)))
     ProcessCollector(registry=registry)  # the daemon's own CPU and memory: its overhead, observable
     aggregate = CollectorRegistry(auto_describe=False)
-    aggregate.register(DaemonCollector(daemon, jobs=False))
+    aggregate.register(cast("Collector", DaemonCollector(daemon, jobs=False)))
     ProcessCollector(registry=aggregate)
     try:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]

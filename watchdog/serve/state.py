@@ -1,7 +1,9 @@
-"""What a job's watchdog publishes for ``rankwatch status``: open incident, stalled ranks, recent incidents.
+"""What a job's watchdog publishes for ``rankwatch status``: open incident, stalled ranks, recent incidents,
+the job's straggler diagnosis.
 
 ``status`` is a separate process (often another user, or root on call): it reads the ranks' records
-itself, but only the watchdog knows whether an incident is open and what its verdict said. The watchdog
+itself, but only the watchdog knows whether an incident is open and what its verdict said (and it has
+diagnosed the job's stragglers already: status shows that diagnosis rather than making its own). The watchdog
 writes ``watchdog.json`` (``rankwatch.state/1``) beside the job's records — owner-only, replaced
 atomically, handed to the job dir's owner when a root daemon writes it — and, for a daemon, a copy under
 its own ``--out`` (``<out>/<job>/state.json``), which a root daemon without ``CAP_DAC_OVERRIDE`` can
@@ -23,6 +25,7 @@ import structlog
 from rankwatch.hooks.files import atomic_write_in, read_in
 
 from ..core.schema import STATE_SCHEMA
+from ..core.straggler import StragglerDiagnosis
 from ..core.text import NAME, PROSE, clean
 
 log = structlog.get_logger("rankwatch.state")
@@ -50,6 +53,32 @@ def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool
     }
 
 
+def diagnosis_doc(diag: StragglerDiagnosis | None) -> dict[str, Any] | None:
+    """The gist of the watchdog's straggler diagnosis as status shows it (None before the first one)."""
+    if diag is None:
+        return None
+    cause = (diag.cause or {}).get("cause")
+    return diagnosis_ref({"label": diag.label, "straggler_ranks": diag.straggler_ranks, "phase": diag.phase,
+                          "why": diag.why, "steps": diag.steps, "cause": cause})
+
+
+def diagnosis_ref(doc: object) -> dict[str, Any] | None:
+    """``diagnosis_doc``'s document, and again when ``status`` reads it back from a state file anyone able to
+    write the job dir may have replaced: every field re-typed and cleaned; None when it is not one."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("label"), str) or not doc["label"]:
+        return None
+    ranks, phase, steps, cause = doc.get("straggler_ranks"), doc.get("phase"), doc.get("steps"), doc.get("cause")
+    return {
+        "label": clean(doc["label"], NAME),
+        "straggler_ranks": [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+        if isinstance(ranks, list) else [],
+        "phase": clean(phase, NAME) if isinstance(phase, str) and phase else None,
+        "why": clean(doc.get("why") or "", PROSE),
+        "steps": steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
+        "cause": clean(cause, NAME) if isinstance(cause, str) and cause else None,
+    }
+
+
 def state_doc(
     *,
     job_id: str,
@@ -62,6 +91,7 @@ def state_doc(
     incidents: Sequence[dict[str, Any]],
     stragglers: Sequence[dict[str, Any]] = (),
     owner_lag_s: float = 0.0,
+    diagnosis: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state document, without the time it is written (so two polls' documents compare equal)."""
     return {
@@ -79,6 +109,7 @@ def state_doc(
         # how late this job's owner's previous look came (0 while the owner's lane keeps up): a user's own
         # flood or stopped reader slows only their jobs, and status says so
         "owner_lag_s": round(owner_lag_s, 1),
+        "diagnosis": diagnosis,  # ``diagnosis_doc``: the job's straggler diagnosis, null before the first
         # which run of the job the open incident belongs to (a daemon restarted later resumes it only for
         # the same run: a reused job id is a new run)
         "generation_start_unix": None if generation_start_unix is None else round(generation_start_unix, 3),

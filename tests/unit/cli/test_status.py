@@ -53,6 +53,7 @@ def test_status_shows_the_open_incident_and_the_stalled_rank(procs, tmp_path, sh
     assert job["open_incident"]["bundle"] and Path(job["open_incident"]["bundle"]).is_dir()
     assert job["stalled_ranks"] == [1]
     assert job["watchdog"]["state"] == "fresh" and job["watchdog"]["mode"] == "daemon"
+    assert job["diagnosis_from"] == "watchdog"  # the daemon's one diagnosis of the job, not status' own
     assert [i["incident_id"] for i in job["incidents"]] == [job["open_incident"]["incident_id"]]
     # owner-only, beside the records, and a copy under the daemon's --out
     state = shm_dir / "jobS" / "watchdog.json"
@@ -75,6 +76,7 @@ def test_status_shows_the_open_incident_and_the_stalled_rank(procs, tmp_path, sh
     copy.write_text(json.dumps(doc))
     job = status_json(shm_dir, daemon_out=out)["jobs"][0]
     assert job["watchdog"]["state"] == "stale" and job["watchdog"]["age_s"] >= 600
+    assert job["diagnosis_from"] == "records"  # a silent watchdog's diagnosis is not the present either
     assert "silent for" in status(shm_dir, daemon_out=out).stdout
 
 
@@ -87,6 +89,7 @@ def test_status_without_a_watchdog_says_so(procs, shm_dir):
     one_rank(procs, shm_dir, "lonely")
     job = status_json(shm_dir)["jobs"][0]
     assert job["watchdog"] == {"state": "none"} and job["open_incident"] is None
+    assert job["diagnosis_from"] == "records"
     assert "no watchdog state" in status(shm_dir).stdout
 
 

@@ -18,6 +18,7 @@ import structlog
 from conftest import free_port, new_tracker
 from prometheus_client.parser import text_string_to_metric_families
 from rankwatch.hooks.record import RecordWriter
+from rankwatch.watchdog.cli.status import job_status, read_state
 from rankwatch.watchdog.core.detect import Trigger
 from rankwatch.watchdog.core.policy import StallPolicy
 from rankwatch.watchdog.core.straggler import diagnose_stragglers
@@ -186,6 +187,33 @@ def test_metrics_reflect_daemon_state(daemon_setup):
     m = scrape(server)
     assert value(m, "rankwatch_jobs") == 0
     assert "rankwatch_stalled" not in m
+
+
+
+def test_one_straggler_diagnosis_per_poll_is_what_metrics_and_status_show(daemon_setup, tmp_path):
+    daemon, server = daemon_setup
+    daemon.config = dataclasses.replace(daemon.config, live=LiveStragglerPolicy(every_s=0.0))  # every poll looks
+    entry = daemon.jobs[JOB]
+    diag = entry.straggler  # the job's diagnosis, made by the poll loop
+    assert diag is not None
+    assert (diag.label, diag.straggler_ranks, diag.phase) == ("INPUT STRAGGLER", [SLOW_RANK], "dataloader")
+    # scrapes diagnose nothing: they export the poll's diagnosis, which stays the same object
+    for _ in range(2):
+        m = scrape(server)
+        assert value(m, "rankwatch_diagnosis", job_id=JOB, label=diag.label, phase="dataloader") == 1
+        assert [dict(k)["rank"] for k in m["rankwatch_straggler"]] == [str(SLOW_RANK)]
+    assert entry.straggler is diag
+    # a poll that saw no new step keeps it too: nothing new to diagnose
+    daemon.poll_once()
+    assert entry.straggler is diag
+    # status shows the watchdog's diagnosis, read back from the state file the poll wrote, not one of its own
+    # (status runs in-process here: as a child of this test, which writes the records, it would refuse them)
+    state = read_state(daemon.config.shm_dir, str(tmp_path / "none"), JOB, time.time())
+    assert state is not None
+    job = job_status(entry.watch, entry.last_views, state, stale_after_s=60.0)
+    assert (job["diagnosis"], job["straggler_ranks"], job["phase"], job["why"], job["diagnosis_from"]) == (
+        diag.label, [SLOW_RANK], "dataloader", diag.why, "watchdog")
+
 
 
 def test_every_declared_metric_is_exposed(daemon_setup):

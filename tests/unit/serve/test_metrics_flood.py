@@ -7,6 +7,7 @@ answering. Now the port is one event loop with a connection cap and deadlines (`
 
 from __future__ import annotations
 
+import html
 import os
 import resource
 import socket
@@ -14,12 +15,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from conftest import free_port, start_daemon, wait_for, wait_polls
 from rankwatch.watchdog.observe.process import ProcessTable
 from rankwatch.watchdog.serve.daemon import Daemon, DaemonConfig
-from rankwatch.watchdog.serve.http_endpoint import EndpointPolicy
+from rankwatch.watchdog.serve.http_endpoint import ERROR_CONTENT_TYPE, ERROR_PAGE, EndpointPolicy, error_response
 from rankwatch.watchdog.serve.metrics import serve_metrics
 
 FD_LIMIT = 256  # the daemon's RLIMIT_NOFILE below: fewer fds than the idle connections the test opens
@@ -193,3 +195,12 @@ def test_the_cap_makes_room_for_a_fresh_client_and_bad_heads_get_http_servers_an
         daemon.close()
     assert not [t for t in threading.enumerate() if t.name == "rankwatch-metrics"]
 
+
+
+def test_error_pages_are_the_ones_http_server_writes():
+    # the endpoint keeps http.server's page as its own copy (importing http.server cost every watchdog ~1 MB)
+    assert (ERROR_PAGE, ERROR_CONTENT_TYPE) == (BaseHTTPRequestHandler.error_message_format,
+                                                BaseHTTPRequestHandler.error_content_type)
+    message = "try <this> & \"that\""
+    page = error_response(404, message)
+    assert page.status == 404 and f"<p>Message: {html.escape(message, quote=False)}.</p>".encode() in page.body
