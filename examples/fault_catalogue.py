@@ -920,7 +920,8 @@ CLASSES: dict[str, Klass] = {
         "the others lose it in DDP's all_reduce. It ended 'cleanly' but it initiated the failure",
         offline=True,
         offline_why="torchrun's failure report lists every rank that failed except rank 1 (it exited 0, before the "
-        "others lost their peer, mid-run)",
+        "others lost their peer, mid-run). At the highest rank (3) no line shows that it exists: that log cannot "
+        "decide and nobody may be named (the suite counts it as an offline miss)",
     ),
     "alloc-oom": Klass(
         "outside.py",
