@@ -225,6 +225,11 @@ def _progress(trace: RankTrace, pg: str, entries: list[FrEntry], use_status: boo
     local_ids = {e.pg_id for e in entries} if use_status else set()
     for pid in local_ids:
         st = trace.pg_status.get(pid)
+        newest = max((e for e in entries if e.pg_id == pid), key=lambda e: e.record_id)
+        if newest.op_id != newest.collective_seq_id and st is not None and st.last_enqueued >= newest.op_id:
+            # gloo's status counts every op id, sends and recvs its recorder does not keep included: a
+            # pipeline stage's count is its p2p traffic, not its progress (issue 44 item 5, pp-wrong-peer)
+            continue
         if st is not None:
             entered = max(entered, st.last_enqueued)
             completed = max(completed, st.last_completed)

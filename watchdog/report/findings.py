@@ -239,6 +239,9 @@ def _outside(f: Finding, who: str, d: Mapping[str, Any]) -> Words:
         if unseen:
             silent = f"{fmt_ranks(unseen)} left no line in the log at all (a node lost at once leaves none)" + (
                 f" and {fmt_ranks(quiet)} printed no error of its own" if quiet else "")
+        elif d.get("stopped"):
+            silent = (f"{fmt_ranks(d['stopped'])} printed no error of its own and ended by SIGTERM (an outside kill "
+                      "and the launcher's teardown end alike), and a rank that exited 0 is in no launcher report")
         return Words(
             f"{waiting} timed out or lost a peer, but {silent}: any of them could be the one that never arrived"
             + note,

@@ -123,6 +123,10 @@ def _first_exit(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, 
                      "when rankwatch noticed, and who it was rests on its record alone")
     if d.get("all_consequences"):
         lines.append("every rank that ended reports a consequence (communication error): the cause may lie outside")
+    if d.get("silent_in_collective"):
+        lines.append(f"{fmt_ranks(f.ranks)} died without a word inside a collective: a receiver's abort ends the same "
+                     "way (gloo's size check on a message a peer sent wrong, NCCL's watchdog after a timeout), so "
+                     "its own console decides (a 'Received data size doesn't match' line names a mismatch)")
     return reason, lines
 
 

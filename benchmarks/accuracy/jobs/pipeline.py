@@ -6,6 +6,9 @@ and receives gradients, the last only receives activations and sends gradients, 
 so a per-group op counter says nothing about who is behind. Fault ``stage-spin``: ``--fault-rank``'s stage
 spins in its forward of the first micro-batch at ``--fault-step`` and never sends; every other stage then
 waits, directly (its recv from that stage) or through a chain of recvs, or in the logging all_reduce.
+Fault ``wrong-peer`` (issue 44 item 5, a class outside the suite): at ``--fault-step`` stage ``--fault-rank``
+(2 or more) posts the recv of its first micro-batch's activation from stage ``rank - 2`` instead of
+``rank - 1``: that stage never sends to it, and the stages around it wait for one another in a ring.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ HIDDEN = 64
 
 
 def main() -> int:
-    p = _common.parser(__doc__, ("stage-spin", "none"))
+    p = _common.parser(__doc__, ("stage-spin", "wrong-peer", "none"))
     p.add_argument("--micro-batches", type=int, default=4)
     args = p.parse_args()
     rank, world = _common.init(args)
@@ -36,7 +39,11 @@ def main() -> int:
             x = torch.randn(8, HIDDEN, generator=gen)
             if not first:
                 x = torch.empty(8, HIDDEN)
-                dist.recv(x, src=rank - 1)
+                src = rank - 1
+                if args.scenario == "wrong-peer" and rank == args.fault_rank and i == args.fault_step and mb == 0:
+                    _common.mark("wrong-peer", rank, i)
+                    src = rank - 2  # an off-by-one in the schedule: the stage before the previous one
+                dist.recv(x, src=src)
             x.requires_grad_(not first)
             if args.scenario == "stage-spin" and rank == args.fault_rank and i == args.fault_step and mb == 0:
                 _common.mark("stage-spin", rank, i)

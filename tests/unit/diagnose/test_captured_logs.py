@@ -1,6 +1,8 @@
 """`rankwatch diagnose` on consoles of real faults run here (tests/fixtures/logs/captured, truth in TRUTH.json):
 formats and bug classes verdict v4 reads (a monitored barrier's report, torch.multiprocessing.spawn's exit,
-a torchrun console without rank prefixes, an exception pasted without its traceback)."""
+a torchrun console without rank prefixes, an exception pasted without its traceback) and classes outside the
+suite (issue 44 item 5: a silent exit 0, the CPU allocator's and the cgroup OOM killer's ends, and a mismatched
+all_gather whose log cannot tell the sender: truth [], nobody named)."""
 
 from __future__ import annotations
 

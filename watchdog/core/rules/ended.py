@@ -18,6 +18,7 @@ from ..failures import CONSEQUENCE, INITIATING
 from ..policy import OfflinePolicy
 from ..ranks import first_by_time
 from ..schema import DEAD_RANK, UNKNOWN
+from ..snapshot import DEAD
 
 EXIT_CAUSE = "exit_cause"
 REPORT_ONLY = "report_only"
@@ -80,7 +81,7 @@ def rule_exit_order(facts: FactSet, tolerance: float) -> Finding | None:
     Then time (``Ended.ts``, the node's exit order breaking ties), with ends within ``tolerance`` of the
     first named with it (``earliest_ends``); ends of unknown time are not ordered: all are named. A bare
     SIGABRT (no message of its own) while nobody waited stays undecided: a rank's own abort and NCCL's
-    watchdog abort after a timeout end alike."""
+    watchdog abort after a timeout end alike; so does (live) a rank killed without any mark inside a collective."""
     if not facts.ended:
         return None
     timed = all(e.ts is not None for e in facts.ended)
@@ -103,10 +104,14 @@ def rule_exit_order(facts: FactSet, tolerance: float) -> Finding | None:
     after_waits = (not lead.stated and lead.ts is not None and bool(gave_up)
                    and lead.ts - min(gave_up) > tolerance and len(firsts) == 1)
     consequences = [e.rank for e in ordered if not e.own]
-    undecided = bare_abort or after_waits
+    # live: killed without any mark while inside a collective. A receiver's abort ends that way too (gloo's size
+    # enforcement on a message a peer sent wrong, NCCL's watchdog after a timeout): a guess, however many wait
+    silent_in_collective = lead.how == DEAD and lead.phase == "collective" and lead.signal is None
+    undecided = bare_abort or after_waits or silent_in_collective
     return Finding(EXIT_CAUSE, DEAD_RANK, sorted(e.rank for e in firsts), Rung.EXIT_CAUSE,
                    "low" if undecided else confidence, {
                        "shape": "first_exit", "decided": not undecided, "bare_abort": bare_abort,
+                       "silent_in_collective": silent_in_collective,
                        "after_waits": round(lead.ts - min(gave_up), 3) if after_waits and lead.ts is not None
                        and gave_up else None,
                        "waiting": waiting, "phase": lead.phase, **cause_of(lead), "lead": lead.rank,

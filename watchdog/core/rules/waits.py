@@ -64,7 +64,9 @@ def rule_outside(facts: FactSet) -> Finding | None:
     """The ranks the waiters' unnamed waits reach. Ranks known to exist that left no line at all
     (``facts.unseen``: a whole node killed at once) are candidates as good as a silent one that printed: they
     only ever take a naming away (undecided), never make one — an excerpt often shows only some ranks.
-    Undecided too when there are as many candidates as waiters."""
+    Undecided too when there are as many candidates as waiters, or when every waiter lost a peer that went
+    away and each candidate ended by SIGTERM (the launcher's teardown and an outside kill end alike, and a rank
+    that exited 0 is in no launcher report)."""
     waiting = facts.inside()
     found = blame(waiting_graph(facts, waiting))
     outside = list(found.ranks) if found is not None else []
@@ -86,6 +88,13 @@ def rule_outside(facts: FactSet) -> Finding | None:
         # any of the silent ranks could be the one that never arrived
         silent = sorted({*outside, *facts.unseen})
         return Finding(OUTSIDE, HANG, [], Rung.WAITING, "low", {**data, "decided": False, "silent": silent})
+    stopped = sorted({x.rank for x in facts.exited if x.signal == "SIGTERM"} & set(outside))
+    if peer_only and stopped == sorted(outside):
+        # every waiter lost a peer that went away, and each silent one ended by SIGTERM: an outside kill (a
+        # preemption) and the launcher's teardown of a rank that only waited end alike, and a rank that exited 0
+        # is in no launcher report at all (issue 44 item 5, exit-zero at the highest rank): a guess, never a naming
+        return Finding(OUTSIDE, DEAD_RANK, [], Rung.WAITING, "low",
+                       {**data, "decided": False, "silent": stopped, "stopped": stopped})
     return Finding(OUTSIDE, DEAD_RANK if peer_only else HANG, outside, Rung.WAITING, "medium", data)
 
 

@@ -1,0 +1,80 @@
+"""The facts behind the classes outside the suite (issue 44 item 5; jobs/outside.py, pipeline.py's wrong-peer):
+what each miss of their first run was, held at the fact it came from. Pure: real gloo dumps and views, no
+processes. The classes themselves run end to end in ``test_v3_classes.py`` (``OUTSIDE_SUITE``) and in the
+accuracy suite (benchmarks/README.md, "Classes outside the suite")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rankwatch.watchdog.core.facts import Ended, FactSet, Progress
+from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts
+from rankwatch.watchdog.core.rules.counters import rule_behind
+from rankwatch.watchdog.core.rules.ended import rule_exit_order
+from rankwatch.watchdog.core.snapshot import RankView
+from rankwatch.watchdog.evidence.flight_recorder import load_dump
+
+FR = Path(__file__).resolve().parents[2] / "fixtures" / "fr"
+
+
+def test_gloos_status_counter_of_every_op_is_not_a_pipelines_progress():
+    # pp-wrong-peer's dumps (4 GPipe stages, gloo, taken at the hang): gloo's recorder keeps the collectives only
+    # (seq 1-5, one logging all_reduce per step) while its pg_status counts every op id, sends and recvs
+    # included: 45 on the first and last stage, 85 on the middle ones. Read as progress it named stages 0 and 3
+    # "behind" (the first run: hang [0, 3])
+    traces = {r: load_dump(FR / "pipeline-p2p" / f"rank-{r}.fr.json") for r in range(4)}
+    assert {r: t.pg_status[0].last_enqueued for r, t in traces.items()} == {0: 45, 1: 85, 2: 85, 3: 45}
+    a = analyze_fr(traces)
+    (g,) = a.groups
+    assert {r: p.entered for r, p in g.progress.items()} == {0: 5, 1: 5, 2: 5, 3: 5}
+    assert a.behind_ranks == ()
+    # a status on the collectives' own scale still counts (a ring that wrapped): test_flight_recorder's
+    # test_ring_wrap_uses_pg_status
+
+
+def rv(rank: int, **kw: Any) -> RankView:
+    base: dict[str, Any] = dict(rank=rank, node="n0", pid=1000 + rank, state="running", step=5, phase="collective",
+                                in_phase_s=30.0, since_progress_s=30.0, coll_seq=87, coll_done=86, coll_op="recv")
+    return RankView(**{**base, **kw})
+
+
+def test_python_level_counts_with_sends_and_recvs_name_nobody_behind():
+    # the same hang, live: the hook counts every Python-level call, p2p included; the last stage issues fewer
+    # by design and was named "stuck before collective #87 (send)" at high confidence once the recorder no
+    # longer named anyone
+    stages = [rv(0, coll_seq=45, coll_done=44), rv(1, coll_op="send"), rv(2), rv(3, coll_seq=45, coll_done=44)]
+    assert count_facts(stages, COLLECTIVE_SEQ) == []
+    assert len(count_facts(stages, STEP)) == 4  # steps still compare
+    assert rule_behind(stages) is None
+    # without p2p the count is the collectives' own: the rank behind is named as before
+    flat = [rv(0, coll_op="all_reduce"), rv(1, coll_seq=86, coll_done=86, coll_op="all_reduce", phase="forward"),
+            rv(2, coll_op="all_reduce")]
+    f = rule_behind(flat)
+    assert f is not None and f.ranks == [1]
+
+
+LOST = "Connection reset by peer"
+
+
+def _ends(lead_phase: str) -> FactSet:
+    # gather-shape live: rank 2 vanished without any mark (gloo aborted it: a message of the wrong size from
+    # rank 1), ranks 1 and 3 then lost it, rank 0 still waits in the all_gather
+    return FactSet(
+        ranks=(0, 1, 2, 3),
+        progress=[Progress(0, "running", "collective", 6, True, 23, "all_gather"),
+                  Progress(2, "dead", lead_phase, 6)],
+        ended=[Ended(2, own=True, ts=-0.02, order=0, how="dead", phase=lead_phase, step=6),
+               *(Ended(r, own=False, cause=LOST, peer_ended=True, ts=-0.01, order=r, how="crashed") for r in (1, 3))],
+    )
+
+
+def test_a_death_without_a_word_inside_a_collective_is_named_as_a_guess():
+    f = rule_exit_order(_ends("collective"), 0.5)
+    assert f is not None and f.ranks == [2]
+    assert (f.confidence, f.data["decided"], f.data["silent_in_collective"]) == ("low", False, True)
+    # killed while computing (the OOM killer in forward, cgroup-oom; a SIGKILL at the step's start): its own
+    f = rule_exit_order(_ends("forward"), 0.5)
+    assert f is not None and f.ranks == [2]
+    assert (f.confidence, f.data["decided"], f.data["silent_in_collective"]) == ("high", True, False)
