@@ -13,13 +13,12 @@ A new bug class is one fact extractor (``core.live_facts``, ``diagnose.log_facts
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import engine
 from ..engine import Finding
-from ..facts import FactSet, Rung
-from ..fr_hints import FrHints
-from ..live_facts import is_waiting
+from ..facts import FactSet, Progress, Rung
+from ..live_facts import gpu_facts, in_collective_facts, is_waiting, progress_facts, stack_facts
 from ..policy import OfflinePolicy, VerdictPolicy
 from ..schema import UNKNOWN
 from ..snapshot import RankView
@@ -42,16 +41,33 @@ NONE = "none"
 
 @dataclass
 class LiveCase:
-    """What the live rules read: every rank's view, the flight recorder, the policy, the exit facts, and the
-    engine's facts (``core.live_facts``, built by ``core.verdict`` only when a rung needs them)."""
+    """What the live rules read: every rank's view, the flight recorder's facts (``core.fr_facts``), the
+    policy, the exit facts, and the facts made from the views (``core.live_facts``), each made once and only
+    when a rung reads it: the engine's (``facts``, built by ``core.verdict``), where the live ranks are
+    (``live_progress``), their stacks and GPU use (``seen``)."""
 
     views: Sequence[RankView]
     present: Sequence[RankView]
     live: Sequence[RankView]
-    fr_hints: FrHints | None
+    fr: FactSet | None
     policy: VerdictPolicy
     ends: FactSet  # the exit rungs' facts: ends and where every rank is (``core.live_facts.exit_facts``)
     facts: FactSet | None = None
+    _progress: list[Progress] | None = field(default=None, repr=False)
+    _seen: FactSet | None = field(default=None, repr=False)
+
+    def live_progress(self) -> list[Progress]:
+        """Where every live rank is (``Progress`` facts)."""
+        if self._progress is None:
+            self._progress = progress_facts(self.live)
+        return self._progress
+
+    def seen(self) -> FactSet:
+        """The ranks that answered, their stack equivalence classes and the live ranks' GPU use."""
+        if self._seen is None:
+            self._seen = FactSet(ranks=tuple(v.rank for v in self.present), stacks=stack_facts(self.present),
+                                 gpu=gpu_facts(self.live))
+        return self._seen
 
 
 OfflineRule = Callable[[FactSet, OfflinePolicy], Finding | None]
@@ -103,7 +119,11 @@ def _live_wait_for(c: LiveCase) -> Finding | None:
 
 
 def _live_fr(c: LiveCase) -> Finding | None:
-    return rule_fr(c.fr_hints, c.live) if c.fr_hints is not None else None
+    return rule_fr(c.fr, c.live_progress()) if c.fr is not None else None
+
+
+def _live_gpu(c: LiveCase) -> Finding | None:
+    return rule_same_collective(in_collective_facts(c.live), c.seen().gpu, c.policy) if c.live else None
 
 
 def _live_counters(c: LiveCase) -> Finding | None:
@@ -150,9 +170,9 @@ LADDER: tuple[LadderRung, ...] = (
                live=_live_waiting, backs=True),
     LadderRung(n.THREAD_DIED, "a helper thread of the rank died with an exception (the hook's record): what its "
                "training loop waits for", False, live=lambda c: rule_thread_died(c.present), backs=True),
-    LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
+    LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.seen())),
     LadderRung(n.GPU, "every rank in one collective: a communication hang, unless one has no GPU activity", False,
-               live=lambda c: rule_same_collective(c.live, c.policy),
+               live=_live_gpu,
                offline=lambda f, p: facts_same_collective(f), offline_name="same_collective"),
     LadderRung(n.REPORT_ONLY, "only a launcher's exit report: the rank it says exited first, as a guess", False,
                offline=lambda f, p: rule_report_only(f), offline_name="report_only"),
