@@ -429,3 +429,18 @@ def test_behind_is_the_lowest_count_of_a_group_and_ranks_in_between_are_waiters(
     fr = v.found["fr_behind"]
     assert v.initiating_ranks == [2] and fr is not None and fr.ranks == [2]
     assert "fr_behind" in v.finding.data["backed_by"]
+
+
+def test_a_rank_whose_helper_thread_died_is_named_by_its_rung_over_facts():
+    # rank 2's prefetch thread raised; its main thread waits on the queue (idle, not in a collective): no
+    # stronger rung singles it out, the thread's death (a ``ThreadDied`` fact of the hook's record) does
+    views = [rv(0, waiting=True), rv(1, waiting=True),
+             rv(2, phase="idle", waiting=True, thread_died="thread prefetch: ValueError: boom"), rv(3, waiting=True)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("hang", [2], "thread_died")
+    assert v["finding"]["data"]["threads"] == {"2": "thread prefetch: ValueError: boom"}
+    # where the graph names the rank already, the dead thread backs it
+    views[2] = dataclasses.replace(views[2], phase="dataloader", waiting=False)
+    v = verdict(views)
+    assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
+    assert "thread_died" in v["finding"]["data"]["backed_by"]

@@ -76,6 +76,8 @@ class Progress:
     in_collective: bool = False
     seq: int | None = None
     op: str | None = None
+    blocked: bool | None = None  # live: its stack is blocked in a wait on peers (True), runs its own code
+    # (False), or no stack was read (None)
 
 
 @dataclass(slots=True)
@@ -223,6 +225,15 @@ class Unjoined:
 
 
 @dataclass(slots=True)
+class ThreadDied:
+    """A helper thread of a live rank (a prefetch or I/O producer) died with an exception (``error``:
+    "thread NAME: ExceptionType: message", the hook's record): what its training loop may wait for."""
+
+    rank: int
+    error: str
+
+
+@dataclass(slots=True)
 class SameStack:
     """Ranks whose Python stacks share one signature (STAT's stack equivalence class; live)."""
 
@@ -298,11 +309,13 @@ class FactSet:
     logged: LoggedVerdict | None = None
     # ranks known to exist (a stated world size, the highest rank seen) that no line is about: silent
     unseen: tuple[int, ...] = ()
-    # what only live sources hold: the flight recorder's groups and unjoined collectives, stacks, GPU use
+    # what only live sources hold: the flight recorder's groups and unjoined collectives, stacks, GPU use,
+    # helper threads that died
     groups: list[ProcessGroup] = field(default_factory=list)
     unjoined: list[Unjoined] = field(default_factory=list)
     stacks: list[SameStack] = field(default_factory=list)
     gpu: list[GpuUse] = field(default_factory=list)
+    threads: list[ThreadDied] = field(default_factory=list)
 
     def waiting_own(self) -> set[int]:
         """Ranks whose own lines show them waiting on a peer (a timeout, a lost peer, a mismatch)."""

@@ -30,6 +30,7 @@ from .facts import (
     SameStack,
     Silent,
     Stopped,
+    ThreadDied,
     Waits,
 )
 from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role, waited_for
@@ -45,6 +46,14 @@ def is_waiting(v: RankView) -> bool:
     if v.in_collective or v.waiting:
         return True
     return v.waiting is None and v.phase == "backward"
+
+
+def waits_on_peers(p: Progress) -> bool:
+    """``is_waiting`` over a rank's ``Progress`` fact: in a Python collective, its stack blocked in a wait, or
+    (no stack) DDP's sync in backward."""
+    if p.in_collective or p.blocked:
+        return True
+    return p.blocked is None and p.phase == "backward"
 
 
 def inside_step(p: Progress) -> bool:
@@ -157,7 +166,8 @@ def ended_facts(
 def progress_facts(views: Sequence[RankView]) -> list[Progress]:
     """Where every view's rank is: its state, phase, step and Python-level collective (what the exit rules
     of ``rules.exits`` read)."""
-    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op) for v in views]
+    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op, v.waiting)
+            for v in views]
 
 
 STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
@@ -165,11 +175,12 @@ STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
 count (one group: the hook counts every collective the script calls), the flight recorder's per group."""
 
 
-def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
-    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every view, as ``Count`` facts (group "")."""
+def count_facts(progress: Sequence[Progress], counter: str) -> list[Count]:
+    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every rank (its ``Progress``), as ``Count`` facts
+    (group "")."""
     if counter == STEP:
-        return [Count(v.rank, "", STEP, v.step) for v in views]
-    return [Count(v.rank, "", COLLECTIVE_SEQ, v.coll_seq) for v in views]
+        return [Count(p.rank, "", STEP, p.step or 0) for p in progress]
+    return [Count(p.rank, "", COLLECTIVE_SEQ, p.seq or 0) for p in progress]
 
 
 def _stopped(v: RankView) -> Stopped:
@@ -237,6 +248,11 @@ def in_collective_facts(live: Sequence[RankView]) -> FactSet:
         waits=[Waits(v.rank, None, "", v.coll_seq, v.coll_op, Rung.COUNTERS, IN_COLLECTIVE) for v in inside],
         in_op=[InOp(v.rank, v.coll_op or "", "counters", seq=v.coll_seq) for v in inside],
     )
+
+
+def thread_facts(present: Sequence[RankView]) -> list[ThreadDied]:
+    """The live ranks whose helper thread died with an exception (the hook's record)."""
+    return [ThreadDied(v.rank, v.thread_died) for v in present if v.state == RUNNING and v.thread_died]
 
 
 def gpu_facts(live: Sequence[RankView]) -> list[GpuUse]:

@@ -18,10 +18,17 @@ from dataclasses import dataclass, field
 from .. import engine
 from ..engine import Finding
 from ..facts import FactSet, Progress, Rung
-from ..live_facts import gpu_facts, in_collective_facts, is_waiting, progress_facts, stack_facts
+from ..live_facts import (
+    gpu_facts,
+    in_collective_facts,
+    progress_facts,
+    stack_facts,
+    thread_facts,
+    waits_on_peers,
+)
 from ..policy import OfflinePolicy, VerdictPolicy
 from ..schema import UNKNOWN
-from ..snapshot import RankView
+from ..snapshot import EXITED, RUNNING, RankView
 from . import names as n
 from .counters import rule_behind as counters_behind
 from .counters import rule_collective, rule_not_waiting
@@ -57,16 +64,22 @@ class LiveCase:
     _seen: FactSet | None = field(default=None, repr=False)
 
     def live_progress(self) -> list[Progress]:
-        """Where every live rank is (``Progress`` facts)."""
+        """Where every live rank is (``Progress`` facts; the exit facts' own where they were made)."""
         if self._progress is None:
-            self._progress = progress_facts(self.live)
+            made = self.ends.progress
+            self._progress = [p for p in made if p.how == RUNNING] if made else progress_facts(self.live)
         return self._progress
 
+    def exited(self) -> list[int]:
+        """The ranks that exited normally (made with the exit facts whenever one did)."""
+        return [p.rank for p in self.ends.progress if p.how == EXITED]
+
     def seen(self) -> FactSet:
-        """The ranks that answered, their stack equivalence classes and the live ranks' GPU use."""
+        """The ranks that answered, their stack equivalence classes, the live ranks' GPU use and helper
+        threads that died."""
         if self._seen is None:
             self._seen = FactSet(ranks=tuple(v.rank for v in self.present), stacks=stack_facts(self.present),
-                                 gpu=gpu_facts(self.live))
+                                 gpu=gpu_facts(self.live), threads=thread_facts(self.present))
         return self._seen
 
 
@@ -127,11 +140,13 @@ def _live_gpu(c: LiveCase) -> Finding | None:
 
 
 def _live_counters(c: LiveCase) -> Finding | None:
-    return (counters_behind(c.live) or rule_collective(c.live)) if c.live else None
+    live = c.live_progress()
+    return (counters_behind(live) or rule_collective(live)) if live else None
 
 
 def _live_waiting(c: LiveCase) -> Finding | None:
-    return rule_not_waiting(c.live, c.present) if c.live and not any(is_waiting(v) for v in c.live) else None
+    live = c.live_progress()
+    return rule_not_waiting(live, c.exited()) if live and not any(waits_on_peers(p) for p in live) else None
 
 
 LADDER: tuple[LadderRung, ...] = (
@@ -169,7 +184,8 @@ LADDER: tuple[LadderRung, ...] = (
     LadderRung(n.WAITING, "every rank busy and none waiting: the one earliest in the step", False,
                live=_live_waiting, backs=True),
     LadderRung(n.THREAD_DIED, "a helper thread of the rank died with an exception (the hook's record): what its "
-               "training loop waits for", False, live=lambda c: rule_thread_died(c.present), backs=True),
+               "training loop waits for", False, live=lambda c: rule_thread_died(c.seen(), c.live_progress()),
+               backs=True),
     LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.seen())),
     LadderRung(n.GPU, "every rank in one collective: a communication hang, unless one has no GPU activity", False,
                live=_live_gpu,
