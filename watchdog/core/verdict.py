@@ -168,7 +168,7 @@ def decide(
         reason="",
         detected_after_s=detected_after_s,
         ranks={str(v.rank): rank_entry(v) for v in views},
-        extra=_extra(finding, found, missing, fr_facts),
+        extra=_extra(finding, found, missing, case),
         finding=finding,
         found=found,
         notes=notes,
@@ -239,7 +239,7 @@ def _extra(
     finding: Finding,
     found: Mapping[str, Finding | None],
     missing: Sequence[RankView],
-    fr_facts: FactSet | None,
+    case: LiveCase,
 ) -> dict[str, Any]:
     """The verdict document's own fields: which rung decided, the structured finding, the flight
     recorder's role."""
@@ -253,10 +253,10 @@ def _extra(
     }
     if finding.rule == engine.AFTER_KILL:
         extra["follows_incident"] = finding.data.get("follows_incident")
-    if fr_facts is not None:
+    if case.fr is not None:
         fr_role = "decided" if decided_by == n.FLIGHT_RECORDER else _fr_role(
             found.get(n.FLIGHT_RECORDER) or found.get(n.FR_BEHIND), finding)
-        extra["flight_recorder"] = {**fr_doc(fr_facts), "role": fr_role}
+        extra["flight_recorder"] = {**fr_doc(case.fr, case.fr_rows()), "role": fr_role}
     return extra
 
 

@@ -37,7 +37,7 @@ from .exits import abort_on_mismatch, abort_with_odd_counts, rule_gone, rule_sto
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
-from .recorder import rule_fr, split_behind
+from .recorder import Behind, fr_behind, rule_fr, split_behind
 from .threads import rule_thread_died
 from .waits import rule_outside, rule_wait_for
 from .waits import rule_same_collective as facts_same_collective
@@ -62,6 +62,14 @@ class LiveCase:
     facts: FactSet | None = None
     _progress: list[Progress] | None = field(default=None, repr=False)
     _seen: FactSet | None = field(default=None, repr=False)
+    _fr_rows: list[Behind] | None = field(default=None, repr=False)
+
+    def fr_rows(self) -> list[Behind]:
+        """The ranks behind in the flight recorder's groups (``rules.recorder.fr_behind``), made once: its rung
+        and the document's ``flight_recorder`` section read them."""
+        if self._fr_rows is None:
+            self._fr_rows = fr_behind(self.fr) if self.fr is not None else []
+        return self._fr_rows
 
     def live_progress(self) -> list[Progress]:
         """Where every live rank is (``Progress`` facts; the exit facts' own where they were made)."""
@@ -132,7 +140,7 @@ def _live_wait_for(c: LiveCase) -> Finding | None:
 
 
 def _live_fr(c: LiveCase) -> Finding | None:
-    return rule_fr(c.fr, c.live_progress()) if c.fr is not None else None
+    return rule_fr(c.fr, c.live_progress(), c.fr_rows()) if c.fr is not None and c.live else None
 
 
 def _live_gpu(c: LiveCase) -> Finding | None:

@@ -12,9 +12,10 @@ from ..engine import Finding
 from ..facts import FR_ENTERED, FR_ENTRY, FactSet, Progress, Rung
 from ..fr_facts import ENTERED
 from ..live_facts import mismatch_facts
+from ..ranks import behind as ranks_behind
 from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, HANG, lower_confidence
-from .behind import behind_in, counts_by_group
+from .behind import counts_by_group
 from .mismatch import rule_mismatch
 from .names import FLIGHT_RECORDER as FR
 from .names import FR_BEHIND
@@ -42,25 +43,20 @@ class Behind:
 def fr_behind(fr: FactSet) -> list[Behind]:
     """The ranks behind in each group of the recorder (the one "behind" rule over its ``entered`` counts), in
     the groups' order."""
-    behind = behind_in(fr.counts, ENTERED)
-    if not any(behind.values()):
-        return []
     values = counts_by_group(fr.counts, ENTERED)
-    in_flight = {(w.group, w.rank, w.seq) for w in fr.waits if w.source == FR_ENTRY and w.seq is not None}
-    ops: dict[tuple[str | None, int | None], str] = {}  # (group, seq) → the op the first member there entered
+    behind = {g: rs for g, vals in values.items() if g is not None and (rs := ranks_behind(vals))}
+    if not behind:
+        return []
+    top = {g: max(values[g].values()) for g in behind}
+    wanted = {(g, r) for g, rs in behind.items() for r in rs}
+    in_flight = {(w.group, w.rank, w.seq) for w in fr.waits
+                 if (w.group, w.rank) in wanted and w.source == FR_ENTRY and w.seq is not None}
+    ops: dict[str, str] = {}  # group → the op the first member at its top seq entered
     for i in fr.in_op:
-        if i.source == FR_ENTERED:
-            ops.setdefault((i.group, i.seq), i.op)
-    out: list[Behind] = []
-    for group, ranks in behind.items():
-        if not ranks or group is None:
-            continue
-        top = max(values[group].values())
-        top_op = ops.get((group, top))
-        for r in ranks:
-            seq = values[group][r]
-            out.append(Behind(group, r, seq, top, top_op, waiting=(group, r, seq) in in_flight))
-    return out
+        if i.source == FR_ENTERED and i.group in top and i.seq == top[i.group]:
+            ops.setdefault(i.group, i.op)
+    return [Behind(g, r, values[g][r], top[g], ops.get(g), waiting=(g, r, values[g][r]) in in_flight)
+            for g, rs in behind.items() for r in rs]
 
 
 def mismatches(fr: FactSet) -> dict[tuple[str | None, int | None], tuple[str, dict[str, tuple[int, ...]]]]:
@@ -99,9 +95,9 @@ def behind_detail(behind: Sequence[Behind], ranks: Sequence[int]) -> list[dict[s
     return out
 
 
-def rule_fr(fr: FactSet, live: Sequence[Progress]) -> Finding | None:
+def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None = None) -> Finding | None:
     """What the flight recorder says on its own, over its facts and where the live ranks are: a mismatch at
-    one (pg, seq), else the ranks behind.
+    one (pg, seq), else the ranks behind (``rows``: ``fr_behind``'s, where the caller made them already).
 
     It sees every collective of every process group, DDP's gradient all-reduces included, which the
     Python-level counters do not; so it outranks them (the evidence ladder)."""
@@ -113,7 +109,7 @@ def rule_fr(fr: FactSet, live: Sequence[Progress]) -> Finding | None:
     mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(live_ranks)), in_op=mismatch_facts(fr, live_ranks)))
     if mismatch is not None and mismatch.ranks:
         return _mismatch_finding(mismatch, fr, covered)
-    rows = fr_behind(fr)
+    rows = fr_behind(fr) if rows is None else rows
     behind = sorted({b.rank for b in rows} & live_ranks)
     if not behind:
         # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
@@ -136,12 +132,13 @@ def rule_fr(fr: FactSet, live: Sequence[Progress]) -> Finding | None:
         "others": sorted(live_ranks - set(behind))})
 
 
-def fr_doc(fr: FactSet) -> dict[str, Any]:
+def fr_doc(fr: FactSet, rows: Sequence[Behind] | None = None) -> dict[str, Any]:
     """The verdict document's ``flight_recorder`` section (without its ``role``): the ranks covered, the ranks
-    behind, the collectives some members never joined, the mismatches."""
+    behind (``rows``: ``fr_behind``'s, where made already), the collectives some members never joined, the
+    mismatches."""
     return {
         "ranks": list(fr.ranks),
-        "behind": [b.to_json() for b in fr_behind(fr)],
+        "behind": [b.to_json() for b in (fr_behind(fr) if rows is None else rows)],
         "missing": [{"pg": m.group, "seq": m.seq, "op": m.op, "joined": list(m.joined), "missing": list(m.missing)}
                     for m in fr.unjoined],
         "mismatches": [{"pg": group, "seq": seq, "kind": aspect, "odd_ranks": list(outside_majority(variants) or ()),
