@@ -96,7 +96,7 @@ def main() -> None:
             shared = parse_evidence_doc(raw).fr
             remote = {r: shared[r % RANKS_PER_NODE] for r in range(RANKS_PER_NODE, world)}
             local = analyse_traces(node_traces, [])
-            leader = FrFindings(lines=local.lines, hints=local.hints, traces=node_traces)
+            leader = FrFindings(lines=local.lines, facts=local.facts, traces=node_traces)
             analysis = median_s(max(1, args.repeats // 2), with_remote, leader, remote)
             rows.append({"shape": shape, "nodes": nodes, "share_bytes": len(raw), "entries_per_rank": kept,
                          "build_s": build, "parse_node_s": parse, "analysis_s": analysis})

@@ -76,6 +76,8 @@ class Progress:
     in_collective: bool = False
     seq: int | None = None
     op: str | None = None
+    blocked: bool | None = None  # live: its stack is blocked in a wait on peers (True), runs its own code
+    # (False), or no stack was read (None)
 
 
 @dataclass(slots=True)
@@ -162,9 +164,11 @@ class Exited:
 @dataclass(slots=True)
 class InOp:
     """A rank says which collective it is in: the flight recorder's entry at a (group, sequence number)
-    (``source`` "flight_recorder", live), c10d's fingerprint check ("fingerprint"), NCCL's watchdog at a
-    sequence number ("watchdog"), a traceback while waiting ("stack", at ``site``), or the hook's
-    Python-level collective counter ("counters", live)."""
+    where members disagree (``source`` "flight_recorder", live: ``op`` is what this rank's entry says of
+    the ``aspect`` they disagree on — the op, its sizes or dtypes), the newest collective it entered in a
+    group ("fr_entered", live), c10d's fingerprint check ("fingerprint"), NCCL's watchdog at a sequence
+    number ("watchdog"), a traceback while waiting ("stack", at ``site``), or the hook's Python-level
+    collective counter ("counters", live)."""
 
     rank: int
     op: str
@@ -172,6 +176,11 @@ class InOp:
     seq: int | None = None
     site: str | None = None
     group: str | None = None  # the process group the sequence number counts in, where known
+    aspect: str | None = None  # "op" | "size" | "dtype": what a recorder's mismatch is about
+
+
+FR_ENTRY = "flight_recorder"  # InOp and Waits source: the flight recorder's entries (``core.fr_facts``)
+FR_ENTERED = "fr_entered"  # InOp source: the newest collective a member entered in a group, by its recorder
 
 
 @dataclass(slots=True)
@@ -186,6 +195,60 @@ class Count:
     group: str | None
     counter: str
     value: int
+
+
+@dataclass(slots=True)
+class ProcessGroup:
+    """A process group as the flight recorder knows it (PyTorch fr_trace's ``Group`` and ``Membership``
+    tables in one row): its ``members`` whose recorder traced it, those its ``pg_config`` declares, traced or
+    not, and whether its sequence numbers are comparable across members (False: one counter for collectives
+    and p2p ops, which pipeline stages issue in different numbers by design). ``default``: the world group,
+    whose members are every rank of the job (a waiter waits for the ranks nobody traced too)."""
+
+    name: str
+    members: tuple[int, ...]
+    declared: tuple[int, ...] = ()
+    default: bool = False
+    comparable: bool = True
+
+
+@dataclass(slots=True)
+class Unjoined:
+    """A collective some members of ``group`` entered at ``seq`` while others never reached it (their
+    highest entered seq is lower): the flight recorder's "missing"."""
+
+    group: str
+    seq: int
+    op: str
+    joined: tuple[int, ...]
+    missing: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class ThreadDied:
+    """A helper thread of a live rank (a prefetch or I/O producer) died with an exception (``error``:
+    "thread NAME: ExceptionType: message", the hook's record): what its training loop may wait for."""
+
+    rank: int
+    error: str
+
+
+@dataclass(slots=True)
+class SameStack:
+    """Ranks whose Python stacks share one signature (STAT's stack equivalence class; live)."""
+
+    signature: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class GpuUse:
+    """A live rank's GPU use (NVML): ``util`` in %, None when unread; ``missing``: absent from the per-process
+    samples while another rank's are fresh (no kernel of its own ran)."""
+
+    rank: int
+    util: float | None
+    missing: bool = False
 
 
 @dataclass(slots=True)
@@ -246,6 +309,13 @@ class FactSet:
     logged: LoggedVerdict | None = None
     # ranks known to exist (a stated world size, the highest rank seen) that no line is about: silent
     unseen: tuple[int, ...] = ()
+    # what only live sources hold: the flight recorder's groups and unjoined collectives, stacks, GPU use,
+    # helper threads that died
+    groups: list[ProcessGroup] = field(default_factory=list)
+    unjoined: list[Unjoined] = field(default_factory=list)
+    stacks: list[SameStack] = field(default_factory=list)
+    gpu: list[GpuUse] = field(default_factory=list)
+    threads: list[ThreadDied] = field(default_factory=list)
 
     def waiting_own(self) -> set[int]:
         """Ranks whose own lines show them waiting on a peer (a timeout, a lost peer, a mismatch)."""

@@ -1,5 +1,6 @@
-"""Live sources → facts: rank views (records, process states, stacks, other nodes' evidence, silent nodes)
-and the flight recorder's per-group progress become the ``core.facts`` the engine reads. Pure.
+"""Live sources → facts: rank views (records, process states, stacks, GPU use, other nodes' evidence, silent
+nodes) become the ``core.facts`` the engine and the live rungs read, joined with the flight recorder's own
+facts (``core.fr_facts``). Pure.
 
 Edges, strongest first: the flight recorder (a rank with collective N of group G in flight waits for the
 members of G that have not entered N; a send/recv in flight waits for its peer), the hook's counters (a
@@ -10,24 +11,30 @@ wait, DDP's sync in backward, a consequence exit).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection, Sequence
 
 from .facts import (
+    FR_ENTRY,
+    IN_COLLECTIVE,
     Busy,
     Count,
     Ended,
     FactSet,
+    GpuUse,
     InOp,
     KilledByRankwatch,
     PriorVerdict,
     Progress,
     Rung,
+    SameStack,
     Silent,
     Stopped,
+    ThreadDied,
     Waits,
 )
 from .failures import CONSEQUENCE, INITIATING, PEER_ENDED, crash_role, waited_for
-from .fr_hints import FrHints
+from .ranks import outside_majority
 from .snapshot import CRASHED, EXITED, GONE_STATES, MISSING, RUNNING, STOPPED, RankView
 
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list"})
@@ -39,6 +46,14 @@ def is_waiting(v: RankView) -> bool:
     if v.in_collective or v.waiting:
         return True
     return v.waiting is None and v.phase == "backward"
+
+
+def waits_on_peers(p: Progress) -> bool:
+    """``is_waiting`` over a rank's ``Progress`` fact: in a Python collective, its stack blocked in a wait, or
+    (no stack) DDP's sync in backward."""
+    if p.in_collective or p.blocked:
+        return True
+    return p.blocked is None and p.phase == "backward"
 
 
 def inside_step(p: Progress) -> bool:
@@ -86,14 +101,15 @@ def exit_roles(gone: Sequence[RankView], tolerance_s: float) -> dict[int, str]:
 
 def live_facts(
     views: Sequence[RankView],
-    fr: FrHints | None,
+    fr: FactSet | None,
     *,
     exit_tolerance_s: float,
     prior: PriorVerdict | None = None,
     killed: Collection[int] = (),
     ended: list[Ended] | None = None,
 ) -> FactSet:
-    """Every view (all nodes) and the flight recorder as one fact set; ``ended``: the views' ends where the
+    """Every view (all nodes) and the flight recorder's facts (``core.fr_facts``) as one fact set: a waiting
+    rank's recorder waits where it has some, else its counters'; ``ended``: the views' ends where the
     caller already made them (``exit_facts``: a node that never answered has none)."""
     facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
     facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
@@ -150,7 +166,8 @@ def ended_facts(
 def progress_facts(views: Sequence[RankView]) -> list[Progress]:
     """Where every view's rank is: its state, phase, step and Python-level collective (what the exit rules
     of ``rules.exits`` read)."""
-    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op) for v in views]
+    return [Progress(v.rank, v.state, v.phase, v.step, v.in_collective, v.coll_seq, v.coll_op, v.waiting)
+            for v in views]
 
 
 STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
@@ -158,15 +175,16 @@ STEP, COLLECTIVE_SEQ, FR_ENTERED = "step", "collective_seq", "entered"
 count (one group: the hook counts every collective the script calls), the flight recorder's per group."""
 
 
-def count_facts(views: Sequence[RankView], counter: str) -> list[Count]:
-    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every view, as ``Count`` facts (group "")."""
+def count_facts(progress: Sequence[Progress], counter: str) -> list[Count]:
+    """The hook's ``STEP`` or ``COLLECTIVE_SEQ`` counter of every rank (its ``Progress``), as ``Count`` facts
+    (group "")."""
     if counter == STEP:
-        return [Count(v.rank, "", STEP, v.step) for v in views]
-    if any((v.coll_op or "") in P2P_OPS for v in views):
+        return [Count(p.rank, "", STEP, p.step or 0) for p in progress]
+    if any((p.op or "") in P2P_OPS for p in progress):
         # the count includes sends and recvs, whose numbers differ by design (pipeline stages): nobody is behind
         # by it (issue 44 item 5, pp-wrong-peer: the last stage's lower count was read as "stuck")
         return []
-    return [Count(v.rank, "", COLLECTIVE_SEQ, v.coll_seq) for v in views]
+    return [Count(p.rank, "", COLLECTIVE_SEQ, p.seq or 0) for p in progress]
 
 
 def _stopped(v: RankView) -> Stopped:
@@ -189,17 +207,61 @@ def exit_facts(views: Sequence[RankView], exit_tolerance_s: float) -> FactSet:
                    progress=progress, stopped=stopped_facts(views))
 
 
-def mismatch_facts(fr: FrHints, live_ranks: Collection[int]) -> list[InOp]:
-    """What the flight recorder says each rank entered at a (group, seq) where ranks disagree, as the
-    facts ``rules.mismatch`` reads (offline it reads fingerprints and watchdog SeqNums alike). A mismatch
-    whose odd ranks are not all alive is left out: a gone rank's last entry is no evidence of a live one."""
+def mismatch_facts(fr: FactSet, live_ranks: Collection[int]) -> list[InOp]:
+    """The flight recorder's entries at each (group, seq) where ranks disagree (``InOp`` facts, source
+    ``flight_recorder``), as ``rules.mismatch`` reads them (offline it reads fingerprints and watchdog SeqNums
+    alike). A mismatch whose odd ranks are not all alive is left out: a gone rank's last entry is no evidence
+    of a live one."""
     live = set(live_ranks)
+    at: dict[tuple[str | None, int | None], list[InOp]] = {}
+    for i in fr.in_op:
+        if i.source == FR_ENTRY:
+            at.setdefault((i.group, i.seq), []).append(i)
     out: list[InOp] = []
-    for mm in fr.mismatches:
-        if set(mm.odd_ranks) <= live:
-            out.extend(InOp(r, desc, "flight_recorder", seq=mm.seq, group=mm.pg)
-                       for desc, ranks in mm.variants.items() for r in ranks)
+    for entries in at.values():
+        variants: dict[str, list[int]] = defaultdict(list)
+        for i in entries:
+            variants[i.op].append(i.rank)
+        if set(outside_majority(variants) or ()) <= live:
+            out.extend(entries)
     return out
+
+
+def stack_groups(views: Sequence[RankView]) -> list[tuple[str, list[int]]]:
+    """Ranks grouped by stack signature, largest group first."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for v in views:
+        if v.stack_signature:
+            groups[v.stack_signature].append(v.rank)
+    return sorted(((sig, sorted(r)) for sig, r in groups.items()), key=lambda g: (-len(g[1]), g[1][0]))
+
+
+def stack_facts(views: Sequence[RankView]) -> list[SameStack]:
+    """The views' stack equivalence classes (``stack_groups``) as facts, largest first: what the ``stacks``
+    rung and the stack backing read."""
+    return [SameStack(sig, tuple(ranks)) for sig, ranks in stack_groups(views)]
+
+
+def in_collective_facts(live: Sequence[RankView]) -> FactSet:
+    """The live ranks (``ranks``) and which of them the hook's record shows inside a Python-level collective:
+    an ``IN_COLLECTIVE`` wait and the call (``InOp`` source ``counters``) each; what ``rules.weak`` asks of
+    "everyone in one collective"."""
+    inside = [v for v in live if v.in_collective]
+    return FactSet(
+        ranks=tuple(v.rank for v in live),
+        waits=[Waits(v.rank, None, "", v.coll_seq, v.coll_op, Rung.COUNTERS, IN_COLLECTIVE) for v in inside],
+        in_op=[InOp(v.rank, v.coll_op or "", "counters", seq=v.coll_seq) for v in inside],
+    )
+
+
+def thread_facts(present: Sequence[RankView]) -> list[ThreadDied]:
+    """The live ranks whose helper thread died with an exception (the hook's record)."""
+    return [ThreadDied(v.rank, v.thread_died) for v in present if v.state == RUNNING and v.thread_died]
+
+
+def gpu_facts(live: Sequence[RankView]) -> list[GpuUse]:
+    """What NVML said of each live rank that it read (a utilisation, or absent from the samples)."""
+    return [GpuUse(v.rank, v.gpu_util, v.gpu_missing) for v in live if v.gpu_util is not None or v.gpu_missing]
 
 
 def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
@@ -216,26 +278,20 @@ def _counter_targets(views: Sequence[RankView]) -> dict[int, frozenset[int]]:
     return {n: frozenset(v.rank for v in counted if v.coll_seq < n) | silent for n in seqs}
 
 
-def _fr_waits(fr: FrHints, views: Sequence[RankView]) -> dict[int, list[Waits]]:
-    """Per rank, what its flight recorder has in flight, per group: whom it waits for."""
+def _fr_waits(fr: FactSet, views: Sequence[RankView]) -> dict[int, list[Waits]]:
+    """Per rank, the recorder's waits (``core.fr_facts``), a collective's waiters completed with the members of
+    its group that no recorder traced (the default group's: every rank): they never said they entered it."""
     everyone = {v.rank for v in views}
+    untraced = {g.name: frozenset(((set(g.declared) | (everyone if g.default else set())) & everyone)
+                                  - set(g.members)) for g in fr.groups}
+    completed: dict[tuple[str, int | None], frozenset[int]] = {}  # one shared target set per collective
     out: dict[int, list[Waits]] = {}
-    for g in fr.groups:
-        declared = set(g.declared) | (everyone if g.default else set())
-        untraced = frozenset((declared & everyone) - set(g.members))
-        shared: dict[int, frozenset[int]] = {}
-        for r in g.members:
-            n = g.in_flight.get(r)
-            if n is None:
-                if r in g.p2p_in_flight:  # a send waits for its receiver, a recv for its sender
-                    peers = g.p2p_peers.get(r)
-                    out.setdefault(r, []).append(Waits(r, peers, g.pg, None, "p2p", Rung.FLIGHT_RECORDER))
-                continue
-            if not g.comparable:
-                out.setdefault(r, []).append(Waits(r, None, g.pg, n, None, Rung.FLIGHT_RECORDER))
-                continue
-            targets = shared.get(n)
-            if targets is None:
-                targets = shared[n] = frozenset(m for m in g.members if g.entered.get(m, -1) < n) | untraced
-            out.setdefault(r, []).append(Waits(r, targets, g.pg, n, None, Rung.FLIGHT_RECORDER))
+    for w in fr.waits:
+        extra = untraced.get(w.group)
+        if w.on is not None and w.seq is not None and extra:
+            on = completed.get((w.group, w.seq))
+            if on is None:
+                on = completed[(w.group, w.seq)] = w.on | extra
+            w = Waits(w.rank, on, w.group, w.seq, w.op, w.strength, w.source)
+        out.setdefault(w.rank, []).append(w)
     return out

@@ -26,16 +26,16 @@ from typing import Any
 from . import engine
 from .document import Collective, RankEntry, VerdictDocument
 from .engine import Finding
-from .facts import PriorVerdict
+from .facts import FactSet, PriorVerdict
 from .facts import Rung as FactRung
-from .fr_hints import FrBehind, FrGroup, FrHints
-from .live_facts import exit_facts, is_waiting, live_facts
+from .live_facts import exit_facts, is_waiting, live_facts, stack_groups
 from .policy import VerdictPolicy
 from .ranks import fmt_ranks, fold_rank_lines
 from .rules import names as n
 from .rules.counters import UNCOMPARED
 from .rules.ladder import EDGE_LABEL, LADDER, LIVE_LADDER, REFINEMENTS, LadderRung, LiveCase
-from .rules.weak import Note, apply_gpu, stack_backing, stack_groups
+from .rules.recorder import fr_doc
+from .rules.weak import Note, apply_gpu, stack_backing
 from .schema import UNKNOWN, lower_confidence, raise_confidence
 from .snapshot import MISSING, RUNNING, RankView
 
@@ -43,9 +43,6 @@ DEFAULT_VERDICT_POLICY = VerdictPolicy()
 
 __all__ = [
     "DEFAULT_VERDICT_POLICY",
-    "FrBehind",
-    "FrGroup",
-    "FrHints",
     "Verdict",
     "decide",
     "fmt_ranks",
@@ -139,7 +136,7 @@ def decide(
     job_id: str,
     incident_id: str,
     detected_after_s: float,
-    fr_hints: FrHints | None = None,
+    fr_facts: FactSet | None = None,
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
@@ -150,8 +147,9 @@ def decide(
 
     Every rung of ``EVIDENCE_LADDER`` is asked; the strongest rung that names a rank decides, weaker ones
     that agree back it and weaker ones that single out someone else lower the confidence (both noted). A
-    majority of ranks is named only on strong evidence. ``fr_hints`` (from ``evidence.flight_recorder``)
-    are the flight-recorder rung. ``prior``/``killed``: the job was already decided and rankwatch killed
+    majority of ranks is named only on strong evidence. ``fr_facts`` (the flight recorder's facts,
+    ``core.fr_facts``, from ``evidence.flight_recorder``) are what its rungs read; the views become facts
+    in ``core.live_facts``. ``prior``/``killed``: the job was already decided and rankwatch killed
     ``killed`` for it (exits that follow are that kill's consequences, ``engine.after_kill``). ``finding``
     in the document is the structured conclusion (rule, ranks, strength, data).
     """
@@ -159,11 +157,12 @@ def decide(
     missing = [v for v in views if v.state == MISSING]
     present = [v for v in views if v.state != MISSING]
     live = [v for v in present if v.state == RUNNING]
-    found = _findings(views, present, live, fr_hints, policy, prior, killed)
+    case = LiveCase(views, present, live, fr_facts, policy, exit_facts(present, policy.exit_order_tolerance_s))
+    found = _findings(case, prior, killed)
     notes: list[Note] = []
-    finding = _conclude(found, present, live, missing, policy, notes)
+    finding = _conclude(found, case, missing, notes)
     if finding.ranks and finding.kind in ("hang", "collective_mismatch") and finding.rule != n.STACKS:
-        note, agrees = stack_backing(present, finding.ranks)
+        note, agrees = stack_backing(case.seen().stacks, len(present), finding.ranks)
         if note is not None:
             notes.append(note)
         if agrees is False and finding.confidence == "high":
@@ -182,27 +181,18 @@ def decide(
         reason="",
         detected_after_s=detected_after_s,
         ranks={str(v.rank): rank_entry(v) for v in views},
-        extra=_extra(finding, found, missing, fr_hints),
+        extra=_extra(finding, found, missing, case),
         finding=finding,
         found=found,
         notes=notes,
     )
 
 
-def _findings(
-    views: Sequence[RankView],
-    present: Sequence[RankView],
-    live: Sequence[RankView],
-    fr_hints: FrHints | None,
-    policy: VerdictPolicy,
-    prior: PriorVerdict | None,
-    killed: Sequence[int],
-) -> dict[str, Finding | None]:
+def _findings(case: LiveCase, prior: PriorVerdict | None, killed: Sequence[int]) -> dict[str, Finding | None]:
     """What every rung of the ladder found, by rung name (each finding's ``rule`` set to it); the weaker
     rungs are asked only when no own exit, stop or shared failure already decides. An exit set aside as
     a consequence of a mismatch stays as ``exits_aborted`` (no rung: its words are quoted)."""
-    ends = exit_facts(present, policy.exit_order_tolerance_s)
-    case = LiveCase(views, present, live, fr_hints, policy, ends)
+    ends = case.ends
     found: dict[str, Finding | None] = {}
     for r in LIVE_LADDER:
         if r.first and r.live is not None and (f := r.live(case)) is not None:
@@ -220,7 +210,7 @@ def _findings(
                                for r in LIVE_LADDER if r.label in labels)
     if prior is not None or not decisive:
         case.facts = live_facts(
-            views, fr_hints, exit_tolerance_s=policy.exit_order_tolerance_s, prior=prior, killed=killed,
+            case.views, case.fr, exit_tolerance_s=case.policy.exit_order_tolerance_s, prior=prior, killed=killed,
             ended=ends.ended,
         )
         for r in LIVE_LADDER:
@@ -232,14 +222,13 @@ def _findings(
 
 def _conclude(
     found: Mapping[str, Finding | None],
-    present: Sequence[RankView],
-    live: Sequence[RankView],
+    case: LiveCase,
     missing: Sequence[RankView],
-    policy: VerdictPolicy,
     notes: list[Note],
 ) -> Finding:
     """The deciding finding: the strongest rung that singles ranks out, weighed against the weaker ones;
     a finding naming nobody (or everyone) only when none does; else ``unknown``."""
+    present = case.present
     ladder = [r for r in EVIDENCE_LADDER if found.get(r.name) is not None]
     singling = [r for r in ladder if (f := found[r.name]) is not None and f.ranks and not _names_everyone(f, present)]
     rung = singling[0] if singling else (ladder[0] if ladder else None)
@@ -247,7 +236,8 @@ def _conclude(
     if finding is not None and rung is not None and not rung.final:
         # the stopped or dead cannot be second-guessed; everything else is weighed against the weaker rungs
         finding = _weigh(finding, rung, found, present, notes)
-        finding, gpu = apply_gpu(finding, live, policy)
+        gpu_use = case.seen().gpu if case.live else []
+        finding, gpu = apply_gpu(finding, gpu_use, {v.rank for v in case.live} if gpu_use else set(), case.policy)
         if gpu is not None:
             notes.append(gpu)
     if finding is None and missing:
@@ -262,7 +252,7 @@ def _extra(
     finding: Finding,
     found: Mapping[str, Finding | None],
     missing: Sequence[RankView],
-    fr_hints: FrHints | None,
+    case: LiveCase,
 ) -> dict[str, Any]:
     """The verdict document's own fields: which rung decided, the structured finding, the flight
     recorder's role."""
@@ -276,10 +266,10 @@ def _extra(
     }
     if finding.rule == engine.AFTER_KILL:
         extra["follows_incident"] = finding.data.get("follows_incident")
-    if fr_hints is not None:
+    if case.fr is not None:
         fr_role = "decided" if decided_by == n.FLIGHT_RECORDER else _fr_role(
             found.get(n.FLIGHT_RECORDER) or found.get(n.FR_BEHIND), finding)
-        extra["flight_recorder"] = {**fr_hints.to_json(), "role": fr_role}
+        extra["flight_recorder"] = {**fr_doc(case.fr, case.fr_rows()), "role": fr_role}
     return extra
 
 

@@ -1,6 +1,6 @@
 """Flight-recorder dumps as evidence: load each captured dump (bounded, never unpickled), analyse them
-across ranks and reduce the result to the hints the verdict uses. Nothing here raises into the daemon: a
-dump that cannot be read is a note in the evidence."""
+across ranks and state the result as the facts the verdict reads (``core.fr_facts``). Nothing here raises
+into the daemon: a dump that cannot be read is a note in the evidence."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from ..core.facts import FactSet
 from ..core.fr_analysis import FrAnalysis, analyze_fr
-from ..core.fr_hints import FrBehind, FrGroup, FrHints
+from ..core.fr_facts import fr_facts
 from ..core.fr_trace import FlightRecorderFormatError, RankTrace, compact_dump, parse_dump
 from .capture import RankCapture
 
@@ -95,46 +96,10 @@ class FrFindings:
     """The flight recorder's contribution to one incident."""
 
     lines: tuple[str, ...]  # evidence lines, most telling first (bounded)
-    hints: FrHints | None  # None when no dump could be analysed
+    facts: FactSet | None  # the flight recorder as facts (``core.fr_facts``); None when no dump could be analysed
     notes: tuple[str, ...] = ()  # dumps skipped and why
     analysis: FrAnalysis | None = field(default=None, compare=False)
     traces: Mapping[int, RankTrace] = field(default_factory=dict, compare=False)  # this node's, by rank
-
-
-def fr_hints(analysis: FrAnalysis) -> FrHints:
-    """The structured part of an analysis that the verdict uses."""
-    behind: list[FrBehind] = []
-    for g in analysis.groups:
-        if not g.behind:
-            continue
-        top = max(p.entered for p in g.progress.values())
-        top_op = next((p.entered_op for p in g.progress.values() if p.entered == top and p.entered_op), None)
-        for r in g.behind:
-            p = g.progress[r]
-            waiting = p.entered in p.in_flight and any(q.entered > p.entered for q in g.progress.values())
-            behind.append(FrBehind(g.name, r, p.entered, top, top_op, waiting=waiting))
-    return FrHints(
-        ranks=tuple(r for r in analysis.ranks if r not in analysis.empty_ranks),
-        behind=tuple(behind),
-        missing=analysis.missing,
-        mismatches=analysis.mismatches,
-        groups=tuple(
-            FrGroup(
-                pg=g.name,
-                members=g.members,
-                declared=g.declared,
-                entered={r: p.entered for r, p in g.progress.items()},
-                # its newest entered collective not finished (an older one still open is gloo's lazy retiring)
-                in_flight={r: p.entered for r, p in g.progress.items()
-                           if p.in_flight and max(p.in_flight) >= p.entered},
-                p2p_in_flight=frozenset(g.p2p_in_flight),
-                p2p_peers=g.p2p_peers,
-                comparable=g.comparable,
-                default=g.desc == "default_pg",
-            )
-            for g in analysis.groups
-        ),
-    )
 
 
 def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
@@ -143,7 +108,7 @@ def fr_evidence(captures: Mapping[int, RankCapture]) -> FrFindings:
     parsed and checked (``fr_trace``).
 
     A rank without a dump or with a malformed one is left out with a note; conclusions then cover only
-    the ranks that dumped (``FrHints.ranks``), which the verdict takes into account.
+    the ranks that dumped (the facts' ``ranks``), which the verdict takes into account.
     """
     notes: list[str] = []
     traces: dict[int, RankTrace] = {}
@@ -173,25 +138,25 @@ def with_remote(local: FrFindings, remote: Mapping[int, RankTrace]) -> FrFinding
 
 
 def analyse_traces(traces: Mapping[int, RankTrace], notes: list[str], dumps_in: str = "fr/") -> FrFindings:
-    """Compare parsed traces across ranks into evidence lines and verdict hints (``dumps_in``: where the
+    """Compare parsed traces across ranks into evidence lines and the facts the verdict reads (``dumps_in``: where the
     lines left out can be read). Never raises."""
     if not traces:
-        return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes))
+        return FrFindings(lines=tuple(f"flight recorder: {n}" for n in notes), facts=None, notes=tuple(notes))
     try:
         analysis = analyze_fr(traces)
     except Exception as exc:  # analyze is pure, but a dump can hold shapes nobody anticipated
         log.exception("fr_analyze_failed")
         notes.append(f"flight-recorder analysis failed: {type(exc).__name__}: {exc}"[:300])
         return FrFindings(
-            lines=tuple(f"flight recorder: {n}" for n in notes), hints=None, notes=tuple(notes), traces=traces
+            lines=tuple(f"flight recorder: {n}" for n in notes), facts=None, notes=tuple(notes), traces=traces
         )
-    hints = fr_hints(analysis)
-    if not hints.ranks:
+    facts = fr_facts(analysis)
+    if not facts.ranks:
         notes.append("every flight-recorder dump is empty (TORCH_FR_BUFFER_SIZE unset, or no collective yet)")
     summary = analysis.summary_lines()
     if len(summary) > MAX_FR_LINES:
         summary = [*summary[:MAX_FR_LINES], f"{len(summary) - MAX_FR_LINES} more flight-recorder line(s) in {dumps_in}"]
     lines = tuple(f"flight recorder: {s}" for s in [*summary, *notes])
     return FrFindings(
-        lines=lines, hints=hints if hints.ranks else None, notes=tuple(notes), analysis=analysis, traces=traces
+        lines=lines, facts=facts if facts.ranks else None, notes=tuple(notes), analysis=analysis, traces=traces
     )

@@ -17,8 +17,8 @@ from typing import Any
 from rankwatch.hooks.files import atomic_write, fsync_dir, write_new
 
 from ..core.fr_trace import MAX_ENTRIES, compact_dump
+from ..core.live_facts import stack_groups
 from ..core.ranks import fmt_ranks
-from ..core.rules.weak import stack_groups
 from ..core.snapshot import RankView
 from ..core.text import FIELD, clean
 from ..evidence.capture import RankCapture, render_text

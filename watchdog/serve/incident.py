@@ -314,7 +314,7 @@ class IncidentPipeline:
                 incident_id=req.incident_id,
                 detected_after_s=req.trigger.detected_after_s,
                 extra_evidence=[*fr.lines, *notes, *ev.outside],
-                fr_hints=fr.hints,
+                fr_facts=fr.facts,
                 prior=req.prior,
                 killed=req.prior.ranks if req.prior is not None else (),
             ).document()

@@ -12,7 +12,6 @@ from dataclasses import replace
 
 from ..core.engine import Finding
 from ..core.facts import FactSet, PriorVerdict
-from ..core.fr_hints import FrHints
 from ..core.policy import OfflinePolicy, VerdictPolicy
 from ..core.ranks import fold_rank_lines
 from ..core.rules.ladder import decide as decide_ladder
@@ -43,7 +42,7 @@ def decide(
     incident_id: str,
     detected_after_s: float,
     extra_evidence: Sequence[str] = (),
-    fr_hints: FrHints | None = None,
+    fr_facts: FactSet | None = None,
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
@@ -51,7 +50,7 @@ def decide(
 ) -> Verdict:
     """``core.verdict.decide`` in words: the verdict document every sink (bundle, alert, console) reads."""
     verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
-                          fr_hints=fr_hints, policy=policy, prior=prior, killed=killed)
+                          fr_facts=fr_facts, policy=policy, prior=prior, killed=killed)
     return fill_words(verdict, views, extra_evidence, steps_known=steps_known)
 
 

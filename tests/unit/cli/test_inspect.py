@@ -608,4 +608,4 @@ def test_flight_recorder_dumps_are_read_where_the_job_wrote_them(tmp_path):
     assert sorted(r for r, c in captures.items() if c.fr_trace is not None) == [0, 1]
     assert any("rank 2" in n and "cannot open" in n for n in notes)
     assert any("rank 3" in n and "pickled" in n for n in notes)
-    assert fr_evidence(captures).hints is not None
+    assert fr_evidence(captures).facts is not None

@@ -9,7 +9,7 @@ from typing import Any
 from rankwatch.watchdog.core.facts import Count
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_trace import parse_dump
-from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts
+from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts, progress_facts
 from rankwatch.watchdog.core.rules.behind import behind_in, behind_of
 from rankwatch.watchdog.core.rules.counters import rule_behind as counters_behind
 from rankwatch.watchdog.core.rules.progress import rule_behind as seqnums_behind
@@ -40,12 +40,12 @@ def rv(rank: int, **kw: Any) -> RankView:
 
 
 def test_the_hooks_counters_feed_the_one_rule_live():
-    views = [rv(0), rv(1, step=9, phase="forward"), rv(2)]
+    views = progress_facts([rv(0), rv(1, step=9, phase="forward"), rv(2)])
     assert [c.value for c in count_facts(views, STEP)] == [10, 9, 10]
     f = counters_behind(views)
     assert f is not None and f.ranks == list(behind_of(count_facts(views, STEP), STEP)) == [1]
-    level = [rv(0, coll_seq=12, coll_done=11), rv(1, coll_seq=11, coll_done=11, phase="forward"),
-             rv(2, coll_seq=12, coll_done=11)]
+    level = progress_facts([rv(0, coll_seq=12, coll_done=11), rv(1, coll_seq=11, coll_done=11, phase="forward"),
+                            rv(2, coll_seq=12, coll_done=11)])
     f = counters_behind(level)
     assert f is not None and f.ranks == list(behind_of(count_facts(level, COLLECTIVE_SEQ), COLLECTIVE_SEQ)) == [1]
 

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 from rankwatch.watchdog.cluster.store import fr_share, node_doc, parse_evidence_doc
+from rankwatch.watchdog.core.facts import FactSet
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.fr_facts import fr_facts
 from rankwatch.watchdog.core.fr_trace import compact_dump, parse_dump
-from rankwatch.watchdog.core.verdict import FrBehind, FrHints
+from rankwatch.watchdog.core.rules.recorder import fr_behind, fr_doc
 from rankwatch.watchdog.evidence import flight_recorder as evidence_mod
 from rankwatch.watchdog.evidence.capture import RankCapture
-from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, fr_hints, with_remote
+from rankwatch.watchdog.evidence.flight_recorder import fr_evidence, with_remote
 from rankwatch.watchdog.evidence.gpu import GpuWatch
 from rankwatch.watchdog.evidence.ras_watch import RasWatch
 from rankwatch.watchdog.verdict import decide
@@ -27,7 +29,7 @@ from test_nccl_ras import RasServer
 from test_nccl_ras import fixture as ras_fixture
 from test_nvml_probe import FakeNvml
 from test_nvml_probe import script as nvml_script
-from test_verdict_rules import rv
+from test_verdict_rules import fr_entered, rv
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "fr"
 
@@ -44,10 +46,10 @@ def captures(scenario: str) -> dict[int, RankCapture]:
     return out
 
 
-def hints(scenario: str) -> FrHints:
+def hints(scenario: str) -> FactSet:
     f = fr_evidence(captures(scenario))
-    assert f.hints is not None
-    return f.hints
+    assert f.facts is not None
+    return f.facts
 
 
 # -- GPU evidence in the verdict -------------------------------------------------------------------
@@ -102,7 +104,7 @@ def test_size_mismatch_visible_only_in_the_flight_recorder():
     same = dict(phase="collective", coll_seq=3, coll_done=2, coll_op="all_reduce")
     views = [rv(r, **same) for r in range(3)]
     assert verdict(views)["kind"] == "comm_hang"
-    v = verdict(views, fr_hints=hints("mismatch_size"))
+    v = verdict(views, fr_facts=hints("mismatch_size"))
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
     assert v["decided_by"] == "flight_recorder" and v["finding"]["data"]["shape"] == "fr_mismatch"
     assert (v["finding"]["data"]["mismatch"], v["finding"]["data"]["seq"]) == ("size", 3), v["finding"]
@@ -116,7 +118,7 @@ def test_size_mismatch_visible_only_in_the_flight_recorder():
 def test_op_mismatch_seen_by_both_layers_is_backed():
     same = dict(phase="collective", coll_seq=3, coll_done=2)
     views = [rv(0, **same), rv(1, **same, coll_op="broadcast"), rv(2, **same)]
-    v = verdict(views, fr_hints=hints("mismatch_op"))
+    v = verdict(views, fr_facts=hints("mismatch_op"))
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "high")
     # the flight recorder is the stronger rung: it decides, and the Python-level counters back it
     assert v["flight_recorder"]["role"] == "decided" and v["decided_by"] == "flight_recorder"
@@ -127,7 +129,7 @@ def test_ddp_internal_all_reduce_skipped_is_decided_by_the_flight_recorder():
     # all three ranks in backward, no Python-level collective and no stack verdict: the hook cannot tell
     views = [rv(r, phase="backward", coll_seq=0, coll_done=0, coll_op=None) for r in range(3)]
     assert verdict(views)["kind"] == "unknown"
-    v = verdict(views, fr_hints=hints("skip"))
+    v = verdict(views, fr_facts=hints("skip"))
     assert (v["kind"], v["initiating_ranks"], v["phase"], v["confidence"]) == ("hang", [2], "backward", "high")
     assert v["decided_by"] == "flight_recorder" and v["finding"]["data"]["shape"] == "fr_behind", v["finding"]
     assert v["finding"]["data"]["detail"] == [{"rank": 2, "pg": "0", "seq": 3, "top_seq": 4, "top_op": "all_reduce"}]
@@ -141,14 +143,13 @@ def test_flight_recorder_backs_the_python_level_rules():
         rv(1, coll_seq=4, coll_done=3, phase="collective"),
         rv(2, coll_seq=3, coll_done=3, phase="forward"),
     ]
-    v = verdict(views, fr_hints=hints("skip"))
+    v = verdict(views, fr_facts=hints("skip"))
     assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
     assert v["flight_recorder"]["role"] == "decided"
     assert "counters" in v["finding"]["data"]["backed_by"]
     # a 1-vs-1 minority: the FR decides, the phase rule agrees
     two = [rv(0, waiting=True), rv(1, phase="dataloader", waiting=False)]
-    fr = FrHints(ranks=(0, 1), behind=(FrBehind("0", 1, 5, 6, "all_reduce"),))
-    v = verdict(two, fr_hints=fr)
+    v = verdict(two, fr_facts=fr_entered((0, 1), "0", {0: 6, 1: 5}))
     assert (v["initiating_ranks"], v["confidence"]) == ([1], "high")
     assert "fr_behind" in v["finding"]["data"]["backed_by"], v["finding"]
     assert [(b["rank"], b["seq"], b["top_seq"]) for b in v["flight_recorder"]["behind"]] == [(1, 5, 6)]
@@ -158,15 +159,14 @@ def test_a_rank_behind_in_the_recorder_that_itself_waits_is_not_the_sink():
     # rank 0 entered fewer collectives, but its stack waits on peers: it waits too, so the sink of the
     # wait-for graph is the one rank that waits for nobody (rank 2, in its input pipeline)
     views = [rv(0, waiting=True), rv(1, waiting=True), rv(2, phase="dataloader", waiting=False)]
-    fr = FrHints(ranks=(0, 1, 2), behind=(FrBehind("0", 0, 5, 6, "all_reduce"),))
-    v = verdict(views, fr_hints=fr)
+    v = verdict(views, fr_facts=fr_entered((0, 1, 2), "0", {0: 5, 1: 6, 2: 6}))
     assert (v["initiating_ranks"], v["phase"]) == ([2], "dataloader")
     assert v["finding"]["rule"] == "wait_for" and v["finding"]["data"]["waiters"] == [0, 1]
 
 
 def test_dead_rank_is_never_overridden_by_the_survivors_flight_recorder():
     views = [rv(0), rv(1, state="dead", exit_age_s=1.0), rv(2)]
-    v = verdict(views, fr_hints=hints("mismatch_size"))
+    v = verdict(views, fr_facts=hints("mismatch_size"))
     assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [1])
     assert v["flight_recorder"]["role"] == "none"
 
@@ -174,13 +174,13 @@ def test_dead_rank_is_never_overridden_by_the_survivors_flight_recorder():
 def test_partial_flight_recorder_coverage_is_medium():
     same = dict(phase="collective", coll_seq=3, coll_done=2)
     views = [rv(r, **same) for r in range(4)]  # rank 3 has no dump
-    v = verdict(views, fr_hints=hints("mismatch_size"))
+    v = verdict(views, fr_facts=hints("mismatch_size"))
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("collective_mismatch", [1], "medium")
 
 
 def test_healthy_flight_recorder_changes_nothing():
     views = [rv(0), rv(1, phase="dataloader"), rv(2)]
-    assert verdict(views, fr_hints=hints("healthy")) | {"flight_recorder": None} == verdict(views) | {
+    assert verdict(views, fr_facts=hints("healthy")) | {"flight_recorder": None} == verdict(views) | {
         "flight_recorder": None
     }
 
@@ -190,17 +190,19 @@ def test_healthy_flight_recorder_changes_nothing():
 
 def test_fr_evidence_on_real_gloo_dumps():
     f = fr_evidence(captures("mismatch_op"))
-    assert f.hints is not None and f.hints.ranks == (0, 1, 2)
-    (mm,) = f.hints.mismatches
-    assert (mm.seq, mm.kind, mm.odd_ranks) == (3, "op", (1,))
+    assert f.facts is not None and f.facts.ranks == (0, 1, 2)
+    (mm,) = fr_doc(f.facts)["mismatches"]
+    assert (mm["seq"], mm["kind"], mm["odd_ranks"]) == (3, "op", [1])
     assert f.lines[0].startswith("flight recorder: pg 0 (default_pg) seq 3: op mismatch, odd rank 1")
     f = fr_evidence(captures("skip"))
-    assert f.hints is not None and f.hints.behind_ranks == (2,)
-    (b,) = f.hints.behind
+    assert f.facts is not None
+    (b,) = fr_behind(f.facts)
     assert (b.rank, b.seq, b.top_seq, b.top_op) == (2, 3, 4, "all_reduce")
-    assert [m.missing for m in f.hints.missing] == [(2,)]
+    assert [m.missing for m in f.facts.unjoined] == [(2,)]
     f = fr_evidence(captures("healthy"))
-    assert f.hints is not None and not f.hints.behind and not f.hints.mismatches and not f.hints.missing
+    assert f.facts is not None
+    doc = fr_doc(f.facts)
+    assert not doc["behind"] and not doc["mismatches"] and not doc["missing"]
 
 
 def test_fr_evidence_skips_bad_and_absent_dumps_with_a_note():
@@ -209,15 +211,15 @@ def test_fr_evidence_skips_bad_and_absent_dumps_with_a_note():
     caps[2] = RankCapture(rank=2, pid=2, notes=["flight recorder: _dump_fr_trace_json: empty trace"])
     caps[3] = RankCapture(rank=3, pid=3, responder_error="dump responder not listening")
     f = fr_evidence(caps)
-    assert f.hints is not None and f.hints.ranks == (0,)
+    assert f.facts is not None and f.facts.ranks == (0,)
     assert any("rank 1: flight-recorder dump skipped: pickled dump refused" in n for n in f.notes)
     assert any("rank 2: no flight-recorder dump (flight recorder: _dump_fr_trace_json" in n for n in f.notes)
     assert any("rank 3: no flight-recorder dump (dump responder not listening)" in n for n in f.notes)
     assert all(line.startswith("flight recorder: ") for line in f.lines)
     # nothing usable at all
     f = fr_evidence({0: RankCapture(rank=0, pid=1, fr_json=b"{}")})
-    assert f.hints is None and f.lines and "skipped" in f.lines[0]
-    assert fr_evidence({}).hints is None
+    assert f.facts is None and f.lines and "skipped" in f.lines[0]
+    assert fr_evidence({}).facts is None
 
 
 def test_fr_evidence_lines_are_bounded(monkeypatch):
@@ -324,9 +326,13 @@ def test_of_the_ranks_behind_in_the_flight_recorder_the_one_with_nothing_in_flig
     # DDP broadcasts buffers at every forward: rank 3 stopped before its forward; rank 1 is still inside
     # the broadcast (#18, relayed through rank 3) while ranks 0 and 2 went on to #19
     views = [rv(r, waiting=True) for r in (0, 1, 2)] + [rv(3, phase="dataloader", waiting=False)]
-    fr = FrHints(ranks=(0, 1, 2, 3), behind=(FrBehind("0", 1, 18, 19, "all_reduce", waiting=True),
-                                            FrBehind("0", 3, 17, 19, "all_reduce")))
-    v = verdict(views, fr_hints=fr)
+    # (rank 1 is behind in the broadcast's group, rank 3 in the all-reduce's: the lowest count of each)
+    relayed = fr_entered((0, 1, 2, 3), "1", {0: 19, 1: 18, 2: 19, 3: 19}, op="broadcast", waiting=(1,))
+    lagging = fr_entered((0, 1, 2, 3), "0", {0: 19, 1: 19, 2: 19, 3: 17})
+    fr = FactSet(ranks=(0, 1, 2, 3), counts=[*relayed.counts, *lagging.counts], in_op=[*relayed.in_op, *lagging.in_op],
+                 waits=relayed.waits)
+    assert [(b.rank, b.waiting) for b in fr_behind(fr)] == [(1, True), (3, False)]
+    v = verdict(views, fr_facts=fr)
     assert (v["initiating_ranks"], v["decided_by"]) == ([3], "flight_recorder")
 
 
@@ -348,8 +354,8 @@ def _broadcast_views():
 def test_a_waiting_broadcast_root_is_not_named_when_the_recorder_covers_only_its_own_node():
     caps = captures("broadcast_root")
     leader_only = fr_evidence({r: caps[r] for r in (0, 1)})
-    assert leader_only.hints is not None and leader_only.hints.behind_ranks == (0,)
-    v = verdict(_broadcast_views(), fr_hints=leader_only.hints)
+    assert leader_only.facts is not None and [b.rank for b in fr_behind(leader_only.facts)] == [0]
+    v = verdict(_broadcast_views(), fr_facts=leader_only.facts)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "dataloader"), v["reason"]
     # the root waits in the broadcast for the members the recorder does not cover (ranks 2, 3); rank 3
     # waits in its stack: the sink is rank 2
@@ -366,10 +372,10 @@ def test_the_leader_reads_the_other_nodes_recorder_from_its_evidence_and_decides
     answer = parse_evidence_doc(raw)
     assert sorted(answer.fr) == [2, 3] and not answer.notes
     merged = with_remote(leader, answer.fr)
-    # the same hints as if every dump had been local
-    assert merged.hints == fr_evidence(caps).hints
+    # the same facts as if every dump had been local
+    assert merged.facts == fr_evidence(caps).facts
     assert merged.traces.keys() == {0, 1}  # the merged findings still hold only this node's own traces
-    v = verdict(views, fr_hints=merged.hints)
+    v = verdict(views, fr_facts=merged.facts)
     assert (v["kind"], v["initiating_ranks"], v["confidence"]) == ("hang", [2], "high"), v["reason"]
     assert v["decided_by"] == "flight_recorder" and v["flight_recorder"]["ranks"] == [0, 1, 2, 3]
     assert v["finding"]["rule"] == "wait_for" and v["finding"]["data"]["edge_strength"] == "flight_recorder"
@@ -384,8 +390,8 @@ def test_compacted_traces_keep_the_newest_entries_and_the_counters():
     # the analysis over cut traces still says who is behind and who never joined
     caps = fr_evidence(captures("skip"))
     cut = {r: parse_dump(compact_dump(t, per_pg=1), rank=r) for r, t in caps.traces.items()}
-    hints = fr_hints(analyze_fr(cut))
-    assert hints.behind_ranks == (2,) and [m.missing for m in hints.missing] == [(2,)]
+    facts = fr_facts(analyze_fr(cut))
+    assert [b.rank for b in fr_behind(facts)] == [2] and [m.missing for m in facts.unjoined] == [(2,)]
 
 
 def test_a_nodes_share_shrinks_to_fit_and_is_dropped_when_nothing_fits():
@@ -429,7 +435,7 @@ def test_hostile_recorder_entries_in_a_nodes_evidence_are_refused_one_by_one():
 
 def test_nccl_dumps_survive_the_trip_between_nodes():
     """NCCL entries carry states and discovered times gloo's do not (started/completed, timeouts): the
-    compacted share must keep what the analysis reads, so the leader's hints equal the all-local ones."""
+    compacted share must keep what the analysis reads, so the leader's facts equal the all-local ones."""
     for scenario in ("nccl_hang", "nccl_mismatch_dtype"):
         caps = captures(scenario)
         ranks = sorted(caps)
@@ -439,4 +445,4 @@ def test_nccl_dumps_survive_the_trip_between_nodes():
         views = [rv(r, node=f"n{int(r != ranks[0])}") for r in ranks[1:]]
         answer = parse_evidence_doc(json.dumps(node_doc(1, "n1", 0, views, "evidence", flight_recorder=share)).encode())
         assert sorted(answer.fr) == ranks[1:] and not answer.notes
-        assert with_remote(local, answer.fr).hints == whole.hints, scenario
+        assert with_remote(local, answer.fr).facts == whole.facts, scenario

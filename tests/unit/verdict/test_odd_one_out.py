@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.fr_facts import fr_facts
 from rankwatch.watchdog.core.fr_trace import parse_dump
 from rankwatch.watchdog.core.ranks import fmt_ranks, outside_majority
 from rankwatch.watchdog.core.snapshot import RankView
@@ -13,7 +14,6 @@ from rankwatch.watchdog.diagnose.facts import collect
 from rankwatch.watchdog.diagnose.parser import SourceParser
 from rankwatch.watchdog.diagnose.reasoning import diagnose_evidence
 from rankwatch.watchdog.diagnose.render import render_text
-from rankwatch.watchdog.evidence.flight_recorder import fr_hints
 from rankwatch.watchdog.report.text import headline
 from rankwatch.watchdog.verdict import decide
 
@@ -124,7 +124,7 @@ def test_every_path_names_the_same_odd_ranks_in_the_same_words(name: str) -> Non
     assert list(mm.odd_ranks) == expected
     fr_line = next(line for line in analysis.summary_lines() if "mismatch" in line)
     views = [view(r, "all_reduce") for r in range(len(ops))]
-    vf = decide(views, job_id="j", incident_id="i", detected_after_s=31.0, fr_hints=fr_hints(analysis)).to_json()
+    vf = decide(views, job_id="j", incident_id="i", detected_after_s=31.0, fr_facts=fr_facts(analysis)).to_json()
     assert vf["kind"] == "collective_mismatch"
     assert vf["initiating_ranks"] == expected
     assert vf["confidence"] == ("high" if expected else "low")

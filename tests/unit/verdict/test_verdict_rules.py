@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from rankwatch.watchdog.core.detect import find_trigger, recovered
+from rankwatch.watchdog.core.facts import FR_ENTERED, FR_ENTRY, Count, FactSet, InOp, Rung, Waits
+from rankwatch.watchdog.core.fr_facts import ENTERED
 from rankwatch.watchdog.core.policy import StallPolicy
 from rankwatch.watchdog.core.snapshot import RankView
 from rankwatch.watchdog.core.verdict import decide
@@ -30,6 +32,25 @@ def rv(rank, **kw) -> RankView:
 
 def verdict(views):
     return decide(views, job_id="j", incident_id="i", detected_after_s=31.0).to_json()
+
+
+def fr_mismatch(ranks, pg, seq, kind, variants) -> FactSet:
+    """The flight recorder's facts (``core.fr_facts``) of one mismatch: each rank's entry at (pg, seq)."""
+    return FactSet(ranks=tuple(ranks), in_op=[InOp(r, desc, FR_ENTRY, seq=seq, group=pg, aspect=kind)
+                                              for desc, rs in variants.items() for r in rs])
+
+
+def fr_entered(ranks, pg, entered, op="all_reduce", waiting=()) -> FactSet:
+    """The flight recorder's facts of one group's progress: each member's highest ``entered`` seq (the op of
+    the furthest), and the members in ``waiting`` with their newest collective still in flight."""
+    top = max(entered.values())
+    return FactSet(
+        ranks=tuple(ranks),
+        counts=[Count(r, pg, ENTERED, n) for r, n in entered.items()],
+        in_op=[InOp(r, op, FR_ENTERED, seq=n, group=pg) for r, n in entered.items() if n == top],
+        waits=[Waits(r, frozenset(m for m, k in entered.items() if k < entered[r]), pg, entered[r], None,
+                     Rung.FLIGHT_RECORDER, FR_ENTRY) for r in waiting],
+    )
 
 
 def test_minority_outside_the_sync_point_is_named_with_its_phase():
@@ -258,14 +279,10 @@ def test_recovery_closes_an_incident():
 def test_a_barrier_only_one_rank_calls_is_named_from_the_flight_recorder():
     # rank 2 runs `if rank == 2: dist.barrier()`; the others wait in DDP's gradient all-reduce, which the
     # Python-level counters do not see, so by the counters three of four ranks look "behind"
-    from rankwatch.watchdog.core.fr_analysis import Mismatch
-    from rankwatch.watchdog.core.verdict import FrHints
-
     views = [rv(r, phase="backward", coll_seq=13, coll_done=13, waiting=True) for r in (0, 1, 3)]
     views.insert(2, rv(2, phase="collective", coll_seq=14, coll_done=13, coll_op="barrier", waiting=True))
-    mm = Mismatch(pg="0", seq=14, kind="op", variants={"all_reduce": (0, 1, 3), "barrier": (2,)}, odd_ranks=(2,))
-    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
-               fr_hints=FrHints(ranks=(0, 1, 2, 3), mismatches=(mm,))).to_json()
+    fr = fr_mismatch((0, 1, 2, 3), "0", 14, "op", {"all_reduce": (0, 1, 3), "barrier": (2,)})
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0, fr_facts=fr).to_json()
     assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [2], "flight_recorder")
     assert "counters" in v["finding"]["data"]["backed_by"]
     # without a flight recorder the counters still point at the rank that entered the extra collective
@@ -330,14 +347,10 @@ def test_a_rank_still_in_a_collective_after_the_others_finished_is_the_odd_one()
 def test_a_rank_aborted_inside_a_mismatched_collective_is_not_its_cause():
     # rank 0 skipped an all_reduce the others call: its next collective meets theirs with another size and
     # gloo aborts the receiver (rank 3, SIGABRT, no exit mark); the survivors' flight recorders show it
-    from rankwatch.watchdog.core.fr_analysis import Mismatch
-    from rankwatch.watchdog.core.verdict import FrHints
-
     views = [rv(r, phase="collective", coll_seq=7, coll_done=6) for r in (0, 1, 2)]
     views.append(rv(3, state="dead", phase="collective", exit_age_s=0.3, exit_order=0))
-    mm = Mismatch(pg="0", seq=12, kind="size", variants={"in [[10]]": (1, 2), "in [[1290]]": (0,)}, odd_ranks=(0,))
-    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
-               fr_hints=FrHints(ranks=(0, 1, 2), mismatches=(mm,))).to_json()
+    fr = fr_mismatch((0, 1, 2), "0", 12, "size", {"in [[10]]": (1, 2), "in [[1290]]": (0,)})
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0, fr_facts=fr).to_json()
     assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [0], "flight_recorder")
     assert v["finding"]["data"]["aborted_receivers"] == [3]
 
@@ -363,18 +376,14 @@ def test_without_a_flight_recorder_odd_collective_counts_explain_an_abort_inside
 def test_odd_collective_counts_explain_an_abort_when_the_flight_recorder_names_nobody():
     # rank 1 skipped the metrics all_reduce; gloo aborted the receiver (rank 0, no mark) and rank 3 crashed
     # on the lost peer: only ranks 1 and 2 dumped, and their sizes at seq 17 differ 1 against 1 — a tie
-    from rankwatch.watchdog.core.fr_analysis import Mismatch
-    from rankwatch.watchdog.core.verdict import FrHints
-
     views = [
         rv(0, state="dead", phase="collective", coll_seq=6, coll_done=5, exit_age_s=0.09, exit_order=0),
         rv(1, phase="backward", coll_seq=5, coll_done=5),
         rv(2, phase="collective", coll_seq=6, coll_done=5),
         rv(3, state="crashed", phase="idle", coll_seq=6, coll_done=6, exit_age_s=0.09, exit_cause=PEER_LOST),
     ]
-    tie = Mismatch(pg="0", seq=17, kind="size", variants={"in [[263425]]": (1,), "in [[1]]": (2,)}, odd_ranks=())
-    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0,
-               fr_hints=FrHints(ranks=(1, 2), mismatches=(tie,))).to_json()
+    tie = fr_mismatch((1, 2), "0", 17, "size", {"in [[263425]]": (1,), "in [[1]]": (2,)})
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=1.0, fr_facts=tie).to_json()
     assert (v["kind"], v["initiating_ranks"]) == ("collective_mismatch", [1]), v["reason"]
     data = v["finding"]["data"]
     assert (data["shape"], data["aborted_receivers"], data["fr_mismatch_tie"]) == ("abort_with_odd_counts", [0], True)
@@ -405,17 +414,33 @@ def test_behind_is_the_lowest_count_of_a_group_and_ranks_in_between_are_waiters(
     from pathlib import Path
 
     from rankwatch.watchdog.core.ranks import behind
+    from rankwatch.watchdog.core.rules.recorder import fr_behind
     from rankwatch.watchdog.evidence.capture import RankCapture
     from rankwatch.watchdog.evidence.flight_recorder import fr_evidence
 
     assert behind({0: 3, 1: 4, 2: 2, 3: 4}) == (2,) and behind({0: 4, 1: 4}) == ()
     dumps = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "fr" / "broadcast_root").glob("rank-*.fr.json"))
     caps = {int(p.name.split("-")[1].split(".")[0]): p.read_bytes() for p in dumps}
-    hints = fr_evidence({r: RankCapture(rank=r, pid=1000 + r, fr_json=b) for r, b in caps.items()}).hints
-    assert hints is not None and hints.behind_ranks == (2,) and [b.rank for b in hints.behind] == [2]
+    facts = fr_evidence({r: RankCapture(rank=r, pid=1000 + r, fr_json=b) for r, b in caps.items()}).facts
+    assert facts is not None and [b.rank for b in fr_behind(facts)] == [2]
     views = [rv(0, node="n0", phase="forward", waiting=True), rv(1, node="n0", waiting=True),
              rv(2, node="n1", phase="dataloader", waiting=False), rv(3, node="n1", waiting=True)]
-    v = decide(views, job_id="j", incident_id="i", detected_after_s=31.0, fr_hints=hints)
+    v = decide(views, job_id="j", incident_id="i", detected_after_s=31.0, fr_facts=facts)
     fr = v.found["fr_behind"]
     assert v.initiating_ranks == [2] and fr is not None and fr.ranks == [2]
     assert "fr_behind" in v.finding.data["backed_by"]
+
+
+def test_a_rank_whose_helper_thread_died_is_named_by_its_rung_over_facts():
+    # rank 2's prefetch thread raised; its main thread waits on the queue (idle, not in a collective): no
+    # stronger rung singles it out, the thread's death (a ``ThreadDied`` fact of the hook's record) does
+    views = [rv(0, waiting=True), rv(1, waiting=True),
+             rv(2, phase="idle", waiting=True, thread_died="thread prefetch: ValueError: boom"), rv(3, waiting=True)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("hang", [2], "thread_died")
+    assert v["finding"]["data"]["threads"] == {"2": "thread prefetch: ValueError: boom"}
+    # where the graph names the rank already, the dead thread backs it
+    views[2] = dataclasses.replace(views[2], phase="dataloader", waiting=False)
+    v = verdict(views)
+    assert (v["initiating_ranks"], v["confidence"]) == ([2], "high")
+    assert "thread_died" in v["finding"]["data"]["backed_by"]

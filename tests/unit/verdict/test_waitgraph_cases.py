@@ -11,10 +11,11 @@ from typing import Any
 
 from rankwatch.watchdog.core.facts import PriorVerdict
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
+from rankwatch.watchdog.core.fr_facts import fr_facts
 from rankwatch.watchdog.core.fr_trace import parse_dump
+from rankwatch.watchdog.core.rules.recorder import fr_behind
 from rankwatch.watchdog.core.snapshot import RankView
 from rankwatch.watchdog.core.verdict import decide
-from rankwatch.watchdog.evidence.flight_recorder import fr_hints
 
 
 def rv(rank: int, **kw: Any) -> RankView:
@@ -52,7 +53,7 @@ def dump(entries: list[dict[str, Any]], groups: dict[str, list[int]], status: di
 
 
 def hints_of(dumps: dict[int, Any]):  # type: ignore[no-untyped-def]
-    return fr_hints(analyze_fr({r: parse_dump(d, r) for r, d in dumps.items()}))
+    return fr_facts(analyze_fr({r: parse_dump(d, r) for r, d in dumps.items()}))
 
 
 # -- pipeline parallel: p2p ops are not "behind" -------------------------------------------------------
@@ -84,8 +85,8 @@ def _pipeline_views() -> list[RankView]:
 
 def test_pipeline_stage_that_never_sends_is_named_not_the_stages_with_fewer_ops():
     hints = hints_of(_pipeline_dumps())
-    assert hints.behind_ranks == ()  # one counter for collectives and p2p: seqs are not compared
-    v = verdict(_pipeline_views(), fr_hints=hints)
+    assert fr_behind(hints) == []  # one counter for collectives and p2p: seqs are not compared
+    v = verdict(_pipeline_views(), fr_facts=hints)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "forward"), v["reason"]
     assert v["finding"]["rule"] == "wait_for" and v["finding"]["data"]["waiters"] == [0, 1, 3]
 
@@ -136,8 +137,8 @@ def _tp_dp_views() -> list[RankView]:
 
 def test_tp_x_dp_names_the_one_rank_waiting_for_nobody():
     hints = hints_of(_tp_dp_dumps())
-    assert set(hints.behind_ranks) == {0, 1, 2, 3}  # per group "behind" blames the whole TP group
-    v = verdict(_tp_dp_views(), fr_hints=hints)
+    assert {b.rank for b in fr_behind(hints)} == {0, 1, 2, 3}  # per group "behind" blames the whole TP group
+    v = verdict(_tp_dp_views(), fr_facts=hints)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [1], "forward"), v["reason"]
     assert v["decided_by"] == "flight_recorder"
     assert v["finding"]["data"]["edge_strength"] == "flight_recorder"
@@ -251,7 +252,7 @@ def test_a_recv_waits_for_its_named_sender_not_for_any_busy_rank():
         rv(3, phase="dataloader", coll_seq=1, coll_done=1, waiting=False),
     ]
     assert verdict(views)["initiating_ranks"] == [3]  # without peers: the earliest phase of the busy ranks
-    v = verdict(views, fr_hints=hints_of(dumps))
+    v = verdict(views, fr_facts=hints_of(dumps))
     assert (v["initiating_ranks"], v["phase"]) == ([2], "forward"), v["reason"]
     assert v["finding"]["data"]["via_anyone"] == []
 
@@ -289,6 +290,6 @@ def test_a_weaker_rung_naming_a_proven_waiter_too_does_not_question_the_sink():
     ]
     views[2] = dataclasses.replace(views[2], stack_signature="ddp_backward")
     views[3] = dataclasses.replace(views[3], stack_signature="ddp_backward")
-    v = verdict(views, fr_hints=hints)
+    v = verdict(views, fr_facts=hints)
     assert (v["initiating_ranks"], v["confidence"]) == ([1], "high"), v["evidence"]
     assert "stacks" not in v["finding"]["data"].get("questioned_by", [])

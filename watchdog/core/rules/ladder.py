@@ -13,16 +13,22 @@ A new bug class is one fact extractor (``core.live_facts``, ``diagnose.log_facts
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import engine
 from ..engine import Finding
-from ..facts import FactSet, Rung
-from ..fr_hints import FrHints
-from ..live_facts import is_waiting
+from ..facts import FactSet, Progress, Rung
+from ..live_facts import (
+    gpu_facts,
+    in_collective_facts,
+    progress_facts,
+    stack_facts,
+    thread_facts,
+    waits_on_peers,
+)
 from ..policy import OfflinePolicy, VerdictPolicy
 from ..schema import UNKNOWN
-from ..snapshot import RankView
+from ..snapshot import EXITED, RUNNING, RankView
 from . import names as n
 from .counters import rule_behind as counters_behind
 from .counters import rule_collective, rule_not_waiting
@@ -31,7 +37,7 @@ from .exits import abort_on_mismatch, abort_with_odd_counts, rule_gone, rule_sto
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
 from .progress import rule_behind, rule_lone_collective
-from .recorder import rule_fr, split_behind
+from .recorder import Behind, fr_behind, rule_fr, split_behind
 from .threads import rule_thread_died
 from .waits import rule_outside, rule_wait_for
 from .waits import rule_same_collective as facts_same_collective
@@ -42,16 +48,47 @@ NONE = "none"
 
 @dataclass
 class LiveCase:
-    """What the live rules read: every rank's view, the flight recorder, the policy, the exit facts, and the
-    engine's facts (``core.live_facts``, built by ``core.verdict`` only when a rung needs them)."""
+    """What the live rules read: every rank's view, the flight recorder's facts (``core.fr_facts``), the
+    policy, the exit facts, and the facts made from the views (``core.live_facts``), each made once and only
+    when a rung reads it: the engine's (``facts``, built by ``core.verdict``), where the live ranks are
+    (``live_progress``), their stacks and GPU use (``seen``)."""
 
     views: Sequence[RankView]
     present: Sequence[RankView]
     live: Sequence[RankView]
-    fr_hints: FrHints | None
+    fr: FactSet | None
     policy: VerdictPolicy
     ends: FactSet  # the exit rungs' facts: ends and where every rank is (``core.live_facts.exit_facts``)
     facts: FactSet | None = None
+    _progress: list[Progress] | None = field(default=None, repr=False)
+    _seen: FactSet | None = field(default=None, repr=False)
+    _fr_rows: list[Behind] | None = field(default=None, repr=False)
+
+    def fr_rows(self) -> list[Behind]:
+        """The ranks behind in the flight recorder's groups (``rules.recorder.fr_behind``), made once: its rung
+        and the document's ``flight_recorder`` section read them."""
+        if self._fr_rows is None:
+            self._fr_rows = fr_behind(self.fr) if self.fr is not None else []
+        return self._fr_rows
+
+    def live_progress(self) -> list[Progress]:
+        """Where every live rank is (``Progress`` facts; the exit facts' own where they were made)."""
+        if self._progress is None:
+            made = self.ends.progress
+            self._progress = [p for p in made if p.how == RUNNING] if made else progress_facts(self.live)
+        return self._progress
+
+    def exited(self) -> list[int]:
+        """The ranks that exited normally (made with the exit facts whenever one did)."""
+        return [p.rank for p in self.ends.progress if p.how == EXITED]
+
+    def seen(self) -> FactSet:
+        """The ranks that answered, their stack equivalence classes, the live ranks' GPU use and helper
+        threads that died."""
+        if self._seen is None:
+            self._seen = FactSet(ranks=tuple(v.rank for v in self.present), stacks=stack_facts(self.present),
+                                 gpu=gpu_facts(self.live), threads=thread_facts(self.present))
+        return self._seen
 
 
 OfflineRule = Callable[[FactSet, OfflinePolicy], Finding | None]
@@ -103,15 +140,21 @@ def _live_wait_for(c: LiveCase) -> Finding | None:
 
 
 def _live_fr(c: LiveCase) -> Finding | None:
-    return rule_fr(c.fr_hints, c.live) if c.fr_hints is not None else None
+    return rule_fr(c.fr, c.live_progress(), c.fr_rows()) if c.fr is not None and c.live else None
+
+
+def _live_gpu(c: LiveCase) -> Finding | None:
+    return rule_same_collective(in_collective_facts(c.live), c.seen().gpu, c.policy) if c.live else None
 
 
 def _live_counters(c: LiveCase) -> Finding | None:
-    return (counters_behind(c.live) or rule_collective(c.live)) if c.live else None
+    live = c.live_progress()
+    return (counters_behind(live) or rule_collective(live)) if live else None
 
 
 def _live_waiting(c: LiveCase) -> Finding | None:
-    return rule_not_waiting(c.live, c.present) if c.live and not any(is_waiting(v) for v in c.live) else None
+    live = c.live_progress()
+    return rule_not_waiting(live, c.exited()) if live and not any(waits_on_peers(p) for p in live) else None
 
 
 LADDER: tuple[LadderRung, ...] = (
@@ -149,10 +192,11 @@ LADDER: tuple[LadderRung, ...] = (
     LadderRung(n.WAITING, "every rank busy and none waiting: the one earliest in the step", False,
                live=_live_waiting, backs=True),
     LadderRung(n.THREAD_DIED, "a helper thread of the rank died with an exception (the hook's record): what its "
-               "training loop waits for", False, live=lambda c: rule_thread_died(c.present), backs=True),
-    LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.present)),
+               "training loop waits for", False, live=lambda c: rule_thread_died(c.seen(), c.live_progress()),
+               backs=True),
+    LadderRung(n.STACKS, "a stack no other rank shares", False, live=lambda c: rule_stacks(c.seen())),
     LadderRung(n.GPU, "every rank in one collective: a communication hang, unless one has no GPU activity", False,
-               live=lambda c: rule_same_collective(c.live, c.policy),
+               live=_live_gpu,
                offline=lambda f, p: facts_same_collective(f), offline_name="same_collective"),
     LadderRung(n.REPORT_ONLY, "only a launcher's exit report: the rank it says exited first, as a guess", False,
                offline=lambda f, p: rule_report_only(f), offline_name="report_only"),

@@ -1,28 +1,80 @@
-"""The flight recorder's own findings for the ladder: a mismatch at one (pg, seq), else the ranks behind in a
-process group (``core.ranks.behind``: at its lowest count; ranks in between wait). Pure; findings are data
-(``report.findings`` puts them in words)."""
+"""The flight recorder's own findings for the ladder, over its facts (``core.fr_facts``): a mismatch at one
+(pg, seq), else the ranks behind in a process group (``rules.behind`` over its ``entered`` counts: at the
+group's lowest count; ranks in between wait). Pure; findings are data (``report.findings`` puts them in words)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine import Finding
-from ..facts import FactSet, Rung
-from ..fr_hints import FrHints
+from ..facts import FR_ENTERED, FR_ENTRY, FactSet, Progress, Rung
+from ..fr_facts import ENTERED
 from ..live_facts import mismatch_facts
+from ..ranks import behind as ranks_behind
+from ..ranks import outside_majority
 from ..schema import COLLECTIVE_MISMATCH, HANG, lower_confidence
-from ..snapshot import RankView
+from .behind import counts_by_group
 from .mismatch import rule_mismatch
 from .names import FLIGHT_RECORDER as FR
 from .names import FR_BEHIND
 
 
-def _mismatch_finding(found: Finding, hints: FrHints, covered: bool) -> Finding:
+@dataclass(frozen=True)
+class Behind:
+    """One rank behind in one process group, as the recorder's facts say: its highest entered ``seq``
+    against the furthest member's ``top_seq`` (``top_op`` its op); ``waiting``: its newest collective is
+    still in flight although a peer got past it — it waits for a peer (data relayed through a ring or
+    tree), it is not the one that never arrived."""
+
+    pg: str
+    rank: int
+    seq: int
+    top_seq: int
+    top_op: str | None
+    waiting: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pg": self.pg, "rank": self.rank, "seq": self.seq, "top_seq": self.top_seq, "top_op": self.top_op,
+                "waiting": self.waiting}
+
+
+def fr_behind(fr: FactSet) -> list[Behind]:
+    """The ranks behind in each group of the recorder (the one "behind" rule over its ``entered`` counts), in
+    the groups' order."""
+    values = counts_by_group(fr.counts, ENTERED)
+    behind = {g: rs for g, vals in values.items() if g is not None and (rs := ranks_behind(vals))}
+    if not behind:
+        return []
+    top = {g: max(values[g].values()) for g in behind}
+    wanted = {(g, r) for g, rs in behind.items() for r in rs}
+    in_flight = {(w.group, w.rank, w.seq) for w in fr.waits
+                 if (w.group, w.rank) in wanted and w.source == FR_ENTRY and w.seq is not None}
+    ops: dict[str, str] = {}  # group → the op the first member at its top seq entered
+    for i in fr.in_op:
+        if i.source == FR_ENTERED and i.group in top and i.seq == top[i.group]:
+            ops.setdefault(i.group, i.op)
+    return [Behind(g, r, values[g][r], top[g], ops.get(g), waiting=(g, r, values[g][r]) in in_flight)
+            for g, rs in behind.items() for r in rs]
+
+
+def mismatches(fr: FactSet) -> dict[tuple[str | None, int | None], tuple[str, dict[str, tuple[int, ...]]]]:
+    """Per (group, seq) where the recorder's members disagree: on what — op, size or dtype — and each
+    variant's ranks, in the order the analysis found them."""
+    out: dict[tuple[str | None, int | None], tuple[str, dict[str, tuple[int, ...]]]] = {}
+    for i in fr.in_op:
+        if i.source == FR_ENTRY:
+            _, variants = out.setdefault((i.group, i.seq), (i.aspect or "", {}))
+            variants[i.op] = (*variants.get(i.op, ()), i.rank)
+    return out
+
+
+def _mismatch_finding(found: Finding, fr: FactSet, covered: bool) -> Finding:
     """The shared rule's mismatch (``rules.mismatch``), with the recorder's variants the words quote."""
     d = found.data
-    mm = next(m for m in hints.mismatches if (m.pg, m.seq) == (d["group"], d["seq"]))
-    data = {**d, "mismatch": mm.kind, "pg": mm.pg, "seq": mm.seq, "variants": dict(mm.variants)}
+    aspect, variants = mismatches(fr)[(d["group"], d["seq"])]
+    data = {**d, "mismatch": aspect, "pg": d["group"], "seq": d["seq"], "variants": variants}
     if not found.ranks:
         # a tie: nobody is named (naming every rank, or a majority, would be wrong)
         return Finding(FR, COLLECTIVE_MISMATCH, [], Rung.FLIGHT_RECORDER, "low", {**data, "shape": "fr_mismatch_tie"})
@@ -31,52 +83,68 @@ def _mismatch_finding(found: Finding, hints: FrHints, covered: bool) -> Finding:
                    {**data, "shape": "fr_mismatch"})
 
 
-def behind_detail(hints: FrHints, ranks: Sequence[int]) -> list[dict[str, Any]]:
+def behind_detail(behind: Sequence[Behind], ranks: Sequence[int]) -> list[dict[str, Any]]:
     """Per rank behind, its widest gap (``seq`` against the others' ``top_seq`` in ``pg``): what the words
     say of it."""
     out: list[dict[str, Any]] = []
     for r in ranks:
-        mine = [b for b in hints.behind if b.rank == r]
+        mine = [b for b in behind if b.rank == r]
         if mine:
             b = max(mine, key=lambda b: b.top_seq - b.seq)
             out.append({"rank": r, "pg": b.pg, "seq": b.seq, "top_seq": b.top_seq, "top_op": b.top_op})
     return out
 
 
-def rule_fr(hints: FrHints, live: Sequence[RankView]) -> Finding | None:
-    """What the flight recorder says on its own: a mismatch at one (pg, seq), else the ranks behind.
+def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None = None) -> Finding | None:
+    """What the flight recorder says on its own, over its facts and where the live ranks are: a mismatch at
+    one (pg, seq), else the ranks behind (``rows``: ``fr_behind``'s, where the caller made them already).
 
     It sees every collective of every process group, DDP's gradient all-reduces included, which the
     Python-level counters do not; so it outranks them (the evidence ladder)."""
     if not live:
         return None
-    live_ranks = {v.rank for v in live}
-    covered = live_ranks <= set(hints.ranks)
-    # the one mismatch rule (``rules.mismatch``), over the recorder's entries as facts
-    mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(live_ranks)), in_op=mismatch_facts(hints, live_ranks)))
+    live_ranks = {p.rank for p in live}
+    covered = live_ranks <= set(fr.ranks)
+    # the one mismatch rule (``rules.mismatch``), over the recorder's entries where members disagree
+    mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(live_ranks)), in_op=mismatch_facts(fr, live_ranks)))
     if mismatch is not None and mismatch.ranks:
-        return _mismatch_finding(mismatch, hints, covered)
-    behind = [r for r in hints.behind_ranks if r in live_ranks]
+        return _mismatch_finding(mismatch, fr, covered)
+    rows = fr_behind(fr) if rows is None else rows
+    behind = sorted({b.rank for b in rows} & live_ranks)
     if not behind:
         # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
-        return _mismatch_finding(mismatch, hints, covered) if mismatch is not None else None
-    relaying = {b.rank for b in hints.behind if b.waiting}
+        return _mismatch_finding(mismatch, fr, covered) if mismatch is not None else None
+    relaying = {b.rank for b in rows if b.waiting}
     arrived_never = [r for r in behind if r not in relaying]
     if arrived_never and len(arrived_never) < len(behind):
         behind = arrived_never  # of the ranks behind, the ones with nothing in flight started it
-    data = {"behind": behind, "detail": behind_detail(hints, behind), "covers": list(hints.ranks),
-            "covered": covered}
+    data = {"behind": behind, "detail": behind_detail(rows, behind), "covers": list(fr.ranks), "covered": covered}
     if not arrived_never and not covered:
         # every rank behind is itself blocked in a collective a peer got past (the root of a broadcast the
         # stuck rank never received): the rank that never arrived is among those the recorder does not cover
         return Finding(FR, HANG, [], Rung.FLIGHT_RECORDER, "low",
-                       {**data, "shape": "fr_behind_uncovered", "uncovered": sorted(live_ranks - set(hints.ranks))})
+                       {**data, "shape": "fr_behind_uncovered", "uncovered": sorted(live_ranks - set(fr.ranks))})
     behind_set = set(behind)
-    lead = next(v for v in live if v.rank in behind_set)
+    lead = next(p for p in live if p.rank in behind_set)
     confidence = "high" if covered and len(behind) < len(live) / 2 else "medium"
     return Finding(FR, HANG, behind, Rung.FLIGHT_RECORDER, confidence, {
         **data, "shape": "fr_behind", "lead": lead.rank, "phase": lead.phase, "step": lead.step,
         "others": sorted(live_ranks - set(behind))})
+
+
+def fr_doc(fr: FactSet, rows: Sequence[Behind] | None = None) -> dict[str, Any]:
+    """The verdict document's ``flight_recorder`` section (without its ``role``): the ranks covered, the ranks
+    behind (``rows``: ``fr_behind``'s, where made already), the collectives some members never joined, the
+    mismatches."""
+    return {
+        "ranks": list(fr.ranks),
+        "behind": [b.to_json() for b in (fr_behind(fr) if rows is None else rows)],
+        "missing": [{"pg": m.group, "seq": m.seq, "op": m.op, "joined": list(m.joined), "missing": list(m.missing)}
+                    for m in fr.unjoined],
+        "mismatches": [{"pg": group, "seq": seq, "kind": aspect, "odd_ranks": list(outside_majority(variants) or ()),
+                        "variants": {k: list(v) for k, v in variants.items()}}
+                       for (group, seq), (aspect, variants) in mismatches(fr).items()],
+    }
 
 
 def split_behind(found: Mapping[str, Finding | None], facts: FactSet) -> dict[str, Finding | None]:

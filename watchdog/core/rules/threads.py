@@ -7,18 +7,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..engine import Finding
-from ..facts import Rung
+from ..facts import FactSet, Progress, Rung
 from ..schema import HANG
-from ..snapshot import RUNNING, RankView
 from .names import THREAD_DIED
 
 
-def rule_thread_died(present: Sequence[RankView]) -> Finding | None:
-    """The live ranks that lost a helper thread to an exception (a minority: a thread dying on every rank
-    is a shared cause, which the other rungs weigh)."""
-    died = [v for v in present if v.state == RUNNING and v.thread_died]
-    if not died or len(died) * 2 > len(present):
+def rule_thread_died(facts: FactSet, live: Sequence[Progress]) -> Finding | None:
+    """The live ranks that lost a helper thread to an exception (``ThreadDied`` facts; a minority of
+    ``facts.ranks``, the ranks that answered: a thread dying on every rank is a shared cause, which the other
+    rungs weigh); ``live``: where the live ranks are."""
+    died = sorted(facts.threads, key=lambda t: t.rank)
+    if not died or len(died) * 2 > len(facts.ranks):
         return None
-    return Finding(THREAD_DIED, HANG, [v.rank for v in died], Rung.STACKS, "medium",
-                   {"shape": "thread_died", "threads": {v.rank: v.thread_died for v in died},
-                    "phase": died[0].phase, "step": died[0].step})
+    lead = next((p for p in live if p.rank == died[0].rank), None)
+    return Finding(THREAD_DIED, HANG, [t.rank for t in died], Rung.STACKS, "medium",
+                   {"shape": "thread_died", "threads": {t.rank: t.error for t in died},
+                    "phase": lead.phase if lead else None, "step": lead.step if lead else None})
