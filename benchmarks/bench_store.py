@@ -121,7 +121,7 @@ def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> No
     rng = random.Random(k)
 
     def decide_fn(vs: Sequence[Any], notes: Sequence[str], how: Any, remote_fr: Any) -> Any:
-        return decide(vs, job_id=JOB, incident_id="inc", detected_after_s=180.0, extra_evidence=notes).to_json()
+        return decide(vs, job_id=JOB, incident_id="inc", detected_after_s=180.0, extra_evidence=notes).document()
 
     def poll(measure: bool = False) -> Any:
         c0, t0 = store.calls, time.perf_counter()
@@ -142,8 +142,8 @@ def run_node(corr: Any, cfg: dict[str, Any], go: Any, rec: dict[str, Any]) -> No
             if res.publish:
                 corr.publish_verdict(inc, verdict)
         rec["verdicts"].append(
-            {"gen": inc.gen, "t": time.monotonic(), "calls": store.calls - c0, "kind": verdict["kind"],
-             "initiators": verdict["initiating_ranks"], "how": how}
+            {"gen": inc.gen, "t": time.monotonic(), "calls": store.calls - c0, "kind": verdict.kind,
+             "initiators": list(verdict.initiating_ranks), "how": how}
         )
 
     if not go.wait(timeout=cfg["connect_s"]):

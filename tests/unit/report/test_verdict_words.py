@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from test_evidence import FrBehind, FrHints, hints, rv, verdict
+from test_evidence import hints, rv, verdict
+from test_verdict_rules import fr_entered
 
 
 def gpu_views(**culprit: object) -> list:
@@ -27,7 +28,7 @@ def test_gpu_agreeing_says_each_named_ranks_reading() -> None:
 
 def test_a_flight_recorder_size_mismatch_says_size_and_where_it_was_seen() -> None:
     same = dict(phase="collective", coll_seq=3, coll_done=2, coll_op="all_reduce")
-    v = verdict([rv(r, **same) for r in range(3)], fr_hints=hints("mismatch_size"))
+    v = verdict([rv(r, **same) for r in range(3)], fr_facts=hints("mismatch_size"))
     assert v["finding"]["data"]["shape"] == "fr_mismatch"
     assert v["reason"].startswith("collective mismatch (size) at collective #3"), v["reason"]
     assert "flight recorder" in v["reason"], v["reason"]
@@ -35,14 +36,14 @@ def test_a_flight_recorder_size_mismatch_says_size_and_where_it_was_seen() -> No
 
 def test_a_rank_behind_in_the_flight_recorder_says_which_collective() -> None:
     views = [rv(r, phase="backward", coll_seq=0, coll_done=0, coll_op=None) for r in range(3)]
-    v = verdict(views, fr_hints=hints("skip"))
+    v = verdict(views, fr_facts=hints("skip"))
     assert v["finding"]["data"]["shape"] == "fr_behind"
     assert "behind in the flight recorder" in v["reason"] and "while others entered #4" in v["reason"], v["reason"]
 
 
 def test_the_flight_recorder_backing_a_finding_says_so_with_its_numbers() -> None:
     two = [rv(0, waiting=True), rv(1, phase="dataloader", waiting=False)]
-    v = verdict(two, fr_hints=FrHints(ranks=(0, 1), behind=(FrBehind("0", 1, 5, 6, "all_reduce"),)))
+    v = verdict(two, fr_facts=fr_entered((0, 1), "0", {0: 6, 1: 5}))
     assert "fr_behind" in v["finding"]["data"]["backed_by"]
     assert any("rank 1 entered collective #5 of pg 0 while others entered #6" in e for e in v["evidence"])
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from rankwatch.watchdog.core.facts import Ended, FactSet, Progress
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
-from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts
+from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts, progress_facts
 from rankwatch.watchdog.core.rules.counters import rule_behind
 from rankwatch.watchdog.core.rules.ended import rule_exit_order
 from rankwatch.watchdog.core.snapshot import RankView
@@ -44,13 +44,15 @@ def test_python_level_counts_with_sends_and_recvs_name_nobody_behind():
     # the same hang, live: the hook counts every Python-level call, p2p included; the last stage issues fewer
     # by design and was named "stuck before collective #87 (send)" at high confidence once the recorder no
     # longer named anyone
-    stages = [rv(0, coll_seq=45, coll_done=44), rv(1, coll_op="send"), rv(2), rv(3, coll_seq=45, coll_done=44)]
+    stages = progress_facts(
+        [rv(0, coll_seq=45, coll_done=44), rv(1, coll_op="send"), rv(2), rv(3, coll_seq=45, coll_done=44)])
     assert count_facts(stages, COLLECTIVE_SEQ) == []
     assert len(count_facts(stages, STEP)) == 4  # steps still compare
     assert rule_behind(stages) is None
     # without p2p the count is the collectives' own: the rank behind is named as before
-    flat = [rv(0, coll_op="all_reduce"), rv(1, coll_seq=86, coll_done=86, coll_op="all_reduce", phase="forward"),
-            rv(2, coll_op="all_reduce")]
+    flat = progress_facts([rv(0, coll_op="all_reduce"),
+                           rv(1, coll_seq=86, coll_done=86, coll_op="all_reduce", phase="forward"),
+                           rv(2, coll_op="all_reduce")])
     f = rule_behind(flat)
     assert f is not None and f.ranks == [1]
 
