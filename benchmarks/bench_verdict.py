@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rankwatch.watchdog.core.evidence_items import Line
 from rankwatch.watchdog.core.snapshot import DEAD, RUNNING, RankView
 from rankwatch.watchdog.verdict import decide
 
@@ -144,7 +145,7 @@ def time_decide(views: list[RankView], repeats: int, budget_s: float) -> list[fl
     gc.collect()
     for i in range(repeats):
         t0 = time.perf_counter()
-        decide(views, job_id="bench", incident_id="inc-1", detected_after_s=181.2, extra_evidence=("bench",))
+        decide(views, job_id="bench", incident_id="inc-1", detected_after_s=181.2, extra_evidence=(Line("bench"),))
         out.append(time.perf_counter() - t0)
         if i >= 2 and time.perf_counter() > t_end:
             break

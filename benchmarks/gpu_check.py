@@ -256,6 +256,7 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
     if backend == "nccl" and rank == 0:
         from rankwatch.watchdog.evidence.ras_client import query_ras
         from rankwatch.watchdog.evidence.ras_findings import ras_findings
+        from rankwatch.watchdog.report.evidence_words import ras_text
 
         st = query_ras(ras_addr, ras_timeout_s=5, timeout_s=15)
         info = (
@@ -267,7 +268,7 @@ def worker(backend: str, out_dir: str, ras_addr: str) -> None:
                 "version": st.nccl_version,
                 "comms": len(st.communicators),
                 "complete": st.complete,
-                "evidence": [f.text for f in ras_findings(None, st)],
+                "evidence": [ras_text(f) for f in ras_findings(None, st)],
                 "head": st.raw[:400],
             }
         )

@@ -9,12 +9,13 @@ import random
 import re
 from pathlib import Path
 
+from rankwatch.watchdog.core.evidence_items import item_kinds
 from rankwatch.watchdog.core.ranks import fmt_ranks
 from rankwatch.watchdog.core.rules.ladder import LADDER
 from rankwatch.watchdog.core.rules.waits import NAMING_SOURCES
 from rankwatch.watchdog.core.snapshot import RankView
 from rankwatch.watchdog.diagnose import diagnose_jobs
-from rankwatch.watchdog.report import findings, live_words
+from rankwatch.watchdog.report import evidence_words, findings, live_words
 from rankwatch.watchdog.verdict import decide
 
 CORE = Path(__file__).resolve().parents[2] / "watchdog" / "core"
@@ -136,3 +137,16 @@ def test_offline_words_name_the_ranks_they_decide() -> None:
             if len(doc["initiating_ranks"]) == 1:
                 assert not any(w in doc["reason"] for w in CROWD), (path, doc["reason"])
     assert seen > 50
+
+
+def test_every_evidence_kind_has_words() -> None:
+    """An evidence item (``core.evidence_items``) is phrased only in ``report.evidence_words``: a kind without its
+    phrase fails here, and every class that is an item is one of the kinds seen (none defined elsewhere)."""
+    kinds = list(item_kinds())
+    names = [k.KIND for k in kinds]
+    assert len(kinds) >= 14 and "" not in names and len(names) == len(set(names)), names
+    assert set(names) <= set(evidence_words._WORDS), set(names) - set(evidence_words._WORDS)
+    defined = {node.name for path in (CORE.parent).rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef)
+               and any(isinstance(b, ast.Name) and b.id == "EvidenceItem" for b in node.bases)}
+    assert defined == {k.__name__ for k in kinds}, defined ^ {k.__name__ for k in kinds}

@@ -23,6 +23,7 @@ from conftest import (
     torchrun_args,
     wait_for,
 )
+from rankwatch.watchdog.core.evidence_items import STORE_UNREACHABLE, DecidedLocally
 
 GATED = str(REPO / "tests" / "procs" / "gated_job.py")
 MOVED = re.compile(r"^rankwatch run: warning: metrics port (\d+) on 127\.0\.0\.1 is taken; serving "
@@ -126,7 +127,8 @@ def test_a_taken_metrics_port_an_unreachable_store_and_a_dead_webhook_never_fail
     assert code == 0, stderr[-3000:]
     (bundle,) = bundle_dirs(run.out / "incidents")
     verdict = json.loads((bundle / "verdict.json").read_text())
-    assert any("local only: store unreachable" in e for e in verdict["evidence"]), verdict["evidence"]
+    assert any(i["kind"] == DecidedLocally.KIND and i["why"] == STORE_UNREACHABLE
+               for i in verdict["evidence_items"]), verdict.get("evidence_items")
     assert f"bundle: {bundle}" in stdout  # the verdict was printed as it happened
     events = [json.loads(ln) for ln in stderr.splitlines() if ln.startswith("{")]
     assert any(e["event"] == "store_unreachable" for e in events), stderr[-3000:]

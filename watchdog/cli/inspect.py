@@ -26,6 +26,7 @@ from ..cluster.auth import load_secret
 from ..cluster.inspect_exchange import exchange
 from ..cluster.store import JobStore, StoreError
 from ..core.document import VerdictDocument
+from ..core.evidence_items import Line
 from ..core.fr_trace import RankTrace
 from ..core.inspect_facts import Progress, RankFact, RankLook, judge_progress, views_from_facts
 from ..core.policy import CapturePolicy, InspectPolicy
@@ -138,7 +139,7 @@ def _decide(
     fr = with_remote(fr_evidence({r: c for r, c in captures.items() if c.fr_trace is not None}), remote_fr)
     verdict = decide(
         views, job_id=job.job_id, incident_id=incident_id, detected_after_s=0.0,
-        extra_evidence=[*fr.lines, *notes], fr_facts=fr.facts,
+        extra_evidence=[Line(x) for x in (*fr.lines, *notes)], fr_facts=fr.facts,
         steps_known=False,  # no record: step counters and phase timers are unknown, the reason names none
     ).document()
     # the job's strings cleaned before the verdict goes anywhere: with --store the leader publishes this one

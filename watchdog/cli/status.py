@@ -27,11 +27,12 @@ from ..core.ranks import fmt_ranks
 from ..core.schema import headline_of
 from ..core.snapshot import RankView
 from ..core.straggler import diagnose_stragglers
-from ..core.straggler_live import LiveStraggler, straggler_line
+from ..core.straggler_live import LiveStraggler, straggler_item
 from ..core.text import NAME, PROSE, clean
 from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
+from ..report.evidence_words import straggler_line
 from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, diagnosis_ref, incident_ref
 from .argparser import Parser
 from .options import add_shm_dir, positive_float
@@ -133,7 +134,7 @@ def job_status(
         "incidents": [i for i in (_incident(x) for x in (state or {}).get("incidents") or []) if i],
         "stalled_ranks": stalled,
         "stall_timeout_s": round(policy.timeout_for(watch.longest_step_s), 3),
-        "stragglers": [s.doc() | {"line": straggler_line(s, time.time())} for s in stragglers],
+        "stragglers": [s.doc() | {"line": straggler_line(straggler_item(s, time.time()))} for s in stragglers],
         "ranks": rows,
         "diagnosis": diag["label"],
         "straggler_ranks": diag["straggler_ranks"],

@@ -37,6 +37,26 @@ import structlog
 
 from ..core.detect import progressing_here
 from ..core.document import DocumentError, VerdictDocument
+from ..core.evidence_items import (
+    DELETED_AFTER_SEEN,
+    EVIDENCE_UNPUBLISHED,
+    HELD_AS,
+    HELD_MISSING,
+    KEY_EMPTY_NODE_ALIVE,
+    LEADER_REJECTED,
+    LEADER_SILENT,
+    OVER_READ_BUDGET,
+    REFUSED_UNAUTHENTICATED,
+    REJECTED,
+    STORE_UNREACHABLE,
+    DecidedLocally,
+    EvidenceItem,
+    FrNote,
+    NodeEvidence,
+    NoEvidenceFrom,
+    NotJudged,
+    UnauthenticatedExchange,
+)
 from ..core.fr_trace import RankTrace
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
@@ -80,7 +100,7 @@ class Resolution:
     how: str  # how the nodes agreed (or why this node decides alone)
     verdict: VerdictDocument | None = None
     views: Sequence[RankView] = ()
-    notes: Sequence[str] = ()
+    notes: Sequence[EvidenceItem] = ()  # what the exchange adds to the evidence (``core.evidence_items``)
     remote_fr: Mapping[int, RankTrace] = field(default_factory=dict)
     publish: bool = False
     # the leader's verdict this node refused (it names a rank this node saw progressing) while this node sees a
@@ -450,7 +470,7 @@ class Correlator:
         store = self.store
         if store is None or inc.gen == 0:
             why = f"local only: store unreachable ({self.error})"
-            return Resolution(why, views=local_views, notes=[why])
+            return Resolution(why, views=local_views, notes=[DecidedLocally(STORE_UNREACHABLE, error=str(self.error))])
         share = fr_share(local_fr or {}, self.policy.fr_shared_per_pg, self.policy.fr_shared_bytes)
         try:
             store.set_json(
@@ -461,7 +481,7 @@ class Correlator:
         except StoreError as exc:
             self._lost(exc)
             why = f"local only: could not publish evidence ({exc})"
-            return Resolution(why, views=local_views, notes=[why])
+            return Resolution(why, views=local_views, notes=[DecidedLocally(EVIDENCE_UNPUBLISHED, error=str(exc))])
         self._published = max(self._published, inc.gen)
         if self.leader:
             views, notes, remote_fr, nodes = self._gather(
@@ -472,11 +492,8 @@ class Correlator:
                               publish=True, exchange=self._exchange(nodes))
         return self._follow(store, inc, local_views, world_size, stall_timeout_s)
 
-    def _auth_note(self) -> list[str]:
-        if self.authenticated:
-            return []
-        return ["the nodes' exchange was unauthenticated (no --store-secret-file): any process that reaches the "
-                "store could have written or removed what other nodes said"]
+    def _auth_note(self) -> list[EvidenceItem]:
+        return [] if self.authenticated else [UnauthenticatedExchange()]
 
     def _exchange(self, nodes: Mapping[int, str]) -> dict[str, Any]:
         return {"authenticated": self.authenticated, "nodes": {str(k): v for k, v in sorted(nodes.items())}}
@@ -517,16 +534,18 @@ class Correlator:
             if rejected
             else "local: the leader gave no verdict in time (leader node down or its daemon restarted)"
         )
-        return self._local(inc, local_views, world_size, why)
+        item = DecidedLocally(LEADER_REJECTED if rejected else LEADER_SILENT)
+        return self._local(inc, local_views, world_size, why, item)
 
     def _local(
-        self, inc: SharedIncident, local_views: list[RankView], world_size: int, why: str,
+        self, inc: SharedIncident, local_views: list[RankView], world_size: int, why: str, item: DecidedLocally,
         refused: VerdictDocument | None = None,
     ) -> Resolution:
-        """This node decides: its own ranks as it holds them, the other nodes' as their evidence in the store
-        (read once) says."""
+        """This node decides (``why``, and ``item``: the same as data): its own ranks as it holds them, the other
+        nodes' as their evidence in the store (read once) says."""
         remote_fr: dict[int, RankTrace] = {}
-        views, notes = local_views, [why]
+        views = local_views
+        notes: list[EvidenceItem] = [item]
         nodes: dict[int, str] = {self.node_rank: HEARD}
         if self.store is not None:
             views, more, remote_fr, nodes = self._gather(self.store, inc, local_views, world_size, 0.0)
@@ -549,10 +568,13 @@ class Correlator:
         verdict over its own ranks; the leader's is still adopted when this node's own names the same ranks."""
         about_me = self._without_my_evidence(verdict, local_views)
         if about_me is not None:
-            why = f"local: the leader decided without this node's evidence ({about_me}); this node holds its own ranks"
-            log.warning("remote_verdict_refused", job=self.job_id, key=key, why=about_me,
+            held_as = about_me.why == HELD_AS
+            about = (f"it holds this node's evidence as {about_me.held[:32]}" if held_as
+                     else f"it holds {fmt_ranks(about_me.ranks)} as never answered")
+            why = f"local: the leader decided without this node's evidence ({about}); this node holds its own ranks"
+            log.warning("remote_verdict_refused", job=self.job_id, key=key, why=about,
                         initiating_ranks=list(verdict.initiating_ranks[:16]))
-            return self._local(inc, local_views, world_size, why, refused=verdict)
+            return self._local(inc, local_views, world_size, why, about_me, refused=verdict)
         healthy = (
             progressing_here(local_views, list(verdict.initiating_ranks), stall_timeout_s)
             if not self.authenticated and stall_timeout_s is not None
@@ -574,18 +596,19 @@ class Correlator:
         )
         # only a node that sees a stall itself may still confirm it with its own evidence (caller's decision)
         stalled_here = stall_timeout_s is not None and any(v.since_progress_s >= stall_timeout_s for v in local_views)
-        return Resolution(why, views=local_views, notes=[why], refused=verdict if stalled_here else None)
+        return Resolution(why, views=local_views, notes=[DecidedLocally(REFUSED_UNAUTHENTICATED, ranks=tuple(healthy))],
+                          refused=verdict if stalled_here else None)
 
-    def _without_my_evidence(self, verdict: VerdictDocument, local_views: Sequence[RankView]) -> str | None:
+    def _without_my_evidence(self, verdict: VerdictDocument, local_views: Sequence[RankView]) -> DecidedLocally | None:
         """What in the leader's verdict says it did not judge this node's ranks on this node's evidence."""
         nodes = (verdict.exchange or {}).get("nodes")
         mine = nodes.get(str(self.node_rank)) if isinstance(nodes, dict) else None
         if isinstance(mine, str) and mine != HEARD:
-            return f"it holds this node's evidence as {mine[:32]}"
+            return DecidedLocally(HELD_AS, held=mine[:32])
         gone = [v.rank for v in local_views
                 if (e := verdict.ranks.get(str(v.rank))) is not None and e.state == MISSING]
         if gone:
-            return f"it holds {fmt_ranks(gone)} as never answered"
+            return DecidedLocally(HELD_MISSING, ranks=tuple(gone))
         return None
 
     def publish_verdict(self, inc: SharedIncident, verdict: VerdictDocument) -> None:
@@ -600,7 +623,7 @@ class Correlator:
 
     def _gather(
         self, store: JobStore, inc: SharedIncident, local_views: list[RankView], world_size: int, wait_s: float
-    ) -> tuple[list[RankView], list[str], dict[int, RankTrace], dict[int, str]]:
+    ) -> tuple[list[RankView], list[EvidenceItem], dict[int, RankTrace], dict[int, str]]:
         """Every node's evidence for this incident, waiting up to ``wait_s`` for all ranks to be covered;
         the other nodes' flight-recorder traces of their own ranks; and what was held of each node
         (``HEARD``, ``TAMPERED``, ``UNAVAILABLE``, ``SILENT``).
@@ -617,7 +640,8 @@ class Correlator:
         fr_notes: list[str] = []
         nodes = list(self._candidate_nodes(world_size, len(local_views)))
         held: dict[int, str] = {self.node_rank: HEARD}
-        why: dict[int, str] = {}
+        why: dict[int, str] = {}  # ``core.evidence_items.NODE_REASONS``
+        rejection: dict[int, str] = {}  # how a tampered value failed its checks
         seen: set[int] = set()  # nodes with a value under their key at some read
         before, _ = self._snapshots(store, [k for k in nodes if k != self.node_rank])
         deadline = time.monotonic() + wait_s
@@ -633,7 +657,7 @@ class Correlator:
             for k, key in zip(pending, keys, strict=True):
                 raw = raws.get(key)
                 if key in vanished or (raw is None and k in seen):
-                    held[k], why[k] = UNAVAILABLE, "its evidence was deleted after it was seen"
+                    held[k], why[k] = UNAVAILABLE, DELETED_AFTER_SEEN
                     continue
                 if raw is None:
                     continue
@@ -645,7 +669,8 @@ class Correlator:
                         raise ValueRejected(f"evidence of node {answer.node_rank} under node {k}'s key")
                 except ValueRejected as exc:  # the node's own evidence may still replace it
                     self._reject(key, exc)
-                    held[k], why[k] = TAMPERED, str(exc)[:160]
+                    held[k], why[k] = TAMPERED, REJECTED
+                    rejection[k] = str(exc)[:160]
                     continue
                 held[k] = HEARD
                 why.pop(k, None)
@@ -663,13 +688,13 @@ class Correlator:
             # every key there but not every rank covered (a rejected value, or fewer nodes than guessed):
             # the store cannot wake us for a replaced value, so poll until the deadline
             time.sleep(self.policy.rejected_value_retry_s)
-        notes = [f"flight recorder: {n}" for n in fr_notes[:16]]
+        notes: list[EvidenceItem] = [FrNote(n) for n in fr_notes[:16]]
         unheard = [k for k in nodes if held.get(k) != HEARD]
         after, unread = self._snapshots(store, unheard) if unheard else ({}, set())
         for k in unheard:
             snap = after.get(k)
             if held.get(k) is None and k in unread:
-                held[k], why[k] = UNAVAILABLE, "the store held more than one look may read before its snapshot"
+                held[k], why[k] = UNAVAILABLE, OVER_READ_BUDGET
             elif held.get(k) is None:
                 # nothing ever under its key: down, unless its daemon shows it is alive and has answered
                 alive = snap is not None and (
@@ -677,7 +702,7 @@ class Correlator:
                 )
                 held[k] = UNAVAILABLE if alive else SILENT
                 if alive:
-                    why[k] = "its daemon publishes on but its evidence is not in the store (deleted)"
+                    why[k] = KEY_EMPTY_NODE_ALIVE
         tampered = sorted(k for k in unheard if held[k] != SILENT)
         unplaced = False  # a tampered node whose ranks are not known: no unheard rank can be called missing
         for k in tampered:
@@ -685,15 +710,12 @@ class Correlator:
             judged = [v for v in snap.views if v.rank not in by_rank] if snap is not None else []
             for v in judged:
                 by_rank[v.rank] = v
-            what = f"node {k}: evidence {held[k]} ({why.get(k, '?')})"
-            if judged:
-                notes.append(f"{what}; its ranks {fmt_ranks([v.rank for v in judged])} judged on its last "
-                             f"authenticated snapshot" if self.authenticated else
-                             f"{what}; its ranks {fmt_ranks([v.rank for v in judged])} judged on its last snapshot")
-            else:
+            if not judged:
                 unplaced = unplaced or snap is None
-                notes.append(f"{what}; its ranks are not judged here (tampering is no evidence about them)")
-            log.warning("store_evidence_" + held[k], job=self.job_id, gen=inc.gen, node=k, why=why.get(k))
+            notes.append(NodeEvidence(k, held[k], why.get(k, "?"), error=rejection.get(k, ""),
+                                      judged=tuple(v.rank for v in judged), authenticated=self.authenticated))
+            log.warning("store_evidence_" + held[k], job=self.job_id, gen=inc.gen, node=k, why=why.get(k),
+                        error=rejection.get(k))
         uncovered = [r for r in range(world_size) if r not in by_rank]
         silent_ranks = {v.rank: v for k in unheard if held[k] == SILENT and (s := after.get(k)) for v in s.views}
         missing = [r for r in uncovered if r in silent_ranks or not (tampered and unplaced)]
@@ -715,13 +737,9 @@ class Correlator:
                         since_progress_s=0.0,
                     )
                 )
-            notes.append(
-                f"no evidence from {fmt_ranks(missing)}"
-                + (f" (node(s) {', '.join(silent_nodes)} did not answer)" if silent_nodes else " (never seen)")
-            )
+            notes.append(NoEvidenceFrom(tuple(missing), tuple(silent_nodes)))
         if len(missing) < len(uncovered):
-            notes.append(f"{fmt_ranks([r for r in uncovered if r not in missing])} not judged: the store was "
-                         "tampered with, so silence is no evidence about them")
+            notes.append(NotJudged(tuple(r for r in uncovered if r not in missing)))
         return [by_rank[r] for r in sorted(by_rank)], notes, remote_fr, held
 
     @staticmethod

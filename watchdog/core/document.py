@@ -18,7 +18,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .fields import RANKS, STRINGS, Check, Spec, check_fields, is_bool, is_dict, is_int, is_num, is_str, opt
+from .fields import (
+    RANKS,
+    STRINGS,
+    Check,
+    Spec,
+    check_fields,
+    is_bool,
+    is_dict,
+    is_int,
+    is_num,
+    is_str,
+    list_of,
+    opt,
+)
 from .schema import CONFIDENCES, KINDS, VERDICT_SCHEMA
 from .text import clean_doc
 
@@ -158,6 +171,9 @@ class VerdictDocument:
     detected_after_s: float | None = None
     ranks: Mapping[str, RankEntry] = field(default_factory=dict)
     evidence: tuple[str, ...] = ()
+    # the evidence items behind ``evidence``'s lines beside the finding's own, as data
+    # (``core.evidence_items``: ``{"kind": …, fields}``), for readers that need the facts, not the words
+    evidence_items: tuple[Mapping[str, Any], ...] | None = None
     # what decided: ``decided_by`` names the rung (live), ``finding`` is its structured conclusion
     decided_by: str | None = None
     finding: Mapping[str, Any] | None = None
@@ -196,6 +212,7 @@ class VerdictDocument:
             "evidence": list(self.evidence),
         }
         optional: Json = {
+            "evidence_items": [dict(i) for i in self.evidence_items] if self.evidence_items is not None else None,
             "decided_by": self.decided_by,
             "finding": dict(self.finding) if self.finding is not None else None,
             "missing_ranks": list(self.missing_ranks) if self.missing_ranks is not None else None,
@@ -289,6 +306,7 @@ class VerdictDocument:
                 if isinstance(doc.get("notes"), list) else (),
             )
         sources = doc.get("sources")
+        items = doc.get("evidence_items")
         return cls(
             kind=doc["kind"],
             initiating_ranks=tuple(doc["initiating_ranks"]),
@@ -300,6 +318,7 @@ class VerdictDocument:
             detected_after_s=doc.get("detected_after_s"),
             ranks=ranks,
             evidence=tuple(doc.get("evidence") or ()),
+            evidence_items=tuple(items) if isinstance(items, list) else None,
             decided_by=doc.get("decided_by"),
             finding=doc.get("finding"),
             missing_ranks=tuple(doc["missing_ranks"]) if doc.get("missing_ranks") is not None else None,
@@ -332,6 +351,8 @@ FIELDS: Spec = {
     "detected_after_s": (True, opt(is_num), "a number of seconds or null"),
     "phase": (False, opt(is_str), "a string or null"),
     "evidence": (False, STRINGS, "a list of strings"),
+    "evidence_items": (False, opt(list_of(lambda v: isinstance(v, dict) and is_str(v.get("kind")))),
+                       "a list of objects with a kind"),
     "ranks": (False, is_dict, "an object of rank entries"),
     "decided_by": (False, opt(is_str), "a string"),
     "finding": (False, opt(is_dict), "an object"),

@@ -10,12 +10,11 @@ flap. Pure: the daemon logs the events, exports the metric and puts them into an
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .ranks import fmt_ranks
+from .evidence_items import StragglerBefore
 from .straggler import StragglerDiagnosis
 from .straggler_cause import CAUSES, cause_line
 from .text import NAME, PROSE, clean, clean_doc
@@ -66,7 +65,7 @@ class LiveStraggler:
     @classmethod
     def from_doc(cls, doc: object) -> LiveStraggler | None:
         """Back from ``doc()`` as read from a file (the daemon's state file): None unless well-typed; strings
-        are cleaned and bounded here, so what ``straggler_line`` builds is safe to print."""
+        are cleaned and bounded here, so what ``report.evidence_words.straggler_line`` builds is safe to print."""
         if not isinstance(doc, dict):
             return None
         rank, step, since = doc.get("rank"), doc.get("since_step"), doc.get("since_unix")
@@ -139,20 +138,16 @@ def reported(state: Mapping[Key, LiveStraggler]) -> list[LiveStraggler]:
     return sorted((s for s in state.values() if s.reported), key=lambda s: (s.rank, s.phase))
 
 
-def straggler_line(s: LiveStraggler, now_unix: float) -> str:
-    """One line for ``rankwatch status`` and an incident's evidence (values are the diagnosis's own), as seen
-    at ``now_unix``."""
-    ago = max(0.0, now_unix - s.since_unix)
-    when = time.strftime("%H:%M:%SZ", time.gmtime(s.since_unix))
-    since = f"since step {s.since_step}, " if s.since_step >= 0 else ""
-    where = f" in {s.phase}" if s.phase != "all" else ""
-    cause = f"; {s.cause_text}" if s.cause_text else ""
-    return f"{fmt_ranks([s.rank])}: {s.label}{where} — {since}first seen {when} ({ago:.0f} s ago): {s.why}{cause}"
+def straggler_item(s: LiveStraggler, now_unix: float) -> StragglerBefore:
+    """The straggler as seen at ``now_unix`` (values are the diagnosis's own): what ``rankwatch status`` and an
+    incident's evidence show (``report.evidence_words.straggler_line``)."""
+    return StragglerBefore(s.rank, s.label, s.phase, s.since_step, s.since_unix, max(0.0, now_unix - s.since_unix),
+                           s.why, s.cause_text)
 
 
-def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float) -> list[str]:
-    """Evidence lines for an incident: the ranks that were live stragglers when the job stalled."""
-    return [f"before the stall, {straggler_line(s, now_unix)}" for s in reported(state)]
+def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float) -> list[StragglerBefore]:
+    """Evidence items for an incident: the ranks that were live stragglers when the job stalled."""
+    return [straggler_item(s, now_unix) for s in reported(state)]
 
 
 __all__ = [
@@ -160,6 +155,6 @@ __all__ = [
     "LiveStragglerPolicy",
     "incident_notes",
     "reported",
-    "straggler_line",
+    "straggler_item",
     "update_live",
 ]

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from ..core.evidence_items import XID_MEANING, EvidenceItem, GpuEcc, GpuRemap, GpuXid, GpuXidsOlder
 from ..core.host_signals import GpuState
 from ..core.snapshot import RUNNING, STOPPED, RankView
 from .nvml import DeviceSample, NvmlProbe, gpu_evidence
@@ -23,22 +24,6 @@ log = structlog.get_logger("rankwatch.evidence")
 
 MAX_XIDS_KEPT = 64
 """XIDs remembered since start; a storm of one XID repeats the same line, the first ones tell the story."""
-XID_MEANING = {
-    13: "graphics engine exception",
-    31: "GPU memory page fault",
-    43: "GPU stopped processing",
-    45: "preemptive cleanup after an earlier error",
-    48: "double-bit ECC error",
-    63: "ECC page retirement / row remap recorded",
-    64: "ECC page retirement / row remap failed",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-}
 
 
 
@@ -163,34 +148,26 @@ class GpuWatch:
                 self._xids.append(XidEvent(d.index, xid, age))
                 log.warning("gpu_xid", device=d.index, xid=xid, meaning=XID_MEANING.get(xid))
 
-    def device_notes(self) -> list[str]:
-        """XIDs since start and current ECC / row-remap trouble, as evidence lines (empty when healthy)."""
-        lines: list[str] = []
+    def device_notes(self) -> list[EvidenceItem]:
+        """XIDs since start and current ECC / row-remap trouble, as evidence items (empty when healthy)."""
+        items: list[EvidenceItem] = []
         try:
             for e in self._xids:
-                meaning = XID_MEANING.get(e.xid)
-                lines.append(
-                    f"GPU {e.device}{self._users(e.device)}: XID {e.xid}"
-                    + (f" ({meaning})" if meaning else "")
-                    + f" {e.age_s:.1f}s after the watchdog started"
-                )
+                items.append(GpuXid(e.device, e.xid, round(e.age_s, 3), self._users(e.device)))
             if self._xid_total > len(self._xids):
-                lines.append(f"{self._xid_total - len(self._xids)} older XID event(s) not listed")
+                items.append(GpuXidsOlder(self._xid_total - len(self._xids)))
             for i, d in sorted(self._devices.items()):
-                where = f"GPU {i}{self._users(i)}"
                 if d.ecc_uncorrected_volatile:
-                    lines.append(f"{where}: {d.ecc_uncorrected_volatile} uncorrected ECC error(s) since driver load")
-                if d.remap_failed:
-                    lines.append(f"{where}: row remapping failed (the GPU needs service)")
-                elif d.remap_pending:
-                    lines.append(f"{where}: row remap pending (takes effect after a GPU reset)")
+                    items.append(GpuEcc(i, d.ecc_uncorrected_volatile, self._users(i)))
+                if d.remap_failed or d.remap_pending:
+                    items.append(GpuRemap(i, failed=bool(d.remap_failed), ranks=self._users(i)))
         except Exception:
             log.exception("gpu_watch.notes_failed")
-        return lines
+        return items
 
-    def _users(self, device: int) -> str:
-        ranks = sorted(self._device_ranks.get(device, ()))
-        return f" (rank {', '.join(str(r) for r in ranks)})" if ranks else ""
+    def _users(self, device: int) -> tuple[int, ...]:
+        """The job's ranks on ``device``."""
+        return tuple(sorted(self._device_ranks.get(device, ())))
 
     def close(self) -> None:
         if self.probe is not None:

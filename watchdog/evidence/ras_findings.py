@@ -3,7 +3,8 @@ that did not move between the queries point at a stuck communicator."""
 
 from __future__ import annotations
 
-from .ras_status import RasCommunicator, RasCountGroup, RasFinding, RasStatus
+from ..core.evidence_items import RasFinding
+from .ras_status import RasCommunicator, RasCountGroup, RasStatus
 
 
 def _lagging(c: RasCommunicator) -> list[tuple[str, int, int, RasCountGroup]]:
@@ -32,75 +33,30 @@ def ras_findings(prev: RasStatus | None, cur: RasStatus) -> list[RasFinding]:
     """Structured evidence from the latest query, sharpened by the previous one when given.
 
     Lagging ranks alone are normal in a running job (NCCL's docs say so); they become evidence when the
-    counts did not move between the two queries ("stuck").
+    counts did not move between the two queries ("stuck"). Data only: ``report.evidence_words`` phrases them.
     """
     out: list[RasFinding] = []
     for p in cur.dead_processes:
-        out.append(
-            RasFinding(
-                "dead",
-                None,
-                (),
-                (p.pid,) if p.pid else (),
-                f"process {p.pid} on {p.host} considered dead by RAS",
-            )
-        )
+        out.append(RasFinding("dead", None, (), (p.pid,) if p.pid else (), pid=p.pid, host=p.host))
     for p in cur.missing_processes:
-        out.append(
-            RasFinding(
-                "incomplete",
-                None,
-                (),
-                (p.pid,) if p.pid else (),
-                f"no communicator data from process {p.pid} on {p.host} (GPU {p.gpus})",
-            )
-        )
+        out.append(RasFinding("incomplete", None, (), (p.pid,) if p.pid else (), pid=p.pid, host=p.host,
+                              gpus=p.gpus))
     if cur.timeouts:
-        out.append(RasFinding("timeout", None, (), (), f"RAS hit {cur.timeouts} timeout(s) collecting data"))
+        out.append(RasFinding("timeout", None, (), (), count=cur.timeouts))
     for c in cur.communicators:
         name = c.label or c.hash
         for m in c.missing_ranks:
-            if m.dead:
-                kind, what = "dead", "considered dead"
-            elif m.unresponsive is False:
-                kind, what = "incomplete", "reachable but not reporting this communicator"
-            else:
-                kind, what = "unresponsive", "did not respond"
-            pid = f" (pid {m.pid} on {m.host})" if m.pid is not None else ""
-            out.append(
-                RasFinding(
-                    kind,
-                    c.hash,
-                    (m.rank,),
-                    (m.pid,) if m.pid else (),
-                    f"comm {name}: rank {m.rank}{pid} {what}",
-                )
-            )
+            what = "dead" if m.dead else "incomplete" if m.unresponsive is False else "unresponsive"
+            out.append(RasFinding(what, c.hash, (m.rank,), (m.pid,) if m.pid else (), name=name, pid=m.pid,
+                                  host=m.host))
         for r, err in sorted(c.rank_errors.items()):
-            out.append(RasFinding("error", c.hash, (r,), (), f"comm {name}: rank {r} reported {err}"))
+            out.append(RasFinding("error", c.hash, (r,), (), name=name, error=err))
         before = prev.communicator(c.hash) if prev is not None else None
         frozen = before is not None and _counts_frozen(before, c)
         for op, top, count, g in _lagging(c):
-            ranks = g.ranks
-            who = f"rank(s) {list(ranks)}" if ranks else f"{g.n_ranks} rank(s)"
-            tail = " — unchanged since the previous query" if frozen else ""
-            out.append(
-                RasFinding(
-                    "lagging",
-                    c.hash,
-                    ranks,
-                    (),
-                    f"comm {name}: {who} at {op} #{count}, others at #{top}{tail}",
-                )
-            )
+            out.append(RasFinding("lagging", c.hash, g.ranks, (), name=name, op=op, count=count, top=top,
+                                  n_ranks=g.n_ranks, frozen=frozen))
         if frozen:
-            out.append(
-                RasFinding(
-                    "stuck",
-                    c.hash,
-                    tuple(r for _op, _t, _c, g in _lagging(c) for r in g.ranks),
-                    (),
-                    f"comm {name}: collective counts did not move between two RAS queries",
-                )
-            )
+            out.append(RasFinding("stuck", c.hash, tuple(r for _op, _t, _c, g in _lagging(c) for r in g.ranks), (),
+                                  name=name))
     return out

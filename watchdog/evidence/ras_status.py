@@ -96,12 +96,3 @@ class RasStatus:
             if c.hash == comm_hash:
                 return c
         return None
-
-
-@dataclass(frozen=True)
-class RasFinding:
-    kind: str  # "stuck" | "lagging" | "dead" | "unresponsive" | "error" | "timeout" | "incomplete"
-    comm: str | None
-    ranks: tuple[int, ...]
-    pids: tuple[int, ...]
-    text: str

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import structlog
 
+from ..core.evidence_items import RasFinding
 from .ras_client import DEFAULT_ADDR, DEFAULT_RAS_TIMEOUT_S, query_ras
 from .ras_findings import ras_findings
-from .ras_status import RasFinding, RasStatus
+from .ras_status import RasStatus
 
 log = structlog.get_logger("rankwatch.evidence")
 
@@ -52,6 +53,6 @@ class RasWatch:
             log.exception("ras_findings_failed", addr=self.addr)
             return []
 
-    def evidence(self, prev: RasStatus | None, cur: RasStatus | None) -> list[str]:
-        """``findings`` as evidence lines for a verdict."""
-        return [f"NCCL RAS: {f.text}" for f in self.findings(prev, cur)]
+    def evidence(self, prev: RasStatus | None, cur: RasStatus | None) -> list[RasFinding]:
+        """``findings`` as the verdict's evidence items (``report.evidence_words`` phrases them)."""
+        return self.findings(prev, cur)

@@ -25,6 +25,7 @@ import structlog
 from ..cluster.correlate import Correlator, SharedIncident
 from ..core.detect import Trigger
 from ..core.document import VerdictDocument
+from ..core.evidence_items import EvidenceItem, Line, PipelineFailed
 from ..core.facts import PriorVerdict
 from ..core.finalize import finalize_verdict, trigger_doc
 from ..core.fr_trace import RankTrace
@@ -74,7 +75,7 @@ class IncidentRequest:
     # False: opened on another node's claim that no store secret authenticates; never acted upon
     trusted: bool = True
     # what the loop saw before the stall (live stragglers), added to the evidence as it stands
-    notes: tuple[str, ...] = ()
+    notes: tuple[EvidenceItem, ...] = ()
     prior: PriorVerdict | None = None  # the job's last verdict when rankwatch killed for it (engine.after_kill)
     owner_uid: int = -1  # the job dir's owner: whose share of the alert queues its alerts use
 
@@ -93,7 +94,7 @@ class IncidentEvidence:
     views: list[RankView]
     captures: dict[int, RankCapture]
     fr: FrFindings
-    outside: list[str]  # evidence from outside the ranks' views beside the flight recorder's lines
+    outside: list[EvidenceItem]  # evidence from outside the ranks' views beside the flight recorder's lines
 
 
 def enrich(views: Sequence[RankView], captures: Mapping[int, RankCapture], policy: CapturePolicy) -> list[RankView]:
@@ -291,7 +292,7 @@ class IncidentPipeline:
         ]
         views = enrich(merged, captures, self.capture_policy)
         fr = fr_evidence(captures)
-        outside = [*req.notes, *self.gpu.device_notes()]
+        outside: list[EvidenceItem] = [*req.notes, *self.gpu.device_notes()]
         if ras_first is not None:
             time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
             outside += self.ras.evidence(ras_first, self.ras.query())
@@ -303,7 +304,7 @@ class IncidentPipeline:
 
         def decide_over(
             all_views: Sequence[RankView],
-            notes: Sequence[str],
+            notes: Sequence[EvidenceItem],
             correlation: str | None,
             remote_fr: Mapping[int, RankTrace],
         ) -> VerdictDocument:
@@ -313,7 +314,7 @@ class IncidentPipeline:
                 job_id=req.job_id,
                 incident_id=req.incident_id,
                 detected_after_s=req.trigger.detected_after_s,
-                extra_evidence=[*fr.lines, *notes, *ev.outside],
+                extra_evidence=[*(Line(x) for x in fr.lines), *notes, *ev.outside],
                 fr_facts=fr.facts,
                 prior=req.prior,
                 killed=req.prior.ranks if req.prior is not None else (),
@@ -469,7 +470,7 @@ class IncidentPipeline:
             job_id=req.job_id,
             incident_id=req.incident_id,
             detected_after_s=req.trigger.detected_after_s,
-            extra_evidence=[f"incident pipeline failed: {type(exc).__name__}: {exc}"[:300]],
+            extra_evidence=[PipelineFailed(type(exc).__name__, str(exc)[:300])],
         ).document()
         verdict = finalize_verdict(decided, trigger=req.trigger, correlation=None, local_views=req.views).to_json()
         path = None
@@ -481,11 +482,14 @@ class IncidentPipeline:
 
 
 DECIDED_HERE, LEADER, CONFIRMED = "here", "leader", "confirmed"
+# (views, the exchange's evidence items, how the nodes agreed, the other nodes' flight-recorder traces)
+DecideOver = Callable[[Sequence[RankView], Sequence[EvidenceItem], "str | None", Mapping[int, RankTrace]],
+                      VerdictDocument]
 
 
 def correlate_and_decide(
     correlator: Correlator, shared: SharedIncident, views: list[RankView], node: str, world: int,
-    decide_over: Callable[[Sequence[RankView], Sequence[str], str | None, Mapping[int, RankTrace]], VerdictDocument],
+    decide_over: DecideOver,
     **resolve_kw: Any,
 ) -> tuple[VerdictDocument, str, str]:
     """The pipeline's decide step over several nodes: exchange evidence, decide where this node must

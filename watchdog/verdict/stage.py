@@ -8,9 +8,11 @@ the words come from ``report``; nothing decides anywhere else."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
+from ..core.document import VerdictDocument
 from ..core.engine import Finding
+from ..core.evidence_items import EvidenceItem
 from ..core.facts import FactSet, PriorVerdict
 from ..core.policy import OfflinePolicy, VerdictPolicy
 from ..core.ranks import fold_rank_lines
@@ -18,21 +20,37 @@ from ..core.rules.ladder import decide as decide_ladder
 from ..core.snapshot import RankView
 from ..core.verdict import DEFAULT_VERDICT_POLICY, Verdict
 from ..core.verdict import decide as decide_data
+from ..report.evidence_words import evidence_words
 from ..report.findings import words
 from ..report.live_words import LiveContext, note_words
 
 
-def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[str] = (), *,
-               steps_known: bool = True) -> Verdict:
-    """Write the verdict's reason and evidence from its finding and notes; ``extra_evidence`` (lines the
-    caller already has in words: capture notes, the flight recorder's per-group lines) follows them.
+@dataclass(frozen=True)
+class WordedVerdict(Verdict):
+    """The live verdict with its words written, and the evidence items (data) its last lines were rendered
+    from: its document carries both (``evidence`` and ``evidence_items``)."""
+
+    items: tuple[EvidenceItem, ...] = ()
+
+    def document(self) -> VerdictDocument:
+        doc = super().document()
+        return replace(doc, evidence_items=tuple(i.to_json() for i in self.items)) if self.items else doc
+
+
+def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[EvidenceItem] = (), *,
+               steps_known: bool = True) -> WordedVerdict:
+    """Write the verdict's reason and evidence from its finding and notes; ``extra_evidence`` (the items the
+    caller holds beside the views: capture and exchange notes, the flight recorder's per-group lines, GPU
+    devices, NCCL RAS, live stragglers) follows them, each in its words (``report.evidence_words``).
     ``steps_known``: False where no record gave step counters (``inspect``): the reason names no step."""
-    if verdict.finding is None:
-        return verdict
+    items = tuple(extra_evidence)
+    base = {f.name: getattr(verdict, f.name) for f in fields(Verdict)}
+    if verdict.finding is None:  # nothing decided, nothing to say (as before the items)
+        return WordedVerdict(**base)
     ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found, steps_known)
     said = words(verdict.finding, ctx)
-    lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *extra_evidence]
-    return replace(verdict, reason=said.reason, evidence=fold_rank_lines(lines))
+    lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *(evidence_words(i) for i in items)]
+    return WordedVerdict(**{**base, "reason": said.reason, "evidence": fold_rank_lines(lines)}, items=items)
 
 
 def decide(
@@ -41,13 +59,13 @@ def decide(
     job_id: str,
     incident_id: str,
     detected_after_s: float,
-    extra_evidence: Sequence[str] = (),
+    extra_evidence: Sequence[EvidenceItem] = (),
     fr_facts: FactSet | None = None,
     policy: VerdictPolicy = DEFAULT_VERDICT_POLICY,
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
     steps_known: bool = True,
-) -> Verdict:
+) -> WordedVerdict:
     """``core.verdict.decide`` in words: the verdict document every sink (bundle, alert, console) reads."""
     verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
                           fr_facts=fr_facts, policy=policy, prior=prior, killed=killed)

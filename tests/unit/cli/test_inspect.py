@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from rankwatch.watchdog.cli import inspect as inspect_cli
+from rankwatch.watchdog.core.evidence_items import Line
 from rankwatch.watchdog.core.inspect_facts import RankFact, RankLook, judge_progress, views_from_facts
 from rankwatch.watchdog.core.policy import InspectPolicy
 from rankwatch.watchdog.core.stack_phase import phase_from_frames
@@ -209,7 +210,8 @@ def fact(rank: int, phase: str, **kw) -> RankFact:
 
 def verdict_of(facts: list[RankFact]) -> dict:
     views, lines = views_from_facts(facts)
-    return decide(views, job_id="j", incident_id="i", detected_after_s=0.0, extra_evidence=lines).to_json()
+    return decide(views, job_id="j", incident_id="i", detected_after_s=0.0,
+                  extra_evidence=[Line(x) for x in lines]).to_json()
 
 
 WAITING = ("backward", frames(("_engine_run_backward", f"{TORCH}/autograd/graph.py"), ("main", USER)))
@@ -258,7 +260,8 @@ def test_without_a_record_the_reason_names_no_step():
     # inspect reads no record: every step counter is 0 and phase timers 0.0 s, which the reason leaves out
     for facts in ([fact(r, "idle", proc_state="T") if r == 1 else fact(r, "collective") for r in range(3)],
                   [fact(r, "dataloader") if r == 2 else fact(r, "backward", frames=WAITING[1]) for r in range(4)]):
-        views, lines = views_from_facts(facts)
+        views, said = views_from_facts(facts)
+        lines = [Line(x) for x in said]
         plain = decide(views, job_id="j", incident_id="i", detected_after_s=0.0, extra_evidence=lines)
         bare = decide(views, job_id="j", incident_id="i", detected_after_s=0.0, extra_evidence=lines,
                       steps_known=False)

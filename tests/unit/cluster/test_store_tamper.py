@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LineReader, examples_module, free_port, wait_for
+from rankwatch.watchdog.core.evidence_items import REJECTED, NodeEvidence, UnauthenticatedExchange
 from test_multinode import one_verdict_each, start_node
 from test_store_auth import secret_file
 
@@ -53,7 +54,7 @@ def test_tampered_evidence_never_blames_an_innocent_rank(procs, tmp_path, with_s
     exchange = v0.get("exchange") or v1.get("exchange")
     assert exchange is not None and exchange["authenticated"] is with_secret
     if not with_secret:
-        assert any("exchange was unauthenticated" in e for e in v0["evidence"]), v0["evidence"]
+        assert {"kind": UnauthenticatedExchange.KIND} in v0["evidence_items"], v0.get("evidence_items")
 
 
 # -- the exchange itself, on a real loopback TCPStore (fast tier) ------------------------------------------
@@ -99,7 +100,8 @@ def test_a_node_whose_evidence_and_snapshot_are_junk_is_not_named_as_missing(wit
         assert not set(verdict0["initiating_ranks"]) & {2, 3}, verdict0["reason"]
         assert verdict0.get("decided_by") != "missing_node"
         assert verdict0["exchange"] == {"authenticated": with_secret, "nodes": {"0": "heard", "1": "tampered"}}
-        assert any("node 1: evidence tampered" in e and "not judged" in e for e in verdict0["evidence"])
+        (node1,) = [i for i in verdict0["evidence_items"] if i["kind"] == NodeEvidence.KIND]
+        assert (node1["node"], node1["held"], node1["why"], node1["judged"]) == (1, "tampered", REJECTED, [])
         # node 1 refuses a verdict made without its evidence and names its own hung rank
         assert decided_here and how1.startswith("local: the leader decided without this node's evidence"), how1
         assert (verdict1["kind"], verdict1["initiating_ranks"], verdict1["phase"]) == ("hang", [2], "dataloader")
@@ -136,7 +138,9 @@ def test_a_deleted_evidence_key_of_a_live_node_is_unavailable_and_judged_on_its_
             t.join()
         assert (verdict["kind"], verdict["initiating_ranks"], verdict["phase"]) == ("hang", [2], "dataloader")
         assert verdict["exchange"]["nodes"]["1"] == "unavailable"
-        assert any("judged on its last authenticated snapshot" in e for e in verdict["evidence"]), verdict["evidence"]
+        (node1,) = [i for i in verdict["evidence_items"] if i["kind"] == NodeEvidence.KIND]
+        assert (node1["node"], node1["held"], node1["authenticated"]) == (1, "unavailable", True), node1
+        assert node1["judged"], node1  # judged on its last authenticated snapshot
     finally:
         s.close()
 

@@ -31,6 +31,7 @@ from conftest import (
 )
 from rankwatch.hooks.record import CANONICAL_PHASES, read_record
 from rankwatch.hooks.tracker import Tracker
+from rankwatch.watchdog.core.evidence_items import StragglerBefore
 from rankwatch.watchdog.core.steps import StepTiming
 from rankwatch.watchdog.core.straggler import StragglerPolicy, diagnose_stragglers
 from rankwatch.watchdog.report.text import headline
@@ -623,8 +624,9 @@ def test_live_straggler_is_logged_shown_in_status_and_named_when_it_hangs(procs,
     verdict = json.loads((bundle / "verdict.json").read_text())
     assert verdict["initiating_ranks"] == expect.ranks(fault_rank) and verdict["kind"] in expect.kinds, verdict
     assert verdict["phase"] == expect.phase, verdict
-    assert any(e.startswith("before the stall, rank 1: INPUT STRAGGLER in dataloader") for e in verdict["evidence"]), (
-        verdict["evidence"])
+    before = [(i["rank"], i["label"], i["phase"]) for i in verdict["evidence_items"]
+              if i["kind"] == StragglerBefore.KIND]
+    assert before == [(1, "INPUT STRAGGLER", "dataloader")], verdict.get("evidence_items")
     # the run's summary leads with the hang, not with a diagnosis of the steps before it
     text = (out / "summary.txt").read_text()
     assert text.startswith(f"rankwatch: {headline(verdict)}\n"), text

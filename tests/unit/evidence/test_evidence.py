@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from rankwatch.watchdog.cluster.store import fr_share, node_doc, parse_evidence_doc
+from rankwatch.watchdog.core.evidence_items import GpuRemap, GpuXid
 from rankwatch.watchdog.core.facts import FactSet
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_facts import fr_facts
@@ -251,11 +252,11 @@ def test_gpu_watch_fills_views_from_the_scripted_nvml_and_keeps_xids():
     assert [(v.gpu_util, v.gpu_missing) for v in out] == [(98.0, False), (None, True), (None, False), (None, False)]
     assert out[3] is views[3]
     notes = w.device_notes()
-    assert any(n.startswith("GPU 1 (rank 1): XID 79 (GPU has fallen off the bus)") for n in notes)
-    assert "GPU 1 (rank 1): row remap pending (takes effect after a GPU reset)" in notes
+    assert any(isinstance(n, GpuXid) and (n.device, n.xid, n.ranks) == (1, 79, (1,)) for n in notes)
+    assert GpuRemap(1, failed=False, ranks=(1,)) in notes
     # XIDs are drained by the probe but remembered by the watch
     w.apply(views)
-    assert sum("XID 79" in n for n in w.device_notes()) == 1
+    assert sum(isinstance(n, GpuXid) and n.xid == 79 for n in w.device_notes()) == 1
     w.close()
 
 
@@ -274,7 +275,7 @@ def test_gpu_watch_views_feed_the_verdict():
     v = verdict(views, extra_evidence=w.device_notes())
     assert (v["initiating_ranks"], v["confidence"]) == ([1], "high")
     assert v["ranks"]["0"]["gpu_util"] == 98.0
-    assert any("XID 79" in e for e in v["evidence"])
+    assert any(i["kind"] == GpuXid.KIND and i["xid"] == 79 for i in v["evidence_items"])
 
 
 def test_gpu_watch_never_raises(monkeypatch):
@@ -300,9 +301,9 @@ def test_ras_watch_two_queries_against_the_replay_server():
         w = RasWatch(srv.addr, timeout_s=5)
         b = w.query()
     assert a is not None and b is not None
-    kinds = {(f.kind, f.ranks) for f in w.findings(a, b)}
+    kinds = {(f.what, f.ranks) for f in w.findings(a, b)}
     assert ("stuck", (2,)) in kinds
-    assert any(line.startswith("NCCL RAS: ") and "did not move" in line for line in w.evidence(a, b))
+    assert w.evidence(a, b) == w.findings(a, b)  # the verdict's items (report.evidence_words phrases them)
     assert w.findings(None, None) == []
 
 

@@ -102,7 +102,7 @@ def test_json_exchange_and_exact_protocol_strings():
     (m,) = c.missing_ranks
     assert (m.rank, m.pid, m.unresponsive, m.dead) == (1, 1524345, True, False)
     f = ras_findings(None, st)
-    assert [(x.kind, x.ranks) for x in f] == [("unresponsive", (1,))]
+    assert [(x.what, x.ranks) for x in f] == [("unresponsive", (1,))]
 
 
 def test_old_nccl_without_json_falls_back_to_text():
@@ -126,10 +126,9 @@ def test_old_nccl_without_json_falls_back_to_text():
     assert c.errors == ("INCOMPLETE", "ERROR")
     assert [(m.rank, m.pid) for m in c.missing_ranks] == [(21, 3487984), (22, 3487990)]
     assert c.rank_errors == {9: "Remote process error"}
-    kinds = {f.kind for f in ras_findings(None, st)}
+    kinds = {f.what for f in ras_findings(None, st)}
     assert {"dead", "incomplete", "timeout", "unresponsive", "error"} <= kinds
-    lines = [f.text for f in ras_findings(None, st)]
-    assert any("3487984" in s and "dead" in s for s in lines)
+    assert any(f.what == "dead" and f.pids == (3487984,) for f in ras_findings(None, st))
 
 
 def test_text_counts_that_do_not_move_are_stuck():
@@ -143,11 +142,11 @@ def test_text_counts_that_do_not_move_are_stuck():
     ]
     assert c.ranks[0].pid == 483077 and c.ranks[0].host == "172.16.64.211"
     # one query: lagging only (normal while running)
-    assert [f.kind for f in ras_findings(None, b)] == ["lagging"]
+    assert [f.what for f in ras_findings(None, b)] == ["lagging"]
     # two identical queries: stuck, naming rank 5
     f = ras_findings(a, b)
-    assert [(x.kind, x.ranks) for x in f] == [("lagging", (5,)), ("stuck", (5,))]
-    assert "unchanged" in f[0].text
+    assert [(x.what, x.ranks) for x in f] == [("lagging", (5,)), ("stuck", (5,))]
+    assert f[0].frozen and (f[0].op, f[0].count, f[0].top) == ("AllReduce", 6649, 6650)
 
 
 def test_text_counts_that_moved_are_not_stuck():
@@ -156,7 +155,7 @@ def test_text_counts_that_moved_are_not_stuck():
     (c,) = b.communicators
     assert c.count_groups[1].ranks == (2, 6)  # the outlier group lists its ranks under its count line
     f = ras_findings(a, b)
-    assert [x.kind for x in f] == ["lagging"]
+    assert [x.what for x in f] == ["lagging"]
     assert f[0].ranks == (2, 6)
 
 
@@ -170,8 +169,8 @@ def test_json_stuck_and_error_across_queries():
     assert c.errors == ("ERROR", "MISMATCH")
     assert [(g.count, g.ranks) for g in c.count_groups] == [(503, (0, 1, 3)), (502, (2,))]
     f = ras_findings(a, b)
-    assert {(x.kind, x.ranks) for x in f} == {("error", (2,)), ("lagging", (2,)), ("stuck", (2,))}
-    assert [x.kind for x in ras_findings(None, a)] == ["lagging"]  # one query: no "stuck" yet
+    assert {(x.what, x.ranks) for x in f} == {("error", (2,)), ("lagging", (2,)), ("stuck", (2,))}
+    assert [x.what for x in ras_findings(None, a)] == ["lagging"]  # one query: no "stuck" yet
 
 
 def test_connection_refused_returns_none():

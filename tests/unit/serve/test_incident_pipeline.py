@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import bundle_dirs, stalled_record, wait_for
+from rankwatch.watchdog.core.evidence_items import PipelineFailed
 from rankwatch.watchdog.core.policy import CapturePolicy, StallPolicy
 from rankwatch.watchdog.evidence.capture import capture_all
 from rankwatch.watchdog.observe.process import ProcessTable, read_stat
@@ -147,7 +148,8 @@ def test_a_failing_stage_still_records_the_incident(tmp_path):
         assert len(entry.verdicts) == 1 and seen == entry.verdicts
         verdict = entry.verdicts[0]
         assert verdict["initiating_ranks"] == [0]
-        assert any("incident pipeline failed: RuntimeError: py-spy exploded" in e for e in verdict["evidence"])
+        assert {"kind": PipelineFailed.KIND, "error_type": "RuntimeError", "error": "py-spy exploded"} in (
+            verdict["evidence_items"])
         assert entry.incident is not None and not entry.incident.pending
         bundle = bundle_dirs(out / "j" / "incidents")
         assert len(bundle) == 1 and json.loads((bundle[0] / "verdict.json").read_text()) == verdict
