@@ -317,7 +317,7 @@ def launch(backend: str, world: int, out_dir: str, ras_addr: str, timeout: float
 
 def analyse(out_dir: str, world: int) -> tuple[str, str]:
     from rankwatch.watchdog.core.fr_analysis import analyze_fr
-    from rankwatch.watchdog.evidence.flight_recorder import load_dump
+    from rankwatch.watchdog.evidence.fr_dump import load_dump
 
     traces = {}
     for r in range(world):

@@ -710,7 +710,7 @@ def owner_files(world: dict, user: User, name: str, text: str, log_name: str) ->
 
 
 def test_the_responders_answer_is_read_and_parsed_by_the_owner_never_by_root(users, world, daemons, tmp_path):
-    from rankwatch.watchdog.evidence.flight_recorder import load_dump
+    from rankwatch.watchdog.evidence.fr_dump import load_dump
 
     a, _ = users
     shm = fresh_shm(world)

@@ -34,6 +34,7 @@ from ..observe.process import read_stat, session_members
 from ..privsep.frames import w_float, w_int, w_str
 from ..privsep.readers import ReaderError, default_readers, pyspy_available
 from ..privsep.registry import Worker, handler
+from .fr_dump import fr_wire_doc
 
 __all__ = ["pyspy_available"]  # where py-spy is looked up (``privsep``: a reader runs it as the owner)
 
@@ -500,8 +501,6 @@ CAPTURE_WIRE_BYTES = 20 << 20
 
 def capture_to_doc(cap: RankCapture) -> dict[str, Any]:
     """A capture as the reader sends it: stacks shape-checked, the dump parsed and compacted (owner side)."""
-    from .flight_recorder import fr_wire_doc  # flight_recorder imports this module (its RankCapture)
-
     notes = list(cap.notes)
     fr_doc = None
     if cap.fr_json is not None:

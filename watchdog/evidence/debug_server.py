@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .flight_recorder import MAX_DUMP_BYTES
+from .fr_dump import MAX_DUMP_BYTES
 
 WORKER_THREAD = "pt_workerserver"  # torch/csrc/distributed/c10d/control_plane/WorkerServer.cpp names its threads
 FR_HANDLER = "/handler/fr_trace_json"  # torch/distributed/debug/_debug_handlers.py fetches it with POST

@@ -39,7 +39,7 @@ from ..privsep.readers import ReaderError, default_readers
 from ..privsep.registry import Worker, handler
 from .capture import FR_WIRE_BYTES, RankCapture, pyspy_dump
 from .debug_server import DebugServerPolicy, fr_from_debug_server
-from .flight_recorder import fr_wire_doc
+from .fr_dump import fr_wire_doc
 
 MAX_WORKERS_PER_RANK = 4
 """DataLoader workers read per rank: one stuck worker shows the cause, eight identical ones add nothing."""

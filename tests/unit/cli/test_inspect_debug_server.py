@@ -21,7 +21,7 @@ from rankwatch.watchdog.evidence.debug_server import (
     listeners_of,
     parse_listeners,
 )
-from rankwatch.watchdog.evidence.flight_recorder import load_dump
+from rankwatch.watchdog.evidence.fr_dump import load_dump
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "jobs"))
 import hung

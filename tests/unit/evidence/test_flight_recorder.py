@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_trace import FlightRecorderFormatError, RankTrace
-from rankwatch.watchdog.evidence.flight_recorder import load_dump
+from rankwatch.watchdog.evidence.fr_dump import load_dump
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "fr"
 

@@ -14,7 +14,7 @@ from rankwatch.watchdog.core.live_facts import COLLECTIVE_SEQ, STEP, count_facts
 from rankwatch.watchdog.core.rules.counters import rule_behind
 from rankwatch.watchdog.core.rules.ended import rule_exit_order
 from rankwatch.watchdog.core.snapshot import RankView
-from rankwatch.watchdog.evidence.flight_recorder import load_dump
+from rankwatch.watchdog.evidence.fr_dump import load_dump
 
 FR = Path(__file__).resolve().parents[2] / "fixtures" / "fr"
 
