@@ -625,6 +625,27 @@ def path_cause(
     return best[1] if best else None
 
 
+def thin_samples(samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
+                 cap: int) -> list[tuple[int, Mapping[int, RankCounters]]]:
+    """At most ``cap`` of ``samples``, spread evenly over them with the first and the last, every sample that
+    carries a TCP dump kept first (up to half of ``cap``): the counters are cumulative, so any subset gives the
+    same deltas over the window; the TCP figures are read only every few polls and need their dumps. What a node
+    shares with the leader (``cluster.correlate``), and what the leader keeps of its own beside it, so that both
+    nodes' sampling intervals are alike when compared interval by interval."""
+    n = len(samples)
+    if n <= cap:
+        return list(samples)
+    if cap < 2:
+        return list(samples[n - cap:])
+    nets = [i for i, (_, by) in enumerate(samples) if any(c.net is not None for c in by.values())]
+    half = cap // 2
+    if len(nets) > half:
+        nets = [nets[round(k * (len(nets) - 1) / max(1, half - 1))] for k in range(half)]
+    rest = cap - len(nets)
+    even = {round(k * (n - 1) / (rest - 1)) for k in range(rest)} if rest >= 2 else {n - 1}
+    return [samples[i] for i in sorted(set(nets) | even)]
+
+
 def explain(
     diag: StragglerDiagnosis,
     samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
@@ -646,4 +667,4 @@ def explain(
 
 
 __all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "gpu_figures",
-           "net_figures", "path_cause", "per_step", "rank_signals"]
+           "net_figures", "path_cause", "per_step", "rank_signals", "thin_samples"]
