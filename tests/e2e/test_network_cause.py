@@ -72,6 +72,47 @@ def test_a_live_process_sockets_are_read_and_a_path_to_itself_is_no_path():
             s.close()
 
 
+HOLDER = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+keep = []
+for n in range(4):
+    c = socket.create_connection(srv.getsockname())
+    keep += [c, srv.accept()[0]]
+    c.sendall(b"x" * (n + 1) * 10_000)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_ranks_sockets_asked_through_its_own_fds_read_as_the_dump_reads_them(procs):
+    """Another process's TCP sockets, read through duplicates of its fds (pidfd_getfd: no walk of the kernel's
+    socket table), give each socket's figures as the sock_diag dump does; only its TCP sockets."""
+    holder = procs.start([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    mine = signals.tcp_sockets_of_pid(holder.pid)
+    assert mine is not None, "pidfd_getfd refused (a kernel before 5.6, or no ptrace access)"
+    dump = {i.inode: i for i in tcp_sockets() or [] if i.inode in signals.socket_inodes(holder.pid)}
+    assert len(mine) == 8 and {i.inode for i in mine} == set(dump)  # 4 pairs; the listening socket is no path
+    for i in mine:
+        d = dump[i.inode]
+        assert (i.bytes_sent, i.bytes_acked, i.total_retrans, i.remote, i.same_host) == (
+            d.bytes_sent, d.bytes_acked, d.total_retrans, d.remote, d.same_host), (i, d)
+    assert sorted(i.bytes_sent for i in mine if i.bytes_sent > 1000) == [10_000, 20_000, 30_000, 40_000]
+    # and the poll's reading of it is the same whichever way it is read
+    signals._dumped_at.clear()
+    by_fd = read_ranks([holder.pid])[holder.pid].net
+    signals._dumped_at.clear()
+    signals.NET_BY_FD = False
+    try:
+        by_dump = read_ranks([holder.pid])[holder.pid].net
+    finally:
+        signals.NET_BY_FD = True
+    assert by_fd is not None and by_fd.bytes_sent == by_dump.bytes_sent == 100_000 + sum(
+        d.bytes_sent for d in dump.values() if d.bytes_sent < 1000)
+    holder.stdin.close()
+
+
 def test_the_busiest_path_to_another_host_is_the_ranks_path():
     infos, _ = parse_inet_diag((FIX / "inet-diag-tcp4.bin").read_bytes())
     remote = [i.__class__(**{**i.__dict__, "same_host": False}) for i in infos]
