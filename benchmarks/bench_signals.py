@@ -5,8 +5,9 @@ Starts ``--ranks`` processes with ``--threads`` threads each (a gloo/DDP rank ha
 intra-op pool, gloo's, the DataLoader's pin-memory thread) and ``--sockets`` TCP connections each (a gloo rank
 holds one to each peer and one to the store; both ends are the rank's here, so 2x that many sockets), then
 times what one poll's sample costs the daemon: the reader's ``signals`` request (every rank's threads'
-schedstat, status, stat, cgroup and its cgroup files, its fds for its sockets and one sock_diag dump of the
-host's TCP sockets with their tcp_info) and the host's /proc/pressure. CPU time of this process
+schedstat, status, stat, cgroup and its cgroup files, and its TCP sockets' tcp_info: asked of each socket through
+a duplicate of the rank's fd, ``--net fd``, or from one sock_diag dump of the host's TCP sockets, ``--net dump``)
+and the host's /proc/pressure. CPU time of this process
 (``time.process_time``), the mean over ``--polls`` polls (the TCP dump runs one poll in
 ``NET_EVERY_S / interval``), as a share of one core at ``--interval`` seconds per poll.
 
@@ -51,11 +52,14 @@ def main() -> int:
     ap.add_argument("--polls", type=int, default=400)
     ap.add_argument("--sockets", type=int, default=8, help="TCP connections per rank (gloo: its peers + the store)")
     ap.add_argument("--interval", type=float, default=0.5, help="the daemon's poll interval (s)")
+    ap.add_argument("--net", choices=("fd", "dump"), default="fd",
+                    help="read the ranks' TCP sockets through their own fds (the default) or a sock_diag dump")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", metavar="FILE", help="write the result here too")
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.polls = 2, 20
+    signals.NET_BY_FD = args.net == "fd"
     kids = [subprocess.Popen([sys.executable, "-c", CHILD, str(args.threads), str(args.sockets)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True) for _ in range(args.ranks)]
     try:
@@ -76,8 +80,8 @@ def main() -> int:
         # the mean, not the median: the TCP dump runs on one poll in four (``signals.NET_EVERY_S``)
         per_poll = statistics.fmean(costs)
         share = 100 * per_poll / args.interval
-        doc = {"ranks": args.ranks, "threads_per_rank": args.threads, "sockets_per_rank": 2 * args.sockets,
-               "polls": args.polls,
+        doc = {"net": args.net, "ranks": args.ranks, "threads_per_rank": args.threads,
+               "sockets_per_rank": 2 * args.sockets, "polls": args.polls,
                "cpu_per_poll_ms": round(1e3 * per_poll, 3), "cpu_per_poll_ms_median": round(
                    1e3 * statistics.median(costs), 3), "cpu_per_poll_ms_p90": round(
                    1e3 * sorted(costs)[int(0.9 * len(costs))], 3),

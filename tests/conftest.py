@@ -364,6 +364,7 @@ LONG_POLES = (
     "test_multinode.py",
     "test_straggler.py",
     "test_network_cause.py",
+    "test_memory_pressure_cause.py",
     "test_watchdog_e2e.py",
     "test_slurm_example.py",
     "test_torchrun_args.py",

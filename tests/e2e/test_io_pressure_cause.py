@@ -4,10 +4,8 @@ reads (cgroup v1 ``blkio.throttle.read_bps_device`` where the blkio controller i
 where the io controller is v2). Both ranks get a cgroup v2 group of their own, where the kernel keeps each
 one's ``io.pressure``. The diagnosis must name rank 1 with ``io_pressure``.
 
-Memory pressure is not tested for real here: this host has no swap (anonymous memory over a limit is an OOM
-kill, not a stall) and a page-cache working set over a ``memory.limit_in_bytes`` is re-read from a virtual disk
-the hypervisor caches, with no memory stall at all (measured: ``memory.pressure`` total 0 over 10 s of a 150 MB
-file re-read under a 60 MB limit). ``memory_pressure`` stays held by the unit tests (tests/test_host_signals.py).
+Memory pressure has a test of its own (``test_memory_pressure_cause.py``: a file-backed working set over a
+memory limit).
 Needs root, ``losetup`` and a writable cgroup hierarchy.
 """
 

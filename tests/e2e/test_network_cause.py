@@ -72,6 +72,47 @@ def test_a_live_process_sockets_are_read_and_a_path_to_itself_is_no_path():
             s.close()
 
 
+HOLDER = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+keep = []
+for n in range(4):
+    c = socket.create_connection(srv.getsockname())
+    keep += [c, srv.accept()[0]]
+    c.sendall(b"x" * (n + 1) * 10_000)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_ranks_sockets_asked_through_its_own_fds_read_as_the_dump_reads_them(procs):
+    """Another process's TCP sockets, read through duplicates of its fds (pidfd_getfd: no walk of the kernel's
+    socket table), give each socket's figures as the sock_diag dump does; only its TCP sockets."""
+    holder = procs.start([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    mine = signals.tcp_sockets_of_pid(holder.pid)
+    assert mine is not None, "pidfd_getfd refused (a kernel before 5.6, or no ptrace access)"
+    dump = {i.inode: i for i in tcp_sockets() or [] if i.inode in signals.socket_inodes(holder.pid)}
+    assert len(mine) == 8 and {i.inode for i in mine} == set(dump)  # 4 pairs; the listening socket is no path
+    for i in mine:
+        d = dump[i.inode]
+        assert (i.bytes_sent, i.bytes_acked, i.total_retrans, i.remote, i.same_host) == (
+            d.bytes_sent, d.bytes_acked, d.total_retrans, d.remote, d.same_host), (i, d)
+    assert sorted(i.bytes_sent for i in mine if i.bytes_sent > 1000) == [10_000, 20_000, 30_000, 40_000]
+    # and the poll's reading of it is the same whichever way it is read
+    signals._dumped_at.clear()
+    by_fd = read_ranks([holder.pid])[holder.pid].net
+    signals._dumped_at.clear()
+    signals.NET_BY_FD = False
+    try:
+        by_dump = read_ranks([holder.pid])[holder.pid].net
+    finally:
+        signals.NET_BY_FD = True
+    assert by_fd is not None and by_fd.bytes_sent == by_dump.bytes_sent == 100_000 + sum(
+        d.bytes_sent for d in dump.values() if d.bytes_sent < 1000)
+    holder.stdin.close()
+
+
 def test_the_busiest_path_to_another_host_is_the_ranks_path():
     infos, _ = parse_inet_diag((FIX / "inet-diag-tcp4.bin").read_bytes())
     remote = [i.__class__(**{**i.__dict__, "same_host": False}) for i in infos]
@@ -222,3 +263,50 @@ def test_the_same_job_uncapped_names_no_path(procs, tmp_path, two_nodes):
     assert not control["cause"] or control["cause"]["cause"] != "network_path", control["cause"]
     # the link signal was read on both ranks all the same
     assert all("tcp_delivery_mbps" in control["signals"][r] for r in ("0", "1")), control["signals"]
+
+
+# -- two nodes, each with its own watchdog: the leader compares ranks across nodes ---------------------------
+def run_two_agents(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS) -> dict:
+    """The demo, 1 rank per node, each node under a `rankwatch run` of its own (its own shm dir: each watchdog
+    sees only its own node's rank and reads its TCP sockets in its own namespace), one store on node 0. Node 1's
+    rank's figures reach the leader only through the shared history. Returns the leader's summary.json."""
+    port, store = free_port(), free_port()
+    demo = [DEMO, "--scenario", "balanced", "--steps", str(steps), "--hidden", "128", "--layers", "4",
+            "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "60"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    agents = []
+    for node in (0, 1):
+        cmd = ["ip", "netns", "exec", f"{tag}n{node}", *rankwatch_cmd(
+            "run", "--out", str(tmp_path / f"out{node}"), "--shm-dir", str(tmp_path / f"shm{node}"), "--run-name",
+            "netjob2", "--quiet", "--poll-interval", "0.25", "--store", f"{net}.1:{store}", "--",
+            "--nproc-per-node", "1", "--nnodes", "2", f"--node-rank={node}", f"--master-addr={net}.1",
+            f"--master-port={port}", "--monitor-interval", "0.2", *demo)]
+        log = open(tmp_path / f"node{node}.log", "w")  # closed below, once the agent exits
+        agents.append((procs.start(cmd, env=dict(os.environ, GLOO_SOCKET_IFNAME=f"{tag}v{node}"), stdout=log,
+                                   stderr=log), log))
+    try:
+        rcs = [p.wait(timeout=400) for p, _ in agents]
+    finally:
+        for _, log in agents:
+            log.close()
+    assert rcs == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-3000:] for k in (0, 1)]
+    return json.loads((tmp_path / "out0" / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capped", [True, False], ids=["capped", "control"])
+def test_a_capped_link_on_another_node_is_named_by_the_leader(procs, tmp_path, two_nodes, capped):
+    tag, net = two_nodes
+    if capped:
+        sh("ip", "netns", "exec", f"{tag}n1", "tc", "qdisc", "add", "dev", f"{tag}v1", "root", "tbf", "rate", "20mbit",
+           "burst", "32kbit", "latency", "400ms")
+    s = run_two_agents(procs, tmp_path, tag, net, steps=250)
+    # both ranks' link figures in the leader's summary: rank 1's came from node 1's watchdog through the store
+    assert all("tcp_delivery_mbps" in s["signals"].get(r, {}) for r in ("0", "1")), s["signals"]
+    cause = s["cause"]
+    if not capped:
+        assert not cause or cause["cause"] != "network_path", (s["diagnosis"], cause, s["signals"])
+        return
+    assert cause and cause["cause"] == "network_path" and cause["rank"] == 1, (s["diagnosis"], cause, s["signals"])
+    tcp = cause["signals"]["tcp"]
+    assert tcp["peers_delivery_mbps"] >= 10 * tcp["delivery_mbps"], tcp

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -17,8 +17,9 @@ from rankwatch.hooks.shmdir import ShmDirError, ensure_base_dir
 
 from .. import logs
 from ..cluster.auth import load_secret
-from ..cluster.correlate import Correlator
+from ..cluster.correlate import Correlator, with_other_nodes
 from ..cluster.store import DEFAULT_STORE_PORT
+from ..core.host_signals import RankCounters
 from ..core.policy import MetricsPolicy
 from ..core.ranks import fmt_ranks
 from ..core.steps import StepTiming
@@ -178,7 +179,7 @@ def _watch_job(
     _last_look(daemon, job_id, args.poll_interval)
     entry = daemon.jobs.get(job_id)
     seen = seen or bool(entry is not None and (entry.last_views or entry.watch.history))
-    history = _histories(daemon, job_id, tee, correlator)
+    history, samples = _histories(daemon, job_id, tee, correlator)
     if metrics is not None:
         metrics.close()
     daemon.close()  # finishes incidents in flight and retries bundles the disk refused
@@ -189,7 +190,7 @@ def _watch_job(
         sys.stderr.flush()
         return code if code != 0 else 1
     _write_summary(
-        daemon, job_id, out, history, torchrun_code=code, root_cause_printed=tee.root_cause_seen
+        daemon, job_id, out, history, samples, torchrun_code=code, root_cause_printed=tee.root_cause_seen
     )
     return code
 
@@ -297,22 +298,29 @@ def _last_look(daemon: Daemon, job_id: str, poll_interval: float) -> None:
         time.sleep(poll_interval)
 
 
-def _histories(daemon: Daemon, job_id: str, tee: StderrTee, correlator: Any) -> dict[int, list[StepTiming]]:
-    """The job's step rings once its incidents are finished (every node's, on the leader)."""
+def _histories(
+    daemon: Daemon, job_id: str, tee: StderrTee, correlator: Any
+) -> tuple[dict[int, list[StepTiming]], list[tuple[int, Mapping[int, RankCounters]]]]:
+    """The job's step rings once its incidents are finished (every node's, on the leader), and the host-signal
+    samples the summary's cause reads: this node's, and on the leader the other nodes' ranks' beside them."""
     # incidents run off the poll loop: their bundles and verdicts belong in the summary
     if not daemon.drain(daemon.config.serve.drain_timeout_s):
         log.error("incidents_unfinished", job=job_id)
     tee.close(timeout_s=5.0)  # torchrun's last words come before rankwatch's
     entry = daemon.jobs.get(job_id)
     history = {r: list(h) for r, h in entry.watch.history.items()} if entry else {}
+    samples: list[tuple[int, Mapping[int, RankCounters]]] = list(entry.watch.signals) if entry else []
     if correlator is not None:
-        # every node shares its rings; the leader's summary covers every rank of the job
-        correlator.publish_history(history)
+        # every node shares its rings and its ranks' signals; the leader's summary covers every rank of the job
+        correlator.publish_history(history, samples)
         if correlator.leader:
-            for rank, steps in correlator.gather_histories(wait_s=correlator.policy.summary_wait_s).items():
+            remote: dict[int, list[tuple[int, RankCounters]]] = {}
+            for rank, steps in correlator.gather_histories(correlator.policy.summary_wait_s, remote).items():
                 history.setdefault(rank, steps)
+            own = list(entry.watch.history) if entry else []
+            samples = with_other_nodes(samples, history, own, remote, correlator.policy)
         correlator.close()
-    return history
+    return history, samples
 
 
 def launch_failure(cmd: TorchrunCommand, code: int, timed_out: bool, startup_s: float, interrupted: bool) -> str:
@@ -412,6 +420,7 @@ def _write_summary(
     job_id: str,
     out: str,
     history: dict[int, list[StepTiming]],
+    samples: Sequence[tuple[int, Mapping[int, RankCounters]]] = (),
     *,
     torchrun_code: int = 0,
     root_cause_printed: bool = False,
@@ -423,7 +432,7 @@ def _write_summary(
     verdicts = entry.verdicts if entry else []
     diag = diagnose_stragglers(history)
     if entry is not None:
-        explain(diag, list(entry.watch.signals), entry.watch.host)
+        explain(diag, list(samples), entry.watch.host)
     doc = diag.summary_doc(job_id, incidents, history, verdicts)
     doc["details"] = diag.details
     summary_path: str | None = os.path.join(out, "summary.json")

@@ -58,11 +58,13 @@ from ..core.evidence_items import (
     UnauthenticatedExchange,
 )
 from ..core.fr_trace import RankTrace
+from ..core.host_signals import GpuState, NetCounters, RankCounters
 from ..core.policy import CorrelationPolicy
 from ..core.ranks import fmt_ranks
 from ..core.schema import HISTORY_SCHEMA, INCIDENT_SCHEMA, VERDICT_SCHEMA
 from ..core.snapshot import MISSING, RankView
 from ..core.steps import StepTiming
+from ..core.straggler_cause import thin_samples
 from .store import (
     MAX_RANKS_PER_NODE,
     JobStore,
@@ -397,13 +399,17 @@ class Correlator:
             return local
 
     # -- end of run: the leader's summary covers every rank ------------------------------------------
-    def publish_history(self, history: dict[int, list[StepTiming]]) -> None:
-        """This node's recent step rings (bounded), for the leader's end-of-run summary."""
+    def publish_history(self, history: dict[int, list[StepTiming]],
+                        signals: Sequence[tuple[int, Mapping[int, RankCounters]]] = ()) -> None:
+        """This node's recent step rings (bounded), for the leader's end-of-run summary, with each rank's host
+        signals over those steps (``signals``, this node's samples, thinned): the leader sets a rank's TCP path,
+        GPU and pressure against its peers' on other nodes, which no node can do with its own ranks alone."""
         store = self.store
         if store is None:
             return
         keep = self.policy.history_steps_shared
-        doc = {
+        shared = list(history.items())[:MAX_RANKS_PER_NODE]
+        doc: dict[str, Any] = {
             "schema": HISTORY_SCHEMA,
             "node_rank": self.node_rank,
             "ranks": {
@@ -411,16 +417,24 @@ class Correlator:
                     [t.step, t.start_ns, t.end_ns, t.phases_ms, [t.input_ms, t.input_batches, t.input_workers]]
                     for t in steps[-keep:]
                 ]
-                for rank, steps in list(history.items())[:MAX_RANKS_PER_NODE]
+                for rank, steps in shared
             },
         }
+        if signals:
+            per_rank = max(2, min(self.policy.history_samples_per_rank,
+                                  self.policy.history_samples_per_node // max(1, len(shared))))
+            doc["signals"] = {str(rank): signal_rows(signals, rank, steps[-keep:], per_rank)
+                              for rank, steps in shared if steps}
         try:
             store.set_json(f"history/{self.node_rank}", doc)
         except StoreError as exc:
             self._lost(exc)
 
-    def gather_histories(self, wait_s: float) -> dict[int, list[StepTiming]]:
-        """Other nodes' step rings, waiting up to ``wait_s`` for every node (leader only)."""
+    def gather_histories(
+        self, wait_s: float, signals_out: dict[int, list[tuple[int, RankCounters]]] | None = None
+    ) -> dict[int, list[StepTiming]]:
+        """Other nodes' step rings, waiting up to ``wait_s`` for every node (leader only); their ranks' host
+        signals into ``signals_out`` (per rank, on its own node's clock, as its steps' times are)."""
         store = self.store
         out: dict[int, list[StepTiming]] = {}
         if store is None or not self.nnodes:
@@ -441,9 +455,13 @@ class Correlator:
                     continue
                 pending.discard(k)
                 try:
-                    out.update(parse_history(store.unseal(keys[k], raw)))
+                    steps, sigs = parse_history_full(store.unseal(keys[k], raw))
                 except ValueRejected as exc:
                     self._reject(keys[k], exc)
+                    continue
+                out.update(steps)
+                if signals_out is not None:
+                    signals_out.update({r: rows for r, rows in sigs.items() if r in steps})
             if time.monotonic() >= deadline:
                 break
         if pending:
@@ -808,7 +826,126 @@ class Correlator:
 
 
 def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:
+    return parse_history_full(raw)[0]
+
+
+def parse_history_full(
+    raw: bytes,
+) -> tuple[dict[int, list[StepTiming]], dict[int, list[tuple[int, RankCounters]]]]:
+    """A node's shared history: its ranks' steps and their host-signal samples (for ranks it has steps of)."""
     doc = parse_json(raw, HISTORY_SCHEMA)
+    steps = _history_steps(doc)
+    return steps, _history_signals(doc.get("signals"), steps)
+
+
+# a shared sample: [t_ns, cgroup index, the counters below, net (NetCounters' fields) or null, gpu or null]
+_ROW_COUNTERS = ("start_ticks", "run_ns", "wait_ns", "cpu_ticks", "majflt", "nvcsw", "throttled_us", "nr_throttled",
+                 "cpu_some_us", "mem_some_us", "io_some_us")
+_ROW_NET = tuple(f.name for f in dataclasses.fields(NetCounters))
+_ROW_GPU = tuple(f.name for f in dataclasses.fields(GpuState))
+_MAX_CGROUPS = 8  # distinct cgroups of one rank over a window: a test or an operator moves it once or twice
+
+
+def window_samples(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int,
+                   steps: Sequence[StepTiming], cap: int) -> list[tuple[int, RankCounters]]:
+    """``rank``'s samples over ``steps`` (one sample either side, for the window's edges), at most ``cap``: what
+    a node shares of it, and what the leader keeps of its own ranks beside the shared ones, so that every rank's
+    sampling intervals are alike when compared one by one (``straggler_cause``)."""
+    if not steps:
+        return []
+    lo, hi = steps[0].start_ns, steps[-1].end_ns
+    mine = [(t, by) for t, by in samples if rank in by]
+    first = max((i for i, (t, _) in enumerate(mine) if t <= lo), default=0)
+    last = min((i for i, (t, _) in enumerate(mine) if t >= hi), default=len(mine) - 1)
+    picked = thin_samples([(t, {rank: by[rank]}) for t, by in mine[first:last + 1]], cap)
+    return [(t, by[rank]) for t, by in picked]
+
+
+def with_other_nodes(
+    samples: Sequence[tuple[int, Mapping[int, RankCounters]]], history: Mapping[int, Sequence[StepTiming]],
+    own: Sequence[int], remote: Mapping[int, list[tuple[int, RankCounters]]], policy: CorrelationPolicy,
+) -> list[tuple[int, Mapping[int, RankCounters]]]:
+    """The samples the leader's summary reads: its own ranks' (``own``) beside the other nodes' ranks'
+    (``remote``, from ``gather_histories``), one entry per rank and sample, each on its own node's clock (its
+    steps' times are on it too: a rank is only ever compared with its own window). Its own are thinned over the
+    same shared steps as the others' were; ``samples`` unchanged when no other node shared any."""
+    remote = {r: rows for r, rows in remote.items() if r not in own}
+    if not remote:
+        return list(samples)
+    keep, cap = policy.history_steps_shared, policy.history_samples_per_rank
+    local = {r: window_samples(samples, r, list(history[r])[-keep:], cap) for r in own if r in history}
+    return [(t, {r: c}) for rows_of in (local, remote) for r, rows in rows_of.items() for t, c in rows]
+
+
+def signal_rows(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank: int, steps: Sequence[StepTiming],
+                cap: int) -> dict[str, Any]:
+    """``window_samples`` as the shared history carries them (``_history_signals`` reads them back)."""
+    cgroups: list[str] = []
+    rows = []
+    for t, c in window_samples(samples, rank, steps, cap):
+        if c.cgroup not in cgroups:
+            if len(cgroups) >= _MAX_CGROUPS:
+                continue
+            cgroups.append(c.cgroup)
+        rows.append([t, cgroups.index(c.cgroup), *(getattr(c, f) for f in _ROW_COUNTERS),
+                     [getattr(c.net, f) for f in _ROW_NET] if c.net is not None else None,
+                     [getattr(c.gpu, f) for f in _ROW_GPU] if c.gpu is not None else None])
+    return {"cgroups": cgroups, "rows": rows}
+
+
+def _history_signals(raw: Any, steps: Mapping[int, list[StepTiming]]) -> dict[int, list[tuple[int, RankCounters]]]:
+    """The shared samples, every value checked (ValueRejected): bounded counts, integers in range, rows in time
+    order. Absent (a node of an older version, sampling off): none."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > MAX_RANKS_PER_NODE:
+        raise ValueRejected("history: signals malformed")
+    cap = CorrelationPolicy.history_samples_per_rank
+    out: dict[int, list[tuple[int, RankCounters]]] = {}
+    for key, entry in raw.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) not in steps or not isinstance(entry, dict):
+            raise ValueRejected("history: signals entry malformed")
+        cgroups, rows = entry.get("cgroups"), entry.get("rows")
+        if (not isinstance(cgroups, list) or len(cgroups) > _MAX_CGROUPS or not isinstance(rows, list)
+                or len(rows) > cap):
+            raise ValueRejected("history: signals entry malformed")
+        names = [v_str(g, "cgroup") or "" for g in cgroups]
+        got: list[tuple[int, RankCounters]] = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 4 + len(_ROW_COUNTERS):
+                raise ValueRejected("history: signal row malformed")
+            t = v_int(row[0], "t_ns", lo=0) or 0
+            if got and t < got[-1][0]:
+                raise ValueRejected("history: signal rows out of time order")
+            cg = v_int(row[1], "cgroup index", lo=0, hi=max(0, len(names) - 1)) or 0
+            vals = {f: v_int(v, f, lo=-1) for f, v in zip(_ROW_COUNTERS, row[2:2 + len(_ROW_COUNTERS)], strict=True)}
+            got.append((t, RankCounters(
+                **vals,  # type: ignore[arg-type]
+                cgroup=names[cg] if names else "", net=_row_net(row[-2]), gpu=_row_gpu(row[-1]),
+            )))
+        out[int(key)] = got
+    return out
+
+
+def _row_net(raw: Any) -> NetCounters | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != len(_ROW_NET):
+        raise ValueRejected("history: signal net malformed")
+    return NetCounters(**{f: v_int(v, f, lo=-1) for f, v in zip(_ROW_NET, raw, strict=True)})  # type: ignore[arg-type]
+
+
+def _row_gpu(raw: Any) -> GpuState | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != len(_ROW_GPU):
+        raise ValueRejected("history: signal gpu malformed")
+    # device and xids are always there; NVML may not have said the rest
+    vals = {f: v_int(v, f, optional=f not in ("device", "xids"), lo=0) for f, v in zip(_ROW_GPU, raw, strict=True)}
+    return GpuState(**vals)  # type: ignore[arg-type]
+
+
+def _history_steps(doc: dict[str, Any]) -> dict[int, list[StepTiming]]:
     ranks = doc.get("ranks")
     if not isinstance(ranks, dict) or len(ranks) > MAX_RANKS_PER_NODE:
         raise ValueRejected("history: ranks malformed")

@@ -172,14 +172,20 @@ def parse_inet_diag(data: bytes) -> tuple[list[TcpInfo], bool]:
             a += (alen + 3) & ~3
         if not info:
             continue
-        out.append(TcpInfo(
-            inode=inode, rtt_us=_u32(info, _TI_RTT), rttvar_us=_u32(info, _TI_RTTVAR),
-            min_rtt_us=_u32(info, _TI_MIN_RTT), total_retrans=_u32(info, _TI_TOTAL_RETRANS),
-            bytes_acked=_u64(info, _TI_BYTES_ACKED), bytes_sent=_u64(info, _TI_BYTES_SENT),
-            delivery_rate=_u64(info, _TI_DELIVERY_RATE), busy_us=_u64(info, _TI_BUSY),
-            remote=_addr(fam, dst, dport), same_host=src == dst or _loopback(fam, dst),
-        ))
+        out.append(tcp_info(inode, info, _addr(fam, dst, dport), src == dst or _loopback(fam, dst)))
     return out, False
+
+
+def tcp_info(inode: int, info: bytes, remote: str, same_host: bool) -> TcpInfo:
+    """The fields of a ``struct tcp_info`` as the kernel wrote it (a sock_diag answer's ``INET_DIAG_INFO`` or
+    ``getsockopt(TCP_INFO)``: the same struct); a field past a shorter struct (an older kernel) reads 0."""
+    return TcpInfo(
+        inode=inode, rtt_us=_u32(info, _TI_RTT), rttvar_us=_u32(info, _TI_RTTVAR),
+        min_rtt_us=_u32(info, _TI_MIN_RTT), total_retrans=_u32(info, _TI_TOTAL_RETRANS),
+        bytes_acked=_u64(info, _TI_BYTES_ACKED), bytes_sent=_u64(info, _TI_BYTES_SENT),
+        delivery_rate=_u64(info, _TI_DELIVERY_RATE), busy_us=_u64(info, _TI_BUSY),
+        remote=remote, same_host=same_host,
+    )
 
 
 def net_counters(infos: list[TcpInfo], inodes: set[int]) -> NetCounters | None:
@@ -382,4 +388,5 @@ __all__ = [
     "parse_stat_counters",
     "parse_status_switches",
     "slowing_reasons",
+    "tcp_info",
 ]

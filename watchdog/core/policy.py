@@ -244,6 +244,12 @@ class CorrelationPolicy:
     slim_verdict_above_ranks: int = 512
     # steps per rank shared for the leader's end-of-run summary: the straggler window, bounded for the store
     history_steps_shared: int = 200
+    # host-signal samples per rank shared with those steps (``straggler_cause.thin_samples``), and per node: the
+    # leader sets a rank's TCP, GPU and pressure counters against its peers' on other nodes. A sample is ~300
+    # bytes of JSON, so a node's share stays under 1.5 MB of the store's 4 MB a value; 256 over a 200-step window
+    # are more polls than the window holds at 0.5 s polls for steps up to 0.6 s, and every TCP dump is kept first
+    history_samples_per_rank: int = 256
+    history_samples_per_node: int = 4096
     # at the end of `rankwatch run` the leader waits this long for the other nodes' step rings
     summary_wait_s: float = 15.0
     # without a store secret, another node's claim is captured for only once a local rank has made no

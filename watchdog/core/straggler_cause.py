@@ -64,6 +64,13 @@ class CausePolicy:
     # at once and wait for a CPU, so a throttled rank's loss splits between the two (measured on this host
     # beside other load: 25 % quota, throttled 30-45 % of the loss, the rest run-queue wait)
     throttled_min_share: float = 0.2
+    # memory stall is the cause when it is at least this share of the loss: a thrashing rank's loss splits
+    # between what the kernel counts as a memory stall (reclaim, waiting for a page it had evicted and reads
+    # back) and what it does not (the faults that map the pages back in, and the wait for a CPU that this extra
+    # kernel work brings on a busy host). Measured here (``tests/e2e/test_memory_pressure_cause.py``: a 96 MB
+    # file-backed working set under a 64 MB limit): memory stall 43 % of the loss alone on the host, 42-50 % in
+    # three jobs at load 10-20; a rank without a limit stalls on memory for 0 ms, so a third is no accident
+    memory_min_share: float = 0.3
     # -- states (GPU, network): read over the polls inside the rank's window, against its peers' median --
     # a GPU is throttled when its SM clock ran at most this share of its peers' (median over the window): a
     # GPU that HW slowdown hits is cut by 2x or more (nvmlClocksThrottleReasonHwSlowdown), a power or thermal
@@ -278,6 +285,10 @@ def attribute_cause(
             and quota[0] >= policy.throttled_min_share * lost_ms
             and quota[0] + (wait[0] if wait is not None else 0.0) >= policy.min_share * lost_ms):
         found.append((quota[0] / lost_ms, quota[1], quota[2], quota[3]))
+    mem = held_excess.get("memory_stall")
+    if (mem is not None and not any(f[1].name == "memory_stall" for f in found)
+            and mem[0] >= policy.memory_min_share * lost_ms):
+        found.append((mem[0] / lost_ms, mem[1], mem[2], mem[3]))
     if not measured and not any(c.gpu is not None or c.net is not None for _, by in samples
                                 for c in by.values()):
         return None
@@ -614,6 +625,27 @@ def path_cause(
     return best[1] if best else None
 
 
+def thin_samples(samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
+                 cap: int) -> list[tuple[int, Mapping[int, RankCounters]]]:
+    """At most ``cap`` of ``samples``, spread evenly over them with the first and the last, every sample that
+    carries a TCP dump kept first (up to half of ``cap``): the counters are cumulative, so any subset gives the
+    same deltas over the window; the TCP figures are read only every few polls and need their dumps. What a node
+    shares with the leader (``cluster.correlate``), and what the leader keeps of its own beside it, so that both
+    nodes' sampling intervals are alike when compared interval by interval."""
+    n = len(samples)
+    if n <= cap:
+        return list(samples)
+    if cap < 2:
+        return list(samples[n - cap:])
+    nets = [i for i, (_, by) in enumerate(samples) if any(c.net is not None for c in by.values())]
+    half = cap // 2
+    if len(nets) > half:
+        nets = [nets[round(k * (len(nets) - 1) / max(1, half - 1))] for k in range(half)]
+    rest = cap - len(nets)
+    even = {round(k * (n - 1) / (rest - 1)) for k in range(rest)} if rest >= 2 else {n - 1}
+    return [samples[i] for i in sorted(set(nets) | even)]
+
+
 def explain(
     diag: StragglerDiagnosis,
     samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
@@ -635,4 +667,4 @@ def explain(
 
 
 __all__ = ["CAUSES", "SIGNALS", "CausePolicy", "Window", "attribute_cause", "cause_line", "explain", "gpu_figures",
-           "net_figures", "path_cause", "per_step", "rank_signals"]
+           "net_figures", "path_cause", "per_step", "rank_signals", "thin_samples"]

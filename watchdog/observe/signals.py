@@ -9,7 +9,9 @@ pressure (``/proc/pressure``) is nobody's and is read by the daemon itself.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import functools
 import os
 import socket
@@ -34,6 +36,7 @@ from ..core.host_signals import (
     parse_socket_link,
     parse_stat_counters,
     parse_status_switches,
+    tcp_info,
 )
 from ..privsep.frames import WireError, w_int, w_str
 from ..privsep.registry import Worker, handler
@@ -166,12 +169,87 @@ def socket_inodes(pid: int, proc_root: str = "/proc") -> set[int]:
     return out
 
 
+SYS_PIDFD_GETFD = 438  # Linux 5.6; the same number on x86_64 and aarch64 (the unified syscall table)
+TCP_INFO_LEN = 256  # more than struct tcp_info is today (248 bytes on 6.x): the kernel writes what it has
+TCP_ESTABLISHED = 1
+# read a rank's TCP sockets through duplicates of its own fds (``tcp_sockets_of_pid``) rather than a sock_diag dump
+# of the whole table; False: the dump only (``benchmarks/bench_signals.py --net dump`` measures it)
+NET_BY_FD = True
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def tcp_sockets_of_pid(pid: int, proc_root: str = "/proc") -> list[TcpInfo] | None:
+    """The established TCP sockets ``pid`` holds, each with its ``tcp_info``, asked of the socket itself through
+    a duplicate of the rank's fd (``pidfd_getfd``) and closed at once: a few syscalls per socket of the rank's,
+    where a sock_diag dump walks the kernel's whole established-socket hash whatever the rank holds
+    (``NET_EVERY_S``). Needs ptrace access to the process (its owner's reader has it, unless Yama's
+    ptrace_scope forbids); None where refused or unsupported (a kernel before 5.6): the caller dumps instead.
+    Works across network namespaces: the socket is asked, not the namespace's table."""
+    base = f"{proc_root}/{pid}/fd"
+    try:
+        fds = os.listdir(base)[:MAX_FDS]
+    except OSError:
+        return None
+    socks = []
+    for fd in fds:
+        try:
+            ino = parse_socket_link(os.readlink(f"{base}/{fd}"))
+        except OSError:
+            continue
+        if ino is not None and fd.isdigit():
+            socks.append((int(fd), ino))
+    if not socks:
+        return []
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    out: list[TcpInfo] = []
+    try:
+        for num, ino in socks:
+            dup = _libc().syscall(SYS_PIDFD_GETFD, pidfd, num, 0)
+            if dup < 0:
+                if ctypes.get_errno() == errno.EBADF:  # closed since the listing
+                    continue
+                return None
+            try:
+                s = socket.socket(fileno=dup)
+            except OSError:
+                os.close(dup)
+                continue
+            with s:
+                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                    continue
+                try:
+                    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+                    if not info or info[0] != TCP_ESTABLISHED:
+                        continue
+                    own, peer = s.getsockname(), s.getpeername()
+                except OSError:
+                    continue
+            host = str(peer[0])
+            remote = f"[{host}]:{peer[1]}" if s.family == socket.AF_INET6 else f"{host}:{peer[1]}"
+            out.append(tcp_info(ino, info, remote, host == str(own[0]) or _loopback_text(host)))
+    finally:
+        os.close(pidfd)
+    return out
+
+
+def _loopback_text(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1",) or host.startswith("::ffff:127.")
+
+
 CLONE_NEWNET = 0x40000000
 # a sock_diag dump walks the kernel's whole established-socket hash (262,144 buckets on a 24 GB host, more on
 # a GPU node): ~2 ms of CPU per address family whatever the sockets, 5x a poll's other reads for 8 ranks
-# (``benchmarks/bench_signals.py``). The TCP figures are states read as a median over the window and a
-# cumulative retransmit count, so one dump per network namespace every 2 s is enough (a 200-step window of
-# 50 ms steps holds 5 of them); the polls in between carry no ``net``
+# (``benchmarks/bench_signals.py``); asking the ranks' own sockets costs ~40 % of that for 16 sockets a rank, more
+# with more. The TCP figures are states read as a median over the window and a cumulative retransmit count, so
+# one reading per network namespace every 2 s is enough (a 200-step window of 50 ms steps holds 5 of them); the
+# polls in between carry no ``net``
 NET_EVERY_S = 2.0
 _dumped_at: dict[int | None, float] = {}
 
@@ -212,28 +290,36 @@ def tcp_sockets_of_netns(pid: int, proc_root: str = "/proc") -> list[TcpInfo] | 
 
 
 def read_ranks(pids: list[int], proc_root: str = "/proc") -> dict[int, RankCounters | None]:
-    """``read_rank`` of each pid, with its TCP sockets from one sock_diag dump per network namespace (one
-    for a node's ranks; one per simulated node or container where ranks have their own)."""
+    """``read_rank`` of each pid, with its TCP sockets every ``NET_EVERY_S`` per network namespace: asked of
+    each rank's own sockets (``tcp_sockets_of_pid``), else from one sock_diag dump per namespace (one for a
+    node's ranks; one per simulated node or container where ranks have their own)."""
     own = _netns("self", proc_root)
     now = time.monotonic()
+    due: dict[int | None, bool] = {}
     dumps: dict[int | None, list[TcpInfo] | None] = {}
     out: dict[int, RankCounters | None] = {}
     for pid in pids:
         c = read_rank(pid, proc_root)
         if c is not None:
             ns = _netns(pid, proc_root)
-            if ns not in dumps:
-                due = now - _dumped_at.get(ns, -NET_EVERY_S) >= NET_EVERY_S
-                if due:
+            if ns not in due:
+                due[ns] = now - _dumped_at.get(ns, -NET_EVERY_S) >= NET_EVERY_S
+                if due[ns]:
                     _dumped_at[ns] = now
                     if len(_dumped_at) > 1024:  # namespaces come and go with containers: forget old ones
                         _dumped_at.clear()
-                dumps[ns] = None if not due else (
-                    tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root))
-            infos = dumps[ns]
-            net = net_counters(infos, socket_inodes(pid, proc_root)) if infos else None
-            if net is not None:
-                c = dataclasses.replace(c, net=net)
+            if due[ns]:
+                infos = tcp_sockets_of_pid(pid, proc_root) if NET_BY_FD else None
+                if infos is not None:
+                    inodes = {i.inode for i in infos}
+                else:  # refused (or switched off): the namespace's table, dumped once for all its ranks
+                    if ns not in dumps:
+                        dumps[ns] = tcp_sockets() if ns == own or ns is None else tcp_sockets_of_netns(pid, proc_root)
+                    infos = dumps[ns]
+                    inodes = socket_inodes(pid, proc_root) if infos else set()
+                net = net_counters(infos, inodes) if infos else None
+                if net is not None:
+                    c = dataclasses.replace(c, net=net)
         out[pid] = c
     return out
 
