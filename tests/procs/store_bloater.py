@@ -8,24 +8,15 @@ with appends), printing "round N" after each round."""
 
 from __future__ import annotations
 
-import datetime
 import sys
 import time
 
-import torch.distributed as dist
+from _store_connect import connect
 
 
 def main() -> None:
     host, port, mib, keys = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    store = connect(host, port)
     print("ready", flush=True)
     chunk = b"J" * (4 << 20)
     rounds = 0

@@ -8,25 +8,16 @@ the file named by $VANDAL_COUNT, one line "deletes overwrites" rewritten every r
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
 
-import torch.distributed as dist
+from _store_connect import connect
 
 
 def main() -> None:
     host, port, keys = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    store = connect(host, port)
     print("ready", flush=True)
     count = os.environ.get("VANDAL_COUNT")
     deletes = overwrites = 0
