@@ -197,6 +197,14 @@ def _fr_behind(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, l
             f"{fmt_ranks(d['uncovered'])}, which the flight recorder does not cover",
             [f"flight recorder: {detail}; {behind} still in flight (waiting)", covers],
         )
+    if d.get("shape") == "fr_wait_cycle":
+        behind = fmt_ranks(d["behind"])
+        return (
+            f"the flight recorder shows {behind} each behind in one process group and waiting in another for the "
+            f"other ({detail}): a wait cycle across groups, as when one rank skips a collective of one group and "
+            "goes on to the next; the recorder cannot tell which one skipped",
+            [f"flight recorder: {detail}; {behind} wait for each other"],
+        )
     others = d.get("others") or ()
     reason = (f"{ranks_verb(f.ranks, 'is', 'are')} behind in the flight recorder ({detail}); it is in "
               f"{_in(d.get('phase'))}{c.at_step(d.get('step'))}"
@@ -352,6 +360,7 @@ _LIVE: dict[str, Phrase] = {
     "finished_but_one": _finished_but_one, "same_failure": _same_failure, "first_exit": _first_exit,
     "stopped": _stopped, "abort_with_odd_counts": _odd_counts, "fr_mismatch": _fr_mismatch,
     "fr_mismatch_tie": _fr_mismatch, "fr_behind": _fr_behind, "fr_behind_uncovered": _fr_behind,
+    "fr_wait_cycle": _fr_behind,
     "behind": _behind, "extra_collective": _extra_collective, "skipped_collective": _skipped,
     "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest,
     "only_live": _earliest,

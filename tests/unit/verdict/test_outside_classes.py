@@ -80,3 +80,28 @@ def test_a_death_without_a_word_inside_a_collective_is_named_as_a_guess():
     f = rule_exit_order(_ends("forward"), 0.5)
     assert f is not None and f.ranks == [2]
     assert (f.confidence, f.data["decided"], f.data["silent_in_collective"]) == ("high", True, False)
+
+
+def test_a_wait_cycle_across_groups_is_left_to_the_counters():
+    """group-a2a-skip: expert pairs {0, 2} {1, 3} (pg 1, pg 2) and DDP's world group (pg 0); rank 3 skips its
+    pair's all_to_all #6 and goes on to the world's all_reduce #21. The recorder shows rank 1 behind in pg 0
+    (waiting in pg 2 for rank 3) and rank 3 behind in pg 2 (waiting in pg 0 for rank 1): a cycle it cannot
+    break, so it names nobody, and the hook's count of Python-level collectives (rank 3 issued one fewer)
+    decides. Was: ranks 1, 3 (low), half wrong."""
+    from rankwatch.watchdog.core.facts import FactSet as Facts
+    from rankwatch.watchdog.verdict import decide
+    from test_verdict_rules import fr_entered
+
+    world = fr_entered((0, 1, 2, 3), "0", {0: 21, 1: 20, 2: 21, 3: 21}, waiting=(0, 2, 3))
+    pair_a = fr_entered((0, 1, 2, 3), "1", {0: 6, 2: 6}, op="all_to_all")
+    pair_b = fr_entered((0, 1, 2, 3), "2", {1: 6, 3: 5}, op="all_to_all", waiting=(1,))
+    fr = Facts(ranks=(0, 1, 2, 3), counts=[*world.counts, *pair_a.counts, *pair_b.counts],
+               in_op=[*world.in_op, *pair_a.in_op, *pair_b.in_op], waits=[*world.waits, *pair_b.waits])
+    views = [rv(r, step=5, coll_seq=12, coll_done=12, coll_op="all_to_all_single", phase="backward", waiting=True)
+             for r in (0, 2)]
+    views += [rv(1, step=5, coll_seq=12, coll_done=11, coll_op="all_to_all_single", phase="forward", waiting=True),
+              rv(3, step=5, coll_seq=11, coll_done=11, coll_op="all_to_all_single", phase="backward", waiting=True)]
+    v = decide(sorted(views, key=lambda x: x.rank), job_id="j", incident_id="i", detected_after_s=30.0,
+               fr_facts=fr).to_json()
+    assert v["initiating_ranks"] == [3], (v["initiating_ranks"], v["decided_by"], v["reason"])
+    assert v["flight_recorder"]["role"] != "decided"

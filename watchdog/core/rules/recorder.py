@@ -95,6 +95,18 @@ def behind_detail(behind: Sequence[Behind], ranks: Sequence[int]) -> list[dict[s
     return out
 
 
+def wait_cycle(fr: FactSet, rows: Sequence[Behind], behind: Sequence[int]) -> bool:
+    """Every rank behind (two or more) has a collective in flight in a group it is not behind in, waiting
+    only for other ranks behind: they wait for each other, so none of them is simply late."""
+    if len(behind) < 2:
+        return False
+    named, behind_in = set(behind), {(b.rank, b.pg) for b in rows}
+    waiting = {w.rank for w in fr.waits
+               if w.source == FR_ENTRY and w.rank in named and w.on and (w.rank, w.group) not in behind_in
+               and w.on <= named - {w.rank}}
+    return named <= waiting
+
+
 def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None = None) -> Finding | None:
     """What the flight recorder says on its own, over its facts and where the live ranks are: a mismatch at
     one (pg, seq), else the ranks behind (``rows``: ``fr_behind``'s, where the caller made them already).
@@ -119,6 +131,11 @@ def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None
     if arrived_never and len(arrived_never) < len(behind):
         behind = arrived_never  # of the ranks behind, the ones with nothing in flight started it
     data = {"behind": behind, "detail": behind_detail(rows, behind), "covers": list(fr.ranks), "covered": covered}
+    if wait_cycle(fr, rows, behind):
+        # each rank behind is itself in flight, in another group, waiting for another rank behind: a wait cycle
+        # across groups (one rank skipped a collective of one group and went on to the next group's). The
+        # counts cannot tell which one skipped; the recorder names nobody and the weaker rungs decide
+        return Finding(FR, HANG, [], Rung.FLIGHT_RECORDER, "low", {**data, "shape": "fr_wait_cycle"})
     if not arrived_never and not covered:
         # every rank behind is itself blocked in a collective a peer got past (the root of a broadcast the
         # stuck rank never received): the rank that never arrived is among those the recorder does not cover
