@@ -56,6 +56,13 @@ def build(facts: FactSet) -> WaitGraph:
             per[e.lost] = max(per.get(e.lost, e.strength), e.strength)
         else:
             g.anyone[e.rank] = max(g.anyone.get(e.rank, e.strength), e.strength)
+    # a rank another names as the one it waited for (a monitored barrier's report), whose own end says
+    # nothing of a peer (the launcher's teardown killed it after): what it waited for is unknown, what
+    # waited for it is not — it is where the waits end
+    named = {r for e in facts.ended if not e.own and e.lost for r in e.lost}
+    for r in named:
+        if r in g.anyone and r not in g.edges and r not in g.terminal:
+            g.terminal[r] = g.anyone.pop(r)
     return g
 
 

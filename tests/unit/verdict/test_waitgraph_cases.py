@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from rankwatch.watchdog.core.facts import PriorVerdict
 from rankwatch.watchdog.core.fr_analysis import analyze_fr
 from rankwatch.watchdog.core.fr_facts import fr_facts
@@ -293,3 +294,18 @@ def test_a_weaker_rung_naming_a_proven_waiter_too_does_not_question_the_sink():
     v = verdict(views, fr_facts=hints)
     assert (v["initiating_ranks"], v["confidence"]) == ([1], "high"), v["evidence"]
     assert "stacks" not in v["finding"]["data"].get("questioned_by", [])
+
+
+@pytest.mark.parametrize("gone", ["dead", "zombie"])
+def test_a_rank_a_monitored_barrier_names_is_the_sink_after_the_launcher_killed_it(gone):
+    # rank 0 reports rank 2 missing the barrier and exits, ranks 1, 3 lose rank 0; torchrun then tears rank 2
+    # down before the verdict: its end is one more consequence, yet it is the rank the others waited for.
+    # Was: dead_rank [0] (low), the reporter named for its own report
+    barrier = "RuntimeError: Ranks 2 failed to pass monitoredBarrier in 8000 ms"
+    lost = "DistBackendError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    views = [rv(0, state="crashed", exit_order=0, exit_age_s=2.0, exit_cause=barrier),
+             rv(1, state="crashed", exit_order=1, exit_age_s=1.9, exit_cause=lost),
+             rv(2, state=gone, exit_order=3, exit_age_s=0.5, phase="forward"),
+             rv(3, state="crashed", exit_order=2, exit_age_s=1.9, exit_cause=lost)]
+    v = verdict(views)
+    assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "forward"), v["reason"]

@@ -90,6 +90,11 @@ def rule_exit_order(facts: FactSet, tolerance: float) -> Finding | None:
     firsts = earliest_ends(candidates, tolerance) if timed else candidates
     lead = firsts[0]
     all_consequences = not any(e.own for e in ordered)
+    if all_consequences and any(e.lost for e in ordered):
+        # every end is a consequence and one names whom it waited for (a monitored barrier's report): that is
+        # a wait-for edge to the rank that never arrived, whatever ended it later (the launcher's teardown), not
+        # an exit order — the wait-for graph decides
+        return None
     waiting = sorted(facts.waiting() - {e.rank for e in ordered if e.own})
     unverified = [e.rank for e in firsts if not e.verified]
     confidence = "high" if len(firsts) == 1 and (lead.stated or waiting) and not all_consequences else "medium"
