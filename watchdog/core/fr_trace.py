@@ -41,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .fields import is_num
+
 MAX_ENTRIES = 100_000
 """TORCH_FR_BUFFER_SIZE is typically 2000; bound the work a hostile file can cause."""
 
@@ -142,10 +144,6 @@ def _int(d: Mapping[str, Any], key: str, default: int | None = None) -> int:
     raise FlightRecorderFormatError(f"field {key!r} is not an integer: {v!r}")
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def _opt_time(v: Any) -> int | None:
     """Discovered times: None in the pickle, 0 in JSON when unset."""
     if v is None or isinstance(v, bool):
@@ -221,8 +219,8 @@ def _entry(raw: Any) -> FrEntry:
         time_created_ns=_int(raw, "time_created_ns", 0),
         time_started_ns=_opt_time(raw.get("time_discovered_started_ns")),
         time_completed_ns=_opt_time(raw.get("time_discovered_completed_ns")),
-        timeout_ms=int(timeout) if isinstance(timeout, int | float) and _is_num(timeout) else None,
-        duration_ms=float(duration) if isinstance(duration, int | float) and _is_num(duration) else None,
+        timeout_ms=int(timeout) if isinstance(timeout, int | float) and is_num(timeout) else None,
+        duration_ms=float(duration) if isinstance(duration, int | float) and is_num(duration) else None,
         frames=_frames(raw.get("frames")),
     )
 
