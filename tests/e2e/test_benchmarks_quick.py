@@ -59,8 +59,13 @@ def _traceml(doc: Any) -> None:
 
 
 def _instructions(doc: Any) -> None:
-    # the hook executes instructions of its own on every step: a median of zero means the blocks were mixed up
-    assert doc["pairs"] >= 1 and doc["ir_per_step"] > 0 and doc["ir_step_off"] > 0
+    # blocks are whole training steps (millions of instructions each; the switches between blocks are a few
+    # hundred: a block mixed up with a switch shows here), and the hook is a fraction of a percent of a step.
+    # Its sign is not asserted: a quick run's median over 2 pairs moves by ±10k instructions a step (one pair's
+    # allocator or cache-resize path), more than the hook's own ~+6k; the 200-step run in benchmarks/README is
+    # the figure.
+    assert doc["pairs"] >= 1 and doc["ir_step_off"] > 1_000_000
+    assert abs(doc["ir_per_step"]) < 0.05 * doc["ir_step_off"], doc
 
 
 def _gpu(doc: Any) -> None:

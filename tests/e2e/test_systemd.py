@@ -113,6 +113,34 @@ def test_daemon_sends_ready_and_watchdog_pings_to_notify_socket(procs, tmp_path)
     assert daemon.returncode == 0
 
 
+def test_daemon_stops_on_sigterm_when_the_notify_socket_is_not_read(procs, tmp_path):
+    """A manager that stops reading (hung, or under load) fills the socket's queue: the pings and the
+    SIGTERM handler's STOPPING=1 must not wait on it — the daemon still stops (was: deaf to SIGTERM)."""
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(60)
+    env = dict(os.environ, NOTIFY_SOCKET=sock_path, WATCHDOG_USEC="100000", PATH="/usr/bin:/bin")
+    env.pop("WATCHDOG_PID", None)
+    daemon = procs.start(
+        rankwatch_cmd(
+            "daemon", "--shm-dir", str(tmp_path / "shm"), "--out", str(tmp_path / "out"), "--poll-interval", "0.05"
+        ),
+        env=env,
+    )
+    try:
+        assert sock.recv(4096).decode().startswith("READY=1")
+        # nothing read from here on: at a ping every 50 ms the queue (net.unix.max_dgram_qlen, 10 by default)
+        # is full after about half a second; wait until it certainly is, and the daemon still polls
+        time.sleep(3)
+        assert daemon.poll() is None
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=20)
+    finally:
+        sock.close()
+    assert daemon.returncode == 0
+
+
 def test_environment_file_arguments_are_split_not_executed():
     assert env_defaults({"RANKWATCH_DAEMON_ARGS": "--stall-timeout 30 --on-stall 'report'"}) == [
         "--stall-timeout",

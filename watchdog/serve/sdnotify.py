@@ -23,10 +23,13 @@ class Notifier:
         self._last_ping = 0.0
 
     def send(self, message: str) -> bool:
+        """Never waits: a receiver that stopped reading fills its queue (10 datagrams by default), and a
+        blocking send then froze the poll loop — and the SIGTERM handler's STOPPING=1 with it, a daemon deaf
+        to its stop. A notification that does not fit is dropped (the next ping says the same)."""
         if not self.address:
             return False
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
                 sock.connect(self.address)
                 sock.sendall(message.encode())
             return True

@@ -48,11 +48,15 @@ def test_tampered_evidence_never_blames_an_innocent_rank(procs, tmp_path, with_s
         assert (v["initiating_ranks"], v["phase"]) == (expect.ranks(fault_rank), expect.phase), v["finding"]
         assert v.get("decided_by") != "missing_node"
         assert v["ranks"]["3"]["state"] != "missing"
-    # the leader saw node 1's evidence key tampered with, and said so
-    assert wait_for(lambda: logs[0].wait_for('"store_value_rejected"', "evidence/1/1", timeout=1), timeout=30), (
-        logs[0].lines[-30:])
     exchange = v0.get("exchange") or v1.get("exchange")
     assert exchange is not None and exchange["authenticated"] is with_secret
+    # whatever the leader met of the tampering it said: a value it read as junk, or node 1's evidence it never
+    # held. (It may also have read node 1's genuine value in the few ms before the vandal's next overwrite:
+    # then there was nothing to say, and the verdict above is right on evidence it really holds.)
+    held = exchange["nodes"]["1"]
+    said = wait_for(lambda: logs[0].wait_for('"store_value_rejected"', "evidence/1/1", timeout=1)
+                    or logs[0].wait_for('"store_evidence_', timeout=1), timeout=30)
+    assert said or held == "heard", (held, logs[0].lines[-30:])
     if not with_secret:
         assert {"kind": UnauthenticatedExchange.KIND} in v0["evidence_items"], v0.get("evidence_items")
 
