@@ -107,6 +107,12 @@ def blame(facts: FactSet) -> Finding | None:
     top = max(found.sinks.values())
     chosen = sorted(r for r, s in found.sinks.items() if s == top)
     busy = {b.rank: b for b in facts.busy}
+    silent = {s.rank for s in facts.silent}
+    if silent and chosen and all(r in silent or (r in busy and busy[r].moving) for r in found.sinks):
+        # the live ranks waited for were all caught mid-step (``VerdictPolicy.in_motion_s``) while part of the
+        # job never answered: their waits are the step's ordinary ones, the silent ranks what holds it
+        top, chosen = Rung.SILENCE, sorted(silent & set(found.sinks)) or sorted(silent)
+        found = replace(found, sinks={**found.sinks, **dict.fromkeys(chosen, Rung.SILENCE)})
     if chosen and all(r in busy for r in chosen) and len(chosen) > 1:
         chosen = _refine_by_phase([busy[r] for r in chosen])
     present = set(facts.ranks) - {s.rank for s in facts.silent}
@@ -119,7 +125,6 @@ def blame(facts: FactSet) -> Finding | None:
     known_edges = bool(found.waiters - found.via_anyone)  # some waiter said whom it waits for
     strength = top if top >= Rung.STOPPED else max(top, edge_strength)
     confidence = "high" if len(chosen) < len(found.waiters) else "medium"
-    silent = {s.rank for s in facts.silent}
     if chosen and set(chosen) <= silent:
         confidence = "medium"  # silence is the weakest evidence: a node can be slow to answer
     if len(chosen) > len(facts.ranks) / 2:

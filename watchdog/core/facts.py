@@ -104,6 +104,8 @@ class Busy:
     rank: int
     phase: str | None
     strength: Rung = Rung.WAITING
+    # live: it made progress within ``VerdictPolicy.in_motion_s`` — caught mid-step, not (yet) holding anyone
+    moving: bool = False
 
 
 @dataclass(slots=True)

@@ -104,13 +104,15 @@ def live_facts(
     fr: FactSet | None,
     *,
     exit_tolerance_s: float,
+    in_motion_s: float = 0.0,
     prior: PriorVerdict | None = None,
     killed: Collection[int] = (),
     ended: list[Ended] | None = None,
 ) -> FactSet:
     """Every view (all nodes) and the flight recorder's facts (``core.fr_facts``) as one fact set: a waiting
     rank's recorder waits where it has some, else its counters'; ``ended``: the views' ends where the
-    caller already made them (``exit_facts``: a node that never answered has none)."""
+    caller already made them (``exit_facts``: a node that never answered has none); ``in_motion_s``:
+    a busy rank that progressed more recently is ``moving`` (``VerdictPolicy.in_motion_s``)."""
     facts = FactSet(ranks=tuple(v.rank for v in views), prior=prior)
     facts.killed = [KilledByRankwatch(r) for r in sorted(killed)]
     facts.ended = ended if ended is not None else ended_facts(views, exit_tolerance_s)
@@ -128,7 +130,8 @@ def live_facts(
     for v in live:
         inside = v.coll_seq > v.coll_done
         if not (inside or v.waiting or (v.waiting is None and v.phase == "backward")):  # ``is_waiting``
-            busy.append(Busy(v.rank, v.phase))
+            moving = min(v.in_phase_s, v.since_progress_s) < in_motion_s
+            busy.append(Busy(v.rank, v.phase, moving=moving))
         elif v.rank in by_fr:
             waits.extend(by_fr[v.rank])
         elif inside and v.coll_seq in counted:

@@ -284,6 +284,12 @@ class VerdictPolicy:
     # GPU utilisation (%) that counts as busy: a rank spinning in an NCCL kernel reads ~100 %; half
     # leaves room for sampling windows that straddle the start of the wait.
     gpu_busy_pct: float = 50.0
+    # A live rank that made progress (a phase, a step) less than this long ago is mid-step, not a rank holding
+    # the others: an incident on a death or a silent node fires at once, while the live ranks are still
+    # finishing their step (a step is 0.05–0.5 s in the demo jobs, a stall needs the stall timeout, seconds).
+    # Where the ranks the others wait for are only such ranks and some ranks are silent, the silent ones are
+    # the sinks (the node-loss race: rank 1 named 0.1 s into backward).
+    in_motion_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,8 @@ def _findings(case: LiveCase, prior: PriorVerdict | None, killed: Sequence[int])
                                for r in LIVE_LADDER if r.label in labels)
     if prior is not None or not decisive:
         case.facts = live_facts(
-            case.views, case.fr, exit_tolerance_s=case.policy.exit_order_tolerance_s, prior=prior, killed=killed,
+            case.views, case.fr, exit_tolerance_s=case.policy.exit_order_tolerance_s,
+            in_motion_s=case.policy.in_motion_s, prior=prior, killed=killed,
             ended=ends.ended,
         )
         for r in LIVE_LADDER:

@@ -309,3 +309,39 @@ def test_a_rank_a_monitored_barrier_names_is_the_sink_after_the_launcher_killed_
              rv(3, state="crashed", exit_order=2, exit_age_s=1.9, exit_cause=lost)]
     v = verdict(views)
     assert (v["kind"], v["initiating_ranks"], v["phase"]) == ("hang", [2], "forward"), v["reason"]
+
+
+def _node_loss_mid_step(rank1_in_phase_s: float) -> list[RankView]:
+    """node-loss caught mid-step: node n1 died in step 7's allreduce, rank 0 entered it and waits, rank 1 is
+    still in its own backward (its stack runs its code) ``rank1_in_phase_s`` after its last progress."""
+    return [
+        rv(0, phase="backward", step=7, coll_seq=7, coll_done=6, waiting=True, in_phase_s=0.4, since_progress_s=0.4),
+        rv(1, phase="backward", step=7, coll_seq=6, coll_done=6, waiting=False,
+           in_phase_s=rank1_in_phase_s, since_progress_s=rank1_in_phase_s),
+        rv(2, node="n1", state="missing", step=7, phase="backward", coll_seq=7, coll_done=6),
+        rv(3, node="n1", state="missing", step=7, phase="backward", coll_seq=7, coll_done=6),
+    ]
+
+
+def test_a_live_rank_caught_mid_step_yields_to_the_silent_node():
+    """The incident fires at once on the lost node, 0.1 s into rank 1's backward: rank 1 is the one live rank
+    rank 0 waits for, but it is working, not holding anyone — the silent node is (was: rank 1, a hang)."""
+    v = verdict(_node_loss_mid_step(0.1))
+    assert (v["initiating_ranks"], v["decided_by"]) == ([2, 3], "missing_node"), v["reason"]
+    assert v["finding"]["data"]["silent_nodes"] == ["n1"]
+
+
+def test_a_live_rank_stuck_in_its_own_code_is_named_even_beside_a_silent_node():
+    """The same layout with rank 1 in its backward for 30 s: a rank that long in its own code is stuck there,
+    whatever else is silent (silence is the weaker evidence)."""
+    v = verdict(_node_loss_mid_step(30.0))
+    assert v["initiating_ranks"] == [1], v["reason"]
+
+
+def test_a_rank_caught_mid_step_is_still_the_sink_when_nothing_is_silent():
+    """Without a silent node a rank just now in its phase is all the graph has: it stays the sink (the rule
+    that passes over it needs silent ranks to name instead)."""
+    views = [v for v in _node_loss_mid_step(0.1) if v.rank < 2]
+    views += [dataclasses.replace(views[0], rank=r, pid=1000 + r) for r in (2, 3)]
+    v = verdict(views)
+    assert v["initiating_ranks"] == [1], v["reason"]
