@@ -14,10 +14,8 @@ import mmap
 import os
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from ddp_loop import train
+from torch.utils.data import Dataset
 
 
 class DeviceData(Dataset):
@@ -45,20 +43,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--chunk-kb", type=int, default=64)
     args = p.parse_args()
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(DeviceData(args.device, args.chunk_kb * 1024), batch_size=1, num_workers=0)
-    it = iter(loader)
-    for _ in range(args.steps):
-        x, y = next(it)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    dist.barrier()
-    dist.destroy_process_group()
+    train(lambda: DeviceData(args.device, args.chunk_kb * 1024), args.steps)
 
 
 if __name__ == "__main__":

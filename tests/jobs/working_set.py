@@ -17,9 +17,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from ddp_loop import train
+from torch.utils.data import Dataset
 
 PAGE = mmap.PAGESIZE
 
@@ -50,20 +49,7 @@ def main() -> None:
     p.add_argument("--ws-dir", required=True)
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(WorkingSet(args.ws_dir, dist.get_rank()), batch_size=1, num_workers=0)
-    it = iter(loader)
-    for _ in range(args.steps):
-        x, y = next(it)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    dist.barrier()
-    dist.destroy_process_group()
+    train(lambda: WorkingSet(args.ws_dir, dist.get_rank()), args.steps)
 
 
 if __name__ == "__main__":
