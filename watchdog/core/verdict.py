@@ -26,6 +26,7 @@ from typing import Any
 from . import engine
 from .document import Collective, RankEntry, VerdictDocument
 from .engine import Finding
+from .evidence_items import EvidenceItem
 from .facts import FactSet, PriorVerdict
 from .facts import Rung as FactRung
 from .live_facts import exit_facts, is_waiting, live_facts, stack_groups
@@ -73,6 +74,9 @@ class Verdict:
     finding: Finding | None = None  # the deciding finding
     found: dict[str, Finding | None] = field(default_factory=dict)  # every rung's, by rung name
     notes: list[Note] = field(default_factory=list)  # the evidence after the finding's own, as data
+    # the caller's items beside the views (capture and exchange notes, GPU devices, NCCL RAS, live stragglers):
+    # data in the document's ``evidence_items``, their words the last ``evidence`` lines
+    evidence_items: tuple[EvidenceItem, ...] = ()
 
     def document(self) -> VerdictDocument:
         """The typed ``rankwatch.verdict/1`` document every sink carries."""
@@ -94,6 +98,7 @@ class Verdict:
             missing_ranks=tuple(missing) if missing is not None else None,
             follows_incident=x.get("follows_incident"),
             flight_recorder=x.get("flight_recorder"),
+            evidence_items=tuple(i.to_json() for i in self.evidence_items) if self.evidence_items else None,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -8,9 +8,8 @@ the words come from ``report``; nothing decides anywhere else."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
-from ..core.document import VerdictDocument
 from ..core.engine import Finding
 from ..core.evidence_items import EvidenceItem
 from ..core.facts import FactSet, PriorVerdict
@@ -25,32 +24,19 @@ from ..report.findings import words
 from ..report.live_words import LiveContext, note_words
 
 
-@dataclass(frozen=True)
-class WordedVerdict(Verdict):
-    """The live verdict with its words written, and the evidence items (data) its last lines were rendered
-    from: its document carries both (``evidence`` and ``evidence_items``)."""
-
-    items: tuple[EvidenceItem, ...] = ()
-
-    def document(self) -> VerdictDocument:
-        doc = super().document()
-        return replace(doc, evidence_items=tuple(i.to_json() for i in self.items)) if self.items else doc
-
-
 def fill_words(verdict: Verdict, views: Sequence[RankView], extra_evidence: Sequence[EvidenceItem] = (), *,
-               steps_known: bool = True) -> WordedVerdict:
+               steps_known: bool = True) -> Verdict:
     """Write the verdict's reason and evidence from its finding and notes; ``extra_evidence`` (the items the
     caller holds beside the views: capture and exchange notes, the flight recorder's per-group lines, GPU
     devices, NCCL RAS, live stragglers) follows them, each in its words (``report.evidence_words``).
     ``steps_known``: False where no record gave step counters (``inspect``): the reason names no step."""
     items = tuple(extra_evidence)
-    base = {f.name: getattr(verdict, f.name) for f in fields(Verdict)}
     if verdict.finding is None:  # nothing decided, nothing to say (as before the items)
-        return WordedVerdict(**base)
+        return verdict
     ctx = LiveContext(sorted(views, key=lambda v: v.rank), verdict.found, steps_known)
     said = words(verdict.finding, ctx)
     lines = [*said.evidence, *(note_words(n, ctx) for n in verdict.notes), *(evidence_words(i) for i in items)]
-    return WordedVerdict(**{**base, "reason": said.reason, "evidence": fold_rank_lines(lines)}, items=items)
+    return replace(verdict, reason=said.reason, evidence=fold_rank_lines(lines), evidence_items=items)
 
 
 def decide(
@@ -65,7 +51,7 @@ def decide(
     prior: PriorVerdict | None = None,
     killed: Sequence[int] = (),
     steps_known: bool = True,
-) -> WordedVerdict:
+) -> Verdict:
     """``core.verdict.decide`` in words: the verdict document every sink (bundle, alert, console) reads."""
     verdict = decide_data(views, job_id=job_id, incident_id=incident_id, detected_after_s=detected_after_s,
                           fr_facts=fr_facts, policy=policy, prior=prior, killed=killed)
