@@ -5,7 +5,7 @@ findings are data (``report.findings`` puts them in words)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..engine import Finding
 from ..facts import Count, Progress, Rung
@@ -23,11 +23,12 @@ def _confidence(behind: Sequence[object], live: Sequence[Progress]) -> str:
     return "high" if len(behind) < len(live) / 2 else "medium"
 
 
-def rule_behind(live: Sequence[Progress]) -> Finding | None:
+def rule_behind(live: Sequence[Progress], fr_waiting: Collection[int] = ()) -> Finding | None:
     """Ranks at the lowest step, else at the lowest Python-level collective count (``rules.behind`` over the
     hook's ``Count`` facts, ``live_facts.count_facts``); with
     every rank waiting, a majority "behind" means the few ahead entered a collective the others never
-    issue, and a few behind that wait on peers skipped the one the others are in."""
+    issue, and a few behind that wait on peers skipped the one the others are in. ``fr_waiting``: ranks the
+    flight recorder shows inside a collective (a wait on peers whatever their stacks say)."""
     steps = count_facts(live, STEP)
     by_step = set(behind_of(steps, STEP))
     if by_step:
@@ -52,11 +53,13 @@ def rule_behind(live: Sequence[Progress]) -> Finding | None:
                        {**data, "shape": "extra_collective", "seq": top_seq})
     if (
         len(behind) < len(live) / 2
-        and all(p.blocked is True and not p.in_collective for p in behind)
-        and all(p.in_collective for p in live if p.rank not in by_seq)
+        and all((p.blocked is True or p.rank in fr_waiting) and not p.in_collective for p in behind)
+        and all(p.in_collective or p.blocked is True or p.rank in fr_waiting for p in live if p.rank not in by_seq)
     ):
         # the few behind are not computing: their stacks wait on peers in a collective Python counters
-        # do not see (DDP's buffer broadcast in the next forward) — they skipped the one the others are in
+        # do not see (DDP's buffer broadcast in the next forward, its gradient all_reduce) — they skipped the
+        # one the others are in (or, with the others' stacks blocked too, one some of them wait in: an expert
+        # all_to_all skipped while DDP's all_reduce waits, group-a2a-skip)
         return Finding(COUNTERS, COLLECTIVE_MISMATCH, sorted(by_seq), Rung.COUNTERS, "medium",
                        {**data, "shape": "skipped_collective", "seq": top_seq, "at": behind[0].seq})
     return Finding(COUNTERS, HANG, sorted(by_seq), Rung.COUNTERS, _confidence(behind, live), {

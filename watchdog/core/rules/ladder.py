@@ -149,7 +149,8 @@ def _live_gpu(c: LiveCase) -> Finding | None:
 
 def _live_counters(c: LiveCase) -> Finding | None:
     live = c.live_progress()
-    return (counters_behind(live) or rule_collective(live)) if live else None
+    fr_waiting = {w.rank for w in c.fr.waits} if c.fr is not None else set()
+    return (counters_behind(live, fr_waiting) or rule_collective(live)) if live else None
 
 
 def _live_waiting(c: LiveCase) -> Finding | None:
