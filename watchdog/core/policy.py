@@ -269,6 +269,31 @@ class CorrelationPolicy:
     # a value under a key the leader or a node publishes was rejected (hostile or torn): the store cannot
     # wake anyone when it is replaced, so that key alone is re-read this often (valid values wake at once)
     rejected_value_retry_s: float = 0.1
+    # -- live: every node's recent steps and signals for the leader's live straggler diagnosis (``cluster.live_share``)
+    # a node publishes its recent history this often, from a thread and a store connection of its own (never the
+    # poll loop's): the leader's live look runs every ``LiveStragglerPolicy.every_s`` (2 s) and reports a straggler
+    # named twice, so a straggler on another node is reported ~2 shares (8-10 s) after it shows in the window;
+    # at the bounds below a node writes ≤ ~0.5 MB per share, ~0.1 MB/s
+    live_share_every_s: float = 4.0
+    # steps per rank shared live: the span the live diagnosis reads (2 × ``LiveStragglerPolicy.window_steps``,
+    # so ranks a few steps apart still share a whole window)
+    live_steps_shared: int = 200
+    # host-signal samples shared live per rank and per node (``straggler_cause.thin_samples``, every TCP dump kept
+    # first): 64 over a 200-step window hold every TCP dump of a 40 s window (one per 2 s, ``NET_EVERY_S``) and
+    # 32 evenly spread polls; a sample is ~300 bytes of JSON, so 1,024 a node stay near 0.3 MB
+    live_samples_per_rank: int = 64
+    live_samples_per_node: int = 1024
+    # ranks of other nodes the leader merges into its live diagnosis, nodes taken in order: the merged diagnosis
+    # (run on the share thread, never the poll loop) costs ~1-2 ms per rank on a loaded core
+    # (``benchmarks/bench_live_share.py``), so 256 ranks stay under ~0.5 s of one thread every share; the
+    # end-of-run summary still compares every rank of the job
+    live_ranks_merged: int = 256
+    # bytes of other nodes' live values the leader reads in one look: 256 ranks' worth at the bounds above
+    # (32 nodes of 8 ranks at ~0.5 MB), read on the share thread's own connection
+    live_read_budget_bytes: int = 16 << 20
+    # a node whose live value the leader has not seen change for this long is left out of the live diagnosis
+    # (its watchdog stopped, or its job ended there): three shares missed
+    live_stale_s: float = 12.0
 
 
 @dataclass(frozen=True)

@@ -489,10 +489,16 @@ def net_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank:
 
 
 def _net_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
-               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
-    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do."""
-    mine = net_figures(samples, rank, windows[rank], policy)
-    theirs = [f for f in (net_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+               rank: int, peers: Sequence[int], policy: CausePolicy,
+               known: Mapping[int, _NetFigures | None] | None = None) -> dict[str, Any] | None:
+    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do (``known``:
+    every rank's figures, read once by a caller that asks of every rank)."""
+
+    def of(r: int) -> _NetFigures | None:
+        return known[r] if known is not None else net_figures(samples, r, windows[r], policy)
+
+    mine = of(rank)
+    theirs = [f for f in (of(q) for q in peers) if f is not None]
     if mine is None or not theirs:
         return None
     med = statistics.median
@@ -611,9 +617,12 @@ def path_cause(
     link's node apart is its connections, not its phases. None when no rank's connections stand out."""
     policy = policy or CausePolicy()
     best: tuple[float, dict[str, Any]] | None = None
+    # each rank's figures once: asked of every rank against all its peers, they were read R² times (seconds for
+    # the leader's diagnosis over a few hundred ranks of several nodes)
+    known = {r: net_figures(samples, r, w, policy) for r, w in windows.items()}
     for rank in sorted(windows):
         peers = [r for r in windows if r != rank]
-        got = _net_cause(samples, windows, rank, peers, policy) if peers else None
+        got = _net_cause(samples, windows, rank, peers, policy, known) if peers else None
         if got is None:
             continue
         f = got["figures"]
