@@ -62,6 +62,9 @@ class Offer:
     samples: Samples  # this node's host-signal samples, oldest first
     node: str  # this node's name
     world_size: int = 0  # ranks of the job (0: not known): a rank another node shares beyond it is not taken
+    # on the leader, its ranks' whole rings (``steps`` otherwise): another node's steps arrive a share or two late,
+    # hundreds of steps back for a fast job, and are compared with the leader's own steps of the same numbers
+    history: Mapping[int, Sequence[StepTiming]] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,13 @@ def merge_live(
     theirs = {r: rows for r, rows in remote.signals.items() if r not in local_steps and r in steps}
     if not theirs:
         return steps, list(local_samples)
+    # the steps the other nodes' ranks cover: the leader's own are thinned over those (the compared ones)
+    lo = min(s[0].step for r, s in steps.items() if r in theirs)
+    hi = max(s[-1].step for r, s in steps.items() if r in theirs)
     by_node: dict[int, dict[int, dict[int, RankCounters]]] = {}  # node (-1: this one) -> t -> rank -> counters
     for r, s in local_steps.items():
-        for t, c in window_samples(local_samples, r, list(s)[-keep:], cap):
+        compared = [t for t in s if lo <= t.step <= hi][-keep:]
+        for t, c in window_samples(local_samples, r, compared, cap):
             by_node.setdefault(-1, {}).setdefault(t, {})[r] = c
     for r, rows in theirs.items():
         k = remote.node_ranks.get(r, -2)

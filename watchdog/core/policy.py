@@ -163,7 +163,7 @@ class ServePolicy:
     # drops it and detects afresh: the stall is in the records at the first poll, unless the stall timeout
     # is still being learnt from the step history
     resume_polls: int = 10
-    # multi-node jobs one daemon correlates at once (each: two store connections, two threads), and per job
+    # multi-node jobs one daemon correlates at once (each: three store connections, three threads), and per job
     # owner: a node runs a handful of jobs; a user's hundreds of job dirs claiming "node 0 of 2" must not
     # take the daemon's fds and threads, nor other users' correlation
     correlated_jobs: int = 64
@@ -283,14 +283,15 @@ class CorrelationPolicy:
     # 32 evenly spread polls; a sample is ~300 bytes of JSON, so 1,024 a node stay near 0.3 MB
     live_samples_per_rank: int = 64
     live_samples_per_node: int = 1024
-    # ranks of other nodes the leader merges into its live diagnosis, nodes taken in order: the merged diagnosis
-    # (run on the share thread, never the poll loop) costs ~1-2 ms per rank on a loaded core
-    # (``benchmarks/bench_live_share.py``), so 256 ranks stay under ~0.5 s of one thread every share; the
-    # end-of-run summary still compares every rank of the job
-    live_ranks_merged: int = 256
-    # bytes of other nodes' live values the leader reads in one look: 256 ranks' worth at the bounds above
-    # (32 nodes of 8 ranks at ~0.5 MB), read on the share thread's own connection
-    live_read_budget_bytes: int = 16 << 20
+    # ranks of other nodes the leader merges into its live diagnosis, nodes taken in order: every share the leader
+    # parses each node's value (~0.27 MB for 8 ranks: 80-120 ms at load ~20 on 2 cores) and diagnoses the merged
+    # ranks (64 ranks: ~0.3 s there), all on the share thread (``benchmarks/bench_live_share.py``); 64 ranks keep
+    # that near a quarter of a loaded core every 4 s (a few % on a quiet one). The nodes after them are compared
+    # in the end-of-run summary only
+    live_ranks_merged: int = 64
+    # bytes of other nodes' live values the leader reads in one look, on the share thread's own connection: the
+    # 64 ranks above at their bounds (~0.3 MB per 8 ranks) with room
+    live_read_budget_bytes: int = 4 << 20
     # a node whose live value the leader has not seen change for this long is left out of the live diagnosis
     # (its watchdog stopped, or its job ended there): three shares missed
     live_stale_s: float = 12.0

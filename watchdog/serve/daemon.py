@@ -504,7 +504,7 @@ class Daemon:
         correlator = self.correlators.get(job_id)
         factory = self.correlator_factory
         if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
-            # every correlated job holds two store connections and two threads: bounded in all and per owner,
+            # every correlated job holds three store connections and three threads: bounded in all and per owner,
             # however many job dirs claiming several nodes a user makes (the owners' lanes count together)
             policy = self.config.serve
             with self._shared_lock:
@@ -698,7 +698,11 @@ class Daemon:
         per_rank = {r: list(itertools.islice(h, max(0, len(h) - keep), None)) for r, h in history.items()}
         samples = list(entry.watch.signals)
         if correlator is not None:
-            self._share(job_id, entry, correlator).offer(Offer(per_rank, samples, entry.watch.node, self._world(entry)))
+            # the leader also hands its whole rings over (a reference per step, ~0.1 ms for 8 ranks): the other
+            # nodes' steps reach it a share or two late and are compared with its own steps of the same numbers
+            rings = {r: list(h) for r, h in history.items()} if correlator.leader else None
+            self._share(job_id, entry, correlator).offer(
+                Offer(per_rank, samples, entry.watch.node, self._world(entry), rings))
         if merged is not None:
             return  # the merged diagnosis is the job's while other nodes share their ranks
         self._apply_live(job_id, entry, self._diagnose(entry, per_rank, samples, {}), {})
@@ -754,8 +758,8 @@ class Daemon:
         if not remote.steps:
             entry.merged = None
             return
-        per_rank, samples = merge_live(offer.steps, offer.samples, remote, share.live_steps_shared,
-                                       share.live_samples_per_rank)
+        per_rank, samples = merge_live(offer.history or offer.steps, offer.samples, remote,
+                                       share.live_steps_shared, share.live_samples_per_rank)
         diag = self._diagnose(entry, per_rank, samples, remote.steps)
         entry.merged = MergedLive(next(self._merge_seq), diag, dict(remote.nodes), time.monotonic(),
                                   share.live_stale_s + share.live_share_every_s)

@@ -36,7 +36,7 @@ OUT_STATE_FILE = "state.json"  # in <daemon out>/<job>/
 MAX_STATE_BYTES = 256 * 1024
 MAX_VERDICT_BYTES = 64 << 20  # a verdict of 8,192 ranks is a few MiB
 # other nodes' ranks a state file lists as compared by the live diagnosis: ``CorrelationPolicy.live_ranks_merged``
-# (256) with room; ~30 bytes each, so the list stays far below MAX_STATE_BYTES
+# (64) with room; ~30 bytes each, so the list stays far below MAX_STATE_BYTES
 MAX_REMOTE_LISTED = 1024
 
 
