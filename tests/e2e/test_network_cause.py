@@ -333,7 +333,8 @@ def test_the_leader_names_another_nodes_capped_link_while_the_job_runs(procs, tm
     sh("ip", "netns", "exec", f"{tag}n1", "tc", "qdisc", "add", "dev", f"{tag}v1", "root", "tbf", "rate", "20mbit",
        "burst", "32kbit", "latency", "400ms")
     metrics = free_port()
-    agents = start_two_agents(procs, tmp_path, tag, net, steps=1500, run="livenet",
+    # steps enough for minutes under load: the job is stopped as soon as the leader named the path
+    agents = start_two_agents(procs, tmp_path, tag, net, steps=3000, run="livenet",
                               extra=("--metrics-port", str(metrics), "--metrics-addr", "127.0.0.1"))
     state = tmp_path / "shm0" / "livenet" / "watchdog.json"
 
@@ -347,7 +348,7 @@ def test_the_leader_names_another_nodes_capped_link_while_the_job_runs(procs, tm
         return diag if diag.get("cause") == "network_path" and diag.get("cause_rank") == 1 else None
 
     try:
-        diag = wait_for(named, timeout=300, interval=0.5)
+        diag = wait_for(named, timeout=600, interval=0.5)
         assert diag, "the leader's live diagnosis never named rank 1's path"
         assert diag["remote_ranks"] == {"1": diag["remote_ranks"]["1"]} and "network_path — rank 1:" in diag[
             "cause_text"], diag
