@@ -146,6 +146,7 @@ CASES: dict[str, tuple[list[str], Callable[[Any], None]]] = {
     "bench_diagnose.py": (["--sizes-mb", "20", "--rounds", "1"], _diagnose),  # diagnose, grep and start-up once
     "bench_verdict.py": ([], _verdict),
     "bench_fr_share.py": ([], _nonempty),  # quick: 2 nodes (a leader and a remote), 1 repeat
+    "bench_live_share.py": ([], _nonempty),  # quick: 2 nodes, 1 repeat
     "bench_traceml.py": ([], _traceml),
     "bench_series.py": ([], _nonempty),
     "bench_signals.py": ([], _nonempty),  # quick: 2 ranks of 24 threads, 20 polls

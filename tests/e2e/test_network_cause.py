@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, free_port, rankwatch_cmd
+from conftest import DEMO, free_port, rankwatch_cmd, wait_for
 from rankwatch.watchdog.core.host_signals import MISSING, NetCounters, RankCounters, net_counters, parse_inet_diag
 from rankwatch.watchdog.core.policy import ReaderPolicy
 from rankwatch.watchdog.core.straggler import StragglerDiagnosis
@@ -266,10 +268,11 @@ def test_the_same_job_uncapped_names_no_path(procs, tmp_path, two_nodes):
 
 
 # -- two nodes, each with its own watchdog: the leader compares ranks across nodes ---------------------------
-def run_two_agents(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS) -> dict:
+def start_two_agents(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS, run: str = "netjob2",
+                     extra: tuple[str, ...] = ()) -> list:
     """The demo, 1 rank per node, each node under a `rankwatch run` of its own (its own shm dir: each watchdog
     sees only its own node's rank and reads its TCP sockets in its own namespace), one store on node 0. Node 1's
-    rank's figures reach the leader only through the shared history. Returns the leader's summary.json."""
+    rank's figures reach the leader only through the store. Returns [(agent, its log file)] of nodes 0 and 1."""
     port, store = free_port(), free_port()
     demo = [DEMO, "--scenario", "balanced", "--steps", str(steps), "--hidden", "128", "--layers", "4",
             "--compute-extra-matmuls", "5", "--input-sleep-ms", "0", "--step-sleep-ms", "60"]
@@ -278,17 +281,26 @@ def run_two_agents(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS
     for node in (0, 1):
         cmd = ["ip", "netns", "exec", f"{tag}n{node}", *rankwatch_cmd(
             "run", "--out", str(tmp_path / f"out{node}"), "--shm-dir", str(tmp_path / f"shm{node}"), "--run-name",
-            "netjob2", "--quiet", "--poll-interval", "0.25", "--store", f"{net}.1:{store}", "--",
+            run, "--quiet", "--poll-interval", "0.25", "--store", f"{net}.1:{store}", *extra, "--",
             "--nproc-per-node", "1", "--nnodes", "2", f"--node-rank={node}", f"--master-addr={net}.1",
             f"--master-port={port}", "--monitor-interval", "0.2", *demo)]
-        log = open(tmp_path / f"node{node}.log", "w")  # closed below, once the agent exits
+        log = open(tmp_path / f"node{node}.log", "w")  # closed by wait_agents, once the agent exits
         agents.append((procs.start(cmd, env=dict(os.environ, GLOO_SOCKET_IFNAME=f"{tag}v{node}"), stdout=log,
                                    stderr=log), log))
+    return agents
+
+
+def wait_agents(tmp_path: Path, agents: list) -> list[int]:
     try:
-        rcs = [p.wait(timeout=400) for p, _ in agents]
+        return [p.wait(timeout=400) for p, _ in agents]
     finally:
         for _, log in agents:
             log.close()
+
+
+def run_two_agents(procs, tmp_path: Path, tag: str, net: str, steps: int = STEPS) -> dict:
+    """``start_two_agents`` to the end of the job: the leader's summary.json."""
+    rcs = wait_agents(tmp_path, start_two_agents(procs, tmp_path, tag, net, steps))
     assert rcs == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-3000:] for k in (0, 1)]
     return json.loads((tmp_path / "out0" / "summary.json").read_text())
 
@@ -310,3 +322,54 @@ def test_a_capped_link_on_another_node_is_named_by_the_leader(procs, tmp_path, t
     assert cause and cause["cause"] == "network_path" and cause["rank"] == 1, (s["diagnosis"], cause, s["signals"])
     tcp = cause["signals"]["tcp"]
     assert tcp["peers_delivery_mbps"] >= 10 * tcp["delivery_mbps"], tcp
+
+
+@pytest.mark.slow
+def test_the_leader_names_another_nodes_capped_link_while_the_job_runs(procs, tmp_path, two_nodes):
+    """Live: node 1's watchdog shares its rank's recent steps and TCP figures every few seconds
+    (``cluster.live_share``), so node 0's `rankwatch status`, its state file and its metrics name rank 1 — a rank
+    node 0's watchdog never sees — and its network_path cause while both nodes still train."""
+    tag, net = two_nodes
+    sh("ip", "netns", "exec", f"{tag}n1", "tc", "qdisc", "add", "dev", f"{tag}v1", "root", "tbf", "rate", "20mbit",
+       "burst", "32kbit", "latency", "400ms")
+    metrics = free_port()
+    # steps enough for minutes under load: the job is stopped as soon as the leader named the path
+    agents = start_two_agents(procs, tmp_path, tag, net, steps=3000, run="livenet",
+                              extra=("--metrics-port", str(metrics), "--metrics-addr", "127.0.0.1"))
+    state = tmp_path / "shm0" / "livenet" / "watchdog.json"
+
+    def named() -> dict | None:
+        assert all(p.poll() is None for p, _ in agents), [(tmp_path / f"node{k}.log").read_text()[-3000:]
+                                                          for k in (0, 1)]
+        try:
+            diag = json.loads(state.read_text()).get("diagnosis") or {}
+        except (OSError, ValueError):
+            return None
+        return diag if diag.get("cause") == "network_path" and diag.get("cause_rank") == 1 else None
+
+    try:
+        diag = wait_for(named, timeout=600, interval=0.5)
+        assert diag, "the leader's live diagnosis never named rank 1's path"
+        assert diag["remote_ranks"] == {"1": diag["remote_ranks"]["1"]} and "network_path — rank 1:" in diag[
+            "cause_text"], diag
+        out = subprocess.run(rankwatch_cmd("status", "--json", "--shm-dir", str(tmp_path / "shm0"), "--job",
+                                           "livenet"), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        (job,) = json.loads(out.stdout)["jobs"]
+        assert (job["diagnosis_from"], job["cause"], job["cause_rank"]) == ("watchdog", "network_path", 1), job
+        assert [r["rank"] for r in job["ranks"]] == [0] and "1" in job["remote_ranks"], job  # rank 1 is not here
+        text = subprocess.run(rankwatch_cmd("status", "--shm-dir", str(tmp_path / "shm0"), "--job", "livenet"),
+                              capture_output=True, text=True, timeout=120).stdout
+        assert "cause: network_path — rank 1: the data it sends to another node was delivered at" in text, text
+        # node 0's metrics listen in its own network namespace
+        scrape = subprocess.run(["ip", "netns", "exec", f"{tag}n0", sys.executable, "-c",
+                                 "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
+                                 f"'http://127.0.0.1:{metrics}/metrics', timeout=30).read().decode())"],
+                                capture_output=True, text=True, timeout=120).stdout
+        assert re.search(r'rankwatch_straggler_cause\{[^}]*cause="network_path"[^}]*rank="1"', scrape), scrape
+        assert all(p.poll() is None for p, _ in agents)  # all of it while the job still ran
+    finally:
+        for p, _ in agents:  # enough seen: the job is stopped as a user stops it
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        wait_agents(tmp_path, agents)

@@ -176,6 +176,7 @@ def _watch_job(
     # ranks can die in the last moments (torchrun tears the rest down within ~0.1 s): look once more
     daemon.stop()
     watcher.join(timeout=30)
+    log.info("watchdog_polls", job=job_id, **daemon.poll_stats())  # what watching cost the loop, per poll
     _last_look(daemon, job_id, args.poll_interval)
     entry = daemon.jobs.get(job_id)
     seen = seen or bool(entry is not None and (entry.last_views or entry.watch.history))

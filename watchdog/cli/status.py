@@ -113,7 +113,8 @@ def job_status(
     if diag is None:  # no watchdog (or a silent one, or none diagnosed yet): the records, as they are now
         own = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
         diag = {"label": own.label, "straggler_ranks": own.straggler_ranks,
-                "phase": clean(own.phase, NAME) if own.phase else None, "why": clean(own.why, PROSE)}
+                "phase": clean(own.phase, NAME) if own.phase else None, "why": clean(own.why, PROSE),
+                "cause": None, "cause_rank": None, "cause_text": "", "remote_ranks": {}}
         source = "records"
     stragglers = [s for s in (LiveStraggler.from_doc(d) for d in (state or {}).get("stragglers") or []) if s]
     return {
@@ -140,6 +141,10 @@ def job_status(
         "straggler_ranks": diag["straggler_ranks"],
         "phase": diag["phase"],
         "why": diag["why"],
+        "cause": diag["cause"],
+        "cause_rank": diag["cause_rank"],
+        "cause_text": diag["cause_text"],
+        "remote_ranks": diag["remote_ranks"],
         "diagnosis_from": source,
     }
 
@@ -298,8 +303,16 @@ def _job_tail(job: dict[str, Any]) -> list[Any]:
     line = Text("diagnosis: " if not inc else "steps so far: ")
     line.append(job["diagnosis"], style="bold")
     line.append(who + (f" in {job['phase']}" if job["phase"] else ""))
+    remote = job["remote_ranks"]
+    if remote:  # the leader's diagnosis compares the ranks other nodes share with it
+        nodes = sorted(set(remote.values()))
+        line.append(f" (with {fmt_ranks([int(r) for r in remote])} of {', '.join(nodes[:4])}"
+                    f"{' …' if len(nodes) > 4 else ''})", style="dim")
     parts.append(line)
     parts.append(Text(f"why: {job['why']}"))
+    if job["cause_text"]:
+        where = remote.get(str(job["cause_rank"]))
+        parts.append(Text(job["cause_text"] + (f" [rank {job['cause_rank']} runs on {where}]" if where else "")))
     for i in job["incidents"][-3:]:
         if not inc or i["incident_id"] != inc["incident_id"]:
             who = fmt_ranks(i["initiating_ranks"]) if i["initiating_ranks"] else "no single rank"

@@ -407,24 +407,9 @@ class Correlator:
         store = self.store
         if store is None:
             return
-        keep = self.policy.history_steps_shared
-        shared = list(history.items())[:MAX_RANKS_PER_NODE]
-        doc: dict[str, Any] = {
-            "schema": HISTORY_SCHEMA,
-            "node_rank": self.node_rank,
-            "ranks": {
-                str(rank): [
-                    [t.step, t.start_ns, t.end_ns, t.phases_ms, [t.input_ms, t.input_batches, t.input_workers]]
-                    for t in steps[-keep:]
-                ]
-                for rank, steps in shared
-            },
-        }
-        if signals:
-            per_rank = max(2, min(self.policy.history_samples_per_rank,
-                                  self.policy.history_samples_per_node // max(1, len(shared))))
-            doc["signals"] = {str(rank): signal_rows(signals, rank, steps[-keep:], per_rank)
-                              for rank, steps in shared if steps}
+        policy = self.policy
+        doc = history_doc(self.node_rank, history, signals, policy.history_steps_shared,
+                          policy.history_samples_per_rank, policy.history_samples_per_node)
         try:
             store.set_json(f"history/{self.node_rank}", doc)
         except StoreError as exc:
@@ -825,6 +810,33 @@ class Correlator:
         return out, unread
 
 
+def history_doc(node_rank: int, history: Mapping[int, Sequence[StepTiming]],
+                signals: Sequence[tuple[int, Mapping[int, RankCounters]]], keep: int, samples_per_rank: int,
+                samples_per_node: int, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A node's ``rankwatch.history/1`` document: each rank's last ``keep`` steps and its host-signal samples over
+    them, thinned to ``samples_per_rank`` (fewer when the node's ranks would pass ``samples_per_node``) — what the
+    end-of-run summary (``history/<k>``) and the leader's live diagnosis (``live/<k>``, ``cluster.live_share``)
+    read back through ``parse_history_full``."""
+    shared = list(history.items())[:MAX_RANKS_PER_NODE]
+    doc: dict[str, Any] = {
+        **(extra or {}),
+        "schema": HISTORY_SCHEMA,
+        "node_rank": node_rank,
+        "ranks": {
+            str(rank): [
+                [t.step, t.start_ns, t.end_ns, t.phases_ms, [t.input_ms, t.input_batches, t.input_workers]]
+                for t in list(steps)[-keep:]
+            ]
+            for rank, steps in shared
+        },
+    }
+    if signals:
+        per_rank = max(2, min(samples_per_rank, samples_per_node // max(1, len(shared))))
+        doc["signals"] = {str(rank): signal_rows(signals, rank, list(steps)[-keep:], per_rank)
+                          for rank, steps in shared if steps}
+    return doc
+
+
 def parse_history(raw: bytes) -> dict[int, list[StepTiming]]:
     return parse_history_full(raw)[0]
 
@@ -833,7 +845,13 @@ def parse_history_full(
     raw: bytes,
 ) -> tuple[dict[int, list[StepTiming]], dict[int, list[tuple[int, RankCounters]]]]:
     """A node's shared history: its ranks' steps and their host-signal samples (for ranks it has steps of)."""
-    doc = parse_json(raw, HISTORY_SCHEMA)
+    return history_from_doc(parse_json(raw, HISTORY_SCHEMA))
+
+
+def history_from_doc(
+    doc: dict[str, Any],
+) -> tuple[dict[int, list[StepTiming]], dict[int, list[tuple[int, RankCounters]]]]:
+    """``parse_history_full`` of a document already parsed (and its schema checked) by ``parse_json``."""
     steps = _history_steps(doc)
     return steps, _history_signals(doc.get("signals"), steps)
 

@@ -397,6 +397,7 @@ class JobStore:
         self.read_budget_bytes = self.policy.max_read_bytes
         self._server: Any = None  # torch's TCPStore server, only where this process hosts (never a daemon)
         self._waiter: StoreClient | None = None  # the second connection ``wait_for`` blocks on (prepare_waits)
+        self._sides: list[SideConnection] = []  # background threads' own connections (``side``)
         try:
             if host_server:
                 import torch.distributed  # noqa: F401  (imported before the deadline: seconds on a loaded node)
@@ -417,6 +418,8 @@ class JobStore:
 
         def release() -> None:
             self._store.close()
+            for side in self._sides:
+                side.close()
             if self._waiter is not None:
                 self._waiter.close()
             self._server = None  # torch's server stops with its last reference
@@ -572,6 +575,20 @@ class JobStore:
             except Exception as exc:
                 raise StoreError(f"store wait for {keys[0]}… failed: {wait_exc}; {exc}") from exc
 
+    def side(self) -> SideConnection:
+        """A connection of its own for one background thread's bulk values (``cluster.live_share``): its writes and
+        reads never queue behind or ahead of the poll loop's calls on the store's thread, and each has the
+        client's deadline. The caller's thread blocks on it (never the poll loop's); closed with the store."""
+        host, _, port = self.address.rpartition(":")
+        client = StoreClient(host, int(port), self.policy)
+        try:
+            client.connect()
+        except StoreClientError as exc:
+            raise StoreError(f"cannot open a connection to {self.address}: {exc}") from exc
+        side = SideConnection(self, client)
+        self._sides.append(side)
+        return side
+
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """The values of keys that all exist (``wait_for`` returned True), in one round trip."""
         try:
@@ -579,3 +596,40 @@ class JobStore:
             return cast("list[bytes]", self._io.call(lambda: self._store.multi_get(full), "store multi_get"))
         except Exception as exc:
             raise StoreError(f"store multi_get of {len(keys)} keys failed: {exc}") from exc
+
+
+class SideConnection:
+    """``JobStore.side``: one background thread's own connection to the job's keys, values sealed and read as the
+    store's are (``JobStore.unseal`` is the caller's: a read returns the raw value). Blocks its caller for at most
+    the client's deadline per call."""
+
+    def __init__(self, store: JobStore, client: StoreClient) -> None:
+        self._store, self._client = store, client
+
+    def set_json(self, key: str, doc: dict[str, Any]) -> int:
+        """Writes ``doc`` under ``key``; the bytes written."""
+        text = self._store._encode(key, doc)
+        if len(text) > MAX_VALUE_BYTES:
+            raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
+        try:
+            self._client.set(self._store._k(key), text.encode())
+        except StoreClientError as exc:
+            raise StoreError(f"store set {key} failed: {exc}") from exc
+        return len(text)
+
+    def get_raw(self, key: str) -> bytes | None:
+        """The value under ``key`` (None: no such key); a value over MAX_VALUE_BYTES is ``Refused`` unread."""
+        full = self._store._k(key)
+        try:
+            if not self._client.check([full]):
+                return None
+            return self._client.get(full)
+        except KeyVanished:
+            return None
+        except ValueTooLarge as exc:
+            return Refused(str(exc))
+        except StoreClientError as exc:
+            raise StoreError(f"store get {key} failed: {exc}") from exc
+
+    def close(self) -> None:
+        self._client.close()

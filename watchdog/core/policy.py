@@ -163,7 +163,7 @@ class ServePolicy:
     # drops it and detects afresh: the stall is in the records at the first poll, unless the stall timeout
     # is still being learnt from the step history
     resume_polls: int = 10
-    # multi-node jobs one daemon correlates at once (each: two store connections, two threads), and per job
+    # multi-node jobs one daemon correlates at once (each: three store connections, three threads), and per job
     # owner: a node runs a handful of jobs; a user's hundreds of job dirs claiming "node 0 of 2" must not
     # take the daemon's fds and threads, nor other users' correlation
     correlated_jobs: int = 64
@@ -269,6 +269,32 @@ class CorrelationPolicy:
     # a value under a key the leader or a node publishes was rejected (hostile or torn): the store cannot
     # wake anyone when it is replaced, so that key alone is re-read this often (valid values wake at once)
     rejected_value_retry_s: float = 0.1
+    # -- live: every node's recent steps and signals for the leader's live straggler diagnosis (``cluster.live_share``)
+    # a node publishes its recent history this often, from a thread and a store connection of its own (never the
+    # poll loop's): the leader's live look runs every ``LiveStragglerPolicy.every_s`` (2 s) and reports a straggler
+    # named twice, so a straggler on another node is reported ~2 shares (8-10 s) after it shows in the window;
+    # at the bounds below a node writes ≤ ~0.5 MB per share, ~0.1 MB/s
+    live_share_every_s: float = 4.0
+    # steps per rank shared live: the span the live diagnosis reads (2 × ``LiveStragglerPolicy.window_steps``,
+    # so ranks a few steps apart still share a whole window)
+    live_steps_shared: int = 200
+    # host-signal samples shared live per rank and per node (``straggler_cause.thin_samples``, every TCP dump kept
+    # first): 64 over a 200-step window hold every TCP dump of a 40 s window (one per 2 s, ``NET_EVERY_S``) and
+    # 32 evenly spread polls; a sample is ~300 bytes of JSON, so 1,024 a node stay near 0.3 MB
+    live_samples_per_rank: int = 64
+    live_samples_per_node: int = 1024
+    # ranks of other nodes the leader merges into its live diagnosis, nodes taken in order: every share the leader
+    # parses each node's value (~0.27 MB for 8 ranks: 80-120 ms at load ~20 on 2 cores) and diagnoses the merged
+    # ranks (64 ranks: ~0.3 s there), all on the share thread (``benchmarks/bench_live_share.py``); 64 ranks keep
+    # that near a quarter of a loaded core every 4 s (a few % on a quiet one). The nodes after them are compared
+    # in the end-of-run summary only
+    live_ranks_merged: int = 64
+    # bytes of other nodes' live values the leader reads in one look, on the share thread's own connection: the
+    # 64 ranks above at their bounds (~0.3 MB per 8 ranks) with room
+    live_read_budget_bytes: int = 4 << 20
+    # a node whose live value the leader has not seen change for this long is left out of the live diagnosis
+    # (its watchdog stopped, or its job ended there): three shares missed
+    live_stale_s: float = 12.0
 
 
 @dataclass(frozen=True)

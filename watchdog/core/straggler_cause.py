@@ -489,10 +489,16 @@ def net_figures(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], rank:
 
 
 def _net_cause(samples: Sequence[tuple[int, Mapping[int, RankCounters]]], windows: Mapping[int, Window],
-               rank: int, peers: Sequence[int], policy: CausePolicy) -> dict[str, Any] | None:
-    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do."""
-    mine = net_figures(samples, rank, windows[rank], policy)
-    theirs = [f for f in (net_figures(samples, q, windows[q], policy) for q in peers) if f is not None]
+               rank: int, peers: Sequence[int], policy: CausePolicy,
+               known: Mapping[int, _NetFigures | None] | None = None) -> dict[str, Any] | None:
+    """``network_path`` with its figures, or None when the rank's connections fare as its peers' do (``known``:
+    every rank's figures, read once by a caller that asks of every rank)."""
+
+    def of(r: int) -> _NetFigures | None:
+        return known[r] if known is not None else net_figures(samples, r, windows[r], policy)
+
+    mine = of(rank)
+    theirs = [f for f in (of(q) for q in peers) if f is not None]
     if mine is None or not theirs:
         return None
     med = statistics.median
@@ -570,6 +576,17 @@ def cause_line(cause: Mapping[str, Any] | None) -> str:
 
 
 
+def by_rank(samples: Sequence[tuple[int, Mapping[int, RankCounters]]]
+            ) -> dict[int, list[tuple[int, Mapping[int, RankCounters]]]]:
+    """Each rank's own samples, in order: a figure read of every rank then reads each rank's samples only (the
+    leader's diagnosis over several nodes holds one entry per node and poll: read whole for every rank, R²)."""
+    out: dict[int, list[tuple[int, Mapping[int, RankCounters]]]] = {}
+    for t, by in samples:
+        for r, c in by.items():
+            out.setdefault(r, []).append((t, {r: c}))
+    return out
+
+
 def rank_signals(
     samples: Sequence[tuple[int, Mapping[int, RankCounters]]],
     windows: Mapping[int, Window],
@@ -580,19 +597,21 @@ def rank_signals(
     delivery rate (Mbit/s), round trip (ms) and retransmits per step, and its GPU's mean SM clock (MHz)."""
     policy = policy or CausePolicy()
     out: dict[str, dict[str, float]] = {}
+    own = by_rank(samples)
     for r, win in sorted(windows.items()):
         row = {}
+        mine = own.get(r, [])
         for sig in SIGNALS:
-            got = per_step(samples, r, sig, win, policy)
+            got = per_step(mine, r, sig, win, policy)
             if got is not None:
                 row[sig.name] = round(got[0], 3)
-        net = net_figures(samples, r, win, policy)
+        net = net_figures(mine, r, win, policy)
         if net is not None:  # the link signal, straggler or not: a capped link slows every rank's collectives
             for k, v in (("tcp_delivery_mbps", _mbps(net.delivery_bps)), ("tcp_rtt_ms", net.rtt_ms),
                          ("tcp_retrans_per_step", net.retrans_per_step)):
                 if v is not None:
                     row[k] = round(v, 3)
-        gpu = gpu_figures(samples, r, win, policy)
+        gpu = gpu_figures(mine, r, win, policy)
         if gpu is not None and gpu.clock_mhz is not None:
             row["gpu_sm_clock_mhz"] = round(gpu.clock_mhz, 1)
         if row:
@@ -611,9 +630,13 @@ def path_cause(
     link's node apart is its connections, not its phases. None when no rank's connections stand out."""
     policy = policy or CausePolicy()
     best: tuple[float, dict[str, Any]] | None = None
+    # each rank's figures once: asked of every rank against all its peers, they were read R² times (seconds for
+    # the leader's diagnosis over a few hundred ranks of several nodes)
+    own = by_rank(samples)
+    known = {r: net_figures(own.get(r, []), r, w, policy) for r, w in windows.items()}
     for rank in sorted(windows):
         peers = [r for r in windows if r != rank]
-        got = _net_cause(samples, windows, rank, peers, policy) if peers else None
+        got = _net_cause(samples, windows, rank, peers, policy, known) if peers else None
         if got is None:
             continue
         f = got["figures"]

@@ -14,7 +14,8 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import structlog
 from rankwatch.hooks.files import atomic_write_in
 
 from ..cluster.correlate import Correlator, SharedIncident
+from ..cluster.live_share import LiveShare, Offer, RemoteRanks, merge_live
 from ..core.detect import (
     Trigger,
     allowance_s,
@@ -32,8 +34,18 @@ from ..core.detect import (
     stalled_ranks,
 )
 from ..core.engine import prior_verdict
-from ..core.policy import CapturePolicy, FairnessPolicy, KillPolicy, ObservePolicy, ServePolicy, StallPolicy
+from ..core.host_signals import RankCounters
+from ..core.policy import (
+    CapturePolicy,
+    CorrelationPolicy,
+    FairnessPolicy,
+    KillPolicy,
+    ObservePolicy,
+    ServePolicy,
+    StallPolicy,
+)
 from ..core.snapshot import RankView
+from ..core.steps import StepTiming
 from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
 from ..core.straggler_cause import explain
 from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
@@ -85,6 +97,19 @@ class OpenIncident:
     opened_unix: float = 0.0
 
 
+@dataclass(frozen=True)
+class MergedLive:
+    """The leader's live diagnosis over its own ranks and the other nodes' (``Daemon._merge_live``)."""
+
+    version: int
+    diag: StragglerDiagnosis
+    remote: dict[int, str]  # the other nodes' ranks it compared: rank -> node name
+    at: float  # monotonic time it was made
+    # older than this it no longer stands (the share thread stopped merging: a wedged store), and the poll loop
+    # diagnoses this node's ranks again: a share's staleness bound and one share
+    stale_s: float
+
+
 @dataclass
 class JobEntry:
     watch: JobWatch
@@ -102,6 +127,13 @@ class JobEntry:
     straggler: StragglerDiagnosis | None = None
     # live stragglers by (rank, phase): replaced wholesale each diagnosis (read by metrics and status)
     live_stragglers: dict[tuple[int, str], LiveStraggler] = field(default_factory=dict)
+    # the other nodes' ranks the diagnosis in ``straggler`` compared (rank -> node name): set with it, empty
+    # when it covers this node's ranks only
+    straggler_remote: dict[int, str] = field(default_factory=dict)
+    # the leader's diagnosis over every node's shared ranks (``cluster.live_share``), made on the share thread and
+    # replaced wholesale there; the poll loop takes each one once as the job's diagnosis
+    merged: MergedLive | None = None
+    merged_seen: int = 0  # the version of the merged diagnosis taken last
     live_at: float = 0.0  # monotonic time of the last live diagnosis
     live_key: tuple[tuple[int, int], ...] = ()  # (rank, last step) it saw: no new step, no new diagnosis
     # the incident a previous daemon left open for this job (its state file under --out), until this daemon
@@ -159,6 +191,8 @@ class Daemon:
         self._lock = threading.Lock()  # entry.incident / incidents / verdicts: loop vs pipeline workers
         self.polls = 0
         self.last_poll_ns: int | None = None  # monotonic end of the last completed poll (/healthz)
+        # how long the latest polls took, in seconds (``poll_stats``: what the loop costs, e.g. per node of a job)
+        self.poll_s: deque[float] = deque(maxlen=4096)
         # outside evidence: NVML opened once (a no-op without a driver); NCCL RAS asked only at incidents
         self.gpu = gpu or GpuWatch()
         self.ras = ras or RasWatch()
@@ -167,6 +201,9 @@ class Daemon:
         self.correlators: dict[str, Correlator] = dict(correlators or {})
         self.correlator_factory = correlator_factory
         self._factory_tried: set[str] = set()
+        # job id -> its live exchange with the other nodes (``cluster.live_share``), beside its correlator
+        self.shares: dict[str, LiveShare] = {}
+        self._merge_seq = itertools.count(1)
         # discovery: every name of the shared dir is looked at (one lstat) once, and again only when it changed
         self._seen: dict[str, tuple[int, int]] = {}  # name -> (inode, ctime ns) when examined
         self._rejected: set[str] = set()  # examined and refused (not a dir, no reader took it): re-checked in turn
@@ -384,7 +421,10 @@ class Daemon:
             entry.watch.close()
         with self._shared_lock:
             corr = self.correlators.pop(job_id, None)
+            share = self.shares.pop(job_id, None)
             self._factory_tried.discard(job_id)
+        if share is not None:
+            share.close()
         if corr is not None:
             corr.close()
 
@@ -392,11 +432,13 @@ class Daemon:
     def poll_once(self) -> None:
         """One poll: route new names, then every owner's round in that owner's lane, in parallel, waited
         for at most ``FairnessPolicy.round_wait_s`` (``/healthz`` counts these: the loop, not one owner)."""
+        started = time.perf_counter()
         self.polls += 1
         self._route()
         self.pipeline.retry_unwritten()
         self._run_lanes(self._owner_round, self.config.fairness.round_wait_s)
         self.last_poll_ns = time.monotonic_ns()
+        self.poll_s.append(time.perf_counter() - started)
 
     def _owner_round(self, lane: OwnerLane) -> None:
         """Everything of one owner's jobs this poll: the first look at new dirs, then each job polled,
@@ -453,6 +495,7 @@ class Daemon:
             entry.incident = None
             entry.gone_since = None
             entry.straggler, entry.live_stragglers, entry.live_key = None, {}, ()
+            entry.merged, entry.straggler_remote = None, {}
             entry.resume, entry.gen_start = None, None
             watch.longest_step_s = 0.0
             log.info("job_restarted", job=job_id, ranks=len(watch.ranks))
@@ -461,7 +504,7 @@ class Daemon:
         correlator = self.correlators.get(job_id)
         factory = self.correlator_factory
         if correlator is None and factory is not None and watch.job_info and job_id not in self._factory_tried:
-            # every correlated job holds two store connections and two threads: bounded in all and per owner,
+            # every correlated job holds three store connections and three threads: bounded in all and per owner,
             # however many job dirs claiming several nodes a user makes (the owners' lanes count together)
             policy = self.config.serve
             with self._shared_lock:
@@ -507,8 +550,8 @@ class Daemon:
             entry.gone_since = entry.gone_since or time.monotonic()
         else:
             entry.gone_since = None
-        self._live_stragglers(job_id, entry)
         correlator = self._correlator(job_id, watch)
+        self._live_stragglers(job_id, entry, correlator)
         if correlator is not None:
             correlator.fresh_after_unix = watch.generation_start_unix()
             correlator.publish_snapshot(watch.node, views)
@@ -621,21 +664,31 @@ class Daemon:
             ],
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
             owner_lag_s=self._owner_lag(watch.owner_uid),
-            diagnosis=diagnosis_doc(entry.straggler),
+            diagnosis=diagnosis_doc(entry.straggler, entry.straggler_remote),
         )
         try:
             self.state.publish(job_id, watch.dir_path, doc, force=force)
         except Exception:  # a state file is a convenience: it never costs a poll
             log.exception("state_publish_failed", job=job_id)
 
-    def _live_stragglers(self, job_id: str, entry: JobEntry) -> None:
+    def _live_stragglers(self, job_id: str, entry: JobEntry, correlator: Correlator | None = None) -> None:
         """Diagnose the job's recent steps every ``live.every_s`` — the job's one diagnosis, kept as
-        ``entry.straggler`` for metrics and status —; log stragglers that start or end."""
+        ``entry.straggler`` for metrics and status —; log stragglers that start or end. On a multi-node job the
+        lists built for it are offered to the job's live share (``cluster.live_share``: published off this thread);
+        on the leader, while other nodes share theirs, the job's diagnosis is the one merged over every node's
+        ranks on the share thread (``_merge_live``), taken here once per new merge, and this node's own is not
+        made (it would not name another node's ranks)."""
         policy = self.config.live
         now = time.monotonic()
         if now - entry.live_at < policy.every_s:
             return
         entry.live_at = now
+        merged = entry.merged
+        if merged is not None and now - merged.at > merged.stale_s:
+            merged = None  # the share thread stopped merging (a wedged store): this node's own diagnosis again
+        if merged is not None and merged.version != entry.merged_seen:
+            entry.merged_seen = merged.version
+            self._apply_live(job_id, entry, merged.diag, merged.remote)
         history = {r: h for r, h in entry.watch.history.items() if h}
         key = tuple(sorted((r, h[-1].step) for r, h in history.items()))
         if not history or key == entry.live_key:
@@ -643,23 +696,73 @@ class Daemon:
         entry.live_key = key
         keep = 2 * policy.window_steps  # ranks a few steps apart still share a full window
         per_rank = {r: list(itertools.islice(h, max(0, len(h) - keep), None)) for r, h in history.items()}
-        diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=policy.window_steps))
-        explain(diag, list(entry.watch.signals), entry.watch.host)
-        entry.straggler = diag  # whole before it is shared
-        if len(history) < 2 or diag.steps < policy.min_steps:
+        samples = list(entry.watch.signals)
+        if correlator is not None:
+            # the leader also hands its whole rings over (a reference per step, ~0.1 ms for 8 ranks): the other
+            # nodes' steps reach it a share or two late and are compared with its own steps of the same numbers
+            rings = {r: list(h) for r, h in history.items()} if correlator.leader else None
+            self._share(job_id, entry, correlator).offer(
+                Offer(per_rank, samples, entry.watch.node, self._world(entry), rings))
+        if merged is not None:
+            return  # the merged diagnosis is the job's while other nodes share their ranks
+        self._apply_live(job_id, entry, self._diagnose(entry, per_rank, samples, {}), {})
+
+    def _diagnose(self, entry: JobEntry, per_rank: Mapping[int, Sequence[StepTiming]],
+                  samples: Sequence[tuple[int, Mapping[int, RankCounters]]], remote: Mapping[int, object]
+                  ) -> StragglerDiagnosis:
+        """The job's live diagnosis of these steps, with its cause from these samples; the host's own pressure is
+        quoted only for a straggler of this node (``remote``: the ranks other nodes shared)."""
+        diag = diagnose_stragglers(per_rank, StragglerPolicy(window_steps=self.config.live.window_steps))
+        mine = not diag.straggler_ranks or diag.straggler_ranks[0] not in remote
+        return explain(diag, samples, entry.watch.host if mine else None)
+
+    def _apply_live(self, job_id: str, entry: JobEntry, diag: StragglerDiagnosis, remote: dict[int, str]) -> None:
+        """``diag`` as the job's diagnosis (over ``remote``'s ranks of other nodes beside this node's): the live
+        stragglers it confirms or ends, logged and alerted."""
+        entry.straggler, entry.straggler_remote = diag, remote  # whole before they are shared
+        if len(diag.windows) < 2 or diag.steps < self.config.live.min_steps:
             return  # one rank has no peers; too few steps to call a rank a straggler live
-        state, events = update_live(entry.live_stragglers, diag, policy, time.time())
+        state, events = update_live(entry.live_stragglers, diag, self.config.live, time.time())
         entry.live_stragglers = state
         for kind, s in events:
+            where = {"node": remote[s.rank]} if s.rank in remote else {}
             fields: dict[str, Any] = dict(job=job_id, rank=s.rank, label=s.label, phase=s.phase,
                                           since_step=s.since_step, why=s.why, cause=s.cause,
-                                          cause_text=s.cause_text)
+                                          cause_text=s.cause_text, **where)
             if kind == "started":
                 log.warning("straggler_detected", **fields)
             else:
                 log.info("straggler_ended", **fields)
             if self.alerts is not None:  # sent only with --notify-stragglers
-                self.alerts.straggler(job_id, entry.watch.node, s.doc(), kind == "started")
+                self.alerts.straggler(job_id, remote.get(s.rank, entry.watch.node), s.doc(), kind == "started")
+
+    @staticmethod
+    def _world(entry: JobEntry) -> int:
+        return max((st.last.world_size for st in list(entry.watch.ranks.values())), default=0)
+
+    def _share(self, job_id: str, entry: JobEntry, correlator: Correlator) -> LiveShare:
+        share = self.shares.get(job_id)
+        if share is None or share.corr is not correlator:
+            if share is not None:
+                share.close()
+            policy = correlator.policy
+            share = LiveShare(correlator, lambda offer, remote: self._merge_live(entry, policy, offer, remote))
+            with self._shared_lock:
+                self.shares[job_id] = share
+        return share
+
+    def _merge_live(self, entry: JobEntry, share: CorrelationPolicy, offer: Offer, remote: RemoteRanks) -> None:
+        """On the leader's share thread, never the poll loop's: the live diagnosis over this node's offered ranks
+        and the other nodes' (each rank on its own node's clock, ``merge_live``), for the poll loop to take; none
+        while no other node shares a rank."""
+        if not remote.steps:
+            entry.merged = None
+            return
+        per_rank, samples = merge_live(offer.history or offer.steps, offer.samples, remote,
+                                       share.live_steps_shared, share.live_samples_per_rank)
+        diag = self._diagnose(entry, per_rank, samples, remote.steps)
+        entry.merged = MergedLive(next(self._merge_seq), diag, dict(remote.nodes), time.monotonic(),
+                                  share.live_stale_s + share.live_share_every_s)
 
     def _maybe_remove_files(self, job_id: str, entry: JobEntry) -> None:
         keep = self.config.serve.retain_finished_s
@@ -835,6 +938,18 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
+    def poll_stats(self) -> dict[str, float | int]:
+        """The latest polls' durations (ms): median, p90, p99 and max — the loop's own cost."""
+        times = sorted(list(self.poll_s))
+        if not times:
+            return {"polls": 0}
+
+        def at(q: float) -> float:
+            return round(1e3 * times[min(len(times) - 1, int(q * (len(times) - 1)))], 2)
+
+        return {"polls": len(times), "median_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99),
+                "max_ms": round(1e3 * times[-1], 2)}
+
     def _resolved(self, job_id: str, why: str, incident_id: str | None = None) -> None:
         """The alerts' resolved notice for this incident (None: every incident of the job that fired)."""
         if self.alerts is None:
@@ -853,6 +968,8 @@ class Daemon:
             self._resolved(job, "job killed by --on-stall kill" if self.killed(job) else "job ended")
         if self.alerts is not None:
             self.alerts.close(self.config.serve.drain_timeout_s)  # what the incidents queued is sent
+        for share in list(self.shares.values()):
+            share.close()
         for correlator in self.correlators.values():
             correlator.close()
         for entry in self.jobs.values():

@@ -142,6 +142,10 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
     ("straggler", "gauge", "rankwatch_straggler", (*_R, "phase", "label", "cause"),
      "1 for each rank the current straggler diagnosis names; cause: why (cpu_contention, cpu_throttled, "
      "memory_pressure, io_pressure, own_work; empty when not measured)"),
+    ("cause", "gauge", "rankwatch_straggler_cause", (*_R, "cause", "node"),
+     "1 for the rank the current diagnosis's cause names (a straggler's, or on a communication-bound job the rank "
+     "whose network path is slow); node: the other node it runs on when the leader's diagnosis compared the "
+     "ranks other nodes share (empty: this node's rank)"),
     ("live", "gauge", "rankwatch_live_straggler", (*_R, "phase", "label"),
      "1 for each rank the live diagnosis has named on consecutive looks at the recent steps"),
     ("live_since", "gauge", "rankwatch_live_straggler_since_timestamp_seconds", (*_R, "phase", "label"),
@@ -328,12 +332,15 @@ class DaemonCollector:
             for p in sorted({p for t in window for p in t.phases_ms}):
                 per_step = [t.phases_ms.get(p, 0.0) for t in window]
                 m["phase_med"].add_metric([*labels, p], _median(per_step) / 1e3)
-        diag = entry.straggler  # the poll loop's, read once: it replaces it wholesale
+        diag, remote = entry.straggler, entry.straggler_remote  # the poll loop's: it replaces both wholesale
         if diag is not None:
             m["diagnosis"].add_metric([job_id, diag.label, diag.phase or ""], 1.0)
             for r in diag.straggler_ranks:
                 cause = str((diag.cause or {}).get("cause") or "")
                 m["straggler"].add_metric([job_id, str(r), diag.phase or "", diag.label, cause], 1.0)
+            named, cause_rank = (diag.cause or {}).get("cause"), (diag.cause or {}).get("rank")
+            if isinstance(named, str) and isinstance(cause_rank, int):
+                m["cause"].add_metric([job_id, str(cause_rank), named, remote.get(cause_rank, "")], 1.0)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from rankwatch.hooks.files import atomic_write_in, read_in
 
 from ..core.schema import STATE_SCHEMA
 from ..core.straggler import StragglerDiagnosis
+from ..core.straggler_cause import CAUSES, cause_line
 from ..core.text import NAME, PROSE, clean
 
 log = structlog.get_logger("rankwatch.state")
@@ -34,6 +35,9 @@ STATE_FILE = "watchdog.json"  # in the job's shm dir
 OUT_STATE_FILE = "state.json"  # in <daemon out>/<job>/
 MAX_STATE_BYTES = 256 * 1024
 MAX_VERDICT_BYTES = 64 << 20  # a verdict of 8,192 ranks is a few MiB
+# other nodes' ranks a state file lists as compared by the live diagnosis: ``CorrelationPolicy.live_ranks_merged``
+# (64) with room; ~30 bytes each, so the list stays far below MAX_STATE_BYTES
+MAX_REMOTE_LISTED = 1024
 
 
 def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool = True) -> dict[str, Any]:
@@ -53,13 +57,22 @@ def incident_ref(doc: Mapping[str, Any], *, bundle: object = None, decided: bool
     }
 
 
-def diagnosis_doc(diag: StragglerDiagnosis | None) -> dict[str, Any] | None:
-    """The gist of the watchdog's straggler diagnosis as status shows it (None before the first one)."""
+def diagnosis_doc(diag: StragglerDiagnosis | None, remote: Mapping[int, str] | None = None) -> dict[str, Any] | None:
+    """The gist of the watchdog's straggler diagnosis as status shows it (None before the first one): its label
+    and ranks, its cause (the rank it names — a straggler's, or on a communication-bound job the rank whose path
+    is slow — and the cause's line), and ``remote_ranks``: the other nodes' ranks it compared (rank -> node name;
+    the leader's live diagnosis merges every node's shared ranks, ``cluster.live_share``)."""
     if diag is None:
         return None
-    cause = (diag.cause or {}).get("cause")
+    cause = diag.cause or {}
     return diagnosis_ref({"label": diag.label, "straggler_ranks": diag.straggler_ranks, "phase": diag.phase,
-                          "why": diag.why, "steps": diag.steps, "cause": cause})
+                          "why": diag.why, "steps": diag.steps, "cause": cause.get("cause"),
+                          "cause_rank": cause.get("rank"), "cause_text": cause_line(cause),
+                          "remote_ranks": {str(r): n for r, n in sorted((remote or {}).items())}})
+
+
+def _rank(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
 
 
 def diagnosis_ref(doc: object) -> dict[str, Any] | None:
@@ -68,6 +81,9 @@ def diagnosis_ref(doc: object) -> dict[str, Any] | None:
     if not isinstance(doc, Mapping) or not isinstance(doc.get("label"), str) or not doc["label"]:
         return None
     ranks, phase, steps, cause = doc.get("straggler_ranks"), doc.get("phase"), doc.get("steps"), doc.get("cause")
+    cause_ok = isinstance(cause, str) and cause in CAUSES
+    remote = doc.get("remote_ranks")
+    text = doc.get("cause_text")
     return {
         "label": clean(doc["label"], NAME),
         "straggler_ranks": [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
@@ -75,7 +91,13 @@ def diagnosis_ref(doc: object) -> dict[str, Any] | None:
         "phase": clean(phase, NAME) if isinstance(phase, str) and phase else None,
         "why": clean(doc.get("why") or "", PROSE),
         "steps": steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
-        "cause": clean(cause, NAME) if isinstance(cause, str) and cause else None,
+        "cause": clean(cause, NAME) if cause_ok else None,
+        "cause_rank": doc["cause_rank"] if cause_ok and _rank(doc.get("cause_rank")) else None,
+        "cause_text": clean(text, PROSE) if cause_ok and isinstance(text, str) else "",
+        # bounded as a node's ranks are (``cluster.store.MAX_RANKS_PER_NODE`` × a few nodes): a state file is 256 KiB
+        "remote_ranks": {k: clean(v, NAME) for k, v in list(remote.items())[:MAX_REMOTE_LISTED]
+                         if isinstance(k, str) and k.isdigit() and isinstance(v, str)}
+        if isinstance(remote, Mapping) else {},
     }
 
 

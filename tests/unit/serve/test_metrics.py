@@ -226,9 +226,13 @@ def test_every_declared_metric_is_exposed(daemon_setup):
         entry.live_stragglers, _ = update_live(entry.live_stragglers, diag, policy, time.time())
     entry.incident = OpenIncident("inc-1", Trigger("stall", (2,), "x", 30.0, 31.0), None,
                                   {"initiating_ranks": [2], "kind": "hang", "phase": None})
+    # a measured cause (the fake writers' steps are not in the sampled wall time), on a rank another node shared
+    diag = dataclasses.replace(entry.straggler, cause={"cause": "network_path", "rank": 5})
+    entry.straggler, entry.straggler_remote = diag, {5: "node-b"}
     m = scrape(server)
     missing = [n for n in METRIC_NAMES if n not in m and n != "rankwatch_metrics_collect_errors_total"]
     assert not missing
+    assert value(m, "rankwatch_straggler_cause", job_id=JOB, rank="5", cause="network_path", node="node-b") == 1
     assert value(m, "rankwatch_metrics_collect_errors_total") == 0
     for name in METRIC_NAMES:
         assert name.startswith("rankwatch_")
