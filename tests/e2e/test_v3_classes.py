@@ -58,9 +58,9 @@ OUTSIDE_V4 = ("worker-died", "preempted")
 # classes outside the suite (issue 44 item 5, jobs/outside.py): two of the eleven, cheap ones on one node (a silent
 # os._exit(0) mid-training; a thread deadlocked on its own lock inside the collector's __del__); the others are
 # measured by the suite (benchmarks/README.md, "Classes outside the suite")
-OUTSIDE_SUITE = ("exit-zero", "del-deadlock")
+OUTSIDE_SUITE = ("exit-zero", "del-deadlock", "gather-shape")
 # classes whose layout is the table's own: GPipe's 4 stages (a middle stage spins, a stage waits behind another)
-FULL_LAYOUT = frozenset({"pp"})
+FULL_LAYOUT = frozenset({"pp", "gather-shape"})
 # the others on 3 ranks: the faulting rank and two that wait for it (a majority still waits, the rules that weigh
 # the waiting side against the odd one still have one to weigh), one torch start-up fewer than the table's 4
 SMALL_NPROC = 3
