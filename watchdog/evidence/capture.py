@@ -676,6 +676,8 @@ def exit_dumps(gone: Sequence[tuple[int, int]], job_dir: str, policy: CapturePol
         return {}
     # reading and parsing a dump of up to MAX_FR_BYTES on a loaded host (as a capture's parse)
     timeout_s = PARSE_MARGIN_S + policy.responder_timeout_s
+    # made here if not yet: a zygote forked from a pool thread would die with that thread (PR_SET_PDEATHSIG)
+    default_readers()
     out: dict[int, RankCapture] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(gone)), thread_name_prefix="rankwatch-exit-dump") as pool:
         futures = {pool.submit(_exit_dump_one, rank, pid, job_dir, timeout_s): (rank, pid) for rank, pid in gone}

@@ -162,6 +162,9 @@ def _fr_mismatch(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str,
     lines = [f"flight recorder: {fmt_ranks(rs)} entered collective #{d['seq']} as {desc}"
              for desc, rs in variants.items()]
     lines += [f"rank {v.rank}: python-level collective #{v.coll_seq} {v.coll_op or ''}" for v in c.live]
+    if d.get("untraced"):
+        lines.append(f"flight recorder: nothing of {fmt_ranks(d['untraced'])} at collective #{d['seq']} (no dump): "
+                     "the majority is the likeliest, not a certainty")
     if d.get("aborted_receivers"):
         ex = _aborted(c)
         lines.append(
