@@ -395,6 +395,8 @@ def _weighed(d: Mapping[str, Any], c: LiveContext) -> str:
         return f"{rung} agrees: {why}"
     if how == "instead":
         return f"{rung} (weaker evidence) names {names} instead: {why}"
+    if how == "consequence":
+        return f"{rung} (weaker evidence) names {names}: an end the stronger evidence above explains as its consequence"
     return f"{rung} (weaker evidence) names {names}, a majority: explained by the stronger evidence above"
 
 

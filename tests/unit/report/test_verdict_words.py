@@ -46,6 +46,8 @@ def test_a_mismatch_with_an_untraced_member_says_whose_entry_is_missing() -> Non
     assert "flight recorder: nothing of rank 2 at collective #23 (no dump): the majority is the likeliest, not a " \
         "certainty" in v["evidence"], v["evidence"]
     assert any(e.startswith("rank 2 died without an exit mark inside a collective: gloo aborts") for e in v["evidence"])
+    assert "wait for (weaker evidence) names rank 2: an end the stronger evidence above explains as its " \
+        "consequence" in v["evidence"], v["evidence"]
 
 
 def test_a_rank_behind_in_the_flight_recorder_says_which_collective() -> None:

@@ -87,15 +87,15 @@ RESET = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tc
 
 
 def _gather_shape_views() -> list[RankView]:
-    # the live run's ranks as the daemon saw them (its bundle's verdict): gloo aborted rank 2 (SIGABRT, no mark)
-    # on rank 1's wrong-sized message, ranks 1 and 3 raised on the reset connection, torchrun SIGTERMed rank 0
-    # (and the others) in the all_gather — all gone before the daemon's first capture
+    # the live run's ranks as the daemon saw them (its bundle's verdict, the exit ages of its evidence): gloo
+    # aborted rank 2 (SIGABRT, no mark) on rank 1's wrong-sized message, torchrun SIGTERMed rank 0 in the
+    # all_gather 0.11 s later, ranks 3 and 1 raised on the reset connection — all gone before the first capture
     common: dict[str, Any] = dict(step=6, coll_seq=12, coll_op="all_gather")
-    return [rv(0, state="dead", phase="collective", coll_done=11, exit_age_s=0.63, exit_order=1, **common),
-            rv(1, state="crashed", phase="idle", coll_done=12, exit_age_s=0.50, exit_order=2, exit_cause=RESET,
+    return [rv(0, state="dead", phase="collective", coll_done=11, exit_age_s=0.23, exit_order=1, **common),
+            rv(1, state="crashed", phase="idle", coll_done=12, exit_age_s=0.20, exit_order=3, exit_cause=RESET,
                **common),
-            rv(2, state="dead", phase="collective", coll_done=11, exit_age_s=0.64, exit_order=0, **common),
-            rv(3, state="crashed", phase="idle", coll_done=12, exit_age_s=0.47, exit_order=3, exit_cause=RESET,
+            rv(2, state="dead", phase="collective", coll_done=11, exit_age_s=0.34, exit_order=0, **common),
+            rv(3, state="crashed", phase="idle", coll_done=12, exit_age_s=0.20, exit_order=2, exit_cause=RESET,
                **common)]
 
 
@@ -114,8 +114,10 @@ def test_dumps_written_at_the_ranks_ends_name_the_rank_whose_all_gather_differs(
     assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [1], "flight_recorder")
     data = v["finding"]["data"]
     assert (data["shape"], data["seq"], data["majority"], data["aborted_receivers"]) == ("fr_mismatch", 23, [0, 3], [2])
-    # two against one with rank 2's size unknown: rank 1 is the likeliest, not the certain one
+    # two against one with rank 2's size unknown: rank 1 is the likeliest, not the certain one; the wait-for
+    # graph's sink, rank 2, is the aborted receiver's end the mismatch explains: no evidence against it
     assert data["untraced"] == [2] and v["confidence"] == "medium"
+    assert "questioned_by" not in data, data
 
 
 def test_without_the_dump_of_the_rank_torchrun_stopped_the_mismatch_names_nobody():
