@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterator
 from types import TracebackType
 
+from . import exit_dump
 from .files import atomic_write
 from .jobinfo import job_id as env_job_id
 from .jobinfo import rank_identity, sanitize_job_id
@@ -123,6 +124,7 @@ def init(shm_dir: str | None = None, job_id: str | None = None) -> bool:
     except Exception as exc:
         warnings.warn(f"rankwatch: dump responder unavailable ({exc})", RuntimeWarning, stacklevel=2)
     install_faulthandler(job_dir, ident["global_rank"])
+    exit_dump.arm(job_dir, ident["global_rank"])
     return True
 
 
@@ -132,6 +134,7 @@ def _chain_excepthook(tracker: Tracker) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
             tracker.mark_crashed(crash_text(exc))
+            exit_dump.dump_now()  # after the mark: a SIGTERM during the dump must not cost the rank its cause
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
@@ -154,8 +157,11 @@ def crash_text(exc: BaseException) -> str:
 
 
 def mark_crashed(info: str = "") -> None:
+    """The script is ending with an exception or a non-zero exit: the mark, then the flight recorder for the
+    daemon to read once the rank is gone (``exit_dump``: a peer's mismatch is often told only by it)."""
     if _tracker is not None:
         _tracker.mark_crashed(info)
+        exit_dump.dump_now()
 
 
 class _NullPhase(contextlib.AbstractContextManager[None]):

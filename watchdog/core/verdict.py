@@ -341,6 +341,9 @@ def _weigh(
             notes.append(("weighed", {**about, "how": "agrees"}))
             if r.backs:
                 confidence = raise_confidence(confidence)
+        elif set(other.ranks) <= set(finding.data.get("aborted_receivers", ())):
+            # the receivers gloo aborted: their ends, which the deciding finding explains, are all it read
+            notes.append(("weighed", {**about, "how": "consequence"}))
         elif len(other.ranks) < len(present) / 2:
             questioned_by.append(r.name)
             notes.append(("weighed", {**about, "how": "instead"}))

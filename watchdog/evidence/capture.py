@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from rankwatch.hooks.exit_dump import DUMPS_DIR, dump_name, exit_dir
 from rankwatch.hooks.responder import ctl_path, peer_cred, socket_address
 
 from ..core.fr_trace import FlightRecorderFormatError, RankTrace, parse_dump
 from ..core.policy import CapturePolicy
 from ..core.stacks import Frame
 from ..core.text import FIELD, NAME, PROSE, clean
+from ..observe.jobdir import close_quietly, open_dir, read_regular
 from ..observe.process import read_stat, session_members
 from ..privsep.frames import w_float, w_int, w_str
 from ..privsep.readers import ReaderError, default_readers, pyspy_available
@@ -610,6 +612,83 @@ def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, p
     if cap.pyspy_error:
         log.warning("pyspy_failed", rank=rank, pid=pid, error=cap.pyspy_error)
     return cap
+
+
+@handler("exit_dump")
+def _exit_dump_request(w: Worker, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    """The flight recorder a gone rank wrote as it ended (``hooks.exit_dump``), read as its owner through the job
+    dir's fd (every level opened without following a symlink, a regular file of at most ``MAX_FR_BYTES``) and
+    parsed, bounded and typed as a responder's dump is (``fr_wire_doc``)."""
+    if len(fds) != 1:
+        for fd in fds:
+            close_quietly(fd)
+        raise ValueError("exit_dump needs exactly one dir fd")
+    opened: list[int] = []
+    try:
+        rank, pid = w_int(req.get("rank"), 0, 1 << 31), w_int(req.get("pid"), 1, 1 << 22)
+        try:
+            opened.append(open_dir(DUMPS_DIR, fds[0]))
+            opened.append(open_dir(exit_dir(pid), opened[-1]))
+            data = read_regular(opened[-1], dump_name(rank), MAX_FR_BYTES)
+        except FileNotFoundError:
+            return {"fr": None, "note": None}
+        except (OSError, ValueError) as exc:
+            return {"fr": None, "note": f"dump at exit unreadable: {exc}"[:300]}
+        doc, note = fr_wire_doc(data, FR_WIRE_BYTES)
+        return {"fr": doc, "note": note}
+    finally:
+        for fd in (*opened, fds[0]):
+            close_quietly(fd)
+
+
+AT_EXIT = "flight recorder: dumped by the rank as it ended (the responder was never asked)"
+
+
+def _exit_dump_one(rank: int, pid: int, job_dir: str, timeout_s: float) -> tuple[RankTrace | None, str | None]:
+    """Root's part: hand the job dir (an fd) to a one-shot reader of its owner, check its answer again."""
+    try:
+        dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None, None
+    try:
+        st = os.fstat(dfd)
+        out = default_readers().ask(st.st_uid, st.st_gid, {"op": "exit_dump", "rank": rank, "pid": pid}, (dfd,),
+                                    timeout_s)
+    except ReaderError as exc:
+        return None, f"flight recorder at exit: {clean(str(exc), FIELD)}"[:300]
+    finally:
+        os.close(dfd)
+    note = clean(out["note"], PROSE)[:300] if isinstance(out.get("note"), str) else None
+    fr = out.get("fr")
+    if fr is None:
+        return None, note and f"flight recorder at exit: {note}"
+    try:
+        return parse_dump(fr, rank), AT_EXIT + (f"; {note}" if note else "")
+    except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
+        return None, f"flight recorder at exit: the reader's trace rejected: {clean(str(exc), FIELD)[:200]}"
+
+
+def exit_dumps(gone: Sequence[tuple[int, int]], job_dir: str, policy: CapturePolicy) -> dict[int, RankCapture]:
+    """(rank, pid) of local ranks that are gone with no flight recorder captured → a capture holding the trace
+    each wrote as it ended, where it did (a note where the file was there but unusable; nothing where there
+    is none: a rank killed by SIGKILL or gloo's abort writes none). All in parallel, never raising."""
+    if not gone:
+        return {}
+    # reading and parsing a dump of up to MAX_FR_BYTES on a loaded host (as a capture's parse)
+    timeout_s = PARSE_MARGIN_S + policy.responder_timeout_s
+    # made here if not yet: a zygote forked from a pool thread would die with that thread (PR_SET_PDEATHSIG)
+    default_readers()
+    out: dict[int, RankCapture] = {}
+    with ThreadPoolExecutor(max_workers=min(32, len(gone)), thread_name_prefix="rankwatch-exit-dump") as pool:
+        futures = {pool.submit(_exit_dump_one, rank, pid, job_dir, timeout_s): (rank, pid) for rank, pid in gone}
+        for fut, (rank, pid) in futures.items():
+            try:
+                trace, note = fut.result()
+            except Exception as exc:  # one unreadable dump never costs the others
+                trace, note = None, f"flight recorder at exit: {exc!r}"[:300]
+            if trace is not None or note:
+                out[rank] = RankCapture(rank=rank, pid=pid, fr_trace=trace, notes=[note] if note else [])
+    return out
 
 
 def capture_all(

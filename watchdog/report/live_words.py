@@ -162,6 +162,9 @@ def _fr_mismatch(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str,
     lines = [f"flight recorder: {fmt_ranks(rs)} entered collective #{d['seq']} as {desc}"
              for desc, rs in variants.items()]
     lines += [f"rank {v.rank}: python-level collective #{v.coll_seq} {v.coll_op or ''}" for v in c.live]
+    if d.get("untraced"):
+        lines.append(f"flight recorder: nothing of {fmt_ranks(d['untraced'])} at collective #{d['seq']} (no dump): "
+                     "the majority is the likeliest, not a certainty")
     if d.get("aborted_receivers"):
         ex = _aborted(c)
         lines.append(
@@ -392,6 +395,8 @@ def _weighed(d: Mapping[str, Any], c: LiveContext) -> str:
         return f"{rung} agrees: {why}"
     if how == "instead":
         return f"{rung} (weaker evidence) names {names} instead: {why}"
+    if how == "consequence":
+        return f"{rung} (weaker evidence) names {names}: an end the stronger evidence above explains as its consequence"
     return f"{rung} (weaker evidence) names {names}, a majority: explained by the stronger evidence above"
 
 

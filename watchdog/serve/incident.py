@@ -30,11 +30,11 @@ from ..core.facts import PriorVerdict
 from ..core.finalize import finalize_verdict, trigger_doc
 from ..core.fr_trace import RankTrace
 from ..core.policy import CapturePolicy, ServePolicy
-from ..core.snapshot import RUNNING, STOPPED, RankView
+from ..core.snapshot import GONE_STATES, RUNNING, STOPPED, RankView
 from ..core.stacks import signature, stack_top, waiting_on_peers
 from ..core.text import clean_doc
 from ..core.verdict import rank_entry
-from ..evidence.capture import RankCapture, capture_all
+from ..evidence.capture import RankCapture, capture_all, exit_dumps
 from ..evidence.flight_recorder import FrFindings, fr_evidence, with_remote
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras_watch import RasWatch
@@ -53,6 +53,12 @@ IncidentCallback = Callable[[dict[str, Any], "str | None"], None]
 class CaptureFn(Protocol):
     def __call__(
         self, targets: Sequence[tuple[int, int, bool]], job_dir: str, token: str, policy: CapturePolicy
+    ) -> dict[int, RankCapture]: ...
+
+
+class ExitDumpFn(Protocol):
+    def __call__(
+        self, gone: Sequence[tuple[int, int]], job_dir: str, policy: CapturePolicy
     ) -> dict[int, RankCapture]: ...
 
 
@@ -117,6 +123,10 @@ def enrich(views: Sequence[RankView], captures: Mapping[int, RankCapture], polic
     return out
 
 
+def _has_trace(cap: RankCapture | None) -> bool:
+    return cap is not None and (cap.fr_trace is not None or bool(cap.fr_json))
+
+
 def ranks_doc(job_id: str, verdict: Mapping[str, Any], views: Sequence[RankView]) -> dict[str, Any]:
     """The bundle's ``ranks.json``: every rank as this node saw it, its job-chosen strings cleaned as the
     verdict's are (``finalize_verdict``)."""
@@ -169,6 +179,7 @@ class IncidentPipeline:
         ras: RasWatch,
         killer: Killer | None,
         capture: CaptureFn = capture_all,
+        exit_dumps_fn: ExitDumpFn = exit_dumps,
         on_incident: IncidentCallback | None = None,
         alerts: Alerter | None = None,
     ) -> None:
@@ -178,6 +189,7 @@ class IncidentPipeline:
         self.ras = ras
         self.killer = killer
         self.capture_fn = capture
+        self.exit_dumps_fn = exit_dumps_fn
         self.on_incident = on_incident
         self.alerts = alerts
         # incidents whose --on-incident command waits for the bundle (written on a later try)
@@ -290,6 +302,7 @@ class IncidentPipeline:
             dataclasses.replace(fresh[v.rank], gpu_util=v.gpu_util, gpu_missing=v.gpu_missing) if v.rank in fresh else v
             for v in req.views
         ]
+        captures = self._with_exit_dumps(req, merged, captures)
         views = enrich(merged, captures, self.capture_policy)
         fr = fr_evidence(captures)
         outside: list[EvidenceItem] = [*req.notes, *self.gpu.device_notes()]
@@ -297,6 +310,23 @@ class IncidentPipeline:
             time.sleep(max(0.0, self.capture_policy.ras_recheck_s - (time.monotonic() - t0)))
             outside += self.ras.evidence(ras_first, self.ras.query())
         return IncidentEvidence(views, captures, fr, outside)
+
+    def _with_exit_dumps(
+        self, req: IncidentRequest, views: Sequence[RankView], captures: dict[int, RankCapture]
+    ) -> dict[int, RankCapture]:
+        """The captures with the flight recorder each gone rank wrote as it ended (``hooks.exit_dump``), where
+        none was captured: a mismatch often ends the whole job before the first capture, and what each rank
+        issued is then told only by these. A rank's capture keeps its stacks; the dump adds the trace."""
+        gone = [(v.rank, v.pid) for v in views if v.state in GONE_STATES and v.pid > 0
+                and not _has_trace(captures.get(v.rank))]
+        if not gone:
+            return captures
+        out = dict(captures)
+        for rank, dumped in self.exit_dumps_fn(gone, req.job_dir, self.capture_policy).items():
+            had = out.get(rank)
+            out[rank] = dumped if had is None else dataclasses.replace(
+                had, fr_trace=dumped.fr_trace, notes=[*had.notes, *dumped.notes])
+        return out
 
     def decide(self, req: IncidentRequest, ev: IncidentEvidence) -> tuple[VerdictDocument, bool]:
         """The verdict over this node's evidence, or over every node's through the leader; and whether this

@@ -169,7 +169,9 @@ def test_dead_rank_is_never_overridden_by_the_survivors_flight_recorder():
     views = [rv(0), rv(1, state="dead", exit_age_s=1.0), rv(2)]
     v = verdict(views, fr_facts=hints("mismatch_size"))
     assert (v["kind"], v["initiating_ranks"]) == ("dead_rank", [1])
-    assert v["flight_recorder"]["role"] == "none"
+    # the dead rank's own dump (captured before it died, or written as it ended) says it issued the odd size:
+    # the recorder backs its end, it does not turn it into the abort of a receiver
+    assert v["flight_recorder"]["role"] == "backed"
 
 
 def test_partial_flight_recorder_coverage_is_medium():

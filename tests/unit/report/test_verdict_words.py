@@ -34,6 +34,22 @@ def test_a_flight_recorder_size_mismatch_says_size_and_where_it_was_seen() -> No
     assert "flight recorder" in v["reason"], v["reason"]
 
 
+def test_a_mismatch_with_an_untraced_member_says_whose_entry_is_missing() -> None:
+    # tests/unit/verdict/test_outside_classes.py's gather-shape: dumps of ranks 0, 1, 3 written as they ended
+    from rankwatch.watchdog.evidence.flight_recorder import analyse_traces
+    from rankwatch.watchdog.evidence.fr_dump import load_dump
+    from test_outside_classes import FR, _gather_shape_views
+
+    fr = analyse_traces({r: load_dump(FR / "gather-shape" / f"rank-{r}.fr.json") for r in (0, 1, 3)}, []).facts
+    v = verdict(_gather_shape_views(), fr_facts=fr)
+    assert v["reason"].startswith("collective mismatch (size) at collective #23 of process group 0"), v["reason"]
+    assert "flight recorder: nothing of rank 2 at collective #23 (no dump): the majority is the likeliest, not a " \
+        "certainty" in v["evidence"], v["evidence"]
+    assert any(e.startswith("rank 2 died without an exit mark inside a collective: gloo aborts") for e in v["evidence"])
+    assert "wait for (weaker evidence) names rank 2: an end the stronger evidence above explains as its " \
+        "consequence" in v["evidence"], v["evidence"]
+
+
 def test_a_rank_behind_in_the_flight_recorder_says_which_collective() -> None:
     views = [rv(r, phase="backward", coll_seq=0, coll_done=0, coll_op=None) for r in range(3)]
     v = verdict(views, fr_facts=hints("skip"))

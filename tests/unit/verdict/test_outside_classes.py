@@ -83,6 +83,56 @@ def test_a_death_without_a_word_inside_a_collective_is_named_as_a_guess():
     assert (f.confidence, f.data["decided"], f.data["silent_in_collective"]) == ("high", True, False)
 
 
+RESET = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+         "[127.0.0.1]:3483: Connection reset by peer.")
+
+
+def _gather_shape_views() -> list[RankView]:
+    # the live run's ranks as the daemon saw them (its bundle's verdict, the exit ages of its evidence): gloo
+    # aborted rank 2 (SIGABRT, no mark) on rank 1's wrong-sized message, torchrun SIGTERMed rank 0 in the
+    # all_gather 0.11 s later, ranks 3 and 1 raised on the reset connection — all gone before the first capture
+    common: dict[str, Any] = dict(step=6, coll_seq=12, coll_op="all_gather")
+    return [rv(0, state="dead", phase="collective", coll_done=11, exit_age_s=0.23, exit_order=1, **common),
+            rv(1, state="crashed", phase="idle", coll_done=12, exit_age_s=0.20, exit_order=3, exit_cause=RESET,
+               **common),
+            rv(2, state="dead", phase="collective", coll_done=11, exit_age_s=0.34, exit_order=0, **common),
+            rv(3, state="crashed", phase="idle", coll_done=12, exit_age_s=0.20, exit_order=2, exit_cause=RESET,
+               **common)]
+
+
+def test_dumps_written_at_the_ranks_ends_name_the_rank_whose_all_gather_differs():
+    """gather-shape: rank 1's metrics tensor has 3 elements where the others' have 2 (all_gather #23 of the world
+    group). Nobody is alive to capture; the dumps the hook wrote as each rank ended (``hooks.exit_dump``: ranks 1
+    and 3 on their exception, rank 0 on torchrun's SIGTERM; rank 2 was aborted and wrote none) are the bundle's
+    ``fr/`` of a real run. Was: rank 2, dead_rank (low) — the receiver gloo aborted."""
+    from rankwatch.watchdog.evidence.flight_recorder import analyse_traces
+    from rankwatch.watchdog.verdict import decide
+
+    traces = {r: load_dump(FR / "gather-shape" / f"rank-{r}.fr.json") for r in (0, 1, 3)}
+    fr = analyse_traces(traces, []).facts
+    assert fr is not None
+    v = decide(_gather_shape_views(), job_id="j", incident_id="i", detected_after_s=0.6, fr_facts=fr).to_json()
+    assert (v["kind"], v["initiating_ranks"], v["decided_by"]) == ("collective_mismatch", [1], "flight_recorder")
+    data = v["finding"]["data"]
+    assert (data["shape"], data["seq"], data["majority"], data["aborted_receivers"]) == ("fr_mismatch", 23, [0, 3], [2])
+    # two against one with rank 2's size unknown: rank 1 is the likeliest, not the certain one; the wait-for
+    # graph's sink, rank 2, is the aborted receiver's end the mismatch explains: no evidence against it
+    assert data["untraced"] == [2] and v["confidence"] == "medium"
+    assert "questioned_by" not in data, data
+
+
+def test_without_the_dump_of_the_rank_torchrun_stopped_the_mismatch_names_nobody():
+    # ranks 1 and 3 alone differ one against one (a tie): the recorder names nobody, and the aborted receiver
+    # stays a low-confidence guess — why the hook also dumps on SIGTERM
+    from rankwatch.watchdog.evidence.flight_recorder import analyse_traces
+    from rankwatch.watchdog.verdict import decide
+
+    traces = {r: load_dump(FR / "gather-shape" / f"rank-{r}.fr.json") for r in (1, 3)}
+    fr = analyse_traces(traces, []).facts
+    v = decide(_gather_shape_views(), job_id="j", incident_id="i", detected_after_s=0.6, fr_facts=fr).to_json()
+    assert v["confidence"] == "low" and v["initiating_ranks"] != [1], v["reason"]
+
+
 @pytest.mark.parametrize("stacks_blocked", [True, None], ids=["stacks-wait", "stacks-say-nothing"])
 def test_a_wait_cycle_across_groups_is_left_to_the_counters(stacks_blocked):
     """group-a2a-skip: expert pairs {0, 2} {1, 3} (pg 1, pg 2) and DDP's world group (pg 0); rank 3 skips its

@@ -107,8 +107,8 @@ def abort_on_mismatch(found: Found, facts: FactSet) -> dict[str, Finding | None]
     if exits is None or fr is None or fr.kind != COLLECTIVE_MISMATCH or not fr.ranks:
         return dict(found)
     dead = _aborted(exits, facts, ("collective", "backward"))
-    if dead is None:
-        return dict(found)
+    if dead is None or {p.rank for p in dead} & set(fr.ranks):
+        return dict(found)  # the rank that died issued the odd collective itself (its dump says so): its end decides
     # gloo's abort: a consequence, not a cause
     return {**found, FLIGHT_RECORDER: fr.adding(aborted_receivers=sorted(p.rank for p in dead)),
             EXITS: None, EXITS_ABORTED: exits}

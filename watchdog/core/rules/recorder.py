@@ -4,7 +4,7 @@ group's lowest count; ranks in between wait). Pure; findings are data (``report.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,17 +70,38 @@ def mismatches(fr: FactSet) -> dict[tuple[str | None, int | None], tuple[str, di
     return out
 
 
-def _mismatch_finding(found: Finding, fr: FactSet, covered: bool) -> Finding:
-    """The shared rule's mismatch (``rules.mismatch``), with the recorder's variants the words quote."""
+def untraced(
+    fr: FactSet, group: str | None, variants: Mapping[str, Sequence[int]], world: Collection[int] = ()
+) -> list[int]:
+    """The members of ``group`` with no entry in ``variants``: what they issued at that seq is unknown (a rank gloo
+    aborted, one killed before it dumped). Members by the group's ``pg_config``; the world group's are every rank
+    of the job (``world``: gloo's dumps key the world group's config by no name), else the ranks it traced."""
+    seen = {r for rs in variants.values() for r in rs}
+    pg = next((g for g in fr.groups if g.name == group), None)
+    default = pg is not None and pg.default and bool(world)
+    members = set(fr.ranks) if pg is None else set(pg.declared or (world if default else pg.members))
+    return sorted(members - seen)
+
+
+def _mismatch_finding(found: Finding, fr: FactSet, covered: bool, world: Collection[int] = ()) -> Finding:
+    """The shared rule's mismatch (``rules.mismatch``), with the recorder's variants the words quote. Its
+    confidence drops a step where the live ranks are not all traced, and where the members nobody traced could
+    tie or outnumber the majority (2 against 1 with one member unknown): the odd rank is then the likeliest,
+    not the certain one."""
     d = found.data
     aspect, variants = mismatches(fr)[(d["group"], d["seq"])]
     data = {**d, "mismatch": aspect, "pg": d["group"], "seq": d["seq"], "variants": variants}
     if not found.ranks:
         # a tie: nobody is named (naming every rank, or a majority, would be wrong)
         return Finding(FR, COLLECTIVE_MISMATCH, [], Rung.FLIGHT_RECORDER, "low", {**data, "shape": "fr_mismatch_tie"})
-    confidence = found.confidence if covered else lower_confidence(found.confidence)
+    unknown = untraced(fr, d["group"], variants, world)
+    runner_up = max(len(rs) for op, rs in variants.items() if op != d["majority_op"])
+    outvoted = len(d["majority"]) <= runner_up + len(unknown)
+    confidence = found.confidence
+    if not covered or outvoted:
+        confidence = lower_confidence(confidence)
     return Finding(FR, COLLECTIVE_MISMATCH, list(found.ranks), Rung.FLIGHT_RECORDER, confidence,
-                   {**data, "shape": "fr_mismatch"})
+                   {**data, "shape": "fr_mismatch", "untraced": unknown})
 
 
 def behind_detail(behind: Sequence[Behind], ranks: Sequence[int]) -> list[dict[str, Any]]:
@@ -107,25 +128,31 @@ def wait_cycle(fr: FactSet, rows: Sequence[Behind], behind: Sequence[int]) -> bo
     return named <= waiting
 
 
-def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None = None) -> Finding | None:
+def rule_fr(fr: FactSet, live: Sequence[Progress], rows: Sequence[Behind] | None = None,
+            world: Collection[int] = ()) -> Finding | None:
     """What the flight recorder says on its own, over its facts and where the live ranks are: a mismatch at
     one (pg, seq), else the ranks behind (``rows``: ``fr_behind``'s, where the caller made them already).
+    ``world``: every rank of the job, the world group's members where its dumps do not list them.
 
     It sees every collective of every process group, DDP's gradient all-reduces included, which the
     Python-level counters do not; so it outranks them (the evidence ladder)."""
-    if not live:
-        return None
     live_ranks = {p.rank for p in live}
     covered = live_ranks <= set(fr.ranks)
-    # the one mismatch rule (``rules.mismatch``), over the recorder's entries where members disagree
-    mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(live_ranks)), in_op=mismatch_facts(fr, live_ranks)))
+    # the one mismatch rule (``rules.mismatch``), over the recorder's entries where members disagree. A rank gone
+    # since its dump (written as it ended, ``hooks.exit_dump``, or captured before it died) says what it issued
+    # as much as a live one: often the whole job has ended before anyone is captured (gloo aborts the receiver
+    # of a wrong-sized message, its peers lose the connection, torchrun stops the rest)
+    witnesses = live_ranks | set(fr.ranks)
+    mismatch = rule_mismatch(FactSet(ranks=tuple(sorted(witnesses)), in_op=mismatch_facts(fr, witnesses)))
     if mismatch is not None and mismatch.ranks:
-        return _mismatch_finding(mismatch, fr, covered)
+        return _mismatch_finding(mismatch, fr, covered, world)
+    if not live:
+        return None
     rows = fr_behind(fr) if rows is None else rows
     behind = sorted({b.rank for b in rows} & live_ranks)
     if not behind:
         # a mismatch tie names nobody; still the best account of the stall when nothing else explains it
-        return _mismatch_finding(mismatch, fr, covered) if mismatch is not None else None
+        return _mismatch_finding(mismatch, fr, covered, world) if mismatch is not None else None
     relaying = {b.rank for b in rows if b.waiting}
     arrived_never = [r for r in behind if r not in relaying]
     if arrived_never and len(arrived_never) < len(behind):
