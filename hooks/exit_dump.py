@@ -80,13 +80,22 @@ class _State:
 _state = _State()
 
 
+ENV = "RANKWATCH_EXIT_DUMP"
+"""``0``: no dump at the end at all; ``exception``: only on an exception (SIGTERM keeps its default action — for a
+job whose teardown must never wait on a training thread that holds the GIL in C); unset or anything else: both."""
+
+
 def arm(job_dir: str, rank: int, policy: ExitDumpPolicy = POLICY) -> None:
     """Dump at this process's end from now on: on an exception (``dump_now``, called by the crash mark) and on
-    SIGTERM where its action is the default. Never raises."""
+    SIGTERM where its action is the default (``ENV`` turns either off). Never raises."""
     try:
+        mode = os.environ.get(ENV, "").strip().lower()
+        if mode == "0":
+            return
         _state.job_dir, _state.rank, _state.pid = job_dir, rank, os.getpid()
         os.register_at_fork(after_in_child=_disarm_in_child)
-        _install_sigterm(policy)
+        if mode != "exception":
+            _install_sigterm(policy)
     except Exception:
         pass
 

@@ -30,6 +30,11 @@ if mode == "fork":
     _, status = os.waitpid(child, 0)
     print("child ended", os.waitstatus_to_exitcode(status), flush=True)
     sys.exit(0)
+if mode == "gil":
+    print("ready", flush=True)
+    # the training thread inside one C call that never releases the GIL (a catastrophic regex): no Python runs
+    import re
+    re.match(r"(a+)+$", "a" * 64 + "b")
 if mode == "own-handler":
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
     print("ready", flush=True)
@@ -43,10 +48,10 @@ libc.pthread_mutex_lock(mutex)
 """
 
 
-def start(procs, tmp_path: Path, mode: str) -> subprocess.Popen:
+def start(procs, tmp_path: Path, mode: str, **extra_env: str) -> subprocess.Popen:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, RANKWATCH_SHM_DIR=str(tmp_path / "shm"), RANKWATCH_JOB_ID="j")
+    env = dict(os.environ, RANKWATCH_SHM_DIR=str(tmp_path / "shm"), RANKWATCH_JOB_ID="j", **extra_env)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCH_FR_BUFFER_SIZE"):
         env.pop(key, None)
     return procs.start([sys.executable, "-m", "rankwatch.hooks", str(script), mode], env=env, text=True)
@@ -108,3 +113,22 @@ def test_no_flight_recorder_no_file_and_the_exit_is_unchanged(procs, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == -signal.SIGTERM
     assert not (tmp_path / "shm" / "j" / "dumps").exists()
+
+
+def test_exception_only_mode_keeps_sigterms_default_action(procs, tmp_path):
+    """``RANKWATCH_EXIT_DUMP=exception``: a rank whose training thread holds the GIL in C still dies at once on
+    SIGTERM (with the handler it would wait for the launcher's SIGKILL), and a raising script still dumps."""
+    proc = start(procs, tmp_path, "gil", RANKWATCH_EXIT_DUMP="exception")
+    assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert not dump_of(tmp_path, proc.pid).exists()
+    raised = start(procs, tmp_path, "raise", RANKWATCH_EXIT_DUMP="exception")
+    raised.communicate(timeout=120)
+    assert recorded_sizes(dump_of(tmp_path, raised.pid)) == [("all_reduce", ((3,),))]
+
+
+def test_exit_dump_off_writes_nothing(procs, tmp_path):
+    proc = start(procs, tmp_path, "raise", RANKWATCH_EXIT_DUMP="0")
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1 and not (tmp_path / "shm" / "j" / "dumps").exists()
