@@ -82,6 +82,7 @@ def run_job(procs, tmp_path: Path, job: str, on_pids) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.timeout(460)  # the job's own wait (400 s): two hogs on rank 1's CPU at a load of 20 take ~5 min
 def test_a_rank_sharing_its_cpu_with_two_busy_processes_is_cpu_contention(procs, tmp_path):
     c0, c1 = cpus()
 

@@ -115,6 +115,7 @@ def blame(facts: FactSet) -> Finding | None:
         found = replace(found, sinks={**found.sinks, **dict.fromkeys(chosen, Rung.SILENCE)})
     if chosen and all(r in busy for r in chosen) and len(chosen) > 1:
         chosen = _refine_by_phase([busy[r] for r in chosen])
+    chosen = _still_in_step(facts, chosen)
     present = set(facts.ranks) - {s.rank for s in facts.silent}
     if present and present <= set(chosen):
         return None  # names every rank that gave evidence: a shared cause, not a sink
@@ -159,6 +160,19 @@ def _kind_of(facts: FactSet, chosen: list[int]) -> str:
         # not hanging or cut off (a frozen or unreachable node gives timeouts, never a closed connection)
         return schema.DEAD_RANK if any(e.peer_ended for e in facts.ended) else schema.COMM_HANG
     return schema.HANG
+
+
+def _still_in_step(facts: FactSet, chosen: list[int]) -> list[int]:
+    """Several ended sinks (ranks a report named, then torn down by the launcher): those whose record was in a
+    stage of the step had not reached what the report waited in; one between phases had (late, under load: a
+    monitored barrier names every rank not there by its timeout). All or none in a stage: the report stands."""
+    if len(chosen) < 2:
+        return chosen
+    phase_of = {e.rank: e.phase for e in facts.ended}
+    if not all(r in phase_of for r in chosen):
+        return chosen
+    staged = [r for r in chosen if STEP_PHASE_ORDER.get(phase_of[r] or "", 0) > 0]
+    return staged if staged else chosen
 
 
 def _refine_by_phase(busy: list[Busy]) -> list[int]:

@@ -32,11 +32,24 @@ def forge_state(shm: Path, job: str, *, decided: bool) -> None:
     (shm / job / "watchdog.json").write_text(json.dumps(doc))
 
 
+def status_showing(shm: Path, needle: str, timeout: float = 60) -> str:
+    """`rankwatch status`'s text once it shows ``needle`` (else its last answer): one look may miss a job at a
+    load of 20, its ranks not read within the look's budget."""
+    last = [""]
+
+    def look() -> bool:
+        last[0] = status(shm).stdout
+        return needle in last[0]
+
+    wait_for(look, timeout)
+    return last[0]
+
+
 def test_a_pending_verdict_names_nobody(procs, shm_dir):
     start_ranks(procs, shm_dir, "pending", stall_rank=-1)
     assert wait_for(lambda: len((status_json(shm_dir)["jobs"] or [{"ranks": []}])[0]["ranks"]) == 2, 60)
     forge_state(shm_dir, "pending", decided=False)
-    text = status(shm_dir).stdout
+    text = status_showing(shm_dir, "deciding…")
     assert "deciding…" in text, text
     assert "◀" not in text and "initiating" not in text, text
 
@@ -45,7 +58,7 @@ def test_a_pipe_gets_every_column_and_word(procs, shm_dir):
     start_ranks(procs, shm_dir, "wide", stall_rank=-1)
     assert wait_for(lambda: len((status_json(shm_dir)["jobs"] or [{"ranks": []}])[0]["ranks"]) == 2, 60)
     forge_state(shm_dir, "wide", decided=True)
-    text = status(shm_dir).stdout
+    text = status_showing(shm_dir, "why: ")
     assert f"why: {LONG_WHY}\n" in text, text  # on one line, not wrapped at 80 columns
     assert "…" not in text, text  # no column cut short
     assert "◀" in text  # a decided verdict marks its initiating rank

@@ -345,3 +345,20 @@ def test_a_rank_caught_mid_step_is_still_the_sink_when_nothing_is_silent():
     views += [dataclasses.replace(views[0], rank=r, pid=1000 + r) for r in (2, 3)]
     v = verdict(views)
     assert v["initiating_ranks"] == [1], v["reason"]
+
+
+def test_of_the_ranks_a_monitored_barrier_names_the_one_still_in_its_step_is_the_sink():
+    """Under load a healthy rank reaches the barrier after its timeout too: rank 0's report names ranks 1 and 2,
+    then torchrun tears both down. Rank 1's record was between phases (it had reached the barrier, which is no
+    step stage), rank 2's in forward (it never did): rank 2 (was: ranks 1, 2 — the CI run at load 20)."""
+    barrier = "RuntimeError: Ranks 1, 2 failed to pass monitoredBarrier in 2000 ms"
+    lost = "DistBackendError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    views = [rv(0, state="crashed", exit_order=0, exit_age_s=2.0, exit_cause=barrier),
+             rv(1, state="dead", exit_order=2, exit_age_s=0.5, phase="idle", step=0),
+             rv(2, state="dead", exit_order=3, exit_age_s=0.5, phase="forward", step=0),
+             rv(3, state="crashed", exit_order=1, exit_age_s=1.9, exit_cause=lost)]
+    v = verdict(views)
+    assert (v["initiating_ranks"], v["phase"]) == ([2], "forward"), v["reason"]
+    # both still in their step: the report stands as it is
+    both = [views[0], dataclasses.replace(views[1], phase="backward"), views[2], views[3]]
+    assert verdict(both)["initiating_ranks"] == [1, 2]
