@@ -125,3 +125,16 @@ def test_the_readers_wire_carries_the_peers():
             raise AssertionError(bad)
     old = {k: v for k, v in doc.items() if not k.startswith("p2p")}  # an older reader's answer: nothing known
     assert snapshot_from_doc(old, "p").p2p_dir is None
+
+
+def test_a_remote_ranks_peers_cross_the_store_as_json():
+    # the node snapshot every daemon publishes (``cluster.store``): a set is no JSON (every node's publish failed)
+    import json
+
+    from rankwatch.watchdog.cluster.store import view_from_doc, view_to_doc
+
+    v = stage(2, "recv", 0)
+    back = view_from_doc(json.loads(json.dumps(view_to_doc(v))))
+    assert (back.p2p_dir, back.p2p_peer, back.p2p_known) == ("recv", 0, frozenset({1, 3}))
+    full = view_from_doc(json.loads(json.dumps(view_to_doc(stage(1, "send", 2, p2p_known=None)))))
+    assert full.p2p_known is None
