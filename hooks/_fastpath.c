@@ -23,6 +23,7 @@
 #include <time.h>
 
 #define N_SLOTS 32 /* an event word's arg field: 5 bits */
+#define P2P_CAP 16 /* the record's p2p_known slots at most (record.P2P_SLOTS, checked by _bind) */
 #define STK0 4     /* open phases held in the Core itself (a step nests 1-2: optimizer, backward under it) */
 
 /* one phase slot's event words less the clock, and its open word's code (an exit reads ``out`` and
@@ -64,6 +65,10 @@ typedef struct {
     uint64_t ring_slots, entry_words, e_cp, max_stack;
     uint64_t gpu_slots; /* bit mask of slots timed on the GPU */
     int coll_slot, opt_slot;
+    /* send/recv peers (rare next to the phases: past the hot lines): p2p_last's word and the peers on record */
+    Py_ssize_t w_p2p_last, w_p2p_known_n, w_p2p_known;
+    uint64_t p2p_slots, p2p_seq_bits, p2p_unknown, p2p_n;
+    uint64_t p2p_known[P2P_CAP];
     /* state shared with the Python methods (members below) */
     long long thread_id;
     unsigned long long seq, steps_done, step_start, seen_ns, seen_batches, origin;
@@ -74,6 +79,7 @@ typedef struct {
 
 static PyObject *s_require_sync, *s_stamp, *s_gate_kw;
 static PyObject *s_entered_slow, *s_exited_slow, *s_fail, *s_op_word, *s_harvest_gpu;
+static PyObject *s_dst, *s_src;
 
 /* -- helpers ----------------------------------------------------------------------------------------- */
 
@@ -461,6 +467,65 @@ static PyObject *Core_collective_exit(Core *self, PyObject *Py_UNUSED(ignored)) 
     Py_RETURN_NONE;
 }
 
+/* -- send/recv peers (tracker.PyCore.p2p_enter / p2p_learn) --------------------------------------------- */
+
+/* a send (direction 1) or recv (2) with ``peer`` (< 0: not named) enters next, on the tracker's thread: one
+ * plain store, tagged with the collective count its enter gives it */
+static inline void p2p_enter(Core *self, long long peer, long direction) {
+    uint64_t p = peer >= 0 && (uint64_t)peer < self->p2p_unknown ? (uint64_t)peer : self->p2p_unknown;
+    uint64_t seq = ((uint64_t)self->colls + 1) & ((1ULL << self->p2p_seq_bits) - 1);
+    uint64_t dir_shift = self->p2p_seq_bits + (64 - __builtin_clzll(self->p2p_unknown));
+    uint64_t w = (((uint64_t)direction & 3) << dir_shift) | (p << self->p2p_seq_bits) | seq;
+    __atomic_store_n(&self->q[self->w_p2p_last], w, __ATOMIC_RELAXED);
+}
+
+/* a send/recv with ``peer`` completed: a new peer goes on record in a seqlock section (a few per job) */
+static void p2p_learn(Core *self, long long peer) {
+    if (peer < 0 || (uint64_t)peer >= self->p2p_unknown) return;
+    uint64_t n = self->p2p_n, p = (uint64_t)peer;
+    if (n > self->p2p_slots) return; /* full: whether a peer is new can no longer be said */
+    for (uint64_t i = 0; i < n; i++)
+        if (self->p2p_known[i] == p) return;
+    uint64_t seq = self->seq + 1;
+    set_seq(self, seq);
+    if (n < self->p2p_slots) {
+        self->q[self->w_p2p_known + (Py_ssize_t)n] = p;
+        self->p2p_known[n] = p;
+    }
+    self->p2p_n = n + 1;
+    self->q[self->w_p2p_known_n] = n + 1;
+    self->seq = seq + 1;
+    set_seq(self, seq + 1);
+}
+
+/* an int argument as a peer: -1 where it is none (not an int, negative, past a long long); never raises */
+static long long peer_of(PyObject *v) {
+    if (!PyLong_Check(v)) return -1;
+    int overflow = 0;
+    long long r = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (r == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return overflow || r < 0 ? -1 : r;
+}
+
+static PyObject *Core_p2p_enter(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "p2p_enter(peer, direction)");
+        return NULL;
+    }
+    long direction = PyLong_AsLong(args[1]);
+    if (direction == -1 && PyErr_Occurred()) return fail(self);
+    if (on_thread(self)) p2p_enter(self, peer_of(args[0]), direction);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_p2p_learn(Core *self, PyObject *arg) {
+    if (on_thread(self)) p2p_learn(self, peer_of(arg));
+    Py_RETURN_NONE;
+}
+
 static PyObject *do_exit_step(Core *self, long slot) {
     if (!on_thread(self)) Py_RETURN_NONE;
     if (gpu_call(self, "end", (int)slot) < 0) return fail(self);
@@ -558,11 +623,21 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_ValueError, "layout out of range");
         return NULL;
     }
+    uint64_t pv[6];
+    static const char *p2p_keys[6] = {"p2p_last", "p2p_known_n", "p2p_known", "p2p_slots", "p2p_seq_bits",
+                                      "p2p_unknown"};
+    for (int i = 0; i < 6; i++)
+        if (!get_u64(d, p2p_keys[i], &pv[i])) return NULL;
+    if (pv[3] > P2P_CAP || pv[4] == 0 || pv[4] >= 62 || pv[5] == 0 || pv[4] + (64 - __builtin_clzll(pv[5])) > 62) {
+        PyErr_SetString(PyExc_ValueError, "p2p layout out of range");
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
     Py_ssize_t nwords = view.len / 8;
     uint64_t need = v[4] + v[7] * v[8];
     if (v[1] + v[6] + 1 > (uint64_t)nwords || need > (uint64_t)nwords || v[5] + 64 > (uint64_t)nwords ||
+        pv[0] >= (uint64_t)nwords || pv[1] >= (uint64_t)nwords || pv[2] + pv[3] > (uint64_t)nwords ||
         ((uintptr_t)view.buf & 7)) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "record smaller than its layout");
@@ -590,6 +665,12 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     self->coll_slot = (int)v[14];
     self->opt_slot = (int)v[15];
     self->origin = v[16];
+    self->w_p2p_last = (Py_ssize_t)pv[0];
+    self->w_p2p_known_n = (Py_ssize_t)pv[1];
+    self->w_p2p_known = (Py_ssize_t)pv[2];
+    self->p2p_slots = pv[3];
+    self->p2p_seq_bits = pv[4];
+    self->p2p_unknown = pv[5];
     uint64_t o = v[16], nb = v[12], en = v[17], ex = v[18], fl = v[19], ba = v[20], sp = v[21], ce = v[22]; /* a collective's enter word comes from its op (_op_word) */
 #define CODE(kind, arg) ((((uint64_t)(kind) << 5) | ((uint64_t)(arg) & 31)) << nb)
     for (int s = 0; s < N_SLOTS; s++) {
@@ -603,6 +684,10 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     self->k_coll_in = CODE(en, self->coll_slot) - o;
     self->k_coll_out = CODE(ce, 0) - o;
 #undef CODE
+    /* the peers already on record (a tracker bound to a record again) */
+    self->p2p_n = self->q[self->w_p2p_known_n];
+    for (uint64_t i = 0; i < self->p2p_n && i < self->p2p_slots; i++)
+        self->p2p_known[i] = self->q[self->w_p2p_known + (Py_ssize_t)i];
     self->bound = 1;
     Py_RETURN_NONE;
 }
@@ -615,7 +700,7 @@ static PyObject *Core_bind(Core *self, PyObject *const *args, Py_ssize_t nargs) 
  * a normal end for StopIteration out of __next__; the collective's exit in any case). Binds like a
  * function when set on a class (a method descriptor), so ``next(it)`` passes the iterator. */
 
-enum { PHASE_PLAIN = 0, PHASE_NEXT = 1, PHASE_COLL = 2, PHASE_BACKWARD = 3, PHASE_OUTERMOST = 4 };
+enum { PHASE_PLAIN = 0, PHASE_NEXT = 1, PHASE_COLL = 2, PHASE_BACKWARD = 3, PHASE_OUTERMOST = 4, PHASE_P2P = 5 };
 
 static PyTypeObject *CoreType;
 
@@ -905,13 +990,46 @@ static int accumulates(const Args *a) {
     return 0;
 }
 
+/* a send's ``dst`` / a recv's ``src``: the second positional argument or that keyword, when it is an int (a
+ * global rank); -1 otherwise (None: any source; only ``group_dst``/``group_src`` given: a group's rank). Never
+ * raises. */
+static long long p2p_peer_arg(const Args *a, PyObject *kw) {
+    PyObject *v = NULL;
+    if (a->tuple != NULL) {
+        if (PyTuple_GET_SIZE(a->tuple) > 1) {
+            v = PyTuple_GET_ITEM(a->tuple, 1);
+        } else if (a->dict != NULL) {
+            v = PyDict_GetItemWithError(a->dict, kw); /* borrowed */
+            if (v == NULL) PyErr_Clear();
+        }
+    } else {
+        Py_ssize_t nargs = PyVectorcall_NARGS(a->nargsf);
+        if (nargs > 1) {
+            v = a->v[1];
+        } else if (a->kwnames != NULL) {
+            Py_ssize_t nkw = PyTuple_GET_SIZE(a->kwnames);
+            for (Py_ssize_t i = 0; i < nkw && v == NULL; i++) {
+                PyObject *k = PyTuple_GET_ITEM(a->kwnames, i);
+                if (k == kw || (PyUnicode_Check(k) && PyUnicode_Compare(k, kw) == 0)) v = a->v[nargs + i];
+            }
+        }
+    }
+    return v == NULL ? -1 : peer_of(v);
+}
+
 static PyObject *phase_call(Phase *self, const Args *a) {
     if (self->gated && !accumulates(a)) return call_fn(self, a);
     if (self->kind == PHASE_BACKWARD) return backward_call(self, a);
     if (self->kind == PHASE_OUTERMOST) return outermost_call(self, a);
     Core *c = (Core *)self->core;
     PyObject *x;
-    if (self->kind == PHASE_COLL) {
+    int coll = self->kind == PHASE_COLL || self->kind == PHASE_P2P;
+    long long peer = -1;
+    if (self->kind == PHASE_P2P && on_thread(c)) {
+        peer = p2p_peer_arg(a, self->slot == 1 ? s_dst : s_src);
+        p2p_enter(c, peer, self->slot);
+    }
+    if (coll) {
         x = collective_enter(c, self->arg, &self->op_k, &self->op_known);
     } else {
         x = do_enter(c, self->slot, 0.0);
@@ -920,8 +1038,9 @@ static PyObject *phase_call(Phase *self, const Args *a) {
     Py_DECREF(x);
     PyObject *r = call_fn(self, a);
     if (r != NULL) {
-        if (self->kind == PHASE_COLL) {
+        if (coll) {
             x = Core_collective_exit(c, NULL);
+            if (self->kind == PHASE_P2P && x != NULL && on_thread(c)) p2p_learn(c, peer); /* exchanged with it */
         } else if (self->kind == PHASE_NEXT) {
             PyObject *it = first_arg(a);
             int mine = it != NULL && self->arg != Py_None && (PyObject *)Py_TYPE(it) == self->arg;
@@ -941,7 +1060,7 @@ static PyObject *phase_call(Phase *self, const Args *a) {
     int failing = !(self->kind == PHASE_NEXT && PyErr_ExceptionMatches(PyExc_StopIteration));
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
-    if (self->kind == PHASE_COLL) {
+    if (coll) {
         x = Core_collective_exit(c, NULL);
     } else {
         x = do_exit(c, self->slot, 0, -1, failing);
@@ -972,10 +1091,11 @@ static PyObject *Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     int kind, gated = 0;
     long slot;
     if (!PyArg_ParseTuple(args, "OOilO|p:Phase", &core, &fn, &kind, &slot, &arg, &gated)) return NULL;
-    if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_OUTERMOST ||
-        (kind == PHASE_COLL && !PyUnicode_Check(arg)) ||
+    if (!PyObject_TypeCheck(core, CoreType) || !PyCallable_Check(fn) || kind < PHASE_PLAIN || kind > PHASE_P2P ||
+        ((kind == PHASE_COLL || kind == PHASE_P2P) && !PyUnicode_Check(arg)) ||
+        (kind == PHASE_P2P && slot != 1 && slot != 2) ||
         ((kind == PHASE_BACKWARD || kind == PHASE_OUTERMOST) && !PyObject_TypeCheck(arg, PhaseStateType))) {
-        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-4, slot: int, arg, gated: bool = False)");
+        PyErr_SetString(PyExc_TypeError, "Phase(core: Core, fn: callable, kind: 0-5, slot: int, arg, gated: bool = False)");
         return NULL;
     }
     Phase *self = (Phase *)type->tp_alloc(type, 0);
@@ -1198,6 +1318,7 @@ static PyMemberDef Core_members[] = {
     M("_seen_batches", T_ULONGLONG, seen_batches),
     M("_origin", T_ULONGLONG, origin),
     M("_colls", T_LONGLONG, colls),
+    M("_p2p_n", T_ULONGLONG, p2p_n),
     M("input_slots_used", T_LONGLONG, input_slots_used),
     M("input_workers", T_LONGLONG, input_workers),
     M("explicit_steps", T_BOOL, explicit_steps),
@@ -1303,6 +1424,8 @@ static PyMethodDef Core_methods[] = {
     {"exit_step", (PyCFunction)Core_exit_step, METH_O, NULL},
     {"collective_enter", (PyCFunction)Core_collective_enter, METH_O, NULL},
     {"collective_exit", (PyCFunction)Core_collective_exit, METH_NOARGS, NULL},
+    {"p2p_enter", (PyCFunction)(void (*)(void))Core_p2p_enter, METH_FASTCALL, NULL},
+    {"p2p_learn", (PyCFunction)Core_p2p_learn, METH_O, NULL},
     {"opt_pre_hook", (PyCFunction)(void (*)(void))Core_opt_pre_hook, METH_FASTCALL, NULL},
     {"opt_post_hook", (PyCFunction)(void (*)(void))Core_opt_post_hook, METH_FASTCALL, NULL},
     {"_end_step", (PyCFunction)Core_end_step, METH_O, NULL},
@@ -1343,6 +1466,8 @@ static int exec_module(PyObject *m) {
     INTERN(s_require_sync, "require_forward_param_sync");
     INTERN(s_stamp, "_stamp");
     INTERN(s_gate_kw, "accumulate_grad");
+    INTERN(s_dst, "dst");
+    INTERN(s_src, "src");
 #undef INTERN
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
     tp_is_ident = (unsigned long)(uintptr_t)__builtin_thread_pointer() == PyThread_get_thread_ident();
@@ -1359,7 +1484,8 @@ static int exec_module(PyObject *m) {
         PyModule_AddIntConstant(m, "PHASE_NEXT", PHASE_NEXT) < 0 ||
         PyModule_AddIntConstant(m, "PHASE_COLL", PHASE_COLL) < 0 ||
         PyModule_AddIntConstant(m, "PHASE_BACKWARD", PHASE_BACKWARD) < 0 ||
-        PyModule_AddIntConstant(m, "PHASE_OUTERMOST", PHASE_OUTERMOST) < 0)
+        PyModule_AddIntConstant(m, "PHASE_OUTERMOST", PHASE_OUTERMOST) < 0 ||
+        PyModule_AddIntConstant(m, "PHASE_P2P", PHASE_P2P) < 0)
         return -1;
     PyObject *st = PyType_FromModuleAndSpec(m, &PhaseState_spec, NULL);
     if (st == NULL) return -1;

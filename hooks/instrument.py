@@ -52,6 +52,12 @@ COLLECTIVES = (
     "send",
     "recv",
 )
+P2P_DIRECTION = {"send": 1, "recv": 2}  # record.P2P_SEND / P2P_RECV; the keyword naming the peer: dst / src
+_PEER_KEY = {1: "dst", 2: "src"}
+# ``batch_isend_irecv`` is wrapped for its ops' peers only (no phase, not counted: its works are waited on
+# later, outside it). ``isend``/``irecv`` themselves are not wrapped: ``P2POp`` checks its op *is* torch's
+# (``_check_op``, ``op.op is isend``), so a wrapper passed as ``dist.isend`` would break every batch.
+BATCH_P2P = "batch_isend_irecv"
 
 _installed = False
 _exc_info = sys.exc_info
@@ -260,6 +266,8 @@ def _wrap_next(fn: Callable[..., Any], tracker: Tracker, single: type | None) ->
 
 
 def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Callable[..., Any]:
+    if op in P2P_DIRECTION:
+        return _wrap_p2p(fn, tracker, op, P2P_DIRECTION[op])
     fast = _c_wrapper(fn, tracker, "COLL", NO_PHASE, op)
     if fast is not None:
         return fast
@@ -272,6 +280,55 @@ def _wrap_collective(fn: Callable[..., Any], tracker: Tracker, op: str) -> Calla
             return fn(*args, **kwargs)
         finally:
             exit_()
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_p2p(fn: Callable[..., Any], tracker: Tracker, op: str, direction: int) -> Callable[..., Any]:
+    """A send or recv as a collective that also records its peer (the ``dst``/``src`` global rank, second
+    positional or by keyword) before it enters, and learns it as a peer once it completes: whom a rank in
+    it waits for, and whether it ever exchanged with that peer before (the wrong-peer rung)."""
+    fast = _c_wrapper(fn, tracker, "P2P", direction, op)
+    if fast is not None:
+        return fast
+    enter, exit_, p2p_enter, p2p_learn = (
+        tracker.collective_enter, tracker.collective_exit, tracker.p2p_enter, tracker.p2p_learn)
+    key = _PEER_KEY[direction]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        peer = args[1] if len(args) > 1 else kwargs.get(key)
+        peer = peer if isinstance(peer, int) and 0 <= peer < 1 << 63 else -1  # the C core's rule (a long long)
+        p2p_enter(peer, direction)
+        enter(op)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            exit_()
+        p2p_learn(peer)
+        return out
+
+    wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_batch(fn: Callable[..., Any], tracker: Tracker) -> Callable[..., Any]:
+    """``batch_isend_irecv``: each op's peer (``P2POp.peer``, a global rank) learned as posted; no phase and no
+    count (its works complete later, in the caller's ``wait()``). A Python wrapper on either core: one call per
+    batch, not per phase transition."""
+    learn = tracker.p2p_learn
+
+    @functools.wraps(fn)
+    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            for p2p_op in p2p_op_list[:64]:  # a bounded look: the record keeps a few peers
+                peer = getattr(p2p_op, "peer", None)
+                if isinstance(peer, int):
+                    learn(peer)
+        except Exception:
+            pass  # never raise into training: torch's own checks report a bad list
+        return fn(p2p_op_list, *args, **kwargs)
 
     wrapper.__rankwatch_wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -484,3 +541,6 @@ def install(tracker: Tracker) -> None:
             fn = getattr(dist, name, None)
             if fn is not None and not hasattr(fn, "__rankwatch_wrapped__"):
                 setattr(dist, name, _wrap_collective(fn, tracker, name))
+        fn = getattr(dist, BATCH_P2P, None)
+        if fn is not None and not hasattr(fn, "__rankwatch_wrapped__"):
+            setattr(dist, BATCH_P2P, _wrap_batch(fn, tracker))

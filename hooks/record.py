@@ -27,8 +27,9 @@ CRASH_LEN = 240
 # 2: crash_info (why the script ended with an exception); 3: input pipeline timing (per-step batch
 # production time and the DataLoader workers' slots); 4: the event ring (the training thread appends one
 # word per phase transition; per-phase times and the live state are rebuilt by the reader); 5: thread_error
-# (a helper thread of the rank died with an exception). Any other version is rejected, never misread.
-VERSION = 5
+# (a helper thread of the rank died with an exception); 6: the peer of the last send/recv entered and the peers
+# this rank completed a send/recv with (p2p_last, p2p_known). Any other version is rejected, never misread.
+VERSION = 6
 MAX_PHASES = 16  # slot table; canonical phases take the first six
 RING_STEPS = 512  # steps kept; at 5 ms steps a 1 Hz poll needs ~200
 INPUT_SLOTS = 32  # DataLoader workers timed at once per rank (more share slots modulo this)
@@ -43,6 +44,19 @@ EVENT_MASK = EVENTS - 1
 FOLD_EVENTS = EVENTS // 4
 MAX_STACK = 8  # innermost open phases kept in a checkpoint (deeper ones are booked as idle once reached)
 MAX_OPS = 32  # collective op names (torch.distributed has 19 wrapped)
+# Peers a rank completed a send/recv with, kept in order of first exchange: a pipeline stage has two (the stages
+# before and after it), an interleaved schedule a few more. A peer past the slots marks the set full: the reader
+# then cannot say a peer is new (never guessed).
+P2P_SLOTS = 8
+
+# p2p_last, one word written before the send/recv's collective-enter event (no seqlock: a reader matches it to
+# the op by its sequence number): the collective count of the op (low 32 bits) | the peer's global rank (30 bits,
+# P2P_UNKNOWN: not named, e.g. a recv from any source) | the direction (2 bits). 0: no send/recv yet.
+P2P_SEQ_BITS = 32
+P2P_PEER_BITS = 30
+P2P_UNKNOWN = (1 << P2P_PEER_BITS) - 1
+P2P_SEND, P2P_RECV = 1, 2
+P2P_DIRS = {P2P_SEND: "send", P2P_RECV: "recv"}
 
 CANONICAL_PHASES = ("dataloader", "forward", "backward", "optimizer", "collective", "idle")
 IDLE_SLOT = CANONICAL_PHASES.index("idle")
@@ -154,6 +168,12 @@ class RecordHeader(ctypes.Structure):
         # exception (a prefetch or I/O helper whose queue the training loop now waits on forever); written once,
         # by the dying thread, outside the seqlock (the training thread is the seqlock's only writer)
         ("thread_error", ctypes.c_char * CRASH_LEN),
+        # the last send/recv entered on the training thread (P2P_SEQ_BITS: its collective count, the peer, the
+        # direction), one plain store per send/recv; the peers a send/recv completed with (in a seqlock section,
+        # once per new peer; p2p_known_n > P2P_SLOTS: more peers than slots, the set is not complete)
+        ("p2p_last", ctypes.c_uint64),
+        ("p2p_known_n", ctypes.c_uint64),
+        ("p2p_known", ctypes.c_uint64 * P2P_SLOTS),
         # GPU time per phase slot (ms, cumulative) from CUDA events; only on ranks that use CUDA
         ("gpu_phase_ms", ctypes.c_double * MAX_PHASES),
         # per DataLoader worker slot: [production ns, batches], cumulative; each slot is written only by
@@ -235,6 +255,14 @@ class RecordSnapshot:
     thread_error: str = ""
     gpu_phase_ms: dict[str, float] = field(default_factory=dict)
     recent_steps: tuple[StepTiming, ...] = field(default=())
+    # the send/recv the rank is in, or issued last, when it is its newest collective (``coll_seq_entered``):
+    # "send" or "recv" and its peer's global rank (None: the op named none, e.g. a recv from any source)
+    p2p_dir: str | None = None
+    p2p_peer: int | None = None
+    # the peers a send/recv of this rank completed with, first exchange first; ``p2p_known_full``: it had more
+    # peers than the record keeps (a peer not listed may have been one)
+    p2p_known: tuple[int, ...] = ()
+    p2p_known_full: bool = False
 
     @property
     def exited_normally(self) -> bool:
@@ -247,6 +275,16 @@ class RecordSnapshot:
     @property
     def in_collective(self) -> bool:
         return self.coll_seq_entered > self.coll_seq_completed
+
+
+def decode_p2p(word: int, coll_seq: int) -> tuple[str | None, int | None]:
+    """(direction, peer) of a ``p2p_last`` word when it belongs to collective ``coll_seq`` (else the rank's newest
+    collective is not that send/recv: nothing)."""
+    direction = P2P_DIRS.get(word >> (P2P_SEQ_BITS + P2P_PEER_BITS))
+    if direction is None or word & ((1 << P2P_SEQ_BITS) - 1) != coll_seq & ((1 << P2P_SEQ_BITS) - 1):
+        return None, None
+    peer = (word >> P2P_SEQ_BITS) & P2P_UNKNOWN
+    return direction, None if peer == P2P_UNKNOWN else peer
 
 
 def _decode_str(raw: bytes) -> str:
@@ -429,6 +467,8 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
         phase_slot, phase_start = rp.stack[-1]
     else:
         phase_slot, phase_start = NO_PHASE, rp.last
+    p2p_dir, p2p_peer = decode_p2p(int(rec.p2p_last), rp.colls)
+    known_n = int(rec.p2p_known_n)
     last_entry = _entry_cp(done - 1) - _E_CP if done else -1
     step_start = w[last_entry + 2] if done and w[last_entry] == done - 1 else start
     return RecordSnapshot(
@@ -467,6 +507,10 @@ def decode(buf: bytes, path: str = "<buffer>", since_step: int = -1) -> RecordSn
         crash_info=_decode_str(rec.crash_info),
         thread_error=_decode_str(rec.thread_error),
         recent_steps=tuple(steps),
+        p2p_dir=p2p_dir,
+        p2p_peer=p2p_peer,
+        p2p_known=tuple(int(rec.p2p_known[i]) for i in range(min(known_n, P2P_SLOTS))),
+        p2p_known_full=known_n > P2P_SLOTS,
     )
 
 

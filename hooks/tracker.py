@@ -43,6 +43,10 @@ from .record import (
     NO_PHASE,
     NS_BITS,
     NS_MASK,
+    P2P_PEER_BITS,
+    P2P_SEQ_BITS,
+    P2P_SLOTS,
+    P2P_UNKNOWN,
     RING_SLOTS,
     RecordLayout,
     RecordWriter,
@@ -72,6 +76,11 @@ _PHASE_BUDGET_D = RecordLayout.phase_budget_s.offset // _Q
 _INPUT_SLOTS = RecordLayout.input_slots.offset // _Q
 _STEPS_DONE = RecordLayout.steps_done.offset // _Q
 _RING = RecordLayout.ring.offset // _Q
+_P2P_LAST = RecordLayout.p2p_last.offset // _Q
+_P2P_KNOWN_N = RecordLayout.p2p_known_n.offset // _Q
+_P2P_KNOWN = RecordLayout.p2p_known.offset // _Q
+_P2P_DIR_SHIFT = P2P_SEQ_BITS + P2P_PEER_BITS
+_P2P_SEQ_MASK = (1 << P2P_SEQ_BITS) - 1
 _ENTRY_WORDS = ctypes.sizeof(StepEntry) // _Q
 _E_CP = StepEntry.cp.offset // _Q
 _TOP = NS_BITS  # the event word's code byte
@@ -91,7 +100,8 @@ def _layout(origin: int) -> dict[str, int]:
         "gpu_slots": sum(1 << s for s in GPU_TIMED_SLOTS), "collective_slot": COLLECTIVE_SLOT,
         "optimizer_slot": OPTIMIZER_SLOT, "origin": origin, "ev_enter": EV_ENTER, "ev_exit": EV_EXIT,
         "ev_exit_fail": EV_EXIT_FAIL, "ev_exit_batch": EV_EXIT_BATCH, "ev_split": EV_SPLIT,
-        "ev_coll_exit": EV_COLL_EXIT,
+        "ev_coll_exit": EV_COLL_EXIT, "p2p_last": _P2P_LAST, "p2p_known_n": _P2P_KNOWN_N, "p2p_known": _P2P_KNOWN,
+        "p2p_slots": P2P_SLOTS, "p2p_seq_bits": P2P_SEQ_BITS, "p2p_unknown": P2P_UNKNOWN,
     }
 
 
@@ -120,12 +130,17 @@ class PyCore:
     _seen_batches: int
     _origin: int
     _after_step: Any
+    _p2p_n: int
+    _p2p_known: list[int]
     explicit_steps: bool
     input_slots_used: int
     input_workers: int
 
     def _bind(self, raw: memoryview, layout: dict[str, int]) -> None:
         start = layout["origin"]
+        q = self._q
+        self._p2p_n = q[_P2P_KNOWN_N]  # the peers already on record (a tracker bound to a record again)
+        self._p2p_known = q[_P2P_KNOWN : _P2P_KNOWN + min(self._p2p_n, P2P_SLOTS)].tolist()
         # event words less the clock: word = constant + now (the ns field counts from the record's origin)
         self._k_in = [event_code(EV_ENTER, s) - start for s in range(MAX_PHASES)]
         self._k_out = [event_code(EV_EXIT, s) - start for s in range(MAX_PHASES)]
@@ -231,6 +246,38 @@ class PyCore:
             self._last_op = k
             if n >= self._slow_at:
                 self._entered_slow(0.0, n)
+        except Exception as exc:
+            self._fail(exc)
+
+    def p2p_enter(self, peer: int, direction: int) -> None:
+        """A send (``direction`` 1) or recv (2) with global rank ``peer`` (< 0: not named) enters next: one word,
+        tagged with the collective count its ``collective_enter`` gives it (the reader matches the two)."""
+        if _ident() != self._tid:
+            return
+        try:
+            p = peer if isinstance(peer, int) and 0 <= peer < P2P_UNKNOWN else P2P_UNKNOWN
+            self._q[_P2P_LAST] = ((direction & 3) << _P2P_DIR_SHIFT) | (p << P2P_SEQ_BITS) | (
+                (self._colls + 1) & _P2P_SEQ_MASK)
+        except Exception as exc:
+            self._fail(exc)
+
+    def p2p_learn(self, peer: int) -> None:
+        """A send/recv with ``peer`` completed (or a batch posted one): a peer this rank exchanged with. A new
+        one goes on record in a seqlock section (a few per job); past the slots the set is marked full."""
+        if _ident() != self._tid or not isinstance(peer, int) or not 0 <= peer < P2P_UNKNOWN:
+            return
+        try:
+            n = self._p2p_n
+            if n > P2P_SLOTS or peer in self._p2p_known:
+                return
+            q = self._q
+            q[_SEQ] = seq = self._seq + 1
+            if n < P2P_SLOTS:
+                q[_P2P_KNOWN + n] = peer
+                self._p2p_known.append(peer)
+            self._p2p_n = n = n + 1
+            q[_P2P_KNOWN_N] = n
+            q[_SEQ] = self._seq = seq + 1
         except Exception as exc:
             self._fail(exc)
 

@@ -55,15 +55,18 @@ FIXED_IN_V4 = ("monitored-barrier", "first-step-hang", "helper-thread-dies")
 # classes built after verdict v4 that nothing was designed around (a DataLoader worker's native death, a
 # preemption's SIGTERM from outside the job): right on their first run, kept right
 OUTSIDE_V4 = ("worker-died", "preempted")
-# classes outside the suite (issue 44 item 5, jobs/outside.py): three of the eleven, on one node (a silent
-# os._exit(0) mid-training; a thread deadlocked on its own lock inside the collector's __del__; an all_gather
-# whose tensor is one element longer on one rank, every rank gone before the first capture: named by the flight
-# recorders the ranks wrote as they ended); the others are measured by the suite (benchmarks/README.md, "Classes
-# outside the suite")
-OUTSIDE_SUITE = ("exit-zero", "del-deadlock", "gather-shape")
-# classes whose layout is the table's own: GPipe's 4 stages (a middle stage spins, a stage waits behind another);
-# gather-shape's 4 ranks (gloo aborts the receiver of the odd message: of 3 ranks, the two left would tie)
-FULL_LAYOUT = frozenset({"pp", "gather-shape"})
+# classes outside the suite (issue 44 item 5): four of the eleven, the others measured by the suite
+# (benchmarks/README.md, "Classes outside the suite"): on one node from jobs/outside.py a silent os._exit(0)
+# mid-training; a thread deadlocked on its own lock inside the collector's __del__; an all_gather whose tensor is
+# one element longer on one rank, every rank gone before the first capture (named by the flight recorders the
+# ranks wrote as they ended); and pipeline.py's wrong-peer (a stage's recv from the wrong stage: a ring of
+# send/recv waits whose one new edge names it, the hook's record of each send/recv's peer and the peers it
+# exchanged with before)
+OUTSIDE_SUITE = ("exit-zero", "del-deadlock", "gather-shape", "pp-wrong-peer")
+# classes whose layout is the table's own: GPipe's 4 stages (a middle stage spins, a stage waits behind another;
+# a stage receives from the wrong one); gather-shape's 4 ranks (gloo aborts the receiver of the odd message: of 3
+# ranks, the two left would tie)
+FULL_LAYOUT = frozenset({"pp", "pp-wrong-peer", "gather-shape"})
 # the others on 3 ranks: the faulting rank and two that wait for it (a majority still waits, the rules that weigh
 # the waiting side against the odd one still have one to weigh), one torch start-up fewer than the table's 4
 SMALL_NPROC = 3

@@ -112,6 +112,7 @@ _VIEW_STATES = {
 def view_to_doc(v: RankView) -> dict[str, Any]:
     doc = dataclasses.asdict(v)
     doc["stack_top"] = list(v.stack_top)[:MAX_STACK_FRAMES]
+    doc["p2p_known"] = sorted(v.p2p_known)[:64] if v.p2p_known is not None else None  # a set is no JSON
     return doc
 
 
@@ -152,7 +153,20 @@ def view_from_doc(doc: Any) -> RankView:
         stack_top=tuple(v_str(f, "stack_top[]") or "" for f in stack),
         stack_signature=v_str(doc.get("stack_signature"), "stack_signature", optional=True),
         waiting=waiting,
+        **_p2p_of(doc),
     )
+
+
+def _p2p_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """A remote rank's send/recv peer and the peers it exchanged with (a node of an older release sends none)."""
+    direction, known = doc.get("p2p_dir"), doc.get("p2p_known")
+    if direction is not None and direction not in ("send", "recv"):
+        raise ValueRejected("p2p_dir: expected send or recv")
+    if known is not None and (not isinstance(known, list) or len(known) > 64):
+        raise ValueRejected("p2p_known: expected a short list")
+    return {"p2p_dir": direction, "p2p_peer": v_int(doc.get("p2p_peer"), "p2p_peer", optional=True, lo=0, hi=10**7),
+            "p2p_known": None if known is None else frozenset(
+                v_int(p, "p2p_known[]", lo=0, hi=10**7) or 0 for p in known)}
 
 
 def fr_share(traces: Mapping[int, RankTrace], per_pg: int, budget_bytes: int) -> dict[str, Any]:

@@ -130,8 +130,18 @@ NAMED_IN_MESSAGE = "named_in_message"  # an error message names whom it waited f
 OWN_TIMEOUT = "own_timeout"  # a rank's own timeout / mismatch line: it waits, for whom it cannot say
 PEER_GONE = "peer_gone"  # a rank's own "connection closed/reset by peer" and no timeout: its peer went away
 IN_COLLECTIVE = "in_collective"  # live: the hook's record says it is inside a Python-level collective
+P2P_PEER = "p2p_peer"  # live: the hook's record says it is inside a send/recv with this peer (``on``: that peer)
 OWN_WAITS = frozenset({OWN_TIMEOUT, PEER_GONE, IN_COLLECTIVE})
 IN_OP_CALLS = frozenset({"stack", "counters"})  # InOp sources that say which call a rank waits in
+
+
+@dataclass(slots=True)
+class KnownPeers:
+    """The peers a rank completed a send/recv with before the one it is in (live: the hook's record); ``peers``
+    None: more than the record keeps, so whether a peer is new cannot be said."""
+
+    rank: int
+    peers: frozenset[int] | None
 
 
 @dataclass(slots=True)
@@ -318,6 +328,7 @@ class FactSet:
     stacks: list[SameStack] = field(default_factory=list)
     gpu: list[GpuUse] = field(default_factory=list)
     threads: list[ThreadDied] = field(default_factory=list)
+    peers: list[KnownPeers] = field(default_factory=list)  # live: whom each rank's sends/recvs reached before
 
     def waiting_own(self) -> set[int]:
         """Ranks whose own lines show them waiting on a peer (a timeout, a lost peer, a mismatch)."""

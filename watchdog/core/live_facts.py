@@ -3,10 +3,11 @@ nodes) become the ``core.facts`` the engine and the live rungs read, joined with
 facts (``core.fr_facts``). Pure.
 
 Edges, strongest first: the flight recorder (a rank with collective N of group G in flight waits for the
-members of G that have not entered N; a send/recv in flight waits for its peer), the hook's counters (a
-rank in Python-level collective N waits for ranks whose count is below N; never for p2p ops, whose count
+members of G that have not entered N; a send/recv in flight waits for its peer), the hook's record (a send
+or recv it is in waits for the peer it names: a send for its receiver, a recv for its sender; a rank in
+Python-level collective N waits for ranks whose count is below N; never by count for p2p ops, whose count
 differs by design across pipeline stages), and waiting without a known target (a stack blocked in a
-wait, DDP's sync in backward, a consequence exit).
+wait, DDP's sync in backward, a consequence exit, a send/recv whose peer is not named).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Collection, Sequence
 from .facts import (
     FR_ENTRY,
     IN_COLLECTIVE,
+    P2P_PEER,
     Busy,
     Count,
     Ended,
@@ -24,6 +26,7 @@ from .facts import (
     GpuUse,
     InOp,
     KilledByRankwatch,
+    KnownPeers,
     PriorVerdict,
     Progress,
     Rung,
@@ -134,11 +137,15 @@ def live_facts(
             busy.append(Busy(v.rank, v.phase, moving=moving))
         elif v.rank in by_fr:
             waits.extend(by_fr[v.rank])
+        elif inside and v.p2p_peer is not None and v.p2p_dir == v.coll_op:
+            # the send/recv it is in names its peer: a send waits for its receiver, a recv for its sender
+            waits.append(Waits(v.rank, frozenset({v.p2p_peer}), "", v.coll_seq, v.coll_op, Rung.COUNTERS, P2P_PEER))
         elif inside and v.coll_seq in counted:
             waits.append(Waits(v.rank, counted[v.coll_seq], "", v.coll_seq, v.coll_op, Rung.COUNTERS))
         else:
             how = Rung.WAITING if inside or v.waiting is None else Rung.STACKS
             waits.append(Waits(v.rank, None, "", v.coll_seq or None, v.coll_op, how))
+    facts.peers = [KnownPeers(v.rank, v.p2p_known) for v in live if v.p2p_dir is not None]
     return facts
 
 

@@ -56,6 +56,12 @@ class RankView:
     stack_top: tuple[str, ...] = ()
     stack_signature: str | None = None
     waiting: bool | None = None  # stack shows it blocked in a collective / wait (None: no stack)
+    # the send/recv it is in or issued last, when that is its newest Python-level collective (the hook's record):
+    # "send" or "recv", and the peer's global rank (None: the op named none)
+    p2p_dir: str | None = None
+    p2p_peer: int | None = None
+    # the peers a send/recv of it completed with before; None: not known (more peers than the record keeps)
+    p2p_known: frozenset[int] | None = None
 
     @property
     def node_key(self) -> tuple[int, str]:

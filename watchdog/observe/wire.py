@@ -15,6 +15,8 @@ __all__ = ["MAX_STR", "WireError", "snapshot_from_doc", "snapshot_to_doc"]
 
 MAX_STEPS = 4096  # steps per snapshot (the ring holds 512)
 MAX_PHASES = 64
+MAX_PEERS = 64  # known p2p peers (the record keeps 8)
+P2P_DIRS = ("send", "recv")
 
 
 def _phases(v: Any) -> dict[str, float]:
@@ -37,6 +39,8 @@ def snapshot_to_doc(s: RecordSnapshot) -> dict[str, Any]:
         "exit_ns": s.exit_ns, "steps_done": s.steps_done, "crash_info": s.crash_info,
         "thread_error": s.thread_error,
         "gpu_phase_ms": s.gpu_phase_ms,
+        "p2p_dir": s.p2p_dir, "p2p_peer": s.p2p_peer, "p2p_known": list(s.p2p_known),
+        "p2p_known_full": s.p2p_known_full,
         "steps": [
             [t.step, t.start_ns, t.end_ns, t.phases_ms, t.input_ms, t.input_batches, t.input_workers]
             for t in s.recent_steps
@@ -98,4 +102,17 @@ def snapshot_from_doc(d: Any, path: str) -> RecordSnapshot:
         thread_error=w_str(d.get("thread_error", ""), 1024),
         gpu_phase_ms=_phases(d.get("gpu_phase_ms")),
         recent_steps=tuple(timings),
+        **_p2p(d),
     )
+
+
+def _p2p(d: dict[str, Any]) -> dict[str, Any]:
+    """The send/recv fields (a reader of an older release sends none: nothing known)."""
+    direction, peer, known = d.get("p2p_dir"), d.get("p2p_peer"), d.get("p2p_known", [])
+    if direction is not None and direction not in P2P_DIRS:
+        raise WireError("snapshot: p2p_dir malformed")
+    if not isinstance(known, list) or len(known) > MAX_PEERS:
+        raise WireError("snapshot: p2p_known malformed")
+    return {"p2p_dir": direction, "p2p_peer": None if peer is None else w_int(peer, 0, (1 << 31) - 1),
+            "p2p_known": tuple(w_int(p, 0, (1 << 31) - 1) for p in known),
+            "p2p_known_full": d.get("p2p_known_full", False) is True}

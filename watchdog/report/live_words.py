@@ -288,6 +288,26 @@ def _ops(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[st
     )
 
 
+def _wrong_peer(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
+    """A cycle of send/recv waits whose one new edge is the named rank's (``core.rules.peers``)."""
+    arrow = {"send": "sends to", "recv": "receives from"}
+
+    def edge(e: Mapping[str, Any]) -> str:
+        return f"rank {e['rank']} {arrow.get(e['op'], 'waits for')} rank {e['peer']}"
+
+    known = d.get("known") or ()
+    others = [e for e in d["cycle"] if e["rank"] not in f.ranks]
+    lines = [f"{edge(e)}" + (" (a peer it never exchanged with before)" if e["rank"] in f.ranks else "")
+             for e in d["cycle"]]
+    return (
+        f"{fmt_ranks(f.ranks)} waits in a {d['op']} with rank {d['peer']}, a peer it never exchanged a send or recv "
+        f"with before (only with {fmt_ranks(known)}), while {ranks_verb([e['rank'] for e in others], 'waits', 'wait')}"
+        " on peers they exchanged with before: a cycle of waits whose one new edge is its own — its schedule names "
+        "the wrong peer",
+        [f"send/recv wait cycle: {'; '.join(lines)}"],
+    )
+
+
 def _odd_stack(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list[str]]:
     return (f"{ranks_verb(f.ranks, 'has', 'have')} a stack the other ranks do not share; no other evidence singles a "
             "rank out", [])
@@ -314,7 +334,7 @@ def _unknown(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, lis
 
 _VIA = {
     Rung.FLIGHT_RECORDER: "the flight recorder (per process group: who has not entered what its peers wait in)",
-    Rung.COUNTERS: "the collective counters (who has not entered the collective its peers wait in)",
+    Rung.COUNTERS: "the hook's record (who has not entered the collective its peers wait in; the peer of a send/recv)",
     Rung.WAITING: "waiting states (ranks blocked on peers whose peer is not named)",
     Rung.STACKS: "stacks blocked in a wait",
     Rung.EXIT_CAUSE: "exits that are consequences (timeouts, lost peers)",
@@ -355,7 +375,7 @@ def _engine(f: Finding, d: Mapping[str, Any], c: LiveContext) -> tuple[str, list
     lines = [f"wait-for graph: {len(d.get('waiters', ()))} rank(s) wait; the sink(s) {fmt_ranks(f.ranks)} wait for "
              f"nobody (edges from {_VIA.get(edge, str(edge))})"]
     if anyone := d.get("via_anyone"):
-        lines.append(f"{fmt_ranks(anyone)} cannot say whom they wait for (p2p peer or timeout unknown)")
+        lines.append(f"{fmt_ranks(anyone)} cannot say whom they wait for (send/recv peer or timeout unknown)")
     return _wait_for_reason(f, d, c), lines
 
 
@@ -367,7 +387,7 @@ _LIVE: dict[str, Phrase] = {
     "behind": _behind, "extra_collective": _extra_collective, "skipped_collective": _skipped,
     "earliest_in_step": _earliest, "shared_cause": _earliest, "last_running": _earliest,
     "only_live": _earliest,
-    "thread_died": _thread_died, "op_tie": _ops, "odd_op": _ops,
+    "thread_died": _thread_died, "op_tie": _ops, "odd_op": _ops, "wrong_peer": _wrong_peer,
     "odd_stack": _odd_stack, "no_gpu": _gpu, "same_collective": _gpu, "no_answer": _unknown, "nothing": _unknown,
 }
 

@@ -109,6 +109,9 @@ OP = st.one_of(
     st.tuples(st.just("slot"), st.sampled_from(["grad_sync", "checkpoint", "eval"])),
     st.tuples(st.just("thread")),
     st.tuples(st.just("enter"), st.sampled_from([16, 40, -1])),  # out of the table / no phase
+    # send/recv peers: named, not named (-1), past the word's range, not an int; learned, again, past the slots
+    st.tuples(st.just("p2p_enter"), st.sampled_from([0, 3, 17, -1, 1 << 40, None]), st.sampled_from([1, 2])),
+    st.tuples(st.just("p2p_learn"), st.integers(-1, 11) | st.sampled_from([1 << 40, None])),
 )
 
 

@@ -36,6 +36,7 @@ from .ended import rule_exit_cause, rule_report_only
 from .exits import abort_on_mismatch, abort_with_odd_counts, rule_gone, rule_stopped, split_consequence
 from .logged import rule_logged_verdict
 from .mismatch import rule_mismatch
+from .peers import rule_wrong_peer
 from .progress import rule_behind, rule_lone_collective
 from .recorder import Behind, fr_behind, rule_fr, split_behind
 from .threads import rule_thread_died
@@ -182,6 +183,10 @@ LADDER: tuple[LadderRung, ...] = (
                # the graph already read groups, p2p peers and counters: their per-group "behind" is no
                # independent evidence against it (pipeline stages and subgroups make it disagree by design)
                subsumes=frozenset({n.EXITS_CONSEQUENCE, n.FR_BEHIND, n.COUNTERS, n.WAITING})),
+    LadderRung(n.WRONG_PEER, "in a cycle of send/recv waits (no sink), the one edge to a peer its waiter never "
+               "exchanged with before: that waiter's schedule is wrong (the hook's record)", False,
+               live=lambda c: rule_wrong_peer(c.facts) if c.facts is not None else None, decided_by=n.COUNTERS,
+               subsumes=frozenset({n.FR_BEHIND, n.COUNTERS, n.WAITING})),
     LadderRung(n.EXITS_CONSEQUENCE, "every exit a consequence and no sink: the first exit", False,
                decided_by=n.EXITS, derived=True),
     LadderRung(n.LONE_COLLECTIVE, "ranks in a collective nobody else issued, or that left early", False,

@@ -11,6 +11,7 @@ EXITS_ABORTED = "exits_aborted"  # an exit set aside as the consequence of a mis
 STOPPED = "stopped"
 FLIGHT_RECORDER = "flight_recorder"
 WAIT_FOR = "wait_for"
+WRONG_PEER = "wrong_peer"
 EXITS_CONSEQUENCE = "exits_consequence"
 LONE_COLLECTIVE = "lone_collective"
 FR_BEHIND = "fr_behind"
