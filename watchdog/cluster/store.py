@@ -564,13 +564,17 @@ class JobStore:
         Called once from the connecting thread; ``wait_for`` falls back to the shared one without it."""
         if self._waiter is not None:
             return
+        self._waiter = self._connection("a waiting connection")
+
+    def _connection(self, what: str) -> StoreClient:
+        """One more client connection to this store, with the client's bounds (StoreError when refused)."""
         host, _, port = self.address.rpartition(":")
-        waiter = StoreClient(host, int(port), self.policy)
+        client = StoreClient(host, int(port), self.policy)
         try:
-            waiter.connect()
+            client.connect()
         except StoreClientError as exc:
-            raise StoreError(f"cannot open a waiting connection to {self.address}: {exc}") from exc
-        self._waiter = waiter
+            raise StoreError(f"cannot open {what} to {self.address}: {exc}") from exc
+        return client
 
     def wait_for(self, keys: Sequence[str], timeout_s: float) -> bool:
         """True once every key exists, False when ``timeout_s`` passed first: the server wakes the caller
@@ -593,13 +597,7 @@ class JobStore:
         """A connection of its own for one background thread's bulk values (``cluster.live_share``): its writes and
         reads never queue behind or ahead of the poll loop's calls on the store's thread, and each has the
         client's deadline. The caller's thread blocks on it (never the poll loop's); closed with the store."""
-        host, _, port = self.address.rpartition(":")
-        client = StoreClient(host, int(port), self.policy)
-        try:
-            client.connect()
-        except StoreClientError as exc:
-            raise StoreError(f"cannot open a connection to {self.address}: {exc}") from exc
-        side = SideConnection(self, client)
+        side = SideConnection(self, self._connection("a connection"))
         self._sides.append(side)
         return side
 
