@@ -547,11 +547,29 @@ def capture_from_doc(doc: dict[str, Any], rank: int, pid: int) -> RankCapture:
     cap.notes = [clean(n, PROSE)[:300] for n in notes[:MAX_NOTES] if isinstance(n, str)]
     fr = doc.get("fr")
     if fr is not None:
-        try:
-            cap.fr_trace = parse_dump(fr, rank)
-        except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
-            cap.notes.append(f"flight recorder: the reader's trace rejected: {clean(str(exc), FIELD)[:200]}")
+        cap.fr_trace, rejected = _reader_trace(fr, rank)
+        if rejected:
+            cap.notes.append(f"flight recorder: {rejected}")
     return cap
+
+
+def _reader_trace(fr: Any, rank: int) -> tuple[RankTrace | None, str | None]:
+    """A trace an owner's reader handed back, checked again as root: the trace, or why it was rejected."""
+    try:
+        return parse_dump(fr, rank), None
+    except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
+        return None, f"the reader's trace rejected: {clean(str(exc), FIELD)[:200]}"
+
+
+def _ask_owner(job_dir: str, req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """``req`` answered by a one-shot reader of the job dir's owner, handed the dir as an fd (whatever its name
+    points at by now is not followed). OSError: the dir could not be opened; ReaderError: no answer."""
+    dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(dfd)
+        return default_readers().ask(st.st_uid, st.st_gid, req, (dfd,), timeout_s)
+    finally:
+        os.close(dfd)
 
 
 @handler("capture")
@@ -582,25 +600,19 @@ def _capture_request(w: Worker, req: dict[str, Any], fds: list[int]) -> dict[str
 def _capture_one(rank: int, pid: int, stopped: bool, job_dir: str, token: str, policy: CapturePolicy) -> RankCapture:
     """Root's part of one rank's capture: hand the job dir (an fd: whatever its name points at by now is not
     followed) to a one-shot reader of its owner, which does all the reading and parsing; check its answer."""
+    req = {"op": "capture", "rank": rank, "pid": pid, "stopped": stopped, "token": token,
+           "pyspy_timeout_s": policy.pyspy_timeout_s, "responder_timeout_s": policy.responder_timeout_s,
+           "locals": policy.include_locals}
+    # py-spy twice at most (blocking, then nonblocking), the responder's wait, and parsing a dump of up to
+    # MAX_FR_BYTES on a loaded host
+    limit = 2 * policy.pyspy_timeout_s + policy.responder_timeout_s + COLLECT_GRACE_S + PARSE_MARGIN_S
     try:
-        dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        out = _ask_owner(job_dir, req, limit)
     except OSError as exc:
         return RankCapture(rank=rank, pid=pid, pyspy_error=f"the job dir is gone: {exc.strerror}")
-    try:
-        st = os.fstat(dfd)
-        req = {"op": "capture", "rank": rank, "pid": pid, "stopped": stopped, "token": token,
-               "pyspy_timeout_s": policy.pyspy_timeout_s, "responder_timeout_s": policy.responder_timeout_s,
-               "locals": policy.include_locals}
-        # py-spy twice at most (blocking, then nonblocking), the responder's wait, and parsing a dump of up to
-        # MAX_FR_BYTES on a loaded host
-        limit = 2 * policy.pyspy_timeout_s + policy.responder_timeout_s + COLLECT_GRACE_S + PARSE_MARGIN_S
-        try:
-            out = default_readers().ask(st.st_uid, st.st_gid, req, (dfd,), limit)
-        except ReaderError as exc:
-            return RankCapture(rank=rank, pid=pid, pyspy_error=clean(str(exc), FIELD),
-                               responder_error="the owner's reader did not answer")
-    finally:
-        os.close(dfd)
+    except ReaderError as exc:
+        return RankCapture(rank=rank, pid=pid, pyspy_error=clean(str(exc), FIELD),
+                           responder_error="the owner's reader did not answer")
     if isinstance(out.get("error"), str) and "pyspy_threads" not in out:
         return RankCapture(rank=rank, pid=pid, pyspy_error=clean(out["error"], FIELD))
     cap = capture_from_doc(out, rank, pid)
@@ -647,25 +659,19 @@ AT_EXIT = "flight recorder: dumped by the rank as it ended (the responder was ne
 def _exit_dump_one(rank: int, pid: int, job_dir: str, timeout_s: float) -> tuple[RankTrace | None, str | None]:
     """Root's part: hand the job dir (an fd) to a one-shot reader of its owner, check its answer again."""
     try:
-        dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        out = _ask_owner(job_dir, {"op": "exit_dump", "rank": rank, "pid": pid}, timeout_s)
     except OSError:
         return None, None
-    try:
-        st = os.fstat(dfd)
-        out = default_readers().ask(st.st_uid, st.st_gid, {"op": "exit_dump", "rank": rank, "pid": pid}, (dfd,),
-                                    timeout_s)
     except ReaderError as exc:
         return None, f"flight recorder at exit: {clean(str(exc), FIELD)}"[:300]
-    finally:
-        os.close(dfd)
     note = clean(out["note"], PROSE)[:300] if isinstance(out.get("note"), str) else None
     fr = out.get("fr")
     if fr is None:
         return None, note and f"flight recorder at exit: {note}"
-    try:
-        return parse_dump(fr, rank), AT_EXIT + (f"; {note}" if note else "")
-    except (FlightRecorderFormatError, ValueError, TypeError, RecursionError) as exc:
-        return None, f"flight recorder at exit: the reader's trace rejected: {clean(str(exc), FIELD)[:200]}"
+    trace, rejected = _reader_trace(fr, rank)
+    if rejected:
+        return None, f"flight recorder at exit: {rejected}"
+    return trace, AT_EXIT + (f"; {note}" if note else "")
 
 
 def exit_dumps(gone: Sequence[tuple[int, int]], job_dir: str, policy: CapturePolicy) -> dict[int, RankCapture]:
