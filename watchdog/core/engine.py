@@ -116,7 +116,7 @@ def blame(facts: FactSet) -> Finding | None:
     if chosen and all(r in busy for r in chosen) and len(chosen) > 1:
         chosen = _refine_by_phase([busy[r] for r in chosen])
     chosen = _still_in_step(facts, chosen)
-    present = set(facts.ranks) - {s.rank for s in facts.silent}
+    present = set(facts.ranks) - silent
     if present and present <= set(chosen):
         return None  # names every rank that gave evidence: a shared cause, not a sink
     kind = _kind_of(facts, chosen)
