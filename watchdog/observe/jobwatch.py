@@ -358,39 +358,55 @@ class JobWatch:
         for st, seen in zip(sts, self.job.replaced_many([st.reader.r for st in sts]), strict=True):
             st.reader.replaced_seen = seen
 
+    def _read(self, rank: int, st: RankState) -> RecordSnapshot:
+        """The record's newest snapshot, or the last one kept (``st.unreadable`` says why) when it cannot be read."""
+        try:
+            snap = st.reader.read(since_step=st.cursor)
+            if snap.global_rank != rank:
+                raise RecordFormatError("rank in the record differs from its file name")
+            if st.unreadable is not None:
+                log.info("record_readable_again", job=self.job_id, rank=rank)
+            st.unreadable = None
+            return snap
+        except (RecordFormatError, ReaderError, OSError) as exc:
+            if st.unreadable is None:
+                log.warning("record_unreadable", job=self.job_id, rank=rank, error=str(exc)[:200])
+            st.unreadable = str(exc)[:200]
+            return st.last
+
+    def _absorb(self, rank: int, st: RankState, snap: RecordSnapshot) -> RecordSnapshot:
+        """``snap`` becomes the rank's last look: its identity checked, its new steps added to the history."""
+        if snap.pid != st.last.pid and st.ident is not None:
+            # the record now names another process: what was verified no longer holds
+            self._procs.forget(st.ident)
+            st.ident, st.unverified, st.verify_at_poll = None, "the record's pid changed", 0
+        st.last = snap
+        self._verify(rank, st)
+        # only steps past the cursor: a record that could not be read again hands back the last look's
+        steps = [t for t in snap.recent_steps if t.step > st.cursor]
+        if steps:
+            self.history[rank].extend(steps)
+            self.step_stats.setdefault(rank, RankHistograms()).add(steps)
+            # step 0 carries start-up costs; it must not inflate the learned timeout
+            longest_ns = max((t.end_ns - t.start_ns for t in steps if t.step > 0), default=0)
+            self.longest_step_s = max(self.longest_step_s, longest_ns / 1e9)
+            st.cursor = steps[-1].step
+        return snap
+
     def poll(self) -> list[RankView]:
         self.polls += 1
         now = time.monotonic_ns()
         views = []
         self._prefetch()
         for rank, st in sorted(self.ranks.items()):
-            try:
-                snap = st.reader.read(since_step=st.cursor)
-                if snap.global_rank != rank:
-                    raise RecordFormatError("rank in the record differs from its file name")
-                if st.unreadable is not None:
-                    log.info("record_readable_again", job=self.job_id, rank=rank)
-                st.unreadable = None
-            except (RecordFormatError, ReaderError, OSError) as exc:
-                if st.unreadable is None:
-                    log.warning("record_unreadable", job=self.job_id, rank=rank, error=str(exc)[:200])
-                st.unreadable = str(exc)[:200]
-                snap = st.last
-            if snap.pid != st.last.pid and st.ident is not None:
-                # the record now names another process: what was verified no longer holds
-                self._procs.forget(st.ident)
-                st.ident, st.unverified, st.verify_at_poll = None, "the record's pid changed", 0
-            st.last = snap
-            self._verify(rank, st)
-            steps = snap.recent_steps
-            if steps:
-                self.history[rank].extend(steps)
-                self.step_stats.setdefault(rank, RankHistograms()).add(steps)
-                # step 0 carries start-up costs; it must not inflate the learned timeout
-                longest_ns = max((t.end_ns - t.start_ns for t in steps if t.step > 0), default=0)
-                self.longest_step_s = max(self.longest_step_s, longest_ns / 1e9)
-                st.cursor = steps[-1].step
+            snap = self._absorb(rank, st, self._read(rank, st))
             state = self._state(st, now)
+            if state in (DEAD, ZOMBIE) and st.unreadable is None:
+                # the record was read before the process was looked at: a rank that ended in between wrote
+                # its crash or exit mark after that read (measured under load: a raised exception read as
+                # "died, no mark"). Dead now, it writes nothing more, so one more read has its last word
+                snap = self._absorb(rank, st, self._read(rank, st))
+                state = self._state(st, now)
             exit_age = None
             exit_order = None
             if state in (DEAD, ZOMBIE, CRASHED, EXITED):
