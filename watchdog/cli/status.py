@@ -5,7 +5,9 @@ The ranks' records say what each rank does; only the job's watchdog knows whethe
 so status also reads the state file the watchdog publishes (``serve.state``), and says how old it is:
 a stale file means the watchdog is gone, and its last word is shown as such. The straggler diagnosis is the
 watchdog's own (computed once per poll, the one its metrics and alerts read) while its state is fresh;
-only without a watchdog does status diagnose the records itself (``diagnosis_from`` says which).
+only without a watchdog does status diagnose the records itself (``diagnosis_from`` says which). On a follower
+node of a multi-node job the state also carries the leader's job-wide diagnosis (``job_diagnosis``): shown first,
+marked as the leader's, with this node's own below it — the job's straggler may run on another node.
 """
 
 from __future__ import annotations
