@@ -26,7 +26,7 @@ Each node's ``LiveShare`` thread, every ``CorrelationPolicy.live_share_every_s``
   what ``on_merge`` returns, the merged diagnosis as its own status shows it (``diagnosis_share``: label, ranks,
   phase, the straggler's excess, the cause with its text and next step, each named rank's node), under
   ``live/diagnosis``, with its node, start, sequence and issue time, sealed when a secret is set, at most
-  ``live_diagnosis_bytes``;
+  ``live_diagnosis_bytes`` — again every share while it stands (none once no other node shares a rank);
 * on a follower, reads ``live/diagnosis`` and checks it as the leader checks the nodes' values (its seal, at most
   ``live_diagnosis_bytes``, its schema and bounds by the store's validators, the leader's node, issued after
   ``Correlator.not_before``, never older than one already seen), every string cleaned where it enters
@@ -285,6 +285,7 @@ class LiveShare:
         self._diagnosis_order: tuple[float, int] = (0.0, 0)  # the newest taken: never forgotten
         self._diagnosis_bad: bytes | None = None  # the value last refused: not parsed (nor logged) again
         self._diagnosis_seq = 0
+        self._share: Mapping[str, Any] | None = None  # on the leader, the last merge's share for the followers
         self.diagnosis_bytes = 0  # the size of the leader's newest published diagnosis
         self.looks = 0  # completed looks (tests wait on it, as on the daemon's polls)
         self.published_bytes = 0  # the size of this node's newest value
@@ -369,13 +370,14 @@ class LiveShare:
         assert offer is not None
         fresh = self._fresh()
         ident = tuple((k, h.order) for k, h in fresh.items())
-        if self.on_merge is None or (offer is self._merged_offer and ident == self._merged_ident):
-            return  # nothing new on either side: the daemon's merged diagnosis stands
-        self._merged_offer, self._merged_ident = offer, ident
-        share = self.on_merge(offer, self._remote(offer, fresh))
-        if share is not None:
+        if self.on_merge is not None and (offer is not self._merged_offer or ident != self._merged_ident):
+            self._merged_offer, self._merged_ident = offer, ident
+            self._share = self.on_merge(offer, self._remote(offer, fresh))
+        # nothing new on either side: the daemon's merged diagnosis stands, and is published again (a new sequence
+        # and issue time), so the followers show it while this watchdog lives, also while the job makes no step
+        if self._share is not None:
             try:
-                self._publish_diagnosis(store, side, offer, share)
+                self._publish_diagnosis(store, side, offer, self._share)
             except StoreError as exc:
                 self._failed(exc)
 

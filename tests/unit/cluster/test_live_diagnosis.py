@@ -91,6 +91,9 @@ def test_a_follower_gets_the_leaders_job_wide_diagnosis_while_it_changes(two):
     assert got.cause_text.startswith("cause: network_path — rank 1:") and "; next: " in got.cause_text
     assert got.nodes == {1: "host-b"} and got.leader == "host-a" and not got.authenticated
     assert 0 < shares[0].diagnosis_bytes < POLICY.live_diagnosis_bytes
+    # nothing new on either side: the leader publishes it again every share (the follower shows it while it lives)
+    seq = shares[1]._diagnosis.order[1]
+    assert wait_for(lambda: shares[1]._diagnosis.order[1] >= seq + 2, timeout=30)
     # the leader reads none of its own: it is the job's diagnosis there already
     assert shares[0].job_diagnosis() is None
     # the leader's watchdog stops: after live_stale_s unchanged, the follower shows its own node's alone again
