@@ -5,7 +5,9 @@ The ranks' records say what each rank does; only the job's watchdog knows whethe
 so status also reads the state file the watchdog publishes (``serve.state``), and says how old it is:
 a stale file means the watchdog is gone, and its last word is shown as such. The straggler diagnosis is the
 watchdog's own (computed once per poll, the one its metrics and alerts read) while its state is fresh;
-only without a watchdog does status diagnose the records itself (``diagnosis_from`` says which).
+only without a watchdog does status diagnose the records itself (``diagnosis_from`` says which). On a follower
+node of a multi-node job the state also carries the leader's job-wide diagnosis (``job_diagnosis``): shown first,
+marked as the leader's, with this node's own below it — the job's straggler may run on another node.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from ..errors import UserError
 from ..observe.jobwatch import JobWatch
 from ..observe.process import ProcessTable
 from ..report.evidence_words import straggler_line
-from ..serve.state import MAX_STATE_BYTES, OUT_STATE_FILE, STATE_FILE, diagnosis_ref, incident_ref
+from ..serve.state import (
+    MAX_STATE_BYTES,
+    OUT_STATE_FILE,
+    STATE_FILE,
+    diagnosis_ref,
+    incident_ref,
+    job_diagnosis_ref,
+)
 from .argparser import Parser
 from .options import add_shm_dir, positive_float
 
@@ -108,7 +117,10 @@ def job_status(
     policy = StallPolicy(timeout_s=timeout) if isinstance(timeout, int | float) and timeout > 0 else StallPolicy()
     # the records' own view, by the rule detection uses (with the watchdog's timeout when it published one)
     stalled = stalled_ranks(views, policy, watch.longest_step_s)
-    diag = diagnosis_ref(state.get("diagnosis")) if state is not None and state["age_s"] <= stale_after_s else None
+    fresh = state is not None and state["age_s"] <= stale_after_s
+    diag = diagnosis_ref(state.get("diagnosis")) if state is not None and fresh else None
+    # a follower's: the leader's job-wide diagnosis beside this node's own (only while the watchdog is alive)
+    job_diag = job_diagnosis_ref(state.get("job_diagnosis")) if state is not None and fresh else None
     source = "watchdog"
     if diag is None:  # no watchdog (or a silent one, or none diagnosed yet): the records, as they are now
         own = diagnose_stragglers({r: list(h) for r, h in watch.history.items()})
@@ -146,6 +158,7 @@ def job_status(
         "cause_text": diag["cause_text"],
         "remote_ranks": diag["remote_ranks"],
         "diagnosis_from": source,
+        "job_diagnosis": job_diag,
     }
 
 
@@ -299,8 +312,13 @@ def _job_tail(job: dict[str, Any]) -> list[Any]:
 
     inc = job["open_incident"]
     parts: list[Any] = [Text(f"live: {s['line']}", style="yellow") for s in job["stragglers"]]
+    job_diag = job.get("job_diagnosis")
+    if job_diag:
+        parts += _leader_lines(job_diag)
     who = f" — {fmt_ranks(job['straggler_ranks'])}" if job["straggler_ranks"] else ""
     line = Text("diagnosis: " if not inc else "steps so far: ")
+    if job_diag:
+        line = Text("this node's diagnosis: " if not inc else "this node's steps so far: ")
     line.append(job["diagnosis"], style="bold")
     line.append(who + (f" in {job['phase']}" if job["phase"] else ""))
     remote = job["remote_ranks"]
@@ -318,6 +336,29 @@ def _job_tail(job: dict[str, Any]) -> list[Any]:
             who = fmt_ranks(i["initiating_ranks"]) if i["initiating_ranks"] else "no single rank"
             earlier = f"earlier incident {i['incident_id']}: {headline_of(i['kind'])} — {who}"
             parts.append(Text(earlier, style="dim"))
+    return parts
+
+
+def _leader_lines(d: dict[str, Any]) -> list[Any]:
+    """A follower's lines for the leader's job-wide diagnosis: which node said it (and that anyone could have, with
+    no store secret), the ranks it names with the node each runs on, why, and the cause."""
+    from rich.text import Text
+
+    src = f"from leader node {d['leader']}" + ("" if d["authenticated"] else ", unauthenticated")
+    line = Text(f"job diagnosis ({src}): ")
+    line.append(d["label"], style="bold")
+    ranks = d["straggler_ranks"]
+    if ranks:
+        line.append(f" — {fmt_ranks(ranks)}" + (f" in {d['phase']}" if d["phase"] else ""))
+        where = sorted({d["nodes"][str(r)] for r in ranks if str(r) in d["nodes"]})
+        if where:
+            line.append(f" on {', '.join(where[:4])}{' …' if len(where) > 4 else ''}")
+        if d["excess_ms"]:
+            line.append(f" (+{d['excess_ms']:.1f} ms/step)")
+    parts: list[Any] = [line, Text(f"  why: {d['why']}")]
+    if d["cause_text"]:
+        where = d["nodes"].get(str(d["cause_rank"]))
+        parts.append(Text(f"  {d['cause_text']}" + (f" [rank {d['cause_rank']} runs on {where}]" if where else "")))
     return parts
 
 

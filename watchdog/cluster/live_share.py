@@ -22,12 +22,23 @@ Each node's ``LiveShare`` thread, every ``CorrelationPolicy.live_share_every_s``
   (a replay). A rank the leader watches itself, or one an earlier node already shared, is not taken from
   another node. A node whose value has not changed for ``live_stale_s`` is left out (its watchdog or its
   part of the job ended). The leader then hands this node's offer and the other nodes' ranks to ``on_merge`` —
-  the daemon's merged diagnosis (``serve.daemon``), run on this thread, never on the poll loop.
+  the daemon's merged diagnosis (``serve.daemon``), run on this thread, never on the poll loop — and publishes
+  what ``on_merge`` returns, the merged diagnosis as its own status shows it (``diagnosis_share``: label, ranks,
+  phase, the straggler's excess, the cause with its text and next step, each named rank's node), under
+  ``live/diagnosis``, with its node, start, sequence and issue time, sealed when a secret is set, at most
+  ``live_diagnosis_bytes`` — again every share while it stands (none once no other node shares a rank);
+* on a follower, reads ``live/diagnosis`` and checks it as the leader checks the nodes' values (its seal, at most
+  ``live_diagnosis_bytes``, its schema and bounds by the store's validators, the leader's node, issued after
+  ``Correlator.not_before``, never older than one already seen), every string cleaned where it enters
+  (``parse_diagnosis``); ``job_diagnosis`` hands it to the daemon's state file and metrics, and so to ``status``,
+  beside the follower's own node's diagnosis, until it has not changed for ``live_stale_s``. Nothing else reads
+  it: no incident, live straggler, alert or kill comes of it.
 
 Only step numbers, durations and each node's own clock readings of its own ranks cross nodes: every rank is
 compared over its own window on its own node's clock (``merge_live``, as ``with_other_nodes`` does at the end).
 Without a store secret anyone who reaches the store can write a node's value: a forged one can make the leader
-name a wrong straggler in status and metrics (never an incident or a kill), as the end-of-run summary can.
+name a wrong straggler in status and metrics (never an incident or a kill), as the end-of-run summary can; a forged
+``live/diagnosis`` can make a follower show a wrong job diagnosis, marked unauthenticated (never more).
 """
 
 from __future__ import annotations
@@ -36,17 +47,29 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
 from ..core.host_signals import RankCounters
 from ..core.policy import CorrelationPolicy
-from ..core.schema import HISTORY_SCHEMA
+from ..core.schema import HISTORY_SCHEMA, LIVE_DIAGNOSIS_SCHEMA
 from ..core.steps import StepTiming
-from ..core.straggler_cause import thin_samples
+from ..core.straggler import StragglerDiagnosis
+from ..core.straggler_cause import CAUSES, cause_line, thin_samples
 from ..core.text import NAME, clean
 from .correlate import MAX_NODES, Correlator, history_doc, history_from_doc, window_samples
-from .store import JobStore, SideConnection, StoreError, ValueRejected, parse_json, v_float, v_int, v_str
+from .store import (
+    MAX_STR,
+    JobStore,
+    SideConnection,
+    StoreError,
+    ValueRejected,
+    parse_json,
+    v_float,
+    v_int,
+    v_str,
+)
 
 log = structlog.get_logger("rankwatch.live_share")
 
@@ -90,7 +113,117 @@ class _Held:
     changed_at: float  # the leader's monotonic time when it last saw the value change
 
 
-MergeFn = Callable[[Offer, RemoteRanks], None]
+@dataclass(frozen=True)
+class _HeldDiagnosis:
+    """The leader's newest valid job-wide diagnosis on a follower."""
+
+    raw: bytes
+    order: tuple[float, int]
+    diagnosis: JobDiagnosis
+    changed_at: float  # this follower's monotonic time when it last saw the value change
+
+
+# the daemon's merge on the leader: returns the merged diagnosis's share (``diagnosis_share``) for the followers, or
+# None when there is none to publish
+MergeFn = Callable[[Offer, RemoteRanks], "Mapping[str, Any] | None"]
+DIAGNOSIS_KEY = "live/diagnosis"  # the leader's job-wide live diagnosis, beside the nodes' ``live/<k>``
+
+
+def diagnosis_share(diag: StragglerDiagnosis, nodes: Mapping[int, str], node: str, ranks: int) -> dict[str, Any]:
+    """The leader's merged diagnosis as it publishes it for the followers: what its own status shows (label, ranks,
+    phase, the straggler's excess, the cause with its text and next step) and the node each named rank runs on
+    (``nodes``: the other nodes' ranks; the rest are the leader's own, on ``node``). Every line cut to the store's
+    string bound, at most ``ranks`` ranks named: the value stays within ``live_diagnosis_bytes``."""
+    cause = diag.cause or {}
+    named = isinstance(cause.get("cause"), str) and isinstance(cause.get("rank"), int)
+    who = list(diag.straggler_ranks[:ranks])
+    where = {str(r): clean(nodes.get(r, node), NAME) for r in [*who, *([cause["rank"]] if named else [])]}
+    return {
+        "label": clean(diag.label, NAME), "straggler_ranks": who, "phase": diag.phase and clean(diag.phase, NAME),
+        "why": clean(diag.why, MAX_STR), "steps": diag.steps, "excess_ms": round(diag.excess_ms, 3),
+        "time_lost_ms": round(diag.time_lost_ms, 3),
+        "cause": {"cause": clean(cause["cause"], NAME), "rank": cause["rank"],
+                  "text": clean(cause.get("text") or "", MAX_STR), "next": clean(cause.get("next") or "", MAX_STR)}
+        if named else None,
+        "nodes": where,
+    }
+
+
+@dataclass(frozen=True)
+class JobDiagnosis:
+    """The leader's job-wide live diagnosis as a follower holds it: read from the store, every field re-typed and
+    every string cleaned (it is another node's text). Shown beside the follower's own node's diagnosis in its
+    status, state file and metrics, and nowhere else: it opens no incident, names no live straggler, sends no
+    alert and kills nothing, so a forged one (no store secret) can at most change what those show."""
+
+    label: str
+    straggler_ranks: tuple[int, ...]
+    phase: str | None
+    why: str
+    steps: int
+    excess_ms: float
+    time_lost_ms: float
+    cause: str | None
+    cause_rank: int | None
+    cause_text: str  # ``cause_line``: "cause: … — …; next: …"
+    nodes: Mapping[int, str]  # each named rank's node
+    leader: str  # the leader node's name
+    authenticated: bool  # sealed with the store secret (False: anyone who reaches the store could have written it)
+
+    def doc(self) -> dict[str, Any]:
+        """As the state file carries it (``serve.state.job_diagnosis_ref`` reads it back)."""
+        return {"label": self.label, "straggler_ranks": list(self.straggler_ranks), "phase": self.phase,
+                "why": self.why, "steps": self.steps, "excess_ms": self.excess_ms, "time_lost_ms": self.time_lost_ms,
+                "cause": self.cause, "cause_rank": self.cause_rank, "cause_text": self.cause_text,
+                "nodes": {str(r): n for r, n in sorted(self.nodes.items())}, "from": "leader",
+                "leader": self.leader, "authenticated": self.authenticated}
+
+
+def parse_diagnosis(doc: object, leader: str, authenticated: bool, ranks: int) -> JobDiagnosis:
+    """``diagnosis_share``'s document read back on a follower: typed by the store's validators (ValueRejected
+    otherwise), every string through ``clean``, at most ``ranks`` ranks."""
+    if not isinstance(doc, Mapping):
+        raise ValueRejected("diagnosis: expected an object")
+    who = doc.get("straggler_ranks")
+    if not isinstance(who, list) or len(who) > ranks:
+        raise ValueRejected(f"straggler_ranks: expected a list of at most {ranks} ranks")
+    straggler_ranks = tuple(v_int(r, "straggler_ranks", lo=0, hi=2**31 - 1) or 0 for r in who)
+    cause_doc = doc.get("cause")
+    cause = cause_rank = None
+    text = ""
+    if cause_doc is not None:
+        if not isinstance(cause_doc, Mapping):
+            raise ValueRejected("cause: expected an object or null")
+        cause = v_str(cause_doc.get("cause"), "cause.cause")
+        if cause not in CAUSES:
+            raise ValueRejected(f"cause.cause: not a cause ({clean(cause, 64)!r})")
+        cause_rank = v_int(cause_doc.get("rank"), "cause.rank", lo=0, hi=2**31 - 1)
+        text = cause_line({"cause": cause, "text": clean(v_str(cause_doc.get("text"), "cause.text"), MAX_STR),
+                           "next": clean(v_str(cause_doc.get("next"), "cause.next"), MAX_STR)})
+    nodes = doc.get("nodes")
+    if not isinstance(nodes, Mapping) or len(nodes) > ranks + 1:
+        raise ValueRejected(f"nodes: expected an object of at most {ranks + 1} ranks")
+    where: dict[int, str] = {}
+    for r, n in nodes.items():
+        if not isinstance(r, str) or not r.isdigit() or len(r) > 10:
+            raise ValueRejected("nodes: expected rank keys")
+        where[int(r)] = clean(v_str(n, "nodes"), NAME)
+    phase = v_str(doc.get("phase"), "phase", optional=True)
+    return JobDiagnosis(
+        label=clean(v_str(doc.get("label"), "label"), NAME),
+        straggler_ranks=straggler_ranks,
+        phase=clean(phase, NAME) if phase else None,
+        why=clean(v_str(doc.get("why"), "why"), MAX_STR),
+        steps=v_int(doc.get("steps"), "steps", lo=0) or 0,
+        excess_ms=v_float(doc.get("excess_ms"), "excess_ms") or 0.0,
+        time_lost_ms=v_float(doc.get("time_lost_ms"), "time_lost_ms") or 0.0,
+        cause=clean(cause, NAME) if cause else None,
+        cause_rank=cause_rank,
+        cause_text=clean(text, 3 * MAX_STR),
+        nodes=where,
+        leader=leader,
+        authenticated=authenticated,
+    )
 
 
 def merge_live(
@@ -147,6 +280,13 @@ class LiveShare:
         self._bad: dict[int, bytes] = {}  # the value last refused per node: not parsed (nor logged) again
         self._stale: set[int] = set()
         self._error: str | None = None
+        # a follower's copy of the leader's job-wide diagnosis (replaced wholesale: read by the poll loop and scrapes)
+        self._diagnosis: _HeldDiagnosis | None = None
+        self._diagnosis_order: tuple[float, int] = (0.0, 0)  # the newest taken: never forgotten
+        self._diagnosis_bad: bytes | None = None  # the value last refused: not parsed (nor logged) again
+        self._diagnosis_seq = 0
+        self._share: Mapping[str, Any] | None = None  # on the leader, the last merge's share for the followers
+        self.diagnosis_bytes = 0  # the size of the leader's newest published diagnosis
         self.looks = 0  # completed looks (tests wait on it, as on the daemon's polls)
         self.published_bytes = 0  # the size of this node's newest value
         self._thread = threading.Thread(target=self._run, name=f"rankwatch-live-{correlator.job_id[:16]}",
@@ -156,6 +296,14 @@ class LiveShare:
     def offer(self, offer: Offer) -> None:
         """The poll loop's newest lists: kept by reference (one assignment), published at the next share."""
         self._offer = offer
+
+    def job_diagnosis(self) -> JobDiagnosis | None:
+        """On a follower, the leader's job-wide live diagnosis while it keeps changing (None: none read yet, or
+        unchanged for ``live_stale_s``: the leader's watchdog or its share stopped)."""
+        held = self._diagnosis
+        if held is None or time.monotonic() - held.changed_at > self.policy.live_stale_s:
+            return None
+        return held.diagnosis
 
     def close(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
@@ -204,25 +352,86 @@ class LiveShare:
     def _once(self) -> None:
         offer = self._offer
         conn = self._connection()
-        if conn is None or offer is None:
+        if conn is None or (offer is None and self.corr.leader):
             return
         store, side = conn
         try:
-            if offer is not self._published:
+            if offer is not None and offer is not self._published:
                 self._publish(side, offer)
             if not self.corr.leader:
+                self._read_diagnosis(store, side)
+                self._error = None
                 return
             self._read(store, side)
         except StoreError as exc:
             self._failed(exc)
             return
         self._error = None
+        assert offer is not None
         fresh = self._fresh()
         ident = tuple((k, h.order) for k, h in fresh.items())
-        if self.on_merge is None or (offer is self._merged_offer and ident == self._merged_ident):
-            return  # nothing new on either side: the daemon's merged diagnosis stands
-        self._merged_offer, self._merged_ident = offer, ident
-        self.on_merge(offer, self._remote(offer, fresh))
+        if self.on_merge is not None and (offer is not self._merged_offer or ident != self._merged_ident):
+            self._merged_offer, self._merged_ident = offer, ident
+            self._share = self.on_merge(offer, self._remote(offer, fresh))
+        # nothing new on either side: the daemon's merged diagnosis stands, and is published again (a new sequence
+        # and issue time), so the followers show it while this watchdog lives, also while the job makes no step
+        if self._share is not None:
+            try:
+                self._publish_diagnosis(store, side, offer, self._share)
+            except StoreError as exc:
+                self._failed(exc)
+
+    def _publish_diagnosis(self, store: JobStore, side: SideConnection, offer: Offer, share: Mapping[str, Any]
+                           ) -> None:
+        """The merged diagnosis for the followers (``DIAGNOSIS_KEY``), as the node values are: the leader's node,
+        this daemon's start, a sequence and its issue time, sealed with the store secret when one is set; never
+        over ``live_diagnosis_bytes`` (the followers would refuse it)."""
+        self._diagnosis_seq += 1
+        doc = {"schema": LIVE_DIAGNOSIS_SCHEMA, "node_rank": self.corr.node_rank, "node": offer.node[:255],
+               "boot": round(self.corr.started_unix, 3), "seq": self._diagnosis_seq, "issued": round(time.time(), 3),
+               "diagnosis": dict(share)}
+        size = len(store._encode(DIAGNOSIS_KEY, doc))
+        if size > self.policy.live_diagnosis_bytes:
+            if self._error != "diagnosis too large":
+                log.warning("live_diagnosis_too_large", job=self.corr.job_id, bytes=size,
+                            limit=self.policy.live_diagnosis_bytes)
+            self._error = "diagnosis too large"
+            return
+        self.diagnosis_bytes = side.set_json(DIAGNOSIS_KEY, doc)
+
+    def _read_diagnosis(self, store: JobStore, side: SideConnection) -> None:
+        """On a follower: the leader's newest diagnosis into ``_diagnosis``, checked as the leader checks the
+        nodes' values (its seal, its schema and bounds, the leader's node, fresh, no replay); a value that stopped
+        changing ages out in ``job_diagnosis``."""
+        raw = side.get_raw(DIAGNOSIS_KEY)
+        held = self._diagnosis
+        if raw is None or (held is not None and raw == held.raw) or raw == self._diagnosis_bad:
+            return  # none yet, unchanged (it ages), or refused before (logged then)
+        try:
+            order, diagnosis = self._parse_diagnosis(store, raw)
+        except ValueRejected as exc:
+            self._diagnosis_bad = raw
+            self.corr._reject(DIAGNOSIS_KEY, exc)
+            return
+        self._diagnosis_order = order
+        self._diagnosis = _HeldDiagnosis(raw, order, diagnosis, time.monotonic())
+
+    def _parse_diagnosis(self, store: JobStore, raw: bytes) -> tuple[tuple[float, int], JobDiagnosis]:
+        p = self.policy
+        if len(raw) > p.live_diagnosis_bytes:
+            raise ValueRejected(f"live diagnosis of {len(raw)} bytes exceeds {p.live_diagnosis_bytes}")
+        doc = parse_json(store.unseal(DIAGNOSIS_KEY, raw), LIVE_DIAGNOSIS_SCHEMA)
+        if v_int(doc.get("node_rank"), "node_rank", lo=0, hi=10**6) != 0:
+            raise ValueRejected(f"live diagnosis of node {doc.get('node_rank')!r}: only the leader (node 0) has one")
+        issued = v_float(doc.get("issued"), "issued") or 0.0
+        if issued < self.corr.not_before():
+            raise ValueRejected("live diagnosis issued before this job generation or this daemon started (replayed)")
+        order = (v_float(doc.get("boot"), "boot") or 0.0, v_int(doc.get("seq"), "seq", lo=0) or 0)
+        if order < self._diagnosis_order:
+            raise ValueRejected("live diagnosis older than one already seen (replayed)")
+        leader = clean(v_str(doc.get("node"), "node") or "", NAME) or "node 0"
+        return order, parse_diagnosis(doc.get("diagnosis"), leader, store.secret is not None,
+                                      p.live_diagnosis_ranks)
 
     def _publish(self, side: SideConnection, offer: Offer) -> None:
         p = self.policy
@@ -318,4 +527,5 @@ class LiveShare:
         return RemoteRanks(steps, signals, nodes, node_ranks)
 
 
-__all__ = ["LiveShare", "Offer", "RemoteRanks", "merge_live"]
+__all__ = ["DIAGNOSIS_KEY", "JobDiagnosis", "LiveShare", "Offer", "RemoteRanks", "diagnosis_share", "merge_live",
+           "parse_diagnosis"]

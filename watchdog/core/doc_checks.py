@@ -46,6 +46,7 @@ STATE_FIELDS: Spec = {
     "incidents": (False, list_of(is_dict), "a list of incidents"),
     "stragglers": (False, list_of(is_dict), "a list of stragglers"),
     "diagnosis": (False, opt(is_dict), "an object or null"),
+    "job_diagnosis": (False, opt(is_dict), "an object or null"),
 }
 
 INCIDENT_REF_FIELDS: Spec = {

@@ -295,6 +295,15 @@ class CorrelationPolicy:
     # a node whose live value the leader has not seen change for this long is left out of the live diagnosis
     # (its watchdog stopped, or its job ended there): three shares missed
     live_stale_s: float = 12.0
+    # the leader's job-wide live diagnosis, published under ``live/diagnosis`` for the followers' status and metrics
+    # (``cluster.live_share``): its label, ranks, phase and four lines of at most 512 characters (``store.MAX_STR``,
+    # ≤ 3 KiB each JSON-escaped at 6 bytes a character) and at most ``live_diagnosis_ranks`` named ranks with their
+    # nodes' names (≤ 128 characters): ~20 KiB at worst, ~1 KiB in practice. A follower reads it every share and
+    # refuses a larger value unparsed, so a hostile one costs it one bounded read
+    live_diagnosis_bytes: int = 32 << 10
+    # ranks the shared diagnosis names (straggler ranks, each with its node): a straggler is one rank or a few;
+    # a diagnosis naming more is cut to these (the leader's own status lists them all)
+    live_diagnosis_ranks: int = 64
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ SUMMARY_SCHEMA = "rankwatch.summary/1"  # the end-of-run straggler summary
 NODE_SCHEMA = "rankwatch.node/1"  # a node's rank snapshot in the job store
 INCIDENT_SCHEMA = "rankwatch.incident/1"  # an incident claim in the job store
 HISTORY_SCHEMA = "rankwatch.history/1"  # a node's step rings for the leader's summary
+LIVE_DIAGNOSIS_SCHEMA = "rankwatch.live_diagnosis/1"  # the leader's job-wide live diagnosis, for followers
 STATE_SCHEMA = "rankwatch.state/1"  # what a job's watchdog publishes for ``rankwatch status``
 RUNNING_SCHEMA = "rankwatch.running/1"  # a job ``rankwatch inspect`` saw make progress: no verdict, no bundle
 

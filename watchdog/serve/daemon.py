@@ -23,7 +23,7 @@ import structlog
 from rankwatch.hooks.files import atomic_write_in
 
 from ..cluster.correlate import Correlator, SharedIncident
-from ..cluster.live_share import LiveShare, Offer, RemoteRanks, merge_live
+from ..cluster.live_share import JobDiagnosis, LiveShare, Offer, RemoteRanks, diagnosis_share, merge_live
 from ..core.detect import (
     Trigger,
     allowance_s,
@@ -665,6 +665,7 @@ class Daemon:
             stragglers=[s.doc() for s in entry.live_stragglers.values() if s.reported],
             owner_lag_s=self._owner_lag(watch.owner_uid),
             diagnosis=diagnosis_doc(entry.straggler, entry.straggler_remote),
+            job_diagnosis=job.doc() if (job := self.job_diagnosis(job_id)) is not None else None,
         )
         try:
             self.state.publish(job_id, watch.dir_path, doc, force=force)
@@ -751,18 +752,30 @@ class Daemon:
                 self.shares[job_id] = share
         return share
 
-    def _merge_live(self, entry: JobEntry, share: CorrelationPolicy, offer: Offer, remote: RemoteRanks) -> None:
+    def _merge_live(self, entry: JobEntry, share: CorrelationPolicy, offer: Offer, remote: RemoteRanks
+                    ) -> dict[str, Any] | None:
         """On the leader's share thread, never the poll loop's: the live diagnosis over this node's offered ranks
         and the other nodes' (each rank on its own node's clock, ``merge_live``), for the poll loop to take; none
-        while no other node shares a rank."""
+        while no other node shares a rank. Returned as the share the followers show beside their own node's
+        (``live_share.diagnosis_share``): the job's diagnosis, published only once it covers another node's ranks
+        and as many steps as this node's status needs to show it."""
         if not remote.steps:
             entry.merged = None
-            return
+            return None
         per_rank, samples = merge_live(offer.history or offer.steps, offer.samples, remote,
                                        share.live_steps_shared, share.live_samples_per_rank)
         diag = self._diagnose(entry, per_rank, samples, remote.steps)
         entry.merged = MergedLive(next(self._merge_seq), diag, dict(remote.nodes), time.monotonic(),
                                   share.live_stale_s + share.live_share_every_s)
+        if len(diag.windows) < 2 or diag.steps < self.config.live.min_steps:
+            return None  # as ``_apply_live``: too few steps to name a straggler live
+        return diagnosis_share(diag, remote.nodes, offer.node, share.live_diagnosis_ranks)
+
+    def job_diagnosis(self, job_id: str) -> JobDiagnosis | None:
+        """On a follower, the leader's job-wide live diagnosis of ``job_id`` (``LiveShare.job_diagnosis``), shown
+        beside this node's own in the state file and metrics, and never read by detection, alerts or kills."""
+        share = self.shares.get(job_id)
+        return share.job_diagnosis() if share is not None else None
 
     def _maybe_remove_files(self, job_id: str, entry: JobEntry) -> None:
         keep = self.config.serve.retain_finished_s

@@ -146,6 +146,17 @@ _SPEC: tuple[tuple[str, str, str, tuple[str, ...], str], ...] = (
      "1 for the rank the current diagnosis's cause names (a straggler's, or on a communication-bound job the rank "
      "whose network path is slow); node: the other node it runs on when the leader's diagnosis compared the "
      "ranks other nodes share (empty: this node's rank)"),
+    # a follower's copy of the leader's job-wide live diagnosis (``cluster.live_share``), beside its own node's above:
+    # families of their own, so the ones above keep one meaning per node and a dashboard over every node counts
+    # the leader's straggler once; served only by a follower while the leader shares one
+    ("leader_diagnosis", "gauge", "rankwatch_leader_diagnosis", (*_J, "label", "phase", "leader", "authenticated"),
+     "On a follower node, 1 for the leader's job-wide live straggler diagnosis over every node's ranks (leader: the "
+     "leader node's name; authenticated: false when the store has no secret and anyone who reaches it could have "
+     "written it)"),
+    ("leader_straggler", "gauge", "rankwatch_leader_straggler", (*_R, "phase", "label", "cause", "node"),
+     "On a follower node, 1 for each rank the leader's job-wide diagnosis names; node: the node it runs on"),
+    ("leader_cause", "gauge", "rankwatch_leader_straggler_cause", (*_R, "cause", "node"),
+     "On a follower node, 1 for the rank the leader's job-wide diagnosis's cause names; node: the node it runs on"),
     ("live", "gauge", "rankwatch_live_straggler", (*_R, "phase", "label"),
      "1 for each rank the live diagnosis has named on consecutive looks at the recent steps"),
     ("live_since", "gauge", "rankwatch_live_straggler_since_timestamp_seconds", (*_R, "phase", "label"),
@@ -341,6 +352,16 @@ class DaemonCollector:
             named, cause_rank = (diag.cause or {}).get("cause"), (diag.cause or {}).get("rank")
             if isinstance(named, str) and isinstance(cause_rank, int):
                 m["cause"].add_metric([job_id, str(cause_rank), named, remote.get(cause_rank, "")], 1.0)
+        job = self.daemon.job_diagnosis(job_id)  # the share thread replaces it wholesale
+        if job is not None:
+            m["leader_diagnosis"].add_metric([job_id, job.label, job.phase or "", job.leader,
+                                              "true" if job.authenticated else "false"], 1.0)
+            for r in job.straggler_ranks:
+                m["leader_straggler"].add_metric([job_id, str(r), job.phase or "", job.label, job.cause or "",
+                                                  job.nodes.get(r, "")], 1.0)
+            if job.cause is not None and job.cause_rank is not None:
+                m["leader_cause"].add_metric([job_id, str(job.cause_rank), job.cause,
+                                              job.nodes.get(job.cause_rank, "")], 1.0)
 
 
 @dataclass(frozen=True)

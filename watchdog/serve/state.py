@@ -101,6 +101,31 @@ def diagnosis_ref(doc: object) -> dict[str, Any] | None:
     }
 
 
+def job_diagnosis_ref(doc: object) -> dict[str, Any] | None:
+    """A follower's copy of the leader's job-wide diagnosis (``live_share.JobDiagnosis.doc``) as ``status`` reads
+    it back from a state file anyone able to write the job dir may have replaced: ``diagnosis_ref``'s fields, the
+    straggler's excess, each named rank's node, the leader's name and whether the value was sealed — every field
+    re-typed and cleaned; None when it is not one."""
+    base = diagnosis_ref(doc)
+    if base is None or not isinstance(doc, Mapping):
+        return None
+    nodes = doc.get("nodes")
+
+    def ms(v: object) -> float:
+        return round(float(v), 3) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
+
+    return {
+        **base,
+        "excess_ms": ms(doc.get("excess_ms")),
+        "time_lost_ms": ms(doc.get("time_lost_ms")),
+        "nodes": {k: clean(v, NAME) for k, v in list(nodes.items())[:MAX_REMOTE_LISTED]
+                  if isinstance(k, str) and k.isdigit() and isinstance(v, str)} if isinstance(nodes, Mapping) else {},
+        "from": "leader",
+        "leader": clean(doc.get("leader") or "node 0", NAME),
+        "authenticated": doc.get("authenticated") is True,
+    }
+
+
 def state_doc(
     *,
     job_id: str,
@@ -114,6 +139,7 @@ def state_doc(
     stragglers: Sequence[dict[str, Any]] = (),
     owner_lag_s: float = 0.0,
     diagnosis: dict[str, Any] | None = None,
+    job_diagnosis: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state document, without the time it is written (so two polls' documents compare equal)."""
     return {
@@ -132,6 +158,9 @@ def state_doc(
         # flood or stopped reader slows only their jobs, and status says so
         "owner_lag_s": round(owner_lag_s, 1),
         "diagnosis": diagnosis,  # ``diagnosis_doc``: the job's straggler diagnosis, null before the first
+        # on a follower of a multi-node job, the leader's job-wide live diagnosis (``JobDiagnosis.doc``) beside this
+        # node's own in ``diagnosis``; null on the leader, on one node, and while the leader shares none
+        "job_diagnosis": job_diagnosis,
         # which run of the job the open incident belongs to (a daemon restarted later resumes it only for
         # the same run: a reused job id is a new run)
         "generation_start_unix": None if generation_start_unix is None else round(generation_start_unix, 3),

@@ -100,3 +100,37 @@ def test_times_count_from_the_rank_start_never_from_boot(procs, shm_dir):
     assert 0 <= row["in_phase_s"] <= alive and 0 <= row["since_progress_s"] <= alive, (row, alive)
     uptime = float(Path("/proc/uptime").read_text().split()[0])
     assert uptime > alive  # the bound above is a real one
+
+
+def test_a_follower_shows_the_leaders_job_diagnosis_beside_its_own(procs, shm_dir):
+    """On a follower node the state file carries the leader's job-wide diagnosis (``job_diagnosis``) beside the
+    node's own: status names the leader node it came from, that no secret sealed it, the node each named rank runs
+    on, and says which diagnosis is this node's. Read back from a file anyone able to write the job dir may have
+    replaced: its strings are cleaned again."""
+    start_ranks(procs, shm_dir, "follow", stall_rank=-1)
+    assert wait_for(lambda: len((status_json(shm_dir)["jobs"] or [{"ranks": []}])[0]["ranks"]) == 2, 60)
+    own = {"label": "BALANCED", "straggler_ranks": [], "phase": None, "why": "ranks 2, 3 alike", "steps": 100,
+           "cause": None, "cause_rank": None, "cause_text": "", "remote_ranks": {}}
+    job = {"label": "INPUT STRAGGLER", "straggler_ranks": [0], "phase": "dataloader", "why": "rank 0 loads slowly",
+           "steps": 100, "excess_ms": 31.25, "time_lost_ms": 3125.0, "cause": "own_work", "cause_rank": 0,
+           "cause_text": "cause: own_work — rank 0's own work\x1b[31m; next: profile rank 0",
+           "nodes": {"0": "node-a\x1b]0;x\x07"}, "from": "leader", "leader": "node-a", "authenticated": False}
+    doc = {"schema": "rankwatch.state/1", "job_id": "follow", "updated_unix": time.time(),
+           "watchdog_pid": os.getpid(), "mode": "run", "on_stall": "report", "stall_timeout_s": 30.0,
+           "stalled_ranks": [], "open_incident": None, "incidents": [], "stragglers": [], "diagnosis": own,
+           "job_diagnosis": job}
+    (shm_dir / "follow" / "watchdog.json").write_text(json.dumps(doc))
+    text = status_showing(shm_dir, "job diagnosis")
+    assert ("job diagnosis (from leader node node-a, unauthenticated): INPUT STRAGGLER — rank 0 in dataloader on "
+            "node-a?]0;x? (+31.2 ms/step)") in text, text
+    assert "  cause: own_work — rank 0's own work?[31m; next: profile rank 0 [rank 0 runs on node-a?]0;x?]" in text
+    assert "this node's diagnosis: BALANCED" in text and "\x1b" not in text, text
+    (got,) = status_json(shm_dir)["jobs"]
+    assert got["diagnosis"] == "BALANCED" and got["job_diagnosis"]["straggler_ranks"] == [0], got
+    assert got["job_diagnosis"]["authenticated"] is False and got["job_diagnosis"]["leader"] == "node-a"
+    # sealed with the store secret: no "unauthenticated"
+    doc["job_diagnosis"] = {**job, "authenticated": True}
+    doc["updated_unix"] = time.time()
+    (shm_dir / "follow" / "watchdog.json").write_text(json.dumps(doc))
+    text = status_showing(shm_dir, "job diagnosis (from leader node node-a):")
+    assert "job diagnosis (from leader node node-a): INPUT STRAGGLER" in text, text
