@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rankwatch.hooks.record import read_record
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -274,6 +275,16 @@ def skip_if_gloo_teardown_abort(result: subprocess.CompletedProcess, job_dir: Pa
     records = [read_record(str(p)) for p in Path(job_dir).glob("rank-*.hb")]
     if records and all(r.steps_done >= steps for r in records):
         pytest.skip(f"gloo aborted a rank during process-group teardown after all {steps} steps")
+
+
+def rank_pid(shm: Path, job: str, rank: int) -> int | None:
+    """The pid rank ``rank``'s record names, None until the record exists (a test that acts on a rank's process
+    asks again)."""
+    try:
+        pid = read_record(str(shm / job / f"rank-{rank}.hb")).pid
+    except Exception:  # not published yet (or half written): asked again
+        return None
+    return pid if pid > 0 else None
 
 
 def demo_job_cmd(tmp_path: Path, job_id: str, nproc: int, *demo_args: str,

@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import demo_job_cmd, skip_if_gloo_teardown_abort, wait_for
-from rankwatch.hooks.record import read_record
+from conftest import demo_job_cmd, rank_pid, skip_if_gloo_teardown_abort, wait_for
 from rankwatch.watchdog.observe.signals import cgroup_mounts
 
 pytestmark = pytest.mark.slow
@@ -92,14 +91,6 @@ def cpus() -> list[int]:
     if len(got) < 2:
         pytest.skip("needs two CPUs")
     return got[:2]
-
-
-def rank_pid(shm: Path, job: str, rank: int) -> int | None:
-    try:
-        pid = read_record(str(shm / job / f"rank-{rank}.hb")).pid
-    except Exception:  # not published yet (or half written): asked again
-        return None
-    return pid if pid > 0 else None
 
 
 def run_job(procs, tmp_path: Path, job: str, groups: list[RankCgroup], then=lambda: None) -> dict:

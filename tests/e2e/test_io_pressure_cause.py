@@ -18,8 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, rankwatch_cmd, wait_for
-from rankwatch.hooks.record import read_record
+from conftest import REPO, free_port, rank_pid, rankwatch_cmd, wait_for
 from rankwatch.watchdog.observe.signals import cgroup_mounts
 
 pytestmark = pytest.mark.slow
@@ -27,14 +26,6 @@ pytestmark = pytest.mark.slow
 JOB = str(REPO / "tests" / "jobs" / "device_input.py")
 STEPS = 260  # the first steps, before the ranks are put in their cgroups, fall out of the 200 compared
 READ_BPS = 1 << 20  # 64 KiB a step at 1 MiB/s: ~62 ms a step for rank 1, ~0.1 ms for rank 0
-
-
-def rank_pid(shm: Path, job: str, rank: int) -> int | None:
-    try:
-        pid = read_record(str(shm / job / f"rank-{rank}.hb")).pid
-    except Exception:  # not published yet (or half written): asked again
-        return None
-    return pid if pid > 0 else None
 
 
 @pytest.fixture
