@@ -16,7 +16,6 @@ import os
 import time
 
 import pytest
-import rankwatch.hooks.tracker as tracker_mod
 import structlog
 from conftest import free_port, wait_for
 from rankwatch.watchdog.cluster.correlate import Correlator
@@ -170,17 +169,10 @@ def test_with_a_secret_only_the_leaders_sealed_diagnosis_is_taken(two):
 # -- a real daemon as the follower: a forged diagnosis is shown, marked, and acted on by nothing -----------------
 @pytest.fixture
 def follower_daemon(tmp_path, monkeypatch):
-    from test_metrics import MS, OWN, SLOW_LOADER, STEPS, FakeClock, write_rank
+    from test_metrics import written_ranks
 
     shm, out = str(tmp_path / "shm"), str(tmp_path / "out")
-    os.makedirs(shm, mode=0o700)
-    clock = FakeClock(time.monotonic_ns() - STEPS * (sum(OWN.values()) - OWN["dataloader"] + SLOW_LOADER) * MS)
-    start = clock.now
-    monkeypatch.setattr(tracker_mod, "_now", clock)
-    writers = []
-    for rank in range(3):
-        clock.now = start
-        writers.append(write_rank(shm, rank, clock))
+    writers = written_ranks(shm, monkeypatch, before_now_ms=0)
     port = free_port()
     slow_to_age = CorrelationPolicy(live_share_every_s=0.1, live_stale_s=120.0)  # the forgery is written once
     leader = Correlator("jobM", 0, "127.0.0.1", port, nnodes=2, policy=slow_to_age)

@@ -77,19 +77,24 @@ def write_rank(shm: str, rank: int, clock: FakeClock) -> RecordWriter:
     return writer
 
 
-@pytest.fixture
-def daemon_setup(tmp_path, monkeypatch):
-    shm, out = str(tmp_path / "shm"), str(tmp_path / "out")
+def written_ranks(shm: str, monkeypatch, before_now_ms: int = 100) -> list[RecordWriter]:
+    """The three ranks' records, their steps ending ``before_now_ms`` ago (so no rank looks stalled)."""
     os.makedirs(shm, mode=0o700)
     step_ns = (sum(OWN.values()) - OWN["dataloader"] + SLOW_LOADER) * MS
-    # the records end about now, so no rank looks stalled
-    clock = FakeClock(time.monotonic_ns() - STEPS * step_ns - 100 * MS)
+    clock = FakeClock(time.monotonic_ns() - STEPS * step_ns - before_now_ms * MS)
     start = clock.now
     monkeypatch.setattr(tracker_mod, "_now", clock)
     writers = []
     for rank in range(3):
         clock.now = start
         writers.append(write_rank(shm, rank, clock))
+    return writers
+
+
+@pytest.fixture
+def daemon_setup(tmp_path, monkeypatch):
+    shm, out = str(tmp_path / "shm"), str(tmp_path / "out")
+    writers = written_ranks(shm, monkeypatch)
     # the records are written by this test process: let the daemon verify it as their rank
     daemon = Daemon(DaemonConfig(shm_dir=shm, out_dir=out), procs=ProcessTable(protected={1}))
     daemon.poll_once()
