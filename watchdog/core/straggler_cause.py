@@ -321,6 +321,11 @@ def attribute_cause(
             doc["signals"][got["signal"]] = got.pop("figures")
             doc.update(got, share=None, next=STATE_NEXT[got["cause"]].format(who=names))
             return doc
+    if not measured:
+        # only states were read (a TCP path, a GPU), none of them the cause, and no host counter covered the
+        # window (a watchdog starved of CPU on a loaded host sampled too seldom): "none of the host signals
+        # explains it" would be a claim about signals never measured
+        return None
     parts = ", ".join(f"{k} {v['excess_ms']:+.1f}" for k, v in figures.items())
     doc.update(
         cause="own_work",

@@ -11,12 +11,14 @@ the host's /proc/pressure files and ``mountinfo-hybrid.txt`` /proc/self/mountinf
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 from rankwatch.watchdog.core.host_signals import (
     MISSING,
+    NetCounters,
     RankCounters,
     parse_cgroup_mounts,
     parse_cpu_stat,
@@ -196,6 +198,15 @@ def test_no_samples_or_samples_that_miss_the_window_give_no_cause():
     assert attribute_cause([], windows(2, 20), 1, 50.0) is None
     late = [(t + 30 * 10**9, by) for t, by in samples(2, 20, slow=1, wait_ms_per_s=500.0)]
     assert attribute_cause(late, windows(2, 20), 1, 50.0) is None
+    # the same samples carrying a TCP path that explains nothing: the states were read, but no host counter
+    # covered the window, so nothing says the loss is the rank's own work (seen in CI: a watchdog starved of
+    # CPU beside a job whose rank shared its CPU said own_work with no figure at all)
+    net = NetCounters(sockets=1, bytes_sent=10**6, bytes_acked=10**6, retrans=0, busy_us=0, rtt_us=100,
+                      delivery_bps=10**9)
+    with_net = [(t, {r: dataclasses.replace(c, net=net) for r, c in by.items()}) for t, by in samples(2, 20)]
+    assert attribute_cause(with_net, windows(2, 20), 1, 50.0)["cause"] == "own_work"  # measured: own work
+    late_net = [(t + 30 * 10**9, by) for t, by in with_net]
+    assert attribute_cause(late_net, windows(2, 20), 1, 50.0) is None
     # a restarted rank (another start time) or a missing counter: no figure from it
     gone = [(t, {0: by[0], 1: RankCounters(**{**by[1].__dict__, "throttled_us": MISSING})})
             for t, by in samples(2, 20, slow=1, throttled_ms_per_s=500.0)]
