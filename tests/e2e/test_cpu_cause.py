@@ -171,7 +171,8 @@ def test_a_cpu_fault_on_one_rank_is_its_cause_and_a_job_wide_one_names_no_stragg
         return
     assert cause["cause"] == "cpu_contention", why
     wait = cause["signals"]["run_queue_wait"]
-    # a third of its CPU: measured 53-60 ms/step against its peer's 5-7
-    assert wait["rank_ms"] > 3 * max(1.0, wait["peers_ms"]), cause
+    # a third of its CPU: measured 53-68 ms/step against its peer's 4-7; in CI's load (the suite's other workers
+    # all on rank 0's CPU, which rank 1's group keeps to itself) 76 against 28
+    assert wait["rank_ms"] > wait["peers_ms"] + 0.5 * cause["lost_ms"], cause
     text = (tmp_path / "out" / "summary.txt").read_text()
     assert "cause: cpu_contention — rank 1 waited" in text and "next:" in text, text
