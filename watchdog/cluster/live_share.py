@@ -62,6 +62,7 @@ from .correlate import MAX_NODES, Correlator, history_doc, history_from_doc, win
 from .store import (
     MAX_STR,
     JobStore,
+    Oversize,
     SideConnection,
     StoreError,
     ValueRejected,
@@ -377,12 +378,11 @@ class LiveShare:
         # and issue time), so the followers show it while this watchdog lives, also while the job makes no step
         if self._share is not None:
             try:
-                self._publish_diagnosis(store, side, offer, self._share)
+                self._publish_diagnosis(side, offer, self._share)
             except StoreError as exc:
                 self._failed(exc)
 
-    def _publish_diagnosis(self, store: JobStore, side: SideConnection, offer: Offer, share: Mapping[str, Any]
-                           ) -> None:
+    def _publish_diagnosis(self, side: SideConnection, offer: Offer, share: Mapping[str, Any]) -> None:
         """The merged diagnosis for the followers (``DIAGNOSIS_KEY``), as the node values are: the leader's node,
         this daemon's start, a sequence and its issue time, sealed with the store secret when one is set; never
         over ``live_diagnosis_bytes`` (the followers would refuse it)."""
@@ -390,14 +390,12 @@ class LiveShare:
         doc = {"schema": LIVE_DIAGNOSIS_SCHEMA, "node_rank": self.corr.node_rank, "node": offer.node[:255],
                "boot": round(self.corr.started_unix, 3), "seq": self._diagnosis_seq, "issued": round(time.time(), 3),
                "diagnosis": dict(share)}
-        size = len(store._encode(DIAGNOSIS_KEY, doc))
-        if size > self.policy.live_diagnosis_bytes:
+        try:
+            self.diagnosis_bytes = side.set_json(DIAGNOSIS_KEY, doc, limit=self.policy.live_diagnosis_bytes)
+        except Oversize as exc:  # not the store's failure: the connection stays
             if self._error != "diagnosis too large":
-                log.warning("live_diagnosis_too_large", job=self.corr.job_id, bytes=size,
-                            limit=self.policy.live_diagnosis_bytes)
+                log.warning("live_diagnosis_too_large", job=self.corr.job_id, bytes=exc.size, limit=exc.limit)
             self._error = "diagnosis too large"
-            return
-        self.diagnosis_bytes = side.set_json(DIAGNOSIS_KEY, doc)
 
     def _read_diagnosis(self, store: JobStore, side: SideConnection) -> None:
         """On a follower: the leader's newest diagnosis into ``_diagnosis``, checked as the leader checks the

@@ -47,6 +47,14 @@ class StoreError(Exception):
     """The store cannot be reached or answered badly; the caller falls back to a local verdict."""
 
 
+class Oversize(StoreError):
+    """A value to publish over the limit it was written under: refused before it is sent."""
+
+    def __init__(self, key: str, size: int, limit: int) -> None:
+        super().__init__(f"refusing to publish {size} bytes under {key}")
+        self.size, self.limit = size, limit
+
+
 class ValueRejected(Exception):
     """A value in the store is malformed, oversized or of the wrong schema."""
 
@@ -618,11 +626,12 @@ class SideConnection:
     def __init__(self, store: JobStore, client: StoreClient) -> None:
         self._store, self._client = store, client
 
-    def set_json(self, key: str, doc: dict[str, Any]) -> int:
-        """Writes ``doc`` under ``key``; the bytes written."""
+    def set_json(self, key: str, doc: dict[str, Any], limit: int = MAX_VALUE_BYTES) -> int:
+        """Writes ``doc`` under ``key``; the bytes written. Oversize, and nothing sent, past ``limit`` (what its
+        readers accept)."""
         text = self._store._encode(key, doc)
-        if len(text) > MAX_VALUE_BYTES:
-            raise StoreError(f"refusing to publish {len(text)} bytes under {key}")
+        if len(text) > limit:
+            raise Oversize(key, len(text), limit)
         try:
             self._client.set(self._store._k(key), text.encode())
         except StoreClientError as exc:

@@ -34,6 +34,12 @@ class LiveStragglerPolicy:
     confirm: int = 2
 
 
+def can_name(diag: StragglerDiagnosis, policy: LiveStragglerPolicy) -> bool:
+    """Whether a live diagnosis may name a straggler at all: a rank with peers, over ``min_steps`` common steps
+    (what the live events and the followers' job-wide diagnosis both wait for)."""
+    return len(diag.windows) >= 2 and diag.steps >= policy.min_steps
+
+
 @dataclass(frozen=True)
 class LiveStraggler:
     rank: int
@@ -153,6 +159,7 @@ def incident_notes(state: Mapping[Key, LiveStraggler], now_unix: float) -> list[
 __all__ = [
     "LiveStraggler",
     "LiveStragglerPolicy",
+    "can_name",
     "incident_notes",
     "reported",
     "straggler_item",

@@ -48,7 +48,7 @@ from ..core.snapshot import RankView
 from ..core.steps import StepTiming
 from ..core.straggler import StragglerDiagnosis, StragglerPolicy, diagnose_stragglers
 from ..core.straggler_cause import explain
-from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, incident_notes, update_live
+from ..core.straggler_live import LiveStraggler, LiveStragglerPolicy, can_name, incident_notes, update_live
 from ..evidence.capture import capture_all
 from ..evidence.gpu import GpuWatch
 from ..evidence.ras_watch import RasWatch
@@ -721,7 +721,7 @@ class Daemon:
         """``diag`` as the job's diagnosis (over ``remote``'s ranks of other nodes beside this node's): the live
         stragglers it confirms or ends, logged and alerted."""
         entry.straggler, entry.straggler_remote = diag, remote  # whole before they are shared
-        if len(diag.windows) < 2 or diag.steps < self.config.live.min_steps:
+        if not can_name(diag, self.config.live):
             return  # one rank has no peers; too few steps to call a rank a straggler live
         state, events = update_live(entry.live_stragglers, diag, self.config.live, time.time())
         entry.live_stragglers = state
@@ -767,7 +767,7 @@ class Daemon:
         diag = self._diagnose(entry, per_rank, samples, remote.steps)
         entry.merged = MergedLive(next(self._merge_seq), diag, dict(remote.nodes), time.monotonic(),
                                   share.live_stale_s + share.live_share_every_s)
-        if len(diag.windows) < 2 or diag.steps < self.config.live.min_steps:
+        if not can_name(diag, self.config.live):
             return None  # as ``_apply_live``: too few steps to name a straggler live
         return diagnosis_share(diag, remote.nodes, offer.node, share.live_diagnosis_ranks)
 

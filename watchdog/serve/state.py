@@ -94,11 +94,17 @@ def diagnosis_ref(doc: object) -> dict[str, Any] | None:
         "cause": clean(cause, NAME) if cause_ok else None,
         "cause_rank": doc["cause_rank"] if cause_ok and _rank(doc.get("cause_rank")) else None,
         "cause_text": clean(text, PROSE) if cause_ok and isinstance(text, str) else "",
-        # bounded as a node's ranks are (``cluster.store.MAX_RANKS_PER_NODE`` × a few nodes): a state file is 256 KiB
-        "remote_ranks": {k: clean(v, NAME) for k, v in list(remote.items())[:MAX_REMOTE_LISTED]
-                         if isinstance(k, str) and k.isdigit() and isinstance(v, str)}
-        if isinstance(remote, Mapping) else {},
+        "remote_ranks": _node_names(remote),
     }
+
+
+def _node_names(doc: object) -> dict[str, str]:
+    """Rank -> node name, as a state file carries it: rank keys only, names cleaned, bounded as a node's ranks are
+    (``cluster.store.MAX_RANKS_PER_NODE`` × a few nodes): a state file is 256 KiB."""
+    if not isinstance(doc, Mapping):
+        return {}
+    return {k: clean(v, NAME) for k, v in list(doc.items())[:MAX_REMOTE_LISTED]
+            if isinstance(k, str) and k.isdigit() and isinstance(v, str)}
 
 
 def job_diagnosis_ref(doc: object) -> dict[str, Any] | None:
@@ -109,8 +115,6 @@ def job_diagnosis_ref(doc: object) -> dict[str, Any] | None:
     base = diagnosis_ref(doc)
     if base is None or not isinstance(doc, Mapping):
         return None
-    nodes = doc.get("nodes")
-
     def ms(v: object) -> float:
         return round(float(v), 3) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
 
@@ -118,8 +122,7 @@ def job_diagnosis_ref(doc: object) -> dict[str, Any] | None:
         **base,
         "excess_ms": ms(doc.get("excess_ms")),
         "time_lost_ms": ms(doc.get("time_lost_ms")),
-        "nodes": {k: clean(v, NAME) for k, v in list(nodes.items())[:MAX_REMOTE_LISTED]
-                  if isinstance(k, str) and k.isdigit() and isinstance(v, str)} if isinstance(nodes, Mapping) else {},
+        "nodes": _node_names(doc.get("nodes")),
         "from": "leader",
         "leader": clean(doc.get("leader") or "node 0", NAME),
         "authenticated": doc.get("authenticated") is True,
