@@ -288,6 +288,7 @@ class LiveShare:
         self._diagnosis_seq = 0
         self._share: Mapping[str, Any] | None = None  # on the leader, the last merge's share for the followers
         self.diagnosis_bytes = 0  # the size of the leader's newest published diagnosis
+        self._too_large = False  # the leader's diagnosis was over what followers accept at its last try
         self.looks = 0  # completed looks (tests wait on it, as on the daemon's polls)
         self.published_bytes = 0  # the size of this node's newest value
         self._thread = threading.Thread(target=self._run, name=f"rankwatch-live-{correlator.job_id[:16]}",
@@ -393,9 +394,12 @@ class LiveShare:
         try:
             self.diagnosis_bytes = side.set_json(DIAGNOSIS_KEY, doc, limit=self.policy.live_diagnosis_bytes)
         except Oversize as exc:  # not the store's failure: the connection stays
-            if self._error != "diagnosis too large":
+            if not self._too_large:  # once while it lasts (``_error`` is cleared by every round's reads)
                 log.warning("live_diagnosis_too_large", job=self.corr.job_id, bytes=exc.size, limit=exc.limit)
+            self._too_large = True
             self._error = "diagnosis too large"
+            return
+        self._too_large = False
 
     def _read_diagnosis(self, store: JobStore, side: SideConnection) -> None:
         """On a follower: the leader's newest diagnosis into ``_diagnosis``, checked as the leader checks the

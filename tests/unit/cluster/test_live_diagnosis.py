@@ -112,6 +112,34 @@ def forged(**over) -> dict:
     return doc
 
 
+def test_a_diagnosis_over_the_followers_limit_is_not_published_and_the_share_goes_on():
+    # a leader whose diagnosis is larger than what followers accept: refused before it is sent (they would refuse
+    # it unread), said once, and the store connection kept (the nodes' own values still go and come)
+    tight = CorrelationPolicy(live_share_every_s=FAST.live_share_every_s, live_stale_s=3.0, live_diagnosis_bytes=200)
+    port = free_port()
+    leader = Correlator("lt", 0, "127.0.0.1", port, nnodes=2, policy=tight)
+    assert wait_for(lambda: leader.store is not None, timeout=30), leader.error
+    follower = Correlator("lt", 1, "127.0.0.1", port, nnodes=2, policy=tight)
+    assert wait_for(lambda: follower.store is not None, timeout=30), follower.error
+    shares = [LiveShare(leader, leader_merge), LiveShare(follower)]
+    try:
+        with structlog.testing.capture_logs() as logs:
+            share_both(shares)
+            assert wait_for(lambda: shares[0]._error == "diagnosis too large", timeout=30), shares[0]._error
+            rounds(shares[0])
+            rounds(shares[1])
+        too_large = [e for e in logs if e["event"] == "live_diagnosis_too_large"]
+        assert len(too_large) == 1 and too_large[0]["limit"] == 200 and too_large[0]["bytes"] > 200, too_large
+        assert not any(e["event"] == "live_share_store_failed" for e in logs), logs
+        assert shares[0].diagnosis_bytes == 0 and shares[1].job_diagnosis() is None
+        assert shares[1].published_bytes > 0  # the follower's own value still reached the store
+    finally:
+        for sh in shares:
+            sh.close()
+        follower.close()
+        leader.close()
+
+
 def test_forged_replayed_stale_oversize_and_hostile_values(two):
     leader, _follower, (mine, theirs) = two
     mine.close()  # only the values written here are under the key
