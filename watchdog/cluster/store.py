@@ -30,7 +30,7 @@ import structlog
 
 from ..core.fr_trace import FlightRecorderFormatError, RankTrace, compact_dump, parse_dump
 from ..core.schema import NODE_SCHEMA
-from ..core.snapshot import RankView
+from ..core.snapshot import MAX_KNOWN_PEERS, P2P_DIRECTIONS, RankView
 from . import auth
 from .store_client import KeyVanished, StoreClient, StoreClientError, StoreClientPolicy, ValueTooLarge
 
@@ -120,7 +120,7 @@ _VIEW_STATES = {
 def view_to_doc(v: RankView) -> dict[str, Any]:
     doc = dataclasses.asdict(v)
     doc["stack_top"] = list(v.stack_top)[:MAX_STACK_FRAMES]
-    doc["p2p_known"] = sorted(v.p2p_known)[:64] if v.p2p_known is not None else None  # a set is no JSON
+    doc["p2p_known"] = sorted(v.p2p_known)[:MAX_KNOWN_PEERS] if v.p2p_known is not None else None  # a set is no JSON
     return doc
 
 
@@ -168,9 +168,9 @@ def view_from_doc(doc: Any) -> RankView:
 def _p2p_of(doc: dict[str, Any]) -> dict[str, Any]:
     """A remote rank's send/recv peer and the peers it exchanged with (a node of an older release sends none)."""
     direction, known = doc.get("p2p_dir"), doc.get("p2p_known")
-    if direction is not None and direction not in ("send", "recv"):
+    if direction is not None and direction not in P2P_DIRECTIONS:
         raise ValueRejected("p2p_dir: expected send or recv")
-    if known is not None and (not isinstance(known, list) or len(known) > 64):
+    if known is not None and (not isinstance(known, list) or len(known) > MAX_KNOWN_PEERS):
         raise ValueRejected("p2p_known: expected a short list")
     return {"p2p_dir": direction, "p2p_peer": v_int(doc.get("p2p_peer"), "p2p_peer", optional=True, lo=0, hi=10**7),
             "p2p_known": None if known is None else frozenset(

@@ -20,6 +20,11 @@ UNKNOWN = "unknown"
 
 GONE_STATES = frozenset({DEAD, CRASHED, ZOMBIE})
 
+# a send/recv's direction as ``RankView.p2p_dir`` names it (the hook record's ``P2P_DIRS``), and how many known
+# peers a rank's view may carry across a wire or a store (the record keeps 8; more is not a rank's record)
+P2P_DIRECTIONS = ("send", "recv")
+MAX_KNOWN_PEERS = 64
+
 # Within one step the canonical phases run in this order; a rank earlier in the order than its peers
 # (same step, same collective count) is behind them (the one phase table: ``core.phases``).
 STEP_PHASE_ORDER = phases.STEP_PHASE_ORDER

@@ -8,6 +8,7 @@ from typing import Any
 
 from rankwatch.hooks.record import RecordSnapshot
 
+from ..core.snapshot import MAX_KNOWN_PEERS, P2P_DIRECTIONS
 from ..core.steps import StepTiming
 from ..privsep.frames import I64, MAX_STR, WireError, w_float, w_int, w_opt_str, w_str
 
@@ -15,8 +16,6 @@ __all__ = ["MAX_STR", "WireError", "snapshot_from_doc", "snapshot_to_doc"]
 
 MAX_STEPS = 4096  # steps per snapshot (the ring holds 512)
 MAX_PHASES = 64
-MAX_PEERS = 64  # known p2p peers (the record keeps 8)
-P2P_DIRS = ("send", "recv")
 
 
 def _phases(v: Any) -> dict[str, float]:
@@ -109,9 +108,9 @@ def snapshot_from_doc(d: Any, path: str) -> RecordSnapshot:
 def _p2p(d: dict[str, Any]) -> dict[str, Any]:
     """The send/recv fields (a reader of an older release sends none: nothing known)."""
     direction, peer, known = d.get("p2p_dir"), d.get("p2p_peer"), d.get("p2p_known", [])
-    if direction is not None and direction not in P2P_DIRS:
+    if direction is not None and direction not in P2P_DIRECTIONS:
         raise WireError("snapshot: p2p_dir malformed")
-    if not isinstance(known, list) or len(known) > MAX_PEERS:
+    if not isinstance(known, list) or len(known) > MAX_KNOWN_PEERS:
         raise WireError("snapshot: p2p_known malformed")
     return {"p2p_dir": direction, "p2p_peer": None if peer is None else w_int(peer, 0, (1 << 31) - 1),
             "p2p_known": tuple(w_int(p, 0, (1 << 31) - 1) for p in known),
